@@ -1,0 +1,1 @@
+"""The wire protocol shared by producers and workers: key names, schemas, blobs, enqueue."""

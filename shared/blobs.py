@@ -1,0 +1,63 @@
+"""Content-addressed blob store: input bytes are uploaded once, whoever enqueues them.
+
+Keys are `<prefix>:blob:<sha256>`, written with SET NX and a TTL, so two producers
+enqueueing the same scan upload it once and a worker can trust the hash it fetched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from redis import Redis
+from redis.client import Pipeline
+
+from vlmq.shared import constants as C
+from vlmq.shared.errors import BlobError
+from vlmq.shared.keys import SHA256_RE, Keys
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class BlobStore:
+    def __init__(self, redis: Redis, keys: Keys, *, ttl_s: int = C.BLOB_TTL_S,
+                 max_bytes: int = C.BLOB_MAX_BYTES) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.ttl_s = ttl_s
+        self.max_bytes = max_bytes
+
+    def put(self, data: bytes) -> tuple[str, bool]:
+        """Store `data`; returns (sha256, uploaded) where uploaded is False if it was there.
+
+        An existing blob gets its TTL refreshed so that a re-enqueued job never finds its
+        input expired midway. The EXISTS check avoids sending bytes Redis already holds.
+        """
+        if not data:
+            raise BlobError("refusing to store an empty blob")
+        if len(data) > self.max_bytes:
+            raise BlobError(f"blob of {len(data)} bytes is over the {self.max_bytes}-byte limit")
+        sha = sha256_hex(data)
+        key = self.keys.blob(sha)
+        if self.redis.expire(key, self.ttl_s):
+            return sha, False
+        created = self.redis.set(key, data, nx=True, ex=self.ttl_s)
+        return sha, bool(created)
+
+    def touch(self, sha: str, *, pipeline: Pipeline | None = None) -> Any:
+        conn = pipeline if pipeline is not None else self.redis
+        return conn.expire(self.keys.blob(sha), self.ttl_s)
+
+    def get(self, sha: str) -> bytes:
+        """Fetch a blob and check its content against its name."""
+        if not SHA256_RE.match(sha):
+            raise BlobError(f"malformed blob id {sha!r}")
+        data = self.redis.get(self.keys.blob(sha))
+        if data is None:
+            raise BlobError(f"blob {sha[:12]}… is missing (expired, or never uploaded)")
+        assert isinstance(data, bytes)
+        if sha256_hex(data) != sha:
+            raise BlobError(f"blob {sha[:12]}… content does not match its sha256")
+        return data

@@ -1,0 +1,27 @@
+"""Protocol-wide defaults and limits. Producers and workers read these, never their own copies."""
+
+from __future__ import annotations
+
+PROTOCOL_VERSION = 1
+TASKS = ("ocr", "caption", "generate")
+ITEM_KINDS = ("image", "pdf")
+
+# The RQ function every vlmq job names; the worker dispatches on it.
+TASK_FUNC = "vlmq.worker.task.run"
+
+DEFAULT_QUEUE = {"ocr": "ocr", "caption": "caption", "generate": "generate"}
+
+BLOB_TTL_S = 7 * 24 * 3600
+BLOB_MAX_BYTES = 64 * 1024 * 1024
+RESULT_TTL_S = 7 * 24 * 3600
+FAILURE_TTL_S = 30 * 24 * 3600
+JOB_TIMEOUT_S = 24 * 3600
+
+# Decompression-bomb guard: Pillow's own default is ~89 Mpx; bulk OCR never needs more.
+MAX_IMAGE_PIXELS = 64_000_000
+MAX_ITEMS_PER_JOB = 10_000
+MAX_PROMPT_CHARS = 20_000
+MAX_TOKENS_LIMIT = 32_768
+MAX_STOP_STRINGS = 16
+MAX_SIDE_RANGE = (28, 8192)
+MAX_LABELS = 64

@@ -1,0 +1,63 @@
+"""Every Redis key vlmq writes, in one place, under a configurable prefix.
+
+RQ's own keys (queues, registries, job hashes) keep RQ's names so that `rq info` and
+rq-dashboard work unchanged; only vlmq's additions live under the prefix.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "vlmq"
+PREFIX_ENV = "VLMQ_PREFIX"
+
+# RQ's names; these mirror rq 3.0 and are pinned by tests/test_protocol.py.
+RQ_JOB = "rq:job:{id}"
+RQ_QUEUE = "rq:queue:{name}"
+RQ_QUEUES = "rq:queues"
+RQ_RESULTS = "rq:results:{id}"
+
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names under one prefix; build one per connection, pass it everywhere."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    @classmethod
+    def from_env(cls) -> Keys:
+        return cls(os.environ.get(PREFIX_ENV, DEFAULT_PREFIX))
+
+    def blob(self, sha256: str) -> str:
+        return f"{self.prefix}:blob:{sha256}"
+
+    def job_items(self, job_id: str) -> str:
+        """Hash: item index (decimal string) -> ItemResult JSON."""
+        return f"{self.prefix}:job:{job_id}:items"
+
+    def job_events(self, job_id: str) -> str:
+        """Stream of progress events for one job (item done, job finished/failed)."""
+        return f"{self.prefix}:job:{job_id}:events"
+
+    def worker_stats(self, name: str) -> str:
+        """Hash of one worker's live stats; expires when the worker stops refreshing it."""
+        return f"{self.prefix}:worker:{name}:stats"
+
+    @property
+    def workers(self) -> str:
+        """Set of worker names that have published stats."""
+        return f"{self.prefix}:workers"
+
+    @staticmethod
+    def rq_job(job_id: str) -> str:
+        return RQ_JOB.format(id=job_id)
+
+    @staticmethod
+    def rq_queue(name: str) -> str:
+        return RQ_QUEUE.format(name=name)
