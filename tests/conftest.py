@@ -43,7 +43,7 @@ def redis(redis_url: str) -> Iterator[Redis]:
 
 @pytest.fixture
 def keys() -> Keys:
-    return Keys("vlmqtest")
+    return Keys()
 
 
 @pytest.fixture(scope="session")
