@@ -98,6 +98,8 @@ def payload_of(job: Job) -> JobPayload:
     if job.func_name != C.TASK_FUNC:
         raise PayloadError("func", f"not a vlmq job: function {job.func_name!r}")
     args = job.args
+    if not isinstance(args, (list, tuple)):
+        raise PayloadError("args", f"must be a list, got {type(args).__name__}")
     if len(args) != 1:
         raise PayloadError("args", f"a vlmq job takes exactly one argument, got {len(args)}")
     return parse_payload(args[0])
