@@ -1,0 +1,286 @@
+"""The worker's main loop: pull jobs, feed the batcher, write results, stop cleanly.
+
+Threads: this (main) thread owns Redis and RQ bookkeeping; a small CPU pool fetches,
+decodes, renders and tokenizes; the engine's thread owns every MLX call. The main
+thread never touches MLX and the MLX thread never touches Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from queue import Empty, SimpleQueue
+from types import FrameType
+
+from redis import Redis
+
+from vlmq.shared import results as R
+from vlmq.shared.keys import Keys
+from vlmq.shared.schema import ItemResult, JobSummary
+from vlmq.worker.engine import Engine, Finished
+from vlmq.worker.prepare import Preparer, PrepError
+from vlmq.worker.rq_jobs import BatchWorker, JobLifecycle, Running
+from vlmq.worker.scheduler import JobState, Scheduler
+from vlmq.worker.stats import WorkerStats
+from vlmq.worker.vision_cache import VisionCache
+
+log = logging.getLogger("vlmq.worker")
+
+
+@dataclass
+class WorkerConfig:
+    redis_url: str
+    model: str
+    queues: list[str]
+    burst: bool = False
+    max_batch: int = 8
+    cache_dir: Path | None = None
+    cache_mem_bytes: int = 1024 * 1024 * 1024
+    cache_disk_bytes: int = 10 * 1024**3
+    name: str = "vlmq-worker"
+    grace_s: float = 30.0
+    prep_threads: int = 2
+    window: int | None = None      # prepared-but-not-batched bound; default 2 x max_batch
+    max_jobs: int | None = None    # jobs in flight; default max(4, max_batch)
+    heartbeat_s: float = 10.0
+    stats_s: float = 2.0
+    keys: Keys = field(default_factory=Keys.from_env)
+
+    @property
+    def prep_window(self) -> int:
+        return self.window or 2 * self.max_batch
+
+    @property
+    def job_limit(self) -> int:
+        return self.max_jobs or max(4, self.max_batch)
+
+
+class WorkerService:
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.redis = Redis.from_url(cfg.redis_url)
+        self.scheduler: Scheduler[Running] = Scheduler()
+        self.stop_requested = False
+        self.deadline: float | None = None
+        self._in_prep = 0
+        self._prep_lock = threading.Lock()
+        self._prep_failed: SimpleQueue[tuple[str, int, str, float]] = SimpleQueue()
+        self._prep_time: dict[tuple[str, int], float] = {}
+        self.stats = WorkerStats(cfg.name, cfg.max_batch, cfg.prep_window)
+
+    # --- signals -------------------------------------------------------------------------
+
+    def request_stop(self, signum: int, _frame: FrameType | None) -> None:
+        if self.stop_requested:
+            log.warning("second %s: stopping now", signal.Signals(signum).name)
+            self.deadline = time.monotonic()
+            return
+        self.stop_requested = True
+        self.deadline = time.monotonic() + self.cfg.grace_s
+        log.info("%s: taking no more jobs; finishing in-flight items (grace %.0f s)",
+                 signal.Signals(signum).name, self.cfg.grace_s)
+
+    # --- main loop -----------------------------------------------------------------------
+
+    def run(self) -> int:
+        cfg = self.cfg
+        log.info("loading model %s", cfg.model)
+        engine = Engine(cfg.model, max_batch=cfg.max_batch)
+        try:
+            info = engine.wait_ready()
+        except Exception as exc:  # noqa: BLE001 - any load failure ends this worker cleanly
+            log.error("cannot load model %s: %s", cfg.model, exc)
+            engine.close(timeout=5)
+            return 1
+        if not info.cacheable:
+            log.warning("vision features of model type %s cannot be cached: "
+                        "running every image uncached", info.model_type)
+        cache = VisionCache(cfg.cache_mem_bytes, cfg.cache_dir if info.cacheable else None,
+                            cfg.cache_disk_bytes)
+        pool = ThreadPoolExecutor(cfg.prep_threads, thread_name_prefix="vlmq-prep")
+        preparer = Preparer(engine, info, cache, self.redis, cfg.keys, pool)
+        worker = BatchWorker(cfg.queues, connection=self.redis, name=cfg.name)
+        lifecycle = JobLifecycle(worker, cfg.keys)
+        lifecycle.register_birth()
+        self.stats.model = cfg.model
+        log.info("worker %s ready: model %s (%s), queues %s, max batch %d, window %d",
+                 cfg.name, cfg.model, info.model_type, ",".join(cfg.queues), cfg.max_batch,
+                 cfg.prep_window)
+        try:
+            self._loop(engine, preparer, lifecycle, cache)
+        finally:
+            for state in list(self.scheduler.jobs.values()):
+                lifecycle.requeue(state.handle)
+                log.info("job %s requeued with %d/%d items done", state.job_id,
+                         state.already_done + state.finished_here, state.total)
+            self.scheduler.jobs.clear()
+            engine.close(timeout=10)
+            pool.shutdown(wait=True, cancel_futures=True)
+            self.stats.clear(self.redis, cfg.keys)
+            lifecycle.register_death()
+            log.info("worker %s stopped", cfg.name)
+        return 0
+
+    def _loop(self, engine: Engine, preparer: Preparer, lifecycle: JobLifecycle,
+              cache: VisionCache) -> None:
+        cfg = self.cfg
+        queues_empty = False
+        next_heartbeat = next_stats = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if not self.stop_requested:
+                queues_empty = self._pull_jobs(lifecycle, preparer)
+                self._schedule(engine, preparer)
+            busy = self._in_prep > 0 or engine.active > 0 or engine.waiting > 0
+            done = engine.get_finished(timeout=0.01 if busy else 0.1)
+            self._record(lifecycle, done, self._drain_prep_failures())
+            if now >= next_heartbeat:
+                lifecycle.heartbeat(s.handle for s in self.scheduler.jobs.values())
+                next_heartbeat = now + cfg.heartbeat_s
+            if now >= next_stats:
+                self.stats.publish(self.redis, cfg.keys, engine, cache, len(self.scheduler),
+                                   self._in_prep)
+                next_stats = now + cfg.stats_s
+            if self.stop_requested:
+                in_flight = self._in_prep + engine.active + engine.waiting
+                if in_flight == 0 or (self.deadline is not None and now >= self.deadline):
+                    return
+            elif cfg.burst and queues_empty and not self.scheduler.jobs:
+                log.info("burst: queues empty and all work done")
+                return
+
+    def _pull_jobs(self, lifecycle: JobLifecycle, preparer: Preparer) -> bool:
+        """Take jobs while there is room; returns True when the queues were found empty."""
+        while len(self.scheduler) < self.cfg.job_limit and \
+                self.scheduler.unscheduled < self.cfg.prep_window:
+            running = lifecycle.take()
+            if running is None:
+                return True
+            problem = preparer.check_job(running.payload)
+            if problem:
+                lifecycle.fail(running, problem)
+                log.info("job %s failed: %s", running.job.id, problem)
+                continue
+            done = R.done_indexes(self.redis, self.cfg.keys, running.job.id)
+            todo = [i for i in range(len(running.payload.items)) if i not in done]
+            state = JobState(job_id=running.job.id, handle=running, payload=running.payload,
+                             pending=deque(todo), already_done=len(done))
+            log.info("job %s started: %s, %d items%s", state.job_id, state.payload.task,
+                     state.total, f" ({len(done)} already done, resuming)" if done else "")
+            self.scheduler.add(state)
+            if state.complete:
+                self._finish_job(lifecycle, state)
+        return False
+
+    def _schedule(self, engine: Engine, preparer: Preparer) -> None:
+        """Prepare items while fewer than `window` are prepared-but-not-batched."""
+        window = self.cfg.prep_window
+        while self._in_prep + engine.waiting < window:
+            nxt = self.scheduler.next_item()
+            if nxt is None:
+                break
+            state, idx = nxt
+            with self._prep_lock:
+                self._in_prep += 1
+            fut = preparer.submit(state.job_id, state.payload, idx)
+            fut.add_done_callback(lambda f, j=state.job_id, i=idx: self._prepared(engine, j, i, f))
+        self.stats.observe_waiting(self._in_prep + engine.waiting)
+
+    def _prepared(self, engine: Engine, job_id: str, idx: int, fut: Future[object]) -> None:
+        """Pool callback: hand the request to the engine at once, so MLX never waits on us."""
+        try:
+            exc = fut.exception()
+            if exc is None:
+                req, prep_s = fut.result()  # type: ignore[misc]
+                self._prep_time[(job_id, idx)] = prep_s
+                engine.submit(req)
+            else:
+                msg = str(exc) if isinstance(exc, PrepError) else f"{type(exc).__name__}: {exc}"
+                self._prep_failed.put((job_id, idx, msg, 0.0))
+        finally:
+            with self._prep_lock:
+                self._in_prep -= 1
+
+    def _drain_prep_failures(self) -> list[tuple[str, int, str, float]]:
+        out = []
+        while True:
+            try:
+                out.append(self._prep_failed.get_nowait())
+            except Empty:
+                return out
+
+    # --- results -------------------------------------------------------------------------
+
+    def _record(self, lifecycle: JobLifecycle, finished: Iterable[Finished],
+                failures: Iterable[tuple[str, int, str, float]]) -> None:
+        results: list[tuple[str, ItemResult]] = []
+        for f in finished:
+            job_id, idx = f.key  # type: ignore[misc]
+            state = self.scheduler.jobs.get(job_id)
+            if state is None:
+                continue
+            item = state.payload.items[idx]
+            timings = dict(f.timings)
+            timings["preprocess_s"] = round(self._prep_time.pop((job_id, idx), 0.0), 4)
+            results.append((job_id, ItemResult(
+                index=idx, source=item.source, page=item.page,
+                text=None if f.error else f.text, finish_reason=f.finish_reason,
+                prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
+                vision_cache_hit=f.vision_cache_hit, error=f.error, timings=timings)))
+        for job_id, idx, msg, _ in failures:
+            state = self.scheduler.jobs.get(job_id)
+            if state is None:
+                continue
+            item = state.payload.items[idx]
+            results.append((job_id, ItemResult(
+                index=idx, source=item.source, page=item.page, text=None,
+                finish_reason="error", prompt_tokens=0, completion_tokens=0,
+                vision_cache_hit=False, error=msg, timings={})))
+        if not results:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id, res in results:
+            R.write_item(self.redis, self.cfg.keys, job_id, res, pipeline=pipe)
+        pipe.execute()
+        for job_id, res in results:
+            self.stats.count_item(res)
+            state = self.scheduler.finish_item(job_id, res.index)
+            if state is not None and state.complete:
+                self._finish_job(lifecycle, state)
+
+    def _finish_job(self, lifecycle: JobLifecycle, state: JobState[Running]) -> None:
+        stored = R.read_items(self.redis, self.cfg.keys, state.job_id)
+        summary = JobSummary(
+            items=state.total,
+            ok=sum(1 for r in stored if r.ok),
+            failed=sum(1 for r in stored if not r.ok),
+            prompt_tokens=sum(r.prompt_tokens for r in stored),
+            completion_tokens=sum(r.completion_tokens for r in stored),
+            wall_s=round(time.monotonic() - state.started, 3),
+            cache_hits=sum(1 for r in stored if r.vision_cache_hit),
+        )
+        self.scheduler.remove(state.job_id)
+        R.add_event(self.redis, self.cfg.keys, state.job_id,
+                    {"type": "finished", **summary.to_dict()})
+        lifecycle.succeed(state.handle, summary.to_dict())
+        log.info("job %s finished: %d ok, %d failed, %d tokens, %.1f s, %d cache hits",
+                 state.job_id, summary.ok, summary.failed, summary.completion_tokens,
+                 summary.wall_s, summary.cache_hits)
+
+
+def run_worker(cfg: WorkerConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    service = WorkerService(cfg)
+    old = {s: signal.signal(s, service.request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return service.run()
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)

@@ -1,0 +1,116 @@
+"""Live worker stats, published to Redis for `vlmq status` and logged as throughput lines."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Protocol
+
+from redis import Redis
+
+from vlmq.shared.keys import Keys
+from vlmq.shared.schema import ItemResult
+
+log = logging.getLogger("vlmq.worker")
+
+RATE_WINDOW_S = 30.0
+LOG_EVERY_S = 10.0
+
+
+class _EngineView(Protocol):
+    @property
+    def active(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def tower_calls(self) -> int: ...
+
+
+class _CacheView(Protocol):
+    def stats(self) -> dict[str, int]: ...
+
+
+class WorkerStats:
+    def __init__(self, name: str, max_batch: int, window: int) -> None:
+        self.name = name
+        self.max_batch = max_batch
+        self.window = window
+        self.model = ""
+        self.started = time.monotonic()
+        self.items_ok = 0
+        self.items_failed = 0
+        self.tokens = 0
+        self.cache_hits = 0
+        self.peak_waiting = 0
+        self._samples: deque[tuple[float, int, int]] = deque()
+        self._next_log = time.monotonic() + LOG_EVERY_S
+
+    def count_item(self, result: ItemResult) -> None:
+        if result.ok:
+            self.items_ok += 1
+        else:
+            self.items_failed += 1
+        self.tokens += result.completion_tokens
+        self.cache_hits += int(result.vision_cache_hit)
+
+    def observe_waiting(self, n: int) -> None:
+        self.peak_waiting = max(self.peak_waiting, n)
+
+    def _rates(self, now: float) -> tuple[float, float]:
+        items = self.items_ok + self.items_failed
+        self._samples.append((now, self.tokens, items))
+        while len(self._samples) > 2 and now - self._samples[0][0] > RATE_WINDOW_S:
+            self._samples.popleft()
+        t0, tok0, it0 = self._samples[0]
+        dt = now - t0
+        if dt <= 0:
+            return 0.0, 0.0
+        return (self.tokens - tok0) / dt, (items - it0) / dt
+
+    def publish(self, redis: Redis, keys: Keys, engine: _EngineView, cache: _CacheView,
+                jobs: int, in_prep: int, ttl_s: int = 30) -> dict[str, str]:
+        now = time.monotonic()
+        tok_s, items_s = self._rates(now)
+        cs = cache.stats()
+        lookups = cs.get("hits", 0) + cs.get("misses", 0)
+        hit_rate = cs.get("hits", 0) / lookups if lookups else 0.0
+        fields = {
+            "model": self.model,
+            "jobs_in_flight": jobs,
+            "in_flight": engine.active + engine.waiting + in_prep,
+            "batch_active": engine.active,
+            "batch_occupancy": round(engine.active / self.max_batch, 3),
+            "waiting": engine.waiting + in_prep,
+            "peak_waiting": self.peak_waiting,
+            "window": self.window,
+            "tokens_per_s": round(tok_s, 1),
+            "items_per_s": round(items_s, 3),
+            "items_ok": self.items_ok,
+            "items_failed": self.items_failed,
+            "tokens": self.tokens,
+            "cache_hits": cs.get("hits", 0),
+            "cache_misses": cs.get("misses", 0),
+            "cache_hit_rate": round(hit_rate, 3),
+            "cache_mem_bytes": cs.get("mem_bytes", 0),
+            "cache_disk_bytes": cs.get("disk_bytes", 0),
+            "tower_calls": engine.tower_calls,
+            "uptime_s": round(now - self.started, 1),
+        }
+        out = {k: str(v) for k, v in fields.items()}
+        pipe = redis.pipeline(transaction=False)
+        pipe.hset(keys.worker_stats(self.name), mapping=out)
+        pipe.expire(keys.worker_stats(self.name), ttl_s)
+        pipe.sadd(keys.workers, self.name)
+        pipe.execute()
+        if now >= self._next_log and (engine.active or tok_s):
+            log.info("throughput: %.1f tok/s, %.2f items/s, batch %d/%d, cache hit rate %.0f%%",
+                     tok_s, items_s, engine.active, self.max_batch, 100 * hit_rate)
+            self._next_log = now + LOG_EVERY_S
+        return out
+
+    def clear(self, redis: Redis, keys: Keys) -> None:
+        pipe = redis.pipeline(transaction=False)
+        pipe.delete(keys.worker_stats(self.name))
+        pipe.srem(keys.workers, self.name)
+        pipe.execute()
