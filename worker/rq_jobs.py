@@ -1,0 +1,333 @@
+"""The RQ 3.x job lifecycle for one worker process that runs many jobs at once.
+
+RQ's own loop runs one job at a time (`perform_job`, death penalty, fork). A vlmq worker
+keeps a model loaded and feeds items from many jobs into one batcher, so it drives RQ's
+bookkeeping itself: take a job (STARTED, in `rq:wip:<q>`), heartbeat it while its items
+run, then succeed, fail or requeue it. Every step goes through RQ's own worker methods so
+that `rq info`, rq-dashboard, registries, retries and dead-worker cleanup keep working.
+
+Security: jobs are read with RQ's JSONSerializer only, and a job whose data is not JSON is
+refused by looking at its bytes, never by trying to unpickle them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.client import Pipeline
+from rq import Queue
+from rq.exceptions import DeserializationError, TimeoutFormatError
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer, resolve_serializer
+from rq.utils import current_timestamp, now, utcformat
+from rq.worker import SimpleWorker, WorkerStatus
+
+from vlmq.shared import constants as C
+from vlmq.shared.errors import PayloadError
+from vlmq.shared.jobs import is_json_data, payload_of
+from vlmq.shared.schema import JobPayload
+
+log = logging.getLogger(__name__)
+
+# What RQ's Job.restore raises on a job hash it cannot read (bad dates, status, timeout...).
+_UNREADABLE_HASH_ERRORS = (ValueError, TypeError, KeyError, AttributeError, TimeoutFormatError)
+
+
+class BatchWorker(SimpleWorker):
+    """An RQ worker (listed by `rq info`) whose jobs run concurrently inside one process.
+
+    The serializer is always JSON: any other would let a producer's bytes be unpickled here.
+
+    The execution TTL is short and constant (`heartbeat_ttl`), unlike SimpleWorker's
+    `job.timeout + 60` (a day for vlmq jobs): JobLifecycle.heartbeat refreshes it, so a
+    crashed worker's jobs are reclaimed by registry cleanup within `heartbeat_ttl` seconds
+    instead of staying STARTED for a day.
+    """
+
+    def __init__(self, queues: Any, *, heartbeat_ttl: int | None = None,
+                 serializer: Any = None, **kwargs: Any) -> None:
+        if serializer is not None and resolve_serializer(serializer) is not JSONSerializer:
+            raise ValueError(f"vlmq workers only use the JSON serializer, not {serializer!r}")
+        super().__init__(queues, serializer=JSONSerializer, **kwargs)
+        ttl = heartbeat_ttl if heartbeat_ttl is not None else self.job_monitoring_interval + 60
+        if ttl < 1:
+            raise ValueError(f"heartbeat_ttl must be at least 1 second, got {ttl}")
+        self.heartbeat_ttl: int = ttl
+
+    def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
+        """Constant TTL: the batcher, not a death penalty, decides when a job has run too long."""
+        return self.heartbeat_ttl
+
+
+@dataclass
+class Running:
+    """One in-flight job; pass it back to JobLifecycle to heartbeat or end it."""
+
+    job: Job
+    queue: Queue
+    execution: Execution
+    payload: JobPayload
+    started: float  # time.monotonic() when taken
+
+    @property
+    def job_id(self) -> str:
+        return str(self.job.id)
+
+    def timed_out(self, at: float | None = None) -> bool:
+        """True once the job's RQ timeout has passed.
+
+        Nothing kills a batched job the way RQ's death penalty would, so the caller checks
+        this and fails the job itself. Like RQ, a missing timeout means the queue default
+        and -1 means never.
+        """
+        timeout = self.job.timeout or Queue.DEFAULT_TIMEOUT
+        if timeout < 0:
+            return False
+        return (at if at is not None else time.monotonic()) - self.started > timeout
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A job that take() failed at once (not JSON, bad payload, unreadable hash)."""
+
+    job_id: str
+    queue: str
+    reason: str
+
+
+class JobLifecycle:
+    """Owns the RQ side of every job one BatchWorker runs; not thread-safe (one loop calls it)."""
+
+    def __init__(self, worker: BatchWorker, queues: Sequence[Queue] | None = None) -> None:
+        self.worker = worker
+        self.connection = worker.connection
+        # Priority order: take() drains the first queue before looking at the next.
+        self.queues: list[Queue] = list(queues) if queues is not None else list(worker.queues)
+        for q in self.queues:
+            # A pickle queue's registries would unpickle job meta during cleanup.
+            if q.serializer is not JSONSerializer:
+                raise ValueError(f"queue {q.name!r} does not use the JSON serializer")
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.worker.executions)
+
+    # --- worker registration -------------------------------------------------------------
+
+    def register_birth(self) -> None:
+        self.worker.register_birth()  # type: ignore[no-untyped-call]  # untyped in RQ
+        self.worker.set_state(WorkerStatus.IDLE)
+
+    def register_death(self) -> None:
+        """Unregister the worker; requeue or end in-flight jobs first.
+
+        Jobs still in flight are left STARTED and are failed (or retried) by registry
+        cleanup once their heartbeat TTL lapses.
+        """
+        if self.worker.executions:
+            log.warning("worker %s unregistering with %d job(s) still in flight",
+                        self.worker.name, len(self.worker.executions))
+        self.worker.register_death()  # type: ignore[no-untyped-call]  # untyped in RQ
+
+    def maintain(self) -> None:
+        """Run RQ's registry maintenance when due (every worker.maintenance_interval s).
+
+        The batch loop never enters Worker.work(), so without this no one fails or retries
+        the jobs of dead workers, or rescues jobs stuck in a queue's intermediate list.
+        """
+        if self.worker.should_run_maintenance_tasks:
+            self.worker.run_maintenance_tasks()  # type: ignore[no-untyped-call]
+
+    # --- taking jobs ---------------------------------------------------------------------
+
+    def take(self) -> Running | Refused | None:
+        """Start the next job, non-blocking; None when every queue is empty.
+
+        Each queue is dequeued on its own so RQ uses LMOVE into the queue's intermediate
+        list (it only does so for a single queue; several get a plain LPOP): a crash
+        between the pop and the start leaves the job where RQ's maintenance finds it.
+        """
+        for queue in self.queues:
+            try:
+                dequeued = self.worker.queue_class.dequeue_any(
+                    [queue], None, connection=self.connection,
+                    job_class=self.worker.job_class, serializer=JSONSerializer)
+            except _UNREADABLE_HASH_ERRORS as exc:
+                job_id = getattr(exc, "job_id", None)  # RQ attaches it on a failed fetch
+                if job_id is None:
+                    raise
+                return _quarantine_unreadable(self.connection, queue, str(job_id), exc)
+            if dequeued is not None:
+                return self._start(dequeued[0], queue)
+        return None
+
+    def _start(self, job: Job, queue: Queue) -> Running | Refused:
+        execution = self._mark_started(job, queue)
+        try:
+            payload = _payload(job)
+        except PayloadError as exc:
+            reason = f"vlmq refused job {job.id}: {exc}"
+            self._end_failed(job, queue, execution, reason, retry=False)
+            return Refused(str(job.id), queue.name, reason)
+        return Running(job, queue, execution, payload, time.monotonic())
+
+    def _mark_started(self, job: Job, queue: Queue) -> Execution:
+        """What RQ's prepare_execution + prepare_job_execution do, in one transaction."""
+        worker = self.worker
+        with self.connection.pipeline() as pipe:
+            if job.origin != queue.name:
+                # A hand-written hash without origin would land in the wrong registries.
+                log.warning("job %s: origin %r repaired to %r", job.id, job.origin, queue.name)
+                job.origin = queue.name
+                pipe.hset(job.key, "origin", queue.name)
+            execution = Execution.create(job, worker.get_heartbeat_ttl(job), pipeline=pipe,
+                                         worker_name=worker.name)
+            job.prepare_for_execution(worker.name, pipe)
+            pipe.persist(job.key)  # a job enqueued with ttl= must not vanish mid-run
+            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+            worker.heartbeat(pipeline=pipe)
+            worker.set_state(WorkerStatus.BUSY, pipeline=pipe)
+            pipe.execute()
+        worker.executions[execution.id] = execution
+        return execution
+
+    # --- while running -------------------------------------------------------------------
+
+    def heartbeat(self, running: Iterable[Running]) -> list[Running]:
+        """Extend the worker, and each job's execution and wip entry, by heartbeat_ttl.
+
+        Call it at least every heartbeat_ttl / 2 seconds, or StartedJobRegistry.cleanup
+        fails the jobs as AbandonedJobError while they are still running.
+
+        Returns the jobs whose RQ hash is gone (deleted while running): stop working on
+        them and do not succeed/fail them, which would recreate the hash.
+        """
+        batch = list(running)
+        worker = self.worker
+        with self.connection.pipeline() as pipe:
+            worker.heartbeat(pipeline=pipe)  # first command: HSET returns 1 if the key was gone
+            job_hset_at: list[int] = []
+            for r in batch:
+                ttl = worker.get_heartbeat_ttl(r.job)
+                r.execution.heartbeat(r.queue.started_job_registry, ttl, pipeline=pipe)
+                job_hset_at.append(len(pipe))
+                r.job.heartbeat(now(), ttl, pipeline=pipe)
+            results = pipe.execute()
+            gone = [r for r, i in zip(batch, job_hset_at, strict=True) if results[i] == 1]
+            # Same repairs as RQ's Worker.maintain_heartbeats (rq#1450).
+            for r in gone:
+                log.warning("job %s was deleted while running", r.job_id)
+                pipe.delete(r.job.key)
+            if results[0] == 1:
+                pipe.hset(worker.key, mapping=worker.serialize())
+                pipe.expire(worker.key, worker.worker_ttl + 60)
+            if len(pipe):
+                pipe.execute()
+        return gone
+
+    # --- ending --------------------------------------------------------------------------
+
+    def succeed(self, running: Running, summary: Mapping[str, Any]) -> None:
+        """Finish the job with `summary` as its RQ result (job.return_value())."""
+        value = dict(summary)
+        # RQ would silently store "Unserializable return value" instead of raising.
+        json.dumps(value)
+        job = running.job
+        job.ended_at = now()
+        _set_return_value(job, value)
+        self.worker.handle_job_success(job, running.queue, running.queue.started_job_registry,
+                                       running.execution)
+        job.send_webhooks(JobStatus.FINISHED)
+        self._after_end()
+
+    def fail(self, running: Running, message: str, *, retry: bool = True) -> None:
+        """Fail the job; `message` is its latest_result().exc_string.
+
+        With retries left (enqueued with Retry) and retry=True, RQ requeues or schedules
+        the job instead, and records no failure result, so the message is only logged.
+        retry=False is for failures that would repeat (bad input, wrong model...).
+        """
+        self._end_failed(running.job, running.queue, running.execution, message, retry=retry)
+
+    def _end_failed(self, job: Job, queue: Queue, execution: Execution, message: str, *,
+                    retry: bool) -> None:
+        if not retry:
+            job.retries_left = 0
+        elif job.should_retry:
+            log.warning("job %s failed, RQ will retry it: %s", job.id, message)
+        job.ended_at = now()
+        self.worker.handle_job_failure(job, queue, started_job_registry=queue.started_job_registry,
+                                       exc_string=message, execution=execution)
+        self._after_end()
+
+    def requeue(self, running: Running) -> None:
+        """Put a job back at the FRONT of its queue (QUEUED), e.g. on a warm shutdown.
+
+        Its execution ends without a result; items already written stay, so whoever takes
+        it next resumes at item level.
+        """
+        job, queue = running.job, running.queue
+        job.get_meta(refresh=True)  # enqueue_job saves meta: keep what others wrote meanwhile
+        job.started_at = None
+        job.ended_at = None
+        with self.connection.pipeline() as pipe:
+            # Queue.enqueue_job(pipeline=...) calls MULTI itself unless the pipeline already
+            # is in one, and MULTI raises once commands are queued: start it first.
+            pipe.multi()
+            self.worker.cleanup_execution(job, pipeline=pipe, execution=running.execution)
+            queue.enqueue_job(job, pipeline=pipe, at_front=True)
+            pipe.execute()
+        self._after_end()
+
+    def _after_end(self) -> None:
+        if not self.worker.executions:
+            self.worker.set_state(WorkerStatus.IDLE)
+
+
+def _payload(job: Job) -> JobPayload:
+    """The job's validated payload; looks at raw bytes first so pickle is never loaded."""
+    if not is_json_data(job.data):
+        raise PayloadError("data", "job data is not JSON (pickled?); vlmq workers accept "
+                                   "JSON-serialized jobs only and never unpickle")
+    try:
+        return payload_of(job)
+    except DeserializationError as exc:
+        raise PayloadError("data", "job data is JSON but not RQ's [func, instance, args, "
+                                   f"kwargs] array: {exc.__cause__}") from exc
+
+
+def _set_return_value(job: Job, value: Any) -> None:
+    """PRIVATE RQ: handle_job_success stores `job._result` as the result; RQ 3.0 has no
+    public setter (its perform_job assigns the attribute). Pinned by
+    tests/test_rq_jobs.py::test_rq_private_result_attribute."""
+    job._result = value
+
+
+def _quarantine_unreadable(connection: Any, queue: Queue, job_id: str,
+                           exc: BaseException) -> Refused:
+    """Fail a job whose hash RQ cannot even load (e.g. a non-Python producer wrote a bad date).
+
+    RAW RQ KEYS: no Job object exists, so handle_job_failure cannot be used. Writing
+    status=failed and a FailedJobRegistry entry by hand keeps the worker alive, takes the
+    job out of the intermediate list (whose cleanup would crash on it every minute) and
+    lets producers see the failure via Job(id).get_status().
+    Pinned by tests/test_rq_jobs.py::test_unreadable_job_hash_is_failed_without_crashing.
+    """
+    reason = f"vlmq refused job {job_id}: RQ cannot read its hash ({type(exc).__name__}: {exc})"
+    log.error("%s", reason)
+    key = Job.key_for(job_id)
+    pipe: Pipeline
+    with connection.pipeline() as pipe:
+        pipe.lrem(queue.intermediate_queue_key, 1, job_id)
+        pipe.hset(key, mapping={"status": JobStatus.FAILED.value, "ended_at": utcformat(now()),
+                                "exc_info": reason})
+        pipe.expire(key, C.FAILURE_TTL_S)
+        pipe.zadd(queue.failed_job_registry.key, {job_id: current_timestamp() + C.FAILURE_TTL_S})
+        pipe.execute()
+    return Refused(job_id, queue.name, reason)
