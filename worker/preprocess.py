@@ -1,0 +1,238 @@
+"""CPU-side input work (blob fetch, image decode, PDF page render), run in a thread pool.
+
+Everything here is numpy/Pillow/PDFium only and never calls MLX: one other thread owns
+every MLX call. Failures caused by the input raise PreprocessError with a message that names
+the problem, so the worker can fail that one item and carry on with the job.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import threading
+from collections import OrderedDict
+
+import numpy as np
+import pypdfium2 as pdfium
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from vlmq.shared import constants as C
+from vlmq.shared.blobs import BlobStore
+from vlmq.shared.errors import VlmqError
+
+# PDFium keeps global state and is not thread-safe: every pypdfium2 call in this process
+# (open, render, close, and closing by GC) must hold this one lock. Other worker modules that
+# touch pypdfium2 must use this lock too, not their own.
+PDFIUM_LOCK = threading.Lock()
+
+# Open documents kept per blob sha, so the pages of one PDF do not re-parse it each time.
+# Each holds its bytes (up to BLOB_MAX_BYTES), hence the small bound.
+PDF_DOC_CACHE_SIZE = 4
+_DOCS: OrderedDict[str, pdfium.PdfDocument] = OrderedDict()
+
+_SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
+_ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
+
+
+class PreprocessError(VlmqError):
+    """An input cannot be turned into an image; the message says why."""
+
+
+class Counters:
+    """Thread-safe work counters, so the worker and tests can prove a cache hit did no work."""
+
+    NAMES = ("image_decodes", "pdf_renders", "pdf_opens")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._n = dict.fromkeys(self.NAMES, 0)
+
+    def incr(self, name: str) -> None:
+        with self._lock:
+            self._n[name] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._n)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._n = dict.fromkeys(self.NAMES, 0)
+
+
+COUNTERS = Counters()
+
+
+def fetch_blob(blob_store: BlobStore, sha: str) -> bytes:
+    """Fetch an input blob, verified against its sha256.
+
+    A missing, expired or mismatching blob raises BlobError (a VlmqError: an item error);
+    Redis connection errors propagate, since they are the worker's problem, not the item's.
+    """
+    return blob_store.get(sha)
+
+
+# -- images ----------------------------------------------------------------------------
+
+
+def decode_image(data: bytes, max_side: int | None) -> Image.Image:
+    """Decode image bytes to RGB, upright, with the longest side <= max_side (never upscaled).
+
+    The pixel limit is checked from the header, before any pixel is decoded, so a small
+    file that claims a huge canvas costs nothing.
+    """
+    if max_side is not None and max_side < 1:
+        raise ValueError(f"max_side must be >= 1, got {max_side}")
+    COUNTERS.incr("image_decodes")
+    try:
+        im = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError as exc:
+        raise PreprocessError("not an image (cannot identify image file)") from exc
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        # Pillow's own guard (about 89 Mpx) fires inside open(), before ours can; it warns
+        # rather than raises unless warnings are errors, so both forms are handled.
+        raise PreprocessError(f"image rejected as a decompression bomb: {exc}") from exc
+    except OSError as exc:
+        raise PreprocessError(f"corrupt image header ({exc})") from exc
+    with im:
+        w, h = im.size
+        if w < 1 or h < 1:
+            raise PreprocessError(f"image has an empty size ({w}x{h})")
+        if w * h > C.MAX_IMAGE_PIXELS:
+            raise PreprocessError(f"image is {w}x{h} = {w * h} pixels, over the limit of "
+                                  f"{C.MAX_IMAGE_PIXELS} (decompression bomb guard)")
+        if max_side is not None and im.format == "JPEG" and max(w, h) > 2 * max_side:
+            # Let libjpeg decode at 1/2, 1/4 or 1/8 scale; the result is still >= target.
+            s = max_side / max(w, h)
+            im.draft(None, (math.ceil(w * s), math.ceil(h * s)))
+        try:
+            im.load()
+            upright = ImageOps.exif_transpose(im)
+            rgb = _to_rgb(upright)
+        except (OSError, SyntaxError, ValueError, EOFError) as exc:
+            raise PreprocessError(f"corrupt or truncated image ({exc})") from exc
+    return _bound(rgb, max_side)
+
+
+def _to_rgb(im: Image.Image) -> Image.Image:
+    """Convert any mode to RGB; transparency goes over white, the usual paper colour."""
+    if im.mode == "RGB":
+        return im
+    if im.mode in (*_SIXTEEN_BIT, "I", "F"):
+        return _wide_gray_to_rgb(im)
+    if im.mode in _ALPHA_MODES or "transparency" in im.info:
+        rgba = im.convert("RGBA")
+        page = Image.new("RGB", rgba.size, (255, 255, 255))
+        page.paste(rgba, mask=rgba.getchannel("A"))
+        return page
+    return im.convert("RGB")  # L, 1, P, CMYK, YCbCr, LAB, HSV
+
+
+def _wide_gray_to_rgb(im: Image.Image) -> Image.Image:
+    """Scale 16/32-bit grey to 8 bits; Pillow's own convert clips, turning scans white."""
+    arr = np.asarray(im).astype(np.float64)
+    if im.mode in _SIXTEEN_BIT or (im.mode == "I" and arr.size and arr.max() > 255):
+        arr = arr / 257.0  # 0..65535 -> 0..255
+    gray = np.clip(np.rint(arr), 0, 255).astype(np.uint8)
+    return Image.fromarray(gray).convert("RGB")
+
+
+def _bound(im: Image.Image, max_side: int | None) -> Image.Image:
+    w, h = im.size
+    if max_side is None or max(w, h) <= max_side:
+        return im
+    s = max_side / max(w, h)
+    size = (max_side, max(1, round(h * s))) if w >= h else (max(1, round(w * s)), max_side)
+    return im.resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
+
+
+# -- PDFs ------------------------------------------------------------------------------
+
+
+def render_pdf_page(data: bytes, page: int, max_side: int, *,
+                    doc_key: str | None = None) -> Image.Image:
+    """Render 1-based `page` of a PDF to RGB with its longest side == max_side.
+
+    `doc_key` (the blob's sha256) lets consecutive pages reuse one open document; it must
+    identify `data` exactly. Rendering holds PDFIUM_LOCK throughout, so PDF pages render one
+    at a time per process; image decodes still run in parallel.
+    """
+    if max_side < 1:
+        raise ValueError(f"max_side must be >= 1, got {max_side}")
+    if page < 1:
+        raise PreprocessError(f"page {page} is out of range (pages are numbered from 1)")
+    COUNTERS.incr("pdf_renders")
+    with PDFIUM_LOCK:
+        pdf, owned = _open_pdf(data, doc_key)
+        try:
+            return _render(pdf, page, max_side)
+        finally:
+            if owned:
+                pdf.close()
+
+
+def clear_pdf_cache() -> None:
+    """Close every cached document (e.g. when the worker shuts down)."""
+    with PDFIUM_LOCK:
+        while _DOCS:
+            _, pdf = _DOCS.popitem()
+            pdf.close()
+
+
+def _load_pdf(data: bytes) -> pdfium.PdfDocument:
+    COUNTERS.incr("pdf_opens")
+    try:
+        return pdfium.PdfDocument(data)
+    except pdfium.PdfiumError as exc:
+        if "password" in str(exc).lower():
+            raise PreprocessError("PDF is password-protected") from exc
+        raise PreprocessError(f"not a readable PDF ({exc})") from exc
+
+
+def _open_pdf(data: bytes, doc_key: str | None) -> tuple[pdfium.PdfDocument, bool]:
+    """PDFIUM_LOCK held. Returns (document, caller_must_close)."""
+    if doc_key is None:
+        return _load_pdf(data), True
+    pdf = _DOCS.get(doc_key)
+    if pdf is not None:
+        _DOCS.move_to_end(doc_key)
+        return pdf, False
+    pdf = _load_pdf(data)
+    _DOCS[doc_key] = pdf
+    while len(_DOCS) > PDF_DOC_CACHE_SIZE:
+        _, old = _DOCS.popitem(last=False)
+        old.close()
+    return pdf, False
+
+
+def _render(pdf: pdfium.PdfDocument, page: int, max_side: int) -> Image.Image:
+    """PDFIUM_LOCK held. Closes page and bitmap here, never leaving them to GC on some thread."""
+    n = len(pdf)
+    if page > n:
+        raise PreprocessError(f"page {page} is out of range: the PDF has {n} page(s)")
+    try:
+        pg = pdf[page - 1]
+    except pdfium.PdfiumError as exc:
+        raise PreprocessError(f"page {page} of {n} cannot be loaded ({exc})") from exc
+    try:
+        w, h = pg.get_size()  # points, with the page's /Rotate already applied
+        if not (w > 0 and h > 0):
+            raise PreprocessError(f"page {page} of {n} has an empty size ({w}x{h} pt)")
+        bitmap = pg.render(scale=_fit_scale(max(w, h), max_side))
+        try:
+            img: Image.Image = bitmap.to_pil()
+            return img.convert("RGB")  # a copy, independent of the bitmap buffer
+        finally:
+            bitmap.close()
+    except pdfium.PdfiumError as exc:
+        raise PreprocessError(f"page {page} of {n} cannot be rendered ({exc})") from exc
+    finally:
+        pg.close()
+
+
+def _fit_scale(longest_pt: float, max_side: int) -> float:
+    """Largest scale whose rendered longest side is exactly max_side (pypdfium2 uses ceil)."""
+    scale = max_side / longest_pt
+    while math.ceil(longest_pt * scale) > max_side:
+        scale = math.nextafter(scale, 0.0)
+    return scale
