@@ -116,6 +116,25 @@ def test_batch_worker_refuses_non_json_serializer(redis):
         JobLifecycle(worker, [Queue("low", connection=redis)])
 
 
+def test_batch_worker_refuses_rqs_single_job_loop(redis):
+    worker = BatchWorker(["low"], connection=redis, heartbeat_ttl=9)
+    with pytest.raises(NotImplementedError, match="JobLifecycle"):
+        worker.work(burst=True)
+    assert JobLifecycle(worker).heartbeat_interval == 3
+
+
+def test_a_crashing_validator_fails_the_job_not_the_worker(redis, life, monkeypatch):
+    def broken(job: Job) -> JobPayload:
+        raise RuntimeError("validator bug")
+
+    monkeypatch.setattr("vlmq.worker.rq_jobs.payload_of", broken)
+    job_id = enqueue(redis, payload(), queue="low")
+    refused = take_refused(life)
+    assert "validator bug" in refused.reason
+    assert fetch_job(redis, job_id).get_status() == JobStatus.FAILED
+    assert life.in_flight == 0
+
+
 # --- ending -------------------------------------------------------------------------------
 
 def test_succeed_stores_summary_as_result_and_leaves_no_wip_entries(redis, life):

@@ -64,6 +64,12 @@ class BatchWorker(SimpleWorker):
         """Constant TTL: the batcher, not a death penalty, decides when a job has run too long."""
         return self.heartbeat_ttl
 
+    def work(self, *args: Any, **kwargs: Any) -> bool:
+        """Refused: RQ's one-job loop sends no heartbeats, so with this class's short TTL
+        every job longer than heartbeat_ttl would be failed as abandoned mid-run."""
+        raise NotImplementedError(
+            "BatchWorker jobs run through vlmq.worker.rq_jobs.JobLifecycle, not Worker.work()")
+
 
 @dataclass
 class Running:
@@ -102,7 +108,12 @@ class Refused:
 
 
 class JobLifecycle:
-    """Owns the RQ side of every job one BatchWorker runs; not thread-safe (one loop calls it)."""
+    """Owns the RQ side of every job one BatchWorker runs.
+
+    Call take/succeed/fail/requeue from one loop. heartbeat() may run on another thread
+    (it only writes Redis and the Running objects' timestamps); a job that ends meanwhile
+    can leave its execution hash behind until heartbeat_ttl expires it, nothing worse.
+    """
 
     def __init__(self, worker: BatchWorker, queues: Sequence[Queue] | None = None) -> None:
         self.worker = worker
@@ -117,6 +128,11 @@ class JobLifecycle:
     @property
     def in_flight(self) -> int:
         return len(self.worker.executions)
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """How often to call heartbeat(): a third of the TTL leaves room for two misses."""
+        return self.worker.heartbeat_ttl / 3
 
     # --- worker registration -------------------------------------------------------------
 
@@ -151,7 +167,8 @@ class JobLifecycle:
 
         Each queue is dequeued on its own so RQ uses LMOVE into the queue's intermediate
         list (it only does so for a single queue; several get a plain LPOP): a crash
-        between the pop and the start leaves the job where RQ's maintenance finds it.
+        between the pop and the start leaves the job where RQ's maintenance finds it and
+        fails it after a minute ("stuck in intermediate queue") instead of losing it (rq#580).
         """
         for queue in self.queues:
             try:
@@ -173,9 +190,13 @@ class JobLifecycle:
             payload = _payload(job)
         except PayloadError as exc:
             reason = f"vlmq refused job {job.id}: {exc}"
-            self._end_failed(job, queue, execution, reason, retry=False)
-            return Refused(str(job.id), queue.name, reason)
-        return Running(job, queue, execution, payload, time.monotonic())
+        except Exception as exc:  # a validator bug must fail this job, not the worker (logged)
+            log.exception("job %s: payload validation crashed", job.id)
+            reason = f"vlmq refused job {job.id}: payload validation crashed ({exc!r})"
+        else:
+            return Running(job, queue, execution, payload, time.monotonic())
+        self._end_failed(job, queue, execution, reason, retry=False)
+        return Refused(str(job.id), queue.name, reason)
 
     def _mark_started(self, job: Job, queue: Queue) -> Execution:
         """What RQ's prepare_execution + prepare_job_execution do, in one transaction."""
