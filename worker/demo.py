@@ -1,0 +1,112 @@
+"""`vlmq demo`: the whole product on one machine in one command.
+
+Enqueue the bundled sample (a multi-page PDF for OCR, a few images for captioning), run
+a burst worker, print results and stats; then run the same jobs again on a restarted
+worker to show the disk cache turning every image into a hit.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+
+import click
+
+from vlmq.producer.client import Client, Job
+from vlmq.worker.cli import default_cache_dir
+from vlmq.worker.redis_server import PrivateRedis, answers, start_private
+from vlmq.worker.service import WorkerConfig, run_worker
+
+DEMO_QUEUES = ["vlmq-demo-ocr", "vlmq-demo-caption"]
+TINY_MAX_SIDE = 224
+TINY_MAX_TOKENS = 24
+
+
+def sample_files() -> tuple[list[Path], list[Path]]:
+    folder = Path(str(resources.files("vlmq.producer").joinpath("samples")))
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    pdfs = [p for p in files if p.suffix.lower() == ".pdf"]
+    images = [p for p in files if p.suffix.lower() in {".png", ".jpg", ".jpeg", ".webp"}]
+    return pdfs, images
+
+
+def _enqueue(client: Client, tiny: bool) -> list[Job]:
+    pdfs, images = sample_files()
+    side = TINY_MAX_SIDE if tiny else None
+    tokens = TINY_MAX_TOKENS if tiny else None
+    return [
+        client.ocr(pdfs, queue=DEMO_QUEUES[0], max_side=side, max_tokens=tokens,
+                   labels={"demo": "ocr"}),
+        client.caption(images, queue=DEMO_QUEUES[1], max_side=side, max_tokens=tokens,
+                       labels={"demo": "caption"}),
+    ]
+
+
+def _show(jobs: list[Job]) -> dict[str, int]:
+    totals = {"items": 0, "ok": 0, "cache_hits": 0, "tokens": 0}
+    for job in jobs:
+        click.secho(f"\njob {job.id} ({job.queue}): {job.status()}", bold=True)
+        for r in job.results():
+            where = f"{r.source} p{r.page}" if r.page else r.source
+            body = r.text if r.error is None else f"ERROR: {r.error}"
+            flat = " ".join((body or "").split())
+            hit = " [cache hit]" if r.vision_cache_hit else ""
+            click.echo(f"  {where:<22} {flat[:70]!r}{hit}")
+        summary = job.summary() or {}
+        click.echo(f"  summary: {summary}")
+        totals["items"] += int(summary.get("items", 0))
+        totals["ok"] += int(summary.get("ok", 0))
+        totals["cache_hits"] += int(summary.get("cache_hits", 0))
+        totals["tokens"] += int(summary.get("completion_tokens", 0))
+    return totals
+
+
+def run_demo(*, redis_url: str | None, model: str | None, max_batch: int) -> int:
+    url = redis_url or os.environ.get("REDIS_URL") or "redis://localhost:6379/0"
+    private: PrivateRedis | None = None
+    if not answers(url):
+        private = start_private()
+        click.echo(f"no Redis at {url}: started a private {Path(private.binary).name} "
+                   f"at {private.url} for this demo")
+        url = private.url
+    try:
+        tiny = model is None
+        if tiny:
+            from vlmq.worker.tiny_model import build_tiny_model
+
+            model = str(build_tiny_model(default_cache_dir() / "models" / "tiny-qwen2_vl"))
+            click.secho("NOTE: no --model given, so this demo uses a tiny model with RANDOM "
+                        "weights that vlmq builds offline: its text is gibberish by design. "
+                        "It shows the queue, the batching and the cache, not a model.",
+                        fg="yellow")
+        assert model is not None
+        with tempfile.TemporaryDirectory(prefix="vlmq-demo-cache-") as cache_dir:
+            rounds = []
+            for label in ("cold cache", "warm cache, restarted worker"):
+                client = Client(url)
+                jobs = _enqueue(client, tiny)
+                click.secho(f"\n== {label}: enqueued {sum(j.items for j in jobs)} items "
+                            f"in {len(jobs)} jobs; running a burst worker", bold=True)
+                t0 = time.monotonic()
+                rc = run_worker(WorkerConfig(
+                    redis_url=url, model=model, queues=DEMO_QUEUES, burst=True,
+                    max_batch=max_batch, cache_dir=Path(cache_dir), name=f"demo-{os.getpid()}",
+                    stats_s=1.0))
+                wall = time.monotonic() - t0
+                if rc != 0:
+                    return rc
+                totals = _show(jobs)
+                rounds.append((label, wall, totals))
+                client.close()
+        click.secho("\n== stats", bold=True)
+        for label, wall, t in rounds:
+            click.echo(f"  {label:<30} {t['ok']}/{t['items']} items ok, "
+                       f"{t['cache_hits']} vision-cache hits, {t['tokens']} tokens, "
+                       f"{wall:.1f} s (model load included)")
+        return 0
+    finally:
+        if private is not None:
+            private.stop()
