@@ -223,8 +223,10 @@ class JobLifecycle:
     def heartbeat(self, running: Iterable[Running]) -> list[Running]:
         """Extend the worker, and each job's execution and wip entry, by heartbeat_ttl.
 
-        Call it at least every heartbeat_ttl / 2 seconds, or StartedJobRegistry.cleanup
-        fails the jobs as AbandonedJobError while they are still running.
+        Call it every heartbeat_interval seconds (registry scores are whole seconds, so the
+        real margin is up to 1 s short of the TTL), or StartedJobRegistry.cleanup fails the
+        jobs as AbandonedJobError while they are still running. heartbeat([]) keeps an idle
+        worker listed by `rq info` (its key expires after worker_ttl + 60 s).
 
         Returns the jobs whose RQ hash is gone (deleted while running): stop working on
         them and do not succeed/fail them, which would recreate the hash.
