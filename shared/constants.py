@@ -16,6 +16,9 @@ BLOB_MAX_BYTES = 64 * 1024 * 1024
 RESULT_TTL_S = 7 * 24 * 3600
 FAILURE_TTL_S = 30 * 24 * 3600
 JOB_TIMEOUT_S = 24 * 3600
+# RQ requeues a job whose worker died (abandoned) while retries are left; vlmq then
+# resumes it at item level. Bad payloads and wrong models fail without retry.
+CRASH_RETRIES = 3
 
 # Decompression-bomb guard: Pillow's own default is ~89 Mpx; bulk OCR never needs more.
 MAX_IMAGE_PIXELS = 64_000_000

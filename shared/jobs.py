@@ -15,7 +15,7 @@ from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
-from rq import Queue
+from rq import Queue, Retry
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
@@ -53,6 +53,7 @@ def enqueue(redis: Redis, payload: JobPayload, *, queue: str, job_id: str | None
         failure_ttl=failure_ttl,
         description=describe(payload),
         job_id=job_id,
+        retry=Retry(max=C.CRASH_RETRIES),
         pipeline=pipeline,
     )
     return str(job.id)
@@ -71,7 +72,7 @@ def enqueue_lua(redis: Redis, payload: dict[str, Any], *, queue: str,
     data = json.dumps([C.TASK_FUNC, None, [payload], {}])
     ok = redis.eval(lua_script(), 3, Keys.rq_job(job_id), Keys.rq_queue(queue), RQ_QUEUES,
                     job_id, queue, data, f"vlmq {payload.get('task')} (lua)", timeout,
-                    result_ttl, failure_ttl, utc_now_iso())
+                    result_ttl, failure_ttl, utc_now_iso(), C.CRASH_RETRIES)
     if not ok:
         raise PayloadError("job_id", f"a job with id {job_id} already exists")
     return job_id

@@ -20,13 +20,15 @@ from queue import Empty, SimpleQueue
 from types import FrameType
 
 from redis import Redis
+from rq import Queue
+from rq.serializers import JSONSerializer
 
 from vlmq.shared import results as R
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import ItemResult, JobSummary
 from vlmq.worker.engine import Engine, Finished
 from vlmq.worker.prepare import Preparer, PrepError
-from vlmq.worker.rq_jobs import BatchWorker, JobLifecycle, Running
+from vlmq.worker.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
 from vlmq.worker.scheduler import JobState, Scheduler
 from vlmq.worker.stats import WorkerStats
 from vlmq.worker.vision_cache import VisionCache
@@ -49,7 +51,6 @@ class WorkerConfig:
     prep_threads: int = 2
     window: int | None = None      # prepared-but-not-batched bound; default 2 x max_batch
     max_jobs: int | None = None    # jobs in flight; default max(4, max_batch)
-    heartbeat_s: float = 10.0
     stats_s: float = 2.0
     keys: Keys = field(default_factory=Keys.from_env)
 
@@ -106,8 +107,9 @@ class WorkerService:
                             cfg.cache_disk_bytes)
         pool = ThreadPoolExecutor(cfg.prep_threads, thread_name_prefix="vlmq-prep")
         preparer = Preparer(engine, info, cache, self.redis, cfg.keys, pool)
-        worker = BatchWorker(cfg.queues, connection=self.redis, name=cfg.name)
-        lifecycle = JobLifecycle(worker, cfg.keys)
+        queues = [Queue(q, connection=self.redis, serializer=JSONSerializer) for q in cfg.queues]
+        worker = BatchWorker(queues, connection=self.redis, name=cfg.name)
+        lifecycle = JobLifecycle(worker, queues)
         lifecycle.register_birth()
         self.stats.model = cfg.model
         log.info("worker %s ready: model %s (%s), queues %s, max batch %d, window %d",
@@ -123,7 +125,8 @@ class WorkerService:
             self.scheduler.jobs.clear()
             engine.close(timeout=10)
             pool.shutdown(wait=True, cancel_futures=True)
-            self.stats.clear(self.redis, cfg.keys)
+            self.stats.publish(self.redis, cfg.keys, engine, cache, 0, 0)
+            self.stats.retire(self.redis, cfg.keys)
             lifecycle.register_death()
             log.info("worker %s stopped", cfg.name)
         return 0
@@ -142,8 +145,8 @@ class WorkerService:
             done = engine.get_finished(timeout=0.01 if busy else 0.1)
             self._record(lifecycle, done, self._drain_prep_failures())
             if now >= next_heartbeat:
-                lifecycle.heartbeat(s.handle for s in self.scheduler.jobs.values())
-                next_heartbeat = now + cfg.heartbeat_s
+                self._heartbeat(lifecycle)
+                next_heartbeat = now + lifecycle.heartbeat_interval
             if now >= next_stats:
                 self.stats.publish(self.redis, cfg.keys, engine, cache, len(self.scheduler),
                                    self._in_prep)
@@ -163,10 +166,16 @@ class WorkerService:
             running = lifecycle.take()
             if running is None:
                 return True
+            if isinstance(running, Refused):
+                log.warning("job %s (%s) refused: %s", running.job_id, running.queue,
+                            running.reason)
+                continue
             problem = preparer.check_job(running.payload)
             if problem:
-                lifecycle.fail(running, problem)
-                log.info("job %s failed: %s", running.job.id, problem)
+                lifecycle.fail(running, problem, retry=False)
+                R.add_event(self.redis, self.cfg.keys, running.job_id,
+                            {"type": "failed", "error": problem})
+                log.info("job %s failed: %s", running.job_id, problem)
                 continue
             done = R.done_indexes(self.redis, self.cfg.keys, running.job.id)
             todo = [i for i in range(len(running.payload.items)) if i not in done]
@@ -178,6 +187,23 @@ class WorkerService:
             if state.complete:
                 self._finish_job(lifecycle, state)
         return False
+
+    def _heartbeat(self, lifecycle: JobLifecycle) -> None:
+        """Keep every in-flight job alive in RQ; drop jobs deleted or past their timeout."""
+        states = list(self.scheduler.jobs.values())
+        gone = {r.job_id for r in lifecycle.heartbeat(s.handle for s in states)}
+        for state in states:
+            if state.job_id in gone:
+                log.warning("job %s was deleted while running: dropping it", state.job_id)
+                self.scheduler.remove(state.job_id)
+            elif state.handle.timed_out():
+                msg = f"job timeout of {state.handle.job.timeout} s exceeded"
+                self.scheduler.remove(state.job_id)
+                lifecycle.fail(state.handle, msg, retry=False)
+                R.add_event(self.redis, self.cfg.keys, state.job_id,
+                            {"type": "failed", "error": msg})
+                log.info("job %s failed: %s", state.job_id, msg)
+        lifecycle.maintain()
 
     def _schedule(self, engine: Engine, preparer: Preparer) -> None:
         """Prepare items while fewer than `window` are prepared-but-not-batched."""

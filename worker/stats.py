@@ -11,6 +11,7 @@ from redis import Redis
 
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import ItemResult
+from vlmq.worker import preprocess as P
 
 log = logging.getLogger("vlmq.worker")
 
@@ -95,6 +96,7 @@ class WorkerStats:
             "cache_mem_bytes": cs.get("mem_bytes", 0),
             "cache_disk_bytes": cs.get("disk_bytes", 0),
             "tower_calls": engine.tower_calls,
+            **P.COUNTERS.snapshot(),
             "uptime_s": round(now - self.started, 1),
         }
         out = {k: str(v) for k, v in fields.items()}
@@ -109,8 +111,6 @@ class WorkerStats:
             self._next_log = now + LOG_EVERY_S
         return out
 
-    def clear(self, redis: Redis, keys: Keys) -> None:
-        pipe = redis.pipeline(transaction=False)
-        pipe.delete(keys.worker_stats(self.name))
-        pipe.srem(keys.workers, self.name)
-        pipe.execute()
+    def retire(self, redis: Redis, keys: Keys) -> None:
+        """Leave the set of live workers; the last stats stay readable until they expire."""
+        redis.srem(keys.workers, self.name)

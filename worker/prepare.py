@@ -1,0 +1,148 @@
+"""Turn one job item into an engine Request, on a CPU pool thread.
+
+On a vision-cache hit nothing about the image is touched: no blob fetch, no decode, no
+PDF render, no tower; the cached grid rebuilds the prompt ids. On a miss the image is
+fetched, decoded or rendered, resized and run through the processor, and the engine hands
+the tower's features back through `on_features` so they are cached for next time.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from redis import Redis
+
+from vlmq.shared.blobs import BlobStore
+from vlmq.shared.errors import VlmqError
+from vlmq.shared.keys import Keys
+from vlmq.shared.schema import Item, JobPayload
+from vlmq.worker import mlx_adapter as A
+from vlmq.worker import preprocess as P
+from vlmq.worker.engine import Engine, EngineInfo, Request
+from vlmq.worker.model_defaults import resolve
+from vlmq.worker.vision_cache import Entry, VisionCache, cache_key
+
+# olmOCR renders pages at 1288 px on the longest side; a sound default for OCR models.
+DEFAULT_PDF_MAX_SIDE = 1288
+# Images larger than this are shrunk before the processor sees them (it bounds pixels too).
+DEFAULT_IMAGE_MAX_SIDE = 2048
+# Bump when rendering or resizing changes in a way that changes pixels.
+PREPROCESS_VERSION = 1
+
+
+class PrepError(VlmqError):
+    """An item cannot be prepared; the message names the problem, the job goes on."""
+
+
+def model_matches(requested: str, served: str) -> bool:
+    """A job's `model` matches when it names the served id, or the same local folder."""
+    if requested == served:
+        return True
+    a, b = Path(requested).expanduser(), Path(served).expanduser()
+    return a.exists() and b.exists() and a.resolve() == b.resolve()
+
+
+class Preparer:
+    def __init__(self, engine: Engine, info: EngineInfo, cache: VisionCache, redis: Redis,
+                 keys: Keys, pool: ThreadPoolExecutor) -> None:
+        self.engine = engine
+        self.info = info
+        self.cache = cache
+        self.blobs = BlobStore(redis, keys)
+        self.pool = pool
+        local = Path(info.model_id).expanduser()
+        self.model_identity = str(local.resolve()) if local.exists() else info.model_id
+        self._proc_params = self._processor_params(engine.processor)
+
+    @staticmethod
+    def _processor_params(processor: Any) -> dict[str, object]:
+        """Processor settings that change the pixels the tower sees (part of the cache key)."""
+        ip = getattr(processor, "image_processor", None)
+        out: dict[str, object] = {}
+        for name in ("min_pixels", "max_pixels", "patch_size", "merge_size",
+                     "temporal_patch_size", "image_mean", "image_std"):
+            value = getattr(ip, name, None)
+            if isinstance(value, (int, float, str)):
+                out[name] = value
+            elif isinstance(value, (list, tuple)):
+                out[name] = [float(v) for v in value]
+        size = getattr(ip, "size", None)
+        if isinstance(size, dict):
+            out["size"] = {str(k): int(v) for k, v in size.items() if isinstance(v, int)}
+        return out
+
+    def check_job(self, payload: JobPayload) -> str | None:
+        """A reason to fail the whole job before any item runs, or None."""
+        if payload.model and not model_matches(payload.model, self.info.model_id):
+            return (f"job asks for model {payload.model!r} but this worker serves "
+                    f"{self.info.model_id!r}; enqueue it on a queue that worker serves")
+        try:
+            resolve(self.info.model_type, payload.task, payload.prompt,
+                    payload.generation.max_tokens, payload.generation.temperature,
+                    payload.generation.stop)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def submit(self, job_id: str, payload: JobPayload, idx: int) -> Future[Any]:
+        return self.pool.submit(self.prepare, job_id, payload, idx)
+
+    def max_side(self, payload: JobPayload, item: Item) -> int:
+        if payload.max_side is not None:
+            return payload.max_side
+        return DEFAULT_PDF_MAX_SIDE if item.kind == "pdf" else DEFAULT_IMAGE_MAX_SIDE
+
+    def key_for(self, payload: JobPayload, item: Item) -> str:
+        params = {"max_side": self.max_side(payload, item), "kind": item.kind,
+                  "v": PREPROCESS_VERSION, "processor": self._proc_params}
+        return cache_key(self.model_identity, item.blob, item.page, params)
+
+    def prepare(self, job_id: str, payload: JobPayload, idx: int) -> tuple[Request, float]:
+        t0 = time.perf_counter()
+        item = payload.items[idx]
+        gen = payload.generation
+        res = resolve(self.info.model_type, payload.task, payload.prompt, gen.max_tokens,
+                      gen.temperature, gen.stop)
+        processor, config = self.engine.processor, self.engine.model_config
+        common: dict[str, Any] = {"key": (job_id, idx), "max_tokens": res.max_tokens,
+                                  "temperature": res.temperature, "stop": res.stop}
+        key = self.key_for(payload, item) if self.info.cacheable else None
+        entry = self.cache.get(key) if key is not None else None
+        if entry is not None:
+            prepared = A.prepare_from_grid(processor, config, entry.grid_thw, res.prompt)
+            req = Request(prepared=prepared, cached_features=(entry.features, entry.dtype_name),
+                          **common)
+            return req, time.perf_counter() - t0
+        image = self._load_image(payload, item)
+        try:
+            prepared = A.prepare(processor, config, image, res.prompt)
+        except (ValueError, TypeError) as exc:
+            raise PrepError(f"processor rejected the image: {exc}") from exc
+        on_features = None
+        if key is not None and prepared.image_grid_thw is not None:
+            on_features = self._storer(key, prepared.image_grid_thw)
+        req = Request(prepared=prepared, cached_features=None, on_features=on_features, **common)
+        return req, time.perf_counter() - t0
+
+    def _load_image(self, payload: JobPayload, item: Item) -> Any:
+        side = self.max_side(payload, item)
+        try:
+            data = P.fetch_blob(self.blobs, item.blob)
+            if item.kind == "pdf":
+                assert item.page is not None
+                return P.render_pdf_page(data, item.page, side, doc_key=item.blob)
+            return P.decode_image(data, side)
+        except VlmqError as exc:
+            raise PrepError(str(exc)) from exc
+
+    def _storer(self, key: str, grid: np.ndarray) -> Any:
+        """Called on the MLX thread: keep the features in memory now, write disk in the pool."""
+        def store(features: np.ndarray, dtype_name: str) -> None:
+            entry = Entry(features=features, dtype_name=dtype_name, grid_thw=grid)
+            self.cache.put(key, entry, write_disk=False)
+            self.pool.submit(self.cache.persist, key, entry)
+        return store
