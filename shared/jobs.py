@@ -95,6 +95,11 @@ def is_json_data(raw: bytes) -> bool:
 
 def payload_of(job: Job) -> JobPayload:
     """Validated payload of a vlmq job (raises PayloadError naming the problem)."""
+    # Checked before RQ touches `data`: a pickled job gets a clear refusal instead of
+    # RQ's message-less DeserializationError, and is never handed to a deserializer.
+    if not is_json_data(job.data):
+        raise PayloadError("data", "job data is not JSON (a pickled job?): vlmq refuses "
+                                   "pickle; enqueue with RQ's JSONSerializer")
     if job.func_name != C.TASK_FUNC:
         raise PayloadError("func", f"not a vlmq job: function {job.func_name!r}")
     args = job.args
