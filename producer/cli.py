@@ -12,7 +12,7 @@ import importlib.util
 import json
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -35,27 +35,36 @@ EXIT_TIMEOUT = 124
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _fail(message: str, code: int) -> None:
+def _fail(message: str, code: int) -> NoReturn:
     click.echo(f"vlmq: {message}", err=True)
     sys.exit(code)
 
 
-def _handle_errors(func: F) -> F:
-    """Map vlmq's own errors to a one-line stderr message and a documented exit code."""
+def _handle_errors(*, enqueues: bool) -> Callable[[F], F]:
+    """Map vlmq's own errors to a stderr message and a documented exit code.
 
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return func(*args, **kwargs)
-        except (InputError, PayloadError) as exc:
-            _fail(f"error: {exc}\nnothing was enqueued", EXIT_BAD_INPUT)
-        except JobNotFound as exc:
-            _fail(f"error: {exc}", EXIT_FAILED)
-        except RedisConnectionError as exc:
-            _fail(f"error: cannot reach Redis: {exc}", EXIT_FAILED)
-        return None
+    For enqueue commands a PayloadError is bad input (exit 2); for commands that read
+    jobs it means the stored job is unreadable (e.g. pickled), which is a failure (exit 1).
+    """
 
-    return wrapper  # type: ignore[return-value]
+    def decorate(func: F) -> F:
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return func(*args, **kwargs)
+            except (InputError, PayloadError) as exc:
+                if enqueues:
+                    _fail(f"error: {exc}\nnothing was enqueued", EXIT_BAD_INPUT)
+                _fail(f"error: not a readable vlmq job: {exc}", EXIT_FAILED)
+            except JobNotFound as exc:
+                _fail(f"error: {exc}", EXIT_FAILED)
+            except RedisConnectionError as exc:
+                _fail(f"error: cannot reach Redis: {exc}", EXIT_FAILED)
+            return None
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
 
 
 def _client(ctx: click.Context) -> Client:
@@ -129,7 +138,7 @@ def enqueue() -> None:
 @click.option("--queue", default="ocr", show_default=True)
 @_common_options
 @click.pass_context
-@_handle_errors
+@_handle_errors(enqueues=True)
 def ocr(ctx: click.Context, files: tuple[str, ...], pages: str | None, queue: str,
         prompt: str | None, model: str | None, max_tokens: int | None, max_side: int | None,
         temperature: float | None, stop: tuple[str, ...], labels: dict[str, str],
@@ -150,7 +159,7 @@ def _set_command(task: str, needs_prompt: bool) -> Callable[..., None]:
     @click.option("--queue", default=task, show_default=True)
     @_common_options
     @click.pass_context
-    @_handle_errors
+    @_handle_errors(enqueues=True)
     def command(ctx: click.Context, paths: tuple[str, ...], recursive: bool, skip_bad: bool,
                 queue: str, prompt: str | None, model: str | None, max_tokens: int | None,
                 max_side: int | None, temperature: float | None, stop: tuple[str, ...],
@@ -187,7 +196,7 @@ enqueue.command(
 @click.argument("job_id", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
 @click.pass_context
-@_handle_errors
+@_handle_errors(enqueues=False)
 def status(ctx: click.Context, job_id: str | None, as_json: bool) -> None:
     """A job's state and progress; without JOB_ID, queue depths and workers."""
     with _client(ctx) as client:
@@ -246,7 +255,7 @@ def _overview(client: Client, as_json: bool) -> None:
 @click.option("--timeout", type=click.FloatRange(min=0), metavar="S",
               help="Give up after S seconds (exit 124).")
 @click.pass_context
-@_handle_errors
+@_handle_errors(enqueues=False)
 def wait(ctx: click.Context, job_ids: tuple[str, ...], timeout: float | None) -> None:
     """Wait for jobs with a progress bar; exit 1 if any did not finish, 124 on timeout."""
     with _client(ctx) as client:
@@ -255,7 +264,6 @@ def wait(ctx: click.Context, job_ids: tuple[str, ...], timeout: float | None) ->
             statuses = wait_all(jobs, timeout=timeout, progress=True)
         except WaitTimeout as exc:
             _fail(str(exc), EXIT_TIMEOUT)
-            return
         bad = False
         for job in jobs:
             state = statuses[job.id]
@@ -277,7 +285,7 @@ def wait(ctx: click.Context, job_ids: tuple[str, ...], timeout: float | None) ->
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True),
               help="Write here instead of stdout.")
 @click.pass_context
-@_handle_errors
+@_handle_errors(enqueues=False)
 def result(ctx: click.Context, job_id: str, fmt: str, output: str | None) -> None:
     """Print a job's results in item order (partial while it runs)."""
     with _client(ctx) as client:

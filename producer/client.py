@@ -23,7 +23,7 @@ from rq.serializers import JSONSerializer
 from vlmq.producer.inputs import PageSpec, Prepared, prepare
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.errors import VlmqError
-from vlmq.shared.jobs import enqueue, fetch_job, payload_of
+from vlmq.shared.jobs import check_queue_name, enqueue, fetch_job, payload_of
 from vlmq.shared.keys import Keys
 from vlmq.shared.results import count_done, read_items
 from vlmq.shared.schema import Generation, ItemResult, JobPayload, parse_payload
@@ -158,6 +158,7 @@ class Client:
         )
         # The worker will run exactly this check; failing here keeps Redis untouched.
         payload = parse_payload(payload.to_dict())
+        check_queue_name(queue)
         uploaded = 0
         for data in prepared.blobs.values():
             _, fresh = self.blobs.put(data)

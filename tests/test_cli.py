@@ -1,0 +1,390 @@
+"""The `vlmq` CLI against a real Redis: enqueue, bad inputs, status, wait, result."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from PIL import Image, ImageDraw
+from redis import Redis
+from rq import Queue, SimpleWorker, Worker
+from rq.job import JobStatus
+from rq.results import Result
+from rq.serializers import JSONSerializer
+
+from vlmq.producer.cli import main
+from vlmq.shared import constants as C
+from vlmq.shared.jobs import fetch_job, payload_of
+from vlmq.shared.keys import Keys
+from vlmq.shared.results import write_item
+from vlmq.shared.schema import ItemResult
+
+VLMQ = Path(sys.executable).with_name("vlmq")
+
+
+def pdf_bytes(pages: int) -> bytes:
+    images = []
+    for i in range(pages):
+        im = Image.new("L", (200, 260), 255)
+        ImageDraw.Draw(im).text((20, 20), f"page {i + 1}", fill=0)
+        images.append(im)
+    buf = io.BytesIO()
+    images[0].save(buf, "PDF", save_all=True, append_images=images[1:])
+    return buf.getvalue()
+
+
+def image_bytes(fmt: str = "PNG", color: tuple[int, int, int] = (200, 30, 30),
+                size: tuple[int, int] = (48, 32)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, fmt)
+    return buf.getvalue()
+
+
+def bomb_png(side: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("1", (side, side)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def item_result(index: int, source: str, page: int | None, text: str | None,
+                error: str | None = None) -> ItemResult:
+    return ItemResult(index=index, source=source, page=page, text=text,
+                      finish_reason=None if error else "stop", prompt_tokens=10,
+                      completion_tokens=5, vision_cache_hit=index % 2 == 0, error=error)
+
+
+@pytest.fixture
+def run(redis_url: str):
+    runner = CliRunner()
+
+    def invoke(*args: str):
+        return runner.invoke(main, ["--redis-url", redis_url, *args], catch_exceptions=False)
+
+    return invoke
+
+
+@pytest.fixture
+def doc(tmp_path: Path) -> Path:
+    path = tmp_path / "doc.pdf"
+    path.write_bytes(pdf_bytes(4))
+    return path
+
+
+# --- enqueue --------------------------------------------------------------------------------
+
+
+def test_enqueue_ocr_prints_the_job_id(run, redis: Redis, doc: Path) -> None:
+    res = run("enqueue", "ocr", str(doc), "--pages", "1-2,4", "--label", "batch=b7",
+              "--label", "owner=ann=x", "--max-side", "1024")
+    assert res.exit_code == 0, res.output
+    job_id = res.stdout.strip()
+    payload = payload_of(fetch_job(redis, job_id))
+    assert [i.page for i in payload.items] == [1, 2, 4]
+    assert dict(payload.labels) == {"batch": "b7", "owner": "ann=x"}
+    assert payload.max_side == 1024
+
+
+def test_enqueue_json_output(run, redis: Redis, doc: Path, tmp_path: Path) -> None:
+    img = tmp_path / "p.png"
+    img.write_bytes(image_bytes())
+    res = run("enqueue", "ocr", str(doc), str(img), "--queue", "ocr-bulk", "--json",
+              "--model", "mlx-community/x", "--max-tokens", "99", "--prompt", "Read.")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert (out["queue"], out["items"], out["blobs"], out["rejected"]) == ("ocr-bulk", 5, 2, [])
+    payload = payload_of(fetch_job(redis, out["id"]))
+    assert (payload.model, payload.generation.max_tokens, payload.prompt) == (
+        "mlx-community/x", 99, "Read.")
+    assert redis.lrange("rq:queue:ocr-bulk", 0, -1) == [out["id"].encode()]
+
+
+def test_enqueue_subprocess_real_console_script(redis_url: str, redis: Redis,
+                                                 doc: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "REDIS_URL": redis_url}
+    proc = subprocess.run([str(VLMQ), "enqueue", "ocr", str(doc), "--pages", "3", "--json"],
+                          capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["items"] == 1 and fetch_job(redis, out["id"]).origin == "ocr"
+
+    empty = tmp_path / "empty.pdf"
+    empty.write_bytes(b"")
+    before = redis.dbsize()
+    proc = subprocess.run([str(VLMQ), "enqueue", "ocr", str(empty)], capture_output=True,
+                          text=True, env=env, timeout=60, check=False)
+    assert proc.returncode == 2
+    assert f"{empty}: is empty" in proc.stderr and proc.stdout == ""
+    assert redis.dbsize() == before
+
+
+def _bad(tmp_path: Path, name: str, data: bytes) -> Path:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+BAD_INPUTS = {
+    "empty": ("empty.pdf", b"", [], "empty.pdf: is empty"),
+    "truncated pdf": ("cut.pdf", pdf_bytes(3)[:900], [], "cut.pdf: is a corrupt or truncated PDF"),
+    "corrupt pdf": ("junk.pdf", b"%PDF-1.4\n" + b"\x00garbage" * 200, [],
+                    "junk.pdf: is a corrupt or truncated PDF"),
+    "non-image .png": ("fake.png", b"<html>not a png</html>", [],
+                       "fake.png: is neither a PDF nor an image"),
+    "page out of range": ("doc4.pdf", pdf_bytes(4), ["--pages", "9"],
+                          "doc4.pdf: page 9 is out of range: "),
+    "bad range syntax": ("doc4.pdf", pdf_bytes(4), ["--pages", "abc"],
+                         "doc4.pdf: bad page range 'abc'"),
+    "reversed range": ("doc4.pdf", pdf_bytes(4), ["--pages", "5-2"],
+                       "doc4.pdf: bad page range '5-2'"),
+    "page zero": ("doc4.pdf", pdf_bytes(4), ["--pages", "0"], "pages are numbered from 1"),
+    "image bomb": ("bomb.png", bomb_png(10_000), [], "bomb.png: image is larger than the"),
+    "missing": (None, b"", [], "nothere.pdf: no such file"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS), ids=list(BAD_INPUTS))
+def test_bad_input_exits_2_and_writes_nothing(run, redis: Redis, tmp_path: Path,
+                                              case: str) -> None:
+    name, data, extra, needle = BAD_INPUTS[case]
+    path = _bad(tmp_path, name, data) if name else tmp_path / "nothere.pdf"
+    res = run("enqueue", "ocr", str(path), *extra)
+    assert res.exit_code == 2, res.output
+    assert needle in res.stderr
+    assert "nothing was enqueued" in res.stderr and res.stdout == ""
+    assert redis.dbsize() == 0
+
+
+def test_bad_option_values_exit_2(run, redis: Redis, doc: Path) -> None:
+    res = run("enqueue", "ocr", str(doc), "--label", "novalue")
+    assert res.exit_code == 2 and "'novalue' is not key=value" in res.stderr
+    res = run("enqueue", "ocr", str(doc), "--max-side", "10")
+    assert res.exit_code == 2 and "max_side" in res.stderr
+    res = run("enqueue", "ocr", str(doc), "--queue", "bad queue!")
+    assert res.exit_code == 2 and "queue" in res.stderr
+    res = run("enqueue", "generate", str(doc))
+    assert res.exit_code == 2 and "--prompt is required" in res.stderr
+    assert redis.dbsize() == 0
+
+
+@pytest.fixture
+def caption_set(tmp_path: Path) -> Path:
+    root = tmp_path / "photos"
+    (root / "nested").mkdir(parents=True)
+    (root / "a.png").write_bytes(image_bytes(color=(1, 0, 0)))
+    (root / "b.jpg").write_bytes(image_bytes("JPEG", color=(0, 1, 0)))
+    (root / "nested" / "c.webp").write_bytes(image_bytes("WEBP", color=(0, 0, 1)))
+    (root / "nested" / "empty.png").write_bytes(b"")
+    (root / "notes.png").write_bytes(b"plain text")
+    (root / "bomb.png").write_bytes(bomb_png(10_000))
+    return root
+
+
+def test_caption_set_with_bad_files_rejects_all_and_lists_each(run, redis: Redis,
+                                                               caption_set: Path) -> None:
+    res = run("enqueue", "caption", str(caption_set), "--recursive")
+    assert res.exit_code == 2
+    assert "3 bad input file(s)" in res.stderr
+    assert f"{caption_set / 'nested' / 'empty.png'}: is empty" in res.stderr
+    assert f"{caption_set / 'notes.png'}: is neither a PDF nor an image" in res.stderr
+    assert f"{caption_set / 'bomb.png'}: image is larger than" in res.stderr
+    assert redis.dbsize() == 0
+
+
+def test_caption_skip_bad_enqueues_good_and_reports_rest(run, redis: Redis,
+                                                          caption_set: Path) -> None:
+    res = run("enqueue", "caption", str(caption_set), "-r", "--skip-bad", "--json",
+              "--prompt", "One sentence.")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["items"] == 3 and out["queue"] == "caption"
+    assert sorted(Path(r["path"]).name for r in out["rejected"]) == [
+        "bomb.png", "empty.png", "notes.png"]
+    payload = payload_of(fetch_job(redis, out["id"]))
+    assert sorted(Path(i.source).name for i in payload.items) == ["a.png", "b.jpg", "c.webp"]
+    # Without --json the id goes to stdout, the skipped files to stderr.
+    res = run("enqueue", "caption", str(caption_set / "*.png"), "--skip-bad")
+    assert res.exit_code == 0
+    assert len(res.stdout.split()) == 1
+    assert "skipped" in res.stderr and "notes.png" in res.stderr
+
+
+def test_generate_command(run, redis: Redis, caption_set: Path) -> None:
+    res = run("enqueue", "generate", str(caption_set / "a.png"), "--prompt", "How red?",
+              "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["queue"] == "generate"
+    assert payload_of(fetch_job(redis, out["id"])).prompt == "How red?"
+
+
+# --- status / wait / result -----------------------------------------------------------------
+
+
+def _enqueue(run, *args: str) -> str:
+    res = run("enqueue", *args)
+    assert res.exit_code == 0, res.output
+    return res.stdout.strip()
+
+
+def _finish(redis: Redis, job_id: str, summary: dict[str, object]) -> None:
+    job = fetch_job(redis, job_id)
+    Result.create(job, Result.Type.SUCCESSFUL, ttl=60, return_value=summary)
+    job.set_status(JobStatus.FINISHED)
+
+
+def test_status_of_a_job(run, redis: Redis, keys: Keys, doc: Path) -> None:
+    job_id = _enqueue(run, "ocr", str(doc))
+    write_item(redis, keys, job_id, item_result(1, str(doc), 2, "two"))
+    write_item(redis, keys, job_id, item_result(0, str(doc), 1, None, error="render failed"))
+    res = run("status", job_id)
+    assert res.exit_code == 0
+    assert "status: queued" in res.stdout
+    assert "items: 2/4 done, 1 failed" in res.stdout
+    res = run("status", job_id, "--json")
+    out = json.loads(res.stdout)
+    assert (out["status"], out["done"], out["total"], out["failed"]) == ("queued", 2, 4, 1)
+
+    res = run("status", "no-such-job")
+    assert res.exit_code == 1 and "no-such-job not found" in res.stderr
+
+
+def test_status_overview_queues_and_workers(run, redis: Redis, keys: Keys, doc: Path) -> None:
+    res = run("status")
+    assert res.exit_code == 0
+    assert "queues: none" in res.stdout and "workers: none" in res.stdout
+    _enqueue(run, "ocr", str(doc))
+    _enqueue(run, "ocr", str(doc), "--queue", "rush")
+    worker = Worker(["ocr", "rush"], connection=redis, name="mac-1", serializer=JSONSerializer)
+    worker.register_birth()
+    redis.sadd(keys.workers, "mac-1")
+    redis.hset(keys.worker_stats("mac-1"), mapping={
+        "model": "olmOCR-7B", "in_flight": "12", "batch_occupancy": "0.75",
+        "tokens_per_s": "220.1", "items_per_s": "1.3", "cache_hit_rate": "0.4"})
+    res = run("status")
+    assert res.exit_code == 0
+    lines = res.stdout.splitlines()
+    assert any(ln.split()[:3] == ["ocr", "queued", "1"] for ln in lines)
+    assert any(ln.split()[:3] == ["rush", "queued", "1"] for ln in lines)
+    assert "mac-1" in res.stdout and "[ocr, rush]" in res.stdout
+    for field in ("model=olmOCR-7B", "in_flight=12", "batch_occupancy=0.75",
+                  "tokens_per_s=220.1", "items_per_s=1.3", "cache_hit_rate=0.4"):
+        assert field in res.stdout
+    out = json.loads(run("status", "--json").stdout)
+    assert out["queues"]["ocr"]["queued"] == 1
+    assert out["workers"][0]["stats"]["model"] == "olmOCR-7B"
+    worker.register_death()
+
+
+def test_wait_timeout_exits_nonzero(run, doc: Path) -> None:
+    job_id = _enqueue(run, "ocr", str(doc), "--pages", "1")
+    res = run("wait", job_id, "--timeout", "1")
+    assert res.exit_code == 124
+    assert "timed out after 1s: 0/1 items done" in res.stderr and job_id in res.stderr
+
+
+def test_wait_finished_and_failed(run, redis: Redis, doc: Path, tmp_path: Path) -> None:
+    ok_id = _enqueue(run, "ocr", str(doc), "--pages", "1")
+    _finish(redis, ok_id, {"items": 1})
+    res = run("wait", ok_id, "--timeout", "5")
+    assert res.exit_code == 0 and f"{ok_id}: finished" in res.stdout
+
+    img = tmp_path / "x.png"
+    img.write_bytes(image_bytes())
+    bad_id = _enqueue(run, "caption", str(img))
+    # A plain RQ worker fails the job through RQ's real failure path.
+    SimpleWorker(["caption"], connection=redis, serializer=JSONSerializer).work(burst=True)
+    res = run("wait", ok_id, bad_id, "--timeout", "5")
+    assert res.exit_code == 1
+    assert f"{bad_id}: failed: " in res.stdout and "WrongWorkerError" in res.stdout
+    res = run("status", bad_id)
+    assert "status: failed" in res.stdout and "vlmq worker" in res.stdout
+
+
+@pytest.fixture
+def finished_doc(run, redis: Redis, keys: Keys, tmp_path: Path) -> tuple[str, Path]:
+    """A 4-page OCR job, pages 2-4, with results written out of order; one page failed."""
+    path = tmp_path / "report.pdf"
+    path.write_bytes(pdf_bytes(4))
+    job_id = _enqueue(run, "ocr", str(path), "--pages", "2-4")
+    src = str(path)
+    write_item(redis, keys, job_id, item_result(2, src, 4, "# Four\nlast page"))
+    write_item(redis, keys, job_id, item_result(0, src, 2, "Page two text"))
+    write_item(redis, keys, job_id, item_result(1, src, 3, None, error="render failed: x"))
+    _finish(redis, job_id, {"items": 3, "ok": 2, "failed": 1})
+    return job_id, path
+
+
+def test_result_jsonl_is_in_item_order(run, finished_doc: tuple[str, Path]) -> None:
+    job_id, _ = finished_doc
+    res = run("result", job_id, "--format", "jsonl")
+    assert res.exit_code == 0
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [(r["index"], r["page"]) for r in rows] == [(0, 2), (1, 3), (2, 4)]
+    assert rows[1]["error"] == "render failed: x" and rows[0]["text"] == "Page two text"
+    assert run("result", job_id).stdout == res.stdout  # jsonl is the default
+
+
+def test_result_json(run, finished_doc: tuple[str, Path]) -> None:
+    job_id, _ = finished_doc
+    out = json.loads(run("result", job_id, "--format", "json").stdout)
+    assert (out["id"], out["status"]) == (job_id, "finished")
+    assert out["summary"] == {"items": 3, "ok": 2, "failed": 1}
+    assert [i["index"] for i in out["items"]] == [0, 1, 2]
+
+
+def test_result_markdown_pages_in_order(run, finished_doc: tuple[str, Path],
+                                        tmp_path: Path) -> None:
+    job_id, path = finished_doc
+    res = run("result", job_id, "--format", "md")
+    assert res.exit_code == 0
+    md = res.stdout
+    h2, h3, h4 = (md.index(f"## {path} — page {n}") for n in (2, 3, 4))
+    assert h2 < md.index("Page two text") < h3 < md.index("**Error:** render failed: x") < h4
+    assert md.index("# Four\nlast page") > h4
+    out = tmp_path / "out.md"
+    res = run("result", job_id, "--format", "md", "-o", str(out))
+    assert res.exit_code == 0 and res.stdout == ""
+    assert out.read_text(encoding="utf-8") == md
+
+
+def test_result_of_a_running_job_is_partial(run, redis: Redis, keys: Keys, doc: Path) -> None:
+    job_id = _enqueue(run, "ocr", str(doc), "--pages", "1-2")
+    write_item(redis, keys, job_id, item_result(1, str(doc), 2, "second"))
+    res = run("result", job_id, "--format", "md")
+    assert res.exit_code == 0
+    assert "1/2 items done; results are partial" in res.stderr
+    assert res.stdout.index("not done yet") < res.stdout.index("second")
+
+
+def test_worker_commands_are_attached_when_present() -> None:
+    import importlib.util
+
+    names = set(main.commands)
+    assert {"enqueue", "status", "wait", "result"} <= names
+    if importlib.util.find_spec("vlmq.worker.cli") is not None:
+        assert {"worker", "model", "demo"} <= names
+
+
+def test_producer_imports_without_mlx() -> None:
+    code = ("import sys, vlmq.producer, vlmq.producer.cli; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('mlx', 'mlx_vlm', 'mlx_lm', 'numpy', 'transformers')]; "
+            "assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert C.TASK_FUNC.startswith("vlmq.worker")
+
+
+def test_reading_a_pickled_job_fails_clearly(run, redis: Redis) -> None:
+    pickled = Queue("ocr", connection=redis).enqueue_call(func=C.TASK_FUNC, args=[{"v": 1}])
+    for args in (["status", pickled.id], ["result", pickled.id], ["wait", pickled.id]):
+        res = run(*args)
+        assert res.exit_code == 1, args
+        assert "not a readable vlmq job: data: job data is not JSON" in res.stderr

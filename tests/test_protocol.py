@@ -1,0 +1,190 @@
+"""Protocol v1 on the wire: payload validation, the Lua enqueue path, and refusing pickle."""
+
+from __future__ import annotations
+
+import copy
+import json
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis import Redis
+from rq import Queue
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from vlmq.shared import constants as C
+from vlmq.shared.errors import PayloadError
+from vlmq.shared.jobs import enqueue, enqueue_lua, fetch_job, is_json_data, payload_of
+from vlmq.shared.keys import RQ_QUEUES, Keys
+from vlmq.shared.schema import Item, JobPayload, parse_payload
+
+SHA = "ab" * 32
+
+
+def good_payload() -> dict[str, Any]:
+    """A payload as a producer in another language would write it, by hand."""
+    return {
+        "v": 1,
+        "task": "ocr",
+        "items": [{"kind": "pdf", "blob": SHA, "source": "scan.pdf", "page": 1},
+                  {"kind": "image", "blob": SHA, "source": "photo.jpg"}],
+        "prompt": None,
+        "generation": {"max_tokens": 256, "temperature": 0, "stop": []},
+        "model": None,
+        "max_side": 1280,
+        "labels": {"team": "ops"},
+        "created_at": "2026-11-29T10:00:00.000000Z",
+    }
+
+
+def mutate(path: str, value: Any) -> dict[str, Any]:
+    """Copy of good_payload() with one dotted path set (or deleted when value is ...)."""
+    payload = good_payload()
+    parts = path.split(".")
+    target: Any = payload
+    for part in parts[:-1]:
+        target = target[int(part)] if isinstance(target, list) else target[part]
+    if value is Ellipsis:
+        del target[parts[-1]]
+    else:
+        target[parts[-1]] = value
+    return payload
+
+
+MALFORMED = [
+    ("wrong version", mutate("v", 2), "v", "unsupported protocol version 2"),
+    ("version as string", mutate("v", "1"), "v", "unsupported protocol version"),
+    ("items not a list", mutate("items", {"0": {}}), "items", "must be a non-empty list"),
+    ("items empty", mutate("items", []), "items", "must be a non-empty list"),
+    ("bad sha", mutate("items.0.blob", "ABC"), "items[0].blob", "sha256"),
+    ("uppercase sha", mutate("items.1.blob", "AB" * 32), "items[1].blob", "sha256"),
+    ("pdf item without page", mutate("items.0.page", ...), "items[0].page", "required"),
+    ("page 0", mutate("items.0.page", 0), "items[0].page", "between 1 and"),
+    ("page on an image", mutate("items.1.page", 3), "items[1].page", "only allowed on pdf"),
+    ("unknown item kind", mutate("items.1.kind", "video"), "items[1].kind", "must be one of"),
+    ("bad temperature", mutate("generation.temperature", "hot"), "generation.temperature",
+     "must be a number"),
+    ("temperature out of range", mutate("generation.temperature", 50),
+     "generation.temperature", "between 0 and 5"),
+    ("max_tokens as bool", mutate("generation.max_tokens", True), "generation.max_tokens",
+     "must be an integer"),
+    ("unknown top-level field", mutate("priority", 5), "payload", "unknown field(s) ['priority']"),
+    ("unknown item field", mutate("items.0.dpi", 300), "items[0]", "unknown field(s) ['dpi']"),
+    ("unknown generation field", mutate("generation.top_k", 5), "generation",
+     "unknown field(s) ['top_k']"),
+    ("unknown task", mutate("task", "translate"), "task", "must be one of"),
+    ("max_side too small", mutate("max_side", 8), "max_side", "between 28 and 8192"),
+    ("label not a string", mutate("labels.team", 7), "labels.team", "must be a string"),
+    ("generate without prompt", mutate("task", "generate"), "prompt", "required"),
+    ("not an object", ["v", 1], "payload", "must be a JSON object"),
+]
+
+
+@pytest.mark.parametrize(("raw", "field", "needle"), [m[1:] for m in MALFORMED],
+                         ids=[m[0] for m in MALFORMED])
+def test_malformed_payload_errors_name_the_field(raw: Any, field: str, needle: str) -> None:
+    with pytest.raises(PayloadError) as info:
+        parse_payload(raw)
+    assert info.value.field == field
+    assert needle in info.value.problem
+    assert str(info.value).startswith(field)
+
+
+def test_good_payload_round_trips() -> None:
+    parsed = parse_payload(good_payload())
+    assert parsed.items[0] == Item(kind="pdf", blob=SHA, source="scan.pdf", page=1)
+    assert parse_payload(json.loads(json.dumps(parsed.to_dict()))) == parsed
+
+
+def test_malformed_payload_sent_through_lua_fails_reading_with_the_field(redis: Redis) -> None:
+    job_id = enqueue_lua(redis, mutate("items.0.page", 0), queue="ocr")
+    with pytest.raises(PayloadError, match=r"^items\[0\]\.page: must be between 1 and"):
+        payload_of(fetch_job(redis, job_id))
+
+
+def test_lua_and_rq_paths_read_back_identically(redis: Redis) -> None:
+    payload = parse_payload(good_payload())
+    rq_id = enqueue(redis, payload, queue="ocr")
+    lua_id = enqueue_lua(redis, payload.to_dict(), queue="ocr", job_id="from-lua-1")
+    assert lua_id == "from-lua-1"
+
+    via_rq = Job.fetch(rq_id, connection=redis, serializer=JSONSerializer)
+    via_lua = Job.fetch(lua_id, connection=redis, serializer=JSONSerializer)
+    assert via_lua.func_name == via_rq.func_name == C.TASK_FUNC
+    assert via_lua.args == via_rq.args == [payload.to_dict()]
+    assert via_lua.kwargs == via_rq.kwargs == {}
+    assert payload_of(via_lua) == payload_of(via_rq) == payload
+    assert via_lua.origin == via_rq.origin == "ocr"
+    assert via_lua.get_status() == via_rq.get_status() == "queued"
+    assert via_lua.timeout == via_rq.timeout == C.JOB_TIMEOUT_S
+    assert via_lua.result_ttl == C.RESULT_TTL_S and via_lua.failure_ttl == C.FAILURE_TTL_S
+    assert via_lua.enqueued_at is not None and via_lua.description
+
+    assert redis.lrange(Keys.rq_queue("ocr"), 0, -1) == [rq_id.encode(), lua_id.encode()]
+    assert redis.smembers(RQ_QUEUES) == {b"rq:queue:ocr"}
+    assert Queue("ocr", connection=redis, serializer=JSONSerializer).job_ids == [rq_id, lua_id]
+    # Same id twice: refused, nothing overwritten.
+    with pytest.raises(PayloadError, match="already exists"):
+        enqueue_lua(redis, payload.to_dict(), queue="ocr", job_id=lua_id)
+    assert redis.llen(Keys.rq_queue("ocr")) == 2
+
+
+def test_rq_job_hash_is_json_with_no_pickle(redis: Redis) -> None:
+    job_id = enqueue(redis, parse_payload(good_payload()), queue="caption-x")
+    fields = redis.hgetall(Keys.rq_job(job_id))
+    data = zlib.decompress(fields[b"data"])
+    assert json.loads(data)[0] == C.TASK_FUNC
+    assert is_json_data(fields[b"data"])
+    meta = fields.get(b"meta")
+    if meta:
+        json.loads(zlib.decompress(meta) if meta[:1] == b"x" else meta)
+    for name, value in fields.items():
+        raw = zlib.decompress(value) if name in (b"data", b"meta") and value[:1] == b"x" \
+            else value
+        assert not raw.startswith(b"\x80"), f"field {name!r} looks pickled"
+    for field in (b"origin", b"timeout", b"result_ttl", b"failure_ttl", b"description",
+                  b"created_at", b"enqueued_at", b"status"):
+        assert fields.get(field), field
+    assert fields[b"origin"] == b"caption-x"
+
+
+def _tripwire(path: str) -> str:
+    """Called only if someone unpickles the evil argument below."""
+    Path(path).write_text("unpickled!")
+    return "pwned"
+
+
+class _Evil:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (_tripwire, (self.path,))
+
+
+def test_pickled_job_is_refused_and_never_unpickled(redis: Redis, tmp_path: Path) -> None:
+    flag = tmp_path / "tripped"
+    payload = copy.deepcopy(good_payload())
+    payload["prompt"] = _Evil(str(flag))
+    # rq's default serializer is pickle: this is what a careless or hostile producer sends.
+    pickled = Queue("ocr", connection=redis).enqueue_call(func=C.TASK_FUNC, args=[payload])
+    raw = redis.hget(Keys.rq_job(pickled.id), "data")
+    assert zlib.decompress(raw).startswith(b"\x80") and not is_json_data(raw)
+
+    with pytest.raises(PayloadError, match=r"^data: job data is not JSON \(a pickled job\?\)"):
+        payload_of(fetch_job(redis, pickled.id))
+    assert not flag.exists(), "the pickled job was unpickled"
+
+
+def test_payload_of_refuses_other_functions(redis: Redis) -> None:
+    job = Queue("ocr", connection=redis, serializer=JSONSerializer).enqueue_call(
+        func="os.system", args=["echo hi"])
+    with pytest.raises(PayloadError, match="not a vlmq job"):
+        payload_of(fetch_job(redis, job.id))
+
+
+def test_payload_dataclass_defaults_are_valid() -> None:
+    payload = JobPayload(task="caption", items=(Item("image", SHA, "a.png"),))
+    assert parse_payload(payload.to_dict()).v == C.PROTOCOL_VERSION
