@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,24 +14,44 @@ from redis import Redis
 from vlmq.shared.keys import Keys
 
 REDIS_BASE = os.environ.get("VLMQ_TEST_REDIS", "redis://127.0.0.1:6379")
-# Tests own these db indexes outright: each is flushed before and after use.
+# Tests own these db indexes: a test claims a free one (so two test runs on one Redis
+# never share a db), empties it, and empties it again afterwards.
 TEST_DBS = tuple(range(9, 16))
-_next_db = itertools.cycle(TEST_DBS)
+CLAIM_KEY = "__vlmq_test_claim__"
+_order = itertools.count()
+
+
+def _clear(conn: Redis, *, keep_claim: bool) -> None:
+    for key in conn.scan_iter(count=1000):
+        if not (keep_claim and key == CLAIM_KEY.encode()):
+            conn.delete(key)
 
 
 @pytest.fixture
 def redis_url() -> Iterator[str]:
-    """URL of an empty Redis db that this test alone uses; flushed afterwards."""
-    db = next(_next_db)
-    url = f"{REDIS_BASE}/{db}"
-    conn = Redis.from_url(url)
-    try:
-        conn.ping()
-    except OSError as exc:  # redis raises ConnectionError, a subclass of OSError
-        pytest.fail(f"Redis is not reachable at {REDIS_BASE}: {exc}")
-    conn.flushdb()
-    yield url
-    conn.flushdb()
+    """URL of an empty Redis db that this test alone uses; emptied afterwards."""
+    start = next(_order)
+    deadline = time.monotonic() + 120
+    while True:
+        for k in range(len(TEST_DBS)):
+            db = TEST_DBS[(start + k) % len(TEST_DBS)]
+            conn = Redis.from_url(f"{REDIS_BASE}/{db}")
+            try:
+                claimed = conn.set(CLAIM_KEY, str(os.getpid()), nx=True, ex=900)
+            except OSError as exc:  # redis' ConnectionError is an OSError
+                pytest.fail(f"Redis is not reachable at {REDIS_BASE}: {exc}")
+            if claimed:
+                break
+            conn.close()
+        else:
+            if time.monotonic() > deadline:
+                pytest.fail(f"no free test db among {TEST_DBS} on {REDIS_BASE}")
+            time.sleep(0.5)
+            continue
+        break
+    _clear(conn, keep_claim=True)
+    yield f"{REDIS_BASE}/{db}"
+    _clear(conn, keep_claim=False)
     conn.close()
 
 

@@ -1,0 +1,77 @@
+"""Test inputs and a real worker subprocess, shared by the end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+VLMQ = str(Path(sys.executable).parent / "vlmq")
+COLORS = [(220, 40, 40), (40, 160, 60), (40, 70, 200), (230, 200, 40), (160, 60, 190),
+          (30, 180, 190), (240, 130, 30), (90, 90, 90)]
+
+
+def page_image(i: int, size: tuple[int, int] = (170, 220)) -> Image.Image:
+    """A page that looks different from its neighbours even at a small render size."""
+    img = Image.new("RGB", size, COLORS[i % len(COLORS)])
+    draw = ImageDraw.Draw(img)
+    w, h = size
+    k = (i * 37) % 97
+    box = [w // 8 + k % 30, h // 6, w // 2 + k % 40, h // 2 + k % 50]
+    draw.rectangle(box, fill=(255, 255, 255))
+    draw.ellipse([w // 3, h // 2 + (k % 20), w - 10, h - 10 - (k % 15)],
+                 fill=COLORS[(i * 3 + 1) % len(COLORS)])
+    draw.text((10, 10), f"page {i + 1}", fill=(0, 0, 0))
+    return img
+
+
+def make_pdf(path: Path, pages: int) -> Path:
+    imgs = [page_image(i) for i in range(pages)]
+    imgs[0].save(path, "PDF", save_all=True, append_images=imgs[1:], resolution=72.0)
+    return path
+
+
+def make_images(folder: Path, n: int, sizes: list[tuple[int, int]] | None = None) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    sizes = sizes or [(96, 96), (128, 80), (80, 120), (112, 112)]
+    out = []
+    for i in range(n):
+        p = folder / f"img{i}.png"
+        page_image(i + 3, sizes[i % len(sizes)]).save(p)
+        out.append(p)
+    return out
+
+
+def start_worker(redis_url: str, model: Path, tmp: Path, *args: str,
+                 name: str = "w1") -> subprocess.Popen[str]:
+    env = {**os.environ, "REDIS_URL": redis_url, "VLMQ_CACHE": str(tmp / "cache"),
+           "PYTHONUNBUFFERED": "1"}
+    cmd = [VLMQ, "worker", "--model", str(model), "--name", name,
+           "--cache-dir", str(tmp / "vision-cache"), *args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"worker did not exit in {timeout} s; output:\n{out}") from None
+    return proc.returncode, out
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

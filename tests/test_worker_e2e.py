@@ -1,0 +1,225 @@
+"""End to end: real Redis, a real `vlmq worker` subprocess, the real tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from redis import Redis
+
+from vlmq.producer.client import Client
+from vlmq.shared import constants as C
+from vlmq.shared.blobs import BlobStore
+from vlmq.shared.jobs import enqueue, fetch_job
+from vlmq.shared.keys import Keys
+from vlmq.shared.schema import Generation, Item, JobPayload
+
+from .helpers import VLMQ, finish, make_images, make_pdf, start_worker, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def stats(redis: Redis, name: str) -> dict[str, str]:
+    raw = redis.hgetall(Keys().worker_stats(name))
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+def test_pdf_and_caption_jobs_end_to_end(redis_url: str, redis: Redis, tiny_model: Path,
+                                         tmp_path: Path) -> None:
+    client = Client(redis_url)
+    pdf = make_pdf(tmp_path / "doc.pdf", 3)
+    images = make_images(tmp_path / "imgs", 5)
+    ocr = client.ocr([pdf], max_side=112, max_tokens=8)
+    cap = client.caption(images, max_side=112, max_tokens=8)
+
+    rc, out = finish(start_worker(redis_url, tiny_model, tmp_path, "--burst", "--max-batch", "4"))
+    assert rc == 0, out
+    assert "job " + ocr.id + " started" in out and "job " + cap.id + " finished" in out
+
+    for job, n in ((ocr, 3), (cap, 5)):
+        assert job.status() == "finished"
+        results = list(job.results())
+        assert [r.index for r in results] == list(range(n))
+        assert all(r.error is None and r.text for r in results), results
+        assert job.summary() == {**job.summary(), "items": n, "ok": n, "failed": 0}
+    assert [r.page for r in ocr.results()] == [1, 2, 3]
+    # Different inputs give different outputs: rows were not mixed up or duplicated.
+    assert len({r.text for r in cap.results()}) == 5
+
+    info = subprocess.run([str(Path(VLMQ).parent / "rq"), "info", "--url", redis_url],
+                          capture_output=True, text=True, check=True).stdout
+    assert re.search(r"^ocr\s+\|.*\b1 finished", info, re.M), info
+    assert re.search(r"^caption\s+\|.*\b1 finished", info, re.M), info
+
+
+def test_restarted_worker_serves_every_item_from_the_disk_cache(
+        redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path) -> None:
+    client = Client(redis_url)
+    pdf = make_pdf(tmp_path / "doc.pdf", 3)
+    images = make_images(tmp_path / "imgs", 2)
+    inputs = [pdf, *images]
+
+    first = client.ocr(inputs, max_side=112, max_tokens=8)
+    rc, out = finish(start_worker(redis_url, tiny_model, tmp_path, "--burst", name="cold"))
+    assert rc == 0, out
+    cold = stats(redis, "cold")
+    assert int(cold["tower_calls"]) == 5 and int(cold["pdf_renders"]) == 3
+    assert int(cold["cache_misses"]) == 5
+
+    second = client.ocr(inputs, max_side=112, max_tokens=8)
+    rc, out = finish(start_worker(redis_url, tiny_model, tmp_path, "--burst", name="warm"))
+    assert rc == 0, out
+    warm = stats(redis, "warm")
+    assert int(warm["tower_calls"]) == 0
+    assert int(warm["pdf_renders"]) == 0 and int(warm["image_decodes"]) == 0
+    assert int(warm["cache_hits"]) == 5 and int(warm["cache_misses"]) == 0
+
+    a, b = list(first.results()), list(second.results())
+    assert not any(r.vision_cache_hit for r in a)
+    assert all(r.vision_cache_hit for r in b)
+    assert second.summary()["cache_hits"] == 5
+    # Cached features give exactly the uncached output.
+    assert [r.text for r in a] == [r.text for r in b]
+
+
+def test_sigterm_requeues_and_a_new_worker_finishes_each_item_once(
+        redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path) -> None:
+    client = Client(redis_url)
+    pages = 24
+    job = client.ocr([make_pdf(tmp_path / "long.pdf", pages)], max_side=112, max_tokens=24)
+    proc = start_worker(redis_url, tiny_model, tmp_path, "--max-batch", "2", "--grace", "20",
+                        name="first")
+    wait_for(lambda: job.progress()[0] >= 2, 60, "two items done")
+    os.killpg(proc.pid, signal.SIGTERM)
+    rc, out = finish(proc, timeout=60)
+    assert rc == 0, out
+    done_at_stop = job.progress()[0]
+    assert 2 <= done_at_stop < pages, out
+    assert job.status() == "queued"
+
+    rc, out = finish(start_worker(redis_url, tiny_model, tmp_path, "--burst", name="second"))
+    assert rc == 0, out
+    assert f"({done_at_stop} already done, resuming)" in out
+    assert job.status() == "finished"
+    results = list(job.results())
+    assert [r.index for r in results] == list(range(pages))
+    assert all(r.text for r in results)
+    events = redis.xrange(Keys().job_events(job.id))
+    item_events = [int(f[b"index"]) for _, f in events if f[b"type"] == b"item"]
+    assert sorted(item_events) == list(range(pages)), "an item was computed twice or lost"
+
+
+def test_an_undecodable_item_fails_alone(redis_url: str, redis: Redis, tiny_model: Path,
+                                         tmp_path: Path) -> None:
+    blobs = BlobStore(redis, Keys())
+    good = [blobs.put(p.read_bytes())[0] for p in make_images(tmp_path / "imgs", 2)]
+    bad, _ = blobs.put(b"this is not an image at all")
+    payload = JobPayload(task="caption", generation=Generation(max_tokens=8), max_side=112,
+                         items=(Item("image", good[0], "a.png"), Item("image", bad, "b.png"),
+                                Item("image", good[1], "c.png")))
+    job_id = enqueue(redis, payload, queue="caption")
+
+    rc, out = finish(start_worker(redis_url, tiny_model, tmp_path, "--burst"))
+    assert rc == 0, out
+    job = Client(redis_url).job(job_id)
+    assert job.status() == "finished"
+    r0, r1, r2 = job.results()
+    assert r0.text and r2.text and r0.error is None and r2.error is None
+    assert r1.text is None and r1.error and "not an image" in r1.error
+    assert job.summary()["failed"] == 1 and job.summary()["ok"] == 2
+
+
+def test_job_for_another_model_fails_naming_both(redis_url: str, redis: Redis,
+                                                 tiny_model: Path, tmp_path: Path) -> None:
+    blob, _ = BlobStore(redis, Keys()).put(make_images(tmp_path / "i", 1)[0].read_bytes())
+    payload = JobPayload(task="caption", model="mlx-community/Some-Other-VLM-4bit",
+                         items=(Item("image", blob, "a.png"),))
+    job_id = enqueue(redis, payload, queue="caption")
+    rc, out = finish(start_worker(redis_url, tiny_model, tmp_path, "--burst"))
+    assert rc == 0, out
+    job = fetch_job(redis, job_id)
+    assert job.get_status() == "failed"
+    result = job.latest_result()
+    assert result is not None and result.exc_string is not None
+    assert "mlx-community/Some-Other-VLM-4bit" in result.exc_string
+    assert str(tiny_model) in result.exc_string
+
+
+def test_backpressure_keeps_a_window_and_a_small_job_overtakes_a_big_one(
+        redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path) -> None:
+    client = Client(redis_url)
+    big = client.ocr([make_pdf(tmp_path / "big.pdf", 200)], max_side=56, max_tokens=4)
+    proc = start_worker(redis_url, tiny_model, tmp_path, "--burst", "--max-batch", "4",
+                        name="bp")
+    peak_seen = 0
+
+    def progressed() -> bool:
+        nonlocal peak_seen
+        s = stats(redis, "bp")
+        if s:
+            peak_seen = max(peak_seen, int(s["waiting"]))
+            assert int(s["waiting"]) <= int(s["window"]) == 8
+        return big.progress()[0] >= 10
+
+    wait_for(progressed, 90, "the big job to get going")
+    small = client.caption(make_images(tmp_path / "imgs", 3), max_side=56, max_tokens=4)
+    wait_for(lambda: progressed() and small.status() == "finished", 90, "the small job")
+    big_done, _ = big.progress()
+    assert big.status() == "started" and big_done < 200, "the small job waited for the big one"
+
+    rc, out = finish(proc, timeout=300)
+    assert rc == 0, out
+    assert big.status() == "finished" and big.summary()["ok"] == 200
+    final = stats(redis, "bp")
+    assert 0 < int(final["peak_waiting"]) <= int(final["window"]) == 8
+    assert peak_seen <= 8
+
+
+def test_readme_demo_command_runs(redis_url: str, tmp_path: Path) -> None:
+    env = {**os.environ, "REDIS_URL": redis_url, "VLMQ_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([VLMQ, "demo"], env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "RANDOM" in out and "gibberish" in out
+    cold, warm = re.findall(r"(\d+)/(\d+) items ok, (\d+) vision-cache hits", out)
+    assert cold[0] == cold[1] and int(cold[2]) == 0
+    assert warm[0] == warm[1] and int(warm[2]) == int(warm[1]) > 0
+
+
+def test_pickled_job_is_refused_by_the_worker(redis_url: str, redis: Redis, tiny_model: Path,
+                                              tmp_path: Path) -> None:
+    from rq import Queue
+
+    marker = tmp_path / "unpickled"
+    q = Queue("caption", connection=redis)  # RQ's default serializer: pickle
+    job = q.enqueue_call(func=C.TASK_FUNC, args=[_Trap(str(marker))])
+    rc, out = finish(start_worker(redis_url, tiny_model, tmp_path, "--burst"))
+    assert rc == 0, out
+    assert not marker.exists()
+    assert redis.hget(f"rq:job:{job.id}", "status") == b"failed"
+    assert json.loads(json.dumps(out))  # worker output is plain text, nothing unpickled
+
+
+class _Trap:
+    """Writes a marker file if anything ever unpickles it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str, ...]]:
+        return (_touch, (self.path,))
+
+
+def _touch(path: str) -> None:
+    Path(path).write_text("unpickled")
+
+
+if sys.platform == "win32":  # pragma: no cover
+    pytest.skip("process groups are POSIX", allow_module_level=True)
