@@ -70,7 +70,7 @@ class Prepared:
 
 def load_model(model_path: str) -> LoadedModel:
     """Load through `mlx_vlm.load`: a local folder offline, else a hub id via its normal path."""
-    from mlx_vlm import load
+    from mlx_vlm.utils import load
 
     local = Path(model_path).expanduser()
     target = str(local) if local.exists() else model_path
@@ -229,7 +229,9 @@ def _deferred_prompt_kwargs(
 
     images = [prepared.deferred_image] if prepared.deferred_image is not None else None
     with _TOKENIZER_LOCK:
-        inputs = prepare_inputs(processor, images=images, prompts=prepared.text)
+        inputs = prepare_inputs(  # type: ignore[no-untyped-call]
+            processor, images=images, prompts=prepared.text
+        )
     ids = inputs["input_ids"]
     pixels = inputs.get("pixel_values")
     extra = {
@@ -266,3 +268,30 @@ def features_from_numpy(array: np.ndarray, dtype_name: str) -> Any:
     if dtype == mx.bfloat16:
         return mx.array(np.ascontiguousarray(array, dtype=np.uint16)).view(mx.bfloat16)
     return mx.array(array).astype(dtype)
+
+
+# ---------------------------------------------------------------- text
+
+
+def eos_token_ids(processor: Any) -> frozenset[int]:
+    """The ids mlx-vlm's generators stop on (config eos plus the tokenizer's own)."""
+    criteria = processor.tokenizer.stopping_criteria
+    return frozenset(int(t) for t in criteria.eos_token_ids)
+
+
+def decode(processor: Any, ids: list[int]) -> str:
+    """Token ids to text, special tokens kept so stop strings such as <|im_start|> are seen."""
+    with _TOKENIZER_LOCK:
+        return str(processor.tokenizer.decode(ids, skip_special_tokens=False))
+
+
+def release_thread_streams() -> None:
+    """Free the MLX streams this thread created; call last on any thread that ran MLX.
+
+    MLX 0.32 no longer cleans per-thread streams itself; without this a process
+    whose MLX thread has ended can abort at exit ("terminate called without an
+    active exception", ml-explore/mlx#3126).
+    """
+    import mlx.core as mx
+
+    mx.clear_streams()

@@ -175,7 +175,12 @@ def _write_tokenizer(out_dir: Path) -> dict[str, int]:
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     tok.save(str(out_dir / "tokenizer.json"))
 
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    ids: dict[str, int] = {}
+    for t in SPECIAL_TOKENS:
+        token_id = tok.token_to_id(t)
+        if token_id is None:
+            raise RuntimeError(f"special token {t} missing after training")
+        ids[t] = token_id
     added = {
         str(i): {
             "content": t,
@@ -260,11 +265,12 @@ def _write_weights(path: Path, config: dict[str, Any], seed: int) -> None:
     cfg = json.loads(json.dumps(config))  # from_dict adds text_config to the dict it gets
     module, _ = get_model_and_args(config=cfg)
     model_config = module.ModelConfig.from_dict(cfg)
-    model_config = update_module_configs(model_config, module, cfg, ["text", "vision"])
+    model_config = update_module_configs(  # type: ignore[no-untyped-call]
+        model_config, module, cfg, ["text", "vision"]
+    )
     mx.random.seed(seed)
     model = module.Model(model_config)
-    weights = {
-        k: (v * _WEIGHT_SCALE if v.ndim >= 2 else v) for k, v in tree_flatten(model.parameters())
-    }
+    flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    weights = {k: (v * _WEIGHT_SCALE if v.ndim >= 2 else v) for k, v in flat}
     mx.eval(weights)
     mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})

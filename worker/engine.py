@@ -1,0 +1,510 @@
+"""The MLX engine: one thread owns every MLX call and runs a continuous batcher.
+
+MLX (and mlx-vlm's generator state: rope deltas on the model, the shared
+stopping criteria) is not safe to drive from several threads, and on Metal a
+second thread submitting work can crash the process. So the model is loaded,
+the vision tower runs, embeddings are built and `BatchGenerator.next()` is
+called on one thread only. Everyone else talks to it through two queues:
+`submit()` in, `get_finished()` out.
+
+Requests from different jobs share batches: whatever was submitted is inserted
+at the next step, up to `max_batch` sequences in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vlmq.worker import mlx_adapter as adapter
+from vlmq.worker.mlx_adapter import LoadedModel, Prepared
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05  # how long the MLX thread blocks on the inbox when it has nothing to run
+_CLEAR_CACHE_DELAY = 8  # steps between a removal and mx.clear_cache (Metal pitfall)
+
+
+@dataclass
+class Request:
+    key: Hashable  # opaque to the engine, e.g. (job_id, item_index)
+    prepared: Prepared
+    cached_features: tuple[np.ndarray, str] | None  # (features, dtype_name) on a cache hit
+    max_tokens: int
+    temperature: float
+    stop: tuple[str, ...]  # stop strings, in addition to the tokenizer's EOS
+    # Called on the MLX thread after a tower run, so the caller can cache the features.
+    on_features: Callable[[np.ndarray, str], None] | None = None
+
+
+@dataclass
+class Finished:
+    key: Hashable
+    text: str
+    finish_reason: str  # "stop" | "length" | "error"
+    prompt_tokens: int
+    completion_tokens: int
+    vision_cache_hit: bool
+    error: str | None
+    timings: dict[str, float]  # queue_s, vision_s, embed_s, prefill_s, generate_s
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_id: str
+    model_type: str
+    cacheable: bool
+    context_length: int
+
+
+class EngineError(RuntimeError):
+    """The engine could not start (model not found or not loadable) or was used after close."""
+
+
+class _Temperature:
+    """Per-request temperature as a logits processor.
+
+    BatchGenerator has one sampler for the whole batch (argmax here). Adding
+    Gumbel noise to logits / T makes that argmax an exact sample from
+    softmax(logits / T), so rows with different temperatures share a batch.
+    """
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+
+    def __call__(self, tokens: Any, logits: Any) -> Any:
+        import mlx.core as mx
+
+        return logits / self.temperature + mx.random.gumbel(logits.shape)
+
+
+@dataclass
+class _Live:
+    """A request inserted into the generator (MLX thread only)."""
+
+    req: Request
+    uid: int
+    prompt_tokens: int
+    hit: bool
+    timings: dict[str, float]
+    inserted_at: float
+    tokens: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    stop_window: int = 0  # tokens to re-decode when looking for a stop string
+
+
+class Engine:
+    """Continuous-batching generator over one loaded model; see module docstring."""
+
+    def __init__(
+        self, model_path: str, *, max_batch: int = 8, prefill_batch: int | None = None
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        self.model_path = model_path
+        self.max_batch = max_batch
+        self.prefill_batch = max(1, min(prefill_batch or max_batch, max_batch))
+        self._inbox: queue.SimpleQueue[tuple[Request, float] | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[Finished] = queue.SimpleQueue()
+        self._counts = threading.Lock()
+        self._waiting = 0  # submitted, not yet inserted or failed
+        self._active = 0  # inserted, not yet finished
+        self.peak_active = 0
+        self.tower_calls = 0
+        self.tokens_generated = 0
+        self.finished_count = 0
+        self.error_count = 0
+        self._closing = threading.Event()
+        self._ready = threading.Event()
+        self._loaded: LoadedModel | None = None
+        self._load_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="vlmq-mlx", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ public API (any thread)
+
+    def wait_ready(self, timeout: float | None = None) -> EngineInfo:
+        """Block until the model is loaded; raise EngineError if it could not be."""
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"model {self.model_path!r} not loaded after {timeout}s")
+        if self._load_error is not None:
+            raise EngineError(str(self._load_error)) from self._load_error
+        return self.info
+
+    @property
+    def info(self) -> EngineInfo:
+        loaded = self._require_loaded()
+        return EngineInfo(
+            model_id=loaded.model_id,
+            model_type=loaded.model_type,
+            cacheable=loaded.cacheable,
+            context_length=loaded.context_length,
+        )
+
+    @property
+    def processor(self) -> Any:
+        """For CPU-side preparation (adapter.prepare); treat as read-only."""
+        return self._require_loaded().processor
+
+    @property
+    def model_config(self) -> Any:
+        """For CPU-side preparation (adapter.prepare); treat as read-only."""
+        return self._require_loaded().model.config
+
+    def submit(self, req: Request) -> None:
+        """Queue a request for the next step; never blocks on MLX."""
+        if self._load_error is not None:
+            raise EngineError(f"engine has no model: {self._load_error}")
+        if self._closing.is_set():
+            raise EngineError("engine is closed")
+        with self._counts:
+            self._waiting += 1
+        self._inbox.put((req, time.perf_counter()))
+
+    def get_finished(self, timeout: float) -> list[Finished]:
+        """Everything finished since the last call; waits up to `timeout` for the first."""
+        out: list[Finished] = []
+        try:
+            out.append(
+                self._outbox.get(timeout=timeout) if timeout > 0 else self._outbox.get_nowait()
+            )
+        except queue.Empty:
+            return out
+        while True:
+            try:
+                out.append(self._outbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    def free_slots(self) -> int:
+        with self._counts:
+            return self.max_batch - self._active - self._waiting
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "waiting": self._waiting,
+            "active": self._active,
+            "peak_active": self.peak_active,
+            "max_batch": self.max_batch,
+            "tower_calls": self.tower_calls,
+            "tokens_generated": self.tokens_generated,
+            "finished": self.finished_count,
+            "errors": self.error_count,
+        }
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the MLX thread; requests still queued or running finish with an error."""
+        self._closing.set()
+        self._inbox.put(None)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            # A submit that raced the shutdown lands here; answer it too.
+            self._abort_all("engine closed", pending=deque(), live={})
+
+    def _require_loaded(self) -> LoadedModel:
+        if self._loaded is None:
+            raise EngineError("model not loaded yet (call wait_ready first)")
+        return self._loaded
+
+    # ------------------------------------------------------------ MLX thread
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            adapter.release_thread_streams()
+
+    def _serve(self) -> None:
+        try:
+            self._loaded = adapter.load_model(self.model_path)
+        except Exception as exc:  # reported to wait_ready, not lost
+            log.exception("engine: model load failed")
+            self._load_error = exc
+            self._closing.set()
+            self._ready.set()
+            self._abort_all("model failed to load", pending=deque(), live={})
+            return
+        self._ready.set()
+        _Loop(self, self._loaded).run()
+
+    def _abort_all(
+        self, why: str, pending: deque[tuple[Request, float]], live: dict[int, _Live]
+    ) -> None:
+        """Fail everything still queued or running (shutdown or load failure)."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                pending.append(item)
+        for req, _ in pending:
+            self._emit(_error(req, why, 0), waiting_delta=-1)
+        pending.clear()
+        for lv in live.values():
+            self._emit(_error(lv.req, why, lv.prompt_tokens, lv.hit, lv.timings), active_delta=-1)
+        live.clear()
+
+    def _emit(self, fin: Finished, *, waiting_delta: int = 0, active_delta: int = 0) -> None:
+        with self._counts:
+            self._waiting += waiting_delta
+            self._active += active_delta
+        self.finished_count += 1
+        if fin.error is not None:
+            self.error_count += 1
+        self._outbox.put(fin)
+
+
+def _error(
+    req: Request,
+    message: str,
+    prompt_tokens: int,
+    hit: bool = False,
+    timings: dict[str, float] | None = None,
+) -> Finished:
+    return Finished(
+        key=req.key,
+        text="",
+        finish_reason="error",
+        prompt_tokens=prompt_tokens,
+        completion_tokens=0,
+        vision_cache_hit=hit,
+        error=message,
+        timings=dict(timings or {}),
+    )
+
+
+class _Loop:
+    """State and steps of the MLX thread; only that thread touches it."""
+
+    def __init__(self, engine: Engine, loaded: LoadedModel) -> None:
+        self.e = engine
+        self.m = loaded
+        self.eos = adapter.eos_token_ids(loaded.processor)
+        self.pending: deque[tuple[Request, float]] = deque()
+        self.live: dict[int, _Live] = {}
+        self.steps = 0
+        self.clear_cache_at: int | None = None
+        self.gen = self._new_generator()
+
+    def _new_generator(self) -> Any:
+        from mlx_vlm.generate import BatchGenerator
+
+        e = self.e
+        return BatchGenerator(
+            self.m.model.language_model,
+            self.m.processor,
+            # The engine caps in-flight rows itself; this headroom makes the
+            # generator admit a new prefill as soon as one is inserted.
+            completion_batch_size=e.max_batch + e.prefill_batch,
+            prefill_batch_size=e.prefill_batch,
+            compute_logprobs=False,
+        )
+
+    def run(self) -> None:
+        e = self.e
+        while not e._closing.is_set():
+            self._intake(block=not self.live and not self.pending)
+            self._admit()
+            if self.live:
+                self._step()
+        e._abort_all("engine closed", self.pending, self.live)
+        self.gen.close()
+
+    def _intake(self, block: bool) -> None:
+        """Move submitted requests to `pending`; block briefly only when idle."""
+        try:
+            item = self.e._inbox.get(timeout=_IDLE_WAIT_S) if block else self.e._inbox.get_nowait()
+            while True:
+                if item is not None:
+                    self.pending.append(item)
+                item = self.e._inbox.get_nowait()
+        except queue.Empty:
+            return
+
+    def _admit(self) -> None:
+        """Embed and insert pending requests while there are free rows."""
+        admitted = 0
+        while (
+            self.pending and len(self.live) < self.e.max_batch and admitted < self.e.prefill_batch
+        ):
+            req, submitted_at = self.pending.popleft()
+            self._insert(req, submitted_at)
+            admitted += 1
+
+    def _insert(self, req: Request, submitted_at: float) -> None:
+        import mlx.core as mx
+
+        e, m = self.e, self.m
+        t0 = time.perf_counter()
+        timings = {"queue_s": t0 - submitted_at, "vision_s": 0.0}
+        hit = False
+        prompt_tokens = req.prepared.prompt_tokens or 0
+        try:
+            self._check_budget(req, prompt_tokens)
+            features = None
+            prepared = req.prepared
+            if m.cacheable and req.cached_features is not None:
+                features = adapter.features_from_numpy(*req.cached_features)
+                hit = True
+            elif m.cacheable and prepared.pixel_values is not None:
+                tv = time.perf_counter()
+                features = adapter.vision_features(m.model, prepared)
+                e.tower_calls += 1
+                timings["vision_s"] = time.perf_counter() - tv
+                self._report_features(req, features)
+            elif prepared.pixel_values is not None or prepared.deferred_image is not None:
+                e.tower_calls += 1  # runs inside get_input_embeddings
+            te = time.perf_counter()
+            ids, kwargs = adapter.build_prompt_kwargs(m.model, m.processor, prepared, features)
+            timings["embed_s"] = time.perf_counter() - te
+            prompt_tokens = len(ids)
+            max_tokens = self._check_budget(req, prompt_tokens)
+            procs = [_Temperature(req.temperature)] if req.temperature > 0 else []
+            (uid,) = self.gen.insert(
+                [ids], max_tokens=[max_tokens], prompt_kwargs=[kwargs], logits_processors=[procs]
+            )
+        except Exception as exc:  # one bad item fails alone; the engine goes on
+            log.exception("engine: request %r failed before generation", req.key)
+            mx.clear_cache()
+            e._emit(
+                _error(req, f"{type(exc).__name__}: {exc}", prompt_tokens, hit, timings),
+                waiting_delta=-1,
+            )
+            return
+        window = max((len(s.encode("utf-8")) for s in req.stop), default=0)
+        self.live[uid] = _Live(
+            req=req,
+            uid=uid,
+            prompt_tokens=prompt_tokens,
+            hit=hit,
+            timings=timings,
+            inserted_at=time.perf_counter(),
+            stop_window=window + 2 if window else 0,
+        )
+        with e._counts:
+            e._waiting -= 1
+            e._active += 1
+            e.peak_active = max(e.peak_active, e._active)
+
+    def _check_budget(self, req: Request, prompt_tokens: int) -> int:
+        """Max new tokens this request may have: its own, clamped to the context left."""
+        context = self.m.context_length
+        if prompt_tokens >= context:
+            raise ValueError(f"prompt has {prompt_tokens} tokens; model context is {context}")
+        if req.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {req.max_tokens}")
+        return int(min(req.max_tokens, context - prompt_tokens))
+
+    def _report_features(self, req: Request, features: Any) -> None:
+        if req.on_features is None:
+            return
+        try:
+            req.on_features(*adapter.features_to_numpy(features))
+        except Exception:  # a failing cache write must not fail the item
+            log.exception("engine: on_features callback failed for %r", req.key)
+
+    def _step(self) -> None:
+        import mlx.core as mx
+
+        try:
+            _, responses = self.gen.next()
+        except Exception as exc:  # the batch is poisoned; fail its rows, start afresh
+            log.exception("engine: generator step failed")
+            for row in list(self.live.values()):
+                self._finish(row, "error", error=f"generation failed: {type(exc).__name__}: {exc}")
+            self.gen.close()
+            mx.clear_cache()
+            self.gen = self._new_generator()
+            return
+        self.steps += 1
+        now = time.perf_counter()
+        stopped: list[tuple[_Live, int]] = []
+        for r in responses:
+            lv = self.live.get(r.uid)
+            if lv is None:
+                continue  # removed by us after this token was computed
+            lv.tokens.append(int(r.token))
+            self.e.tokens_generated += 1
+            if lv.first_token_at is None:
+                lv.first_token_at = now
+            if r.finish_reason is not None:
+                self._finish(lv, r.finish_reason)
+            elif lv.stop_window:
+                cut = self._stop_cut(lv)
+                if cut is not None:
+                    stopped.append((lv, cut))
+        if stopped:
+            mx.synchronize()  # Metal: settle in-flight work before the batch is filtered
+            for lv, _ in stopped:
+                self.gen.remove(lv.uid)
+            for lv, cut in stopped:
+                self._finish(lv, "stop", cut=cut)
+            self.clear_cache_at = self.steps + _CLEAR_CACHE_DELAY
+        if self.clear_cache_at is not None and self.steps >= self.clear_cache_at:
+            mx.clear_cache()
+            self.clear_cache_at = None
+
+    def _stop_cut(self, lv: _Live) -> int | None:
+        """Index in the full text where the earliest stop string starts, if one has appeared."""
+        tail = adapter.decode(self.m.processor, lv.tokens[-lv.stop_window :])
+        if not any(s in tail for s in lv.req.stop):
+            return None
+        return _earliest(adapter.decode(self.m.processor, lv.tokens), lv.req.stop)
+
+    def _finish(
+        self, lv: _Live, reason: str, *, cut: int | None = None, error: str | None = None
+    ) -> None:
+        del self.live[lv.uid]
+        now = time.perf_counter()
+        first = lv.first_token_at or now
+        timings = {**lv.timings, "prefill_s": first - lv.inserted_at, "generate_s": now - first}
+        if error is not None:
+            fin = _error(lv.req, error, lv.prompt_tokens, lv.hit, timings)
+            fin.tokens = list(lv.tokens)
+            self.e._emit(fin, active_delta=-1)
+            return
+        body = lv.tokens
+        if reason == "stop" and cut is None and body and body[-1] in self.eos:
+            body = body[:-1]
+        text = adapter.decode(self.m.processor, body)
+        if cut is None and lv.req.stop:
+            cut = _earliest(text, lv.req.stop)  # a stop string completed by the last token
+        if cut is not None:
+            text, reason = text[:cut], "stop"
+        self.e._emit(
+            Finished(
+                key=lv.req.key,
+                text=text,
+                finish_reason=reason,
+                prompt_tokens=lv.prompt_tokens,
+                completion_tokens=len(lv.tokens),
+                vision_cache_hit=lv.hit,
+                error=None,
+                timings=timings,
+                tokens=list(lv.tokens),
+            ),
+            active_delta=-1,
+        )
+
+
+def _earliest(text: str, stops: tuple[str, ...]) -> int | None:
+    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(found) if found else None
