@@ -1,0 +1,45 @@
+"""The distribution as a producer host gets it: a real wheel in a fresh venv, no MLX."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def test_wheel_installs_the_vlmq_packages_only_and_runs_without_mlx(tmp_path: Path) -> None:
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist),
+                    str(ROOT)], check=True, capture_output=True)
+    (wheel,) = dist.glob("vlmq-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert tops == {"vlmq", next(t for t in tops if t.endswith(".dist-info"))}, tops
+    for needed in ("vlmq/producer/cli.py", "vlmq/worker/service.py", "vlmq/shared/enqueue.lua",
+                   "vlmq/shared/schema.py", "vlmq/producer/samples/document.pdf"):
+        assert needed in names
+
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    py = env_dir / "bin" / "python"
+    subprocess.run([str(py), "-m", "pip", "install", "-q", str(wheel)], check=True,
+                   capture_output=True)
+    helptext = subprocess.run([str(env_dir / "bin" / "vlmq"), "--help"], check=True,
+                              capture_output=True, text=True).stdout
+    for command in ("enqueue", "status", "wait", "result", "worker", "model", "demo"):
+        assert command in helptext
+    probe = ("import importlib.util, sys; import vlmq.producer, vlmq.producer.cli, "
+             "vlmq.producer.client, vlmq.shared.jobs; "
+             "assert importlib.util.find_spec('mlx') is None, 'mlx is installed'; "
+             "assert not any(m.startswith(('mlx', 'numpy')) for m in sys.modules), "
+             "sorted(m for m in sys.modules if m.startswith(('mlx', 'numpy'))); print('ok')")
+    out = subprocess.run([str(py), "-c", probe], check=True, capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert out.stdout.strip() == "ok"
