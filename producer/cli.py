@@ -237,8 +237,9 @@ def _overview(client: Client, as_json: bool) -> None:
         }))
         return
     click.echo("queues:" if queues else "queues: none")
+    width = max((len(n) for n in queues), default=0)
     for q in queues.values():
-        click.echo(f"  {q.name:<16} queued {q.queued:<6} started {q.started:<4} "
+        click.echo(f"  {q.name:<{width}}  queued {q.queued:<6} started {q.started:<4} "
                    f"failed {q.failed:<4} finished {q.finished}")
     click.echo("workers:" if workers else "workers: none")
     for w in workers:

@@ -151,16 +151,18 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("case", list(BAD_INPUTS), ids=list(BAD_INPUTS))
 def test_bad_input_exits_2_and_writes_nothing(run, redis: Redis, tmp_path: Path,
                                               case: str) -> None:
+    before = redis.dbsize()
     name, data, extra, needle = BAD_INPUTS[case]
     path = _bad(tmp_path, name, data) if name else tmp_path / "nothere.pdf"
     res = run("enqueue", "ocr", str(path), *extra)
     assert res.exit_code == 2, res.output
     assert needle in res.stderr
     assert "nothing was enqueued" in res.stderr and res.stdout == ""
-    assert redis.dbsize() == 0
+    assert redis.dbsize() == before
 
 
 def test_bad_option_values_exit_2(run, redis: Redis, doc: Path) -> None:
+    before = redis.dbsize()
     res = run("enqueue", "ocr", str(doc), "--label", "novalue")
     assert res.exit_code == 2 and "'novalue' is not key=value" in res.stderr
     res = run("enqueue", "ocr", str(doc), "--max-side", "10")
@@ -169,7 +171,7 @@ def test_bad_option_values_exit_2(run, redis: Redis, doc: Path) -> None:
     assert res.exit_code == 2 and "queue" in res.stderr
     res = run("enqueue", "generate", str(doc))
     assert res.exit_code == 2 and "--prompt is required" in res.stderr
-    assert redis.dbsize() == 0
+    assert redis.dbsize() == before
 
 
 @pytest.fixture
@@ -187,13 +189,14 @@ def caption_set(tmp_path: Path) -> Path:
 
 def test_caption_set_with_bad_files_rejects_all_and_lists_each(run, redis: Redis,
                                                                caption_set: Path) -> None:
+    before = redis.dbsize()
     res = run("enqueue", "caption", str(caption_set), "--recursive")
     assert res.exit_code == 2
     assert "3 bad input file(s)" in res.stderr
     assert f"{caption_set / 'nested' / 'empty.png'}: is empty" in res.stderr
     assert f"{caption_set / 'notes.png'}: is neither a PDF nor an image" in res.stderr
     assert f"{caption_set / 'bomb.png'}: image is larger than" in res.stderr
-    assert redis.dbsize() == 0
+    assert redis.dbsize() == before
 
 
 def test_caption_skip_bad_enqueues_good_and_reports_rest(run, redis: Redis,
