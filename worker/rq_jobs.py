@@ -269,12 +269,14 @@ class JobLifecycle:
         job.send_webhooks(JobStatus.FINISHED)
         self._after_end()
 
-    def fail(self, running: Running, message: str, *, retry: bool = True) -> None:
+    def fail(self, running: Running, message: str, *, retry: bool = False) -> None:
         """Fail the job; `message` is its latest_result().exc_string.
 
-        With retries left (enqueued with Retry) and retry=True, RQ requeues or schedules
-        the job instead, and records no failure result, so the message is only logged.
-        retry=False is for failures that would repeat (bad input, wrong model...).
+        vlmq jobs carry retries for one reason: a worker that dies mid-job (RQ's cleanup
+        then requeues it and the next worker resumes at item level). Failures reported
+        here would repeat (bad input, wrong model, timeout), so by default they do not
+        spend those retries. With retry=True and retries left, RQ requeues or schedules
+        the job instead and records no failure result, so the message is only logged.
         """
         self._end_failed(running.job, running.queue, running.execution, message, retry=retry)
 
