@@ -58,6 +58,14 @@ def start_worker(redis_url: str, model: Path, tmp: Path, *args: str,
                             text=True, start_new_session=True)
 
 
+def stop_all(procs: list[subprocess.Popen[str]]) -> None:
+    """Teardown: no worker outlives its test, whatever the test did."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
 def finish(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str]:
     try:
         out, _ = proc.communicate(timeout=timeout)

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,24 @@ from vlmq.shared.jobs import enqueue, fetch_job
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import Generation, Item, JobPayload
 
-from .helpers import VLMQ, finish, make_images, make_pdf, start_worker, wait_for
+from . import helpers
+from .helpers import VLMQ, finish, make_images, make_pdf, wait_for
 
 pytestmark = pytest.mark.slow
+Spawn = Callable[..., subprocess.Popen[str]]
+
+
+@pytest.fixture
+def start_worker() -> Iterator[Spawn]:
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(*args: object, **kw: str) -> subprocess.Popen[str]:
+        proc = helpers.start_worker(*args, **kw)  # type: ignore[arg-type]
+        procs.append(proc)
+        return proc
+
+    yield start
+    helpers.stop_all(procs)
 
 
 def stats(redis: Redis, name: str) -> dict[str, str]:
@@ -30,8 +46,9 @@ def stats(redis: Redis, name: str) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in raw.items()}
 
 
-def test_pdf_and_caption_jobs_end_to_end(redis_url: str, redis: Redis, tiny_model: Path,
-                                         tmp_path: Path) -> None:
+def test_pdf_and_caption_jobs_end_to_end(
+        redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path,
+        start_worker: Spawn) -> None:
     client = Client(redis_url)
     pdf = make_pdf(tmp_path / "doc.pdf", 3)
     images = make_images(tmp_path / "imgs", 5)
@@ -59,7 +76,8 @@ def test_pdf_and_caption_jobs_end_to_end(redis_url: str, redis: Redis, tiny_mode
 
 
 def test_restarted_worker_serves_every_item_from_the_disk_cache(
-        redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path) -> None:
+        redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path,
+        start_worker: Spawn) -> None:
     client = Client(redis_url)
     pdf = make_pdf(tmp_path / "doc.pdf", 3)
     images = make_images(tmp_path / "imgs", 2)
@@ -89,7 +107,8 @@ def test_restarted_worker_serves_every_item_from_the_disk_cache(
 
 
 def test_sigterm_requeues_and_a_new_worker_finishes_each_item_once(
-        redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path) -> None:
+        redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path,
+        start_worker: Spawn) -> None:
     client = Client(redis_url)
     pages = 24
     job = client.ocr([make_pdf(tmp_path / "long.pdf", pages)], max_side=112, max_tokens=24)
@@ -115,8 +134,9 @@ def test_sigterm_requeues_and_a_new_worker_finishes_each_item_once(
     assert sorted(item_events) == list(range(pages)), "an item was computed twice or lost"
 
 
-def test_an_undecodable_item_fails_alone(redis_url: str, redis: Redis, tiny_model: Path,
-                                         tmp_path: Path) -> None:
+def test_an_undecodable_item_fails_alone(
+        redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path,
+        start_worker: Spawn) -> None:
     blobs = BlobStore(redis, Keys())
     good = [blobs.put(p.read_bytes())[0] for p in make_images(tmp_path / "imgs", 2)]
     bad, _ = blobs.put(b"this is not an image at all")
@@ -135,8 +155,9 @@ def test_an_undecodable_item_fails_alone(redis_url: str, redis: Redis, tiny_mode
     assert job.summary()["failed"] == 1 and job.summary()["ok"] == 2
 
 
-def test_job_for_another_model_fails_naming_both(redis_url: str, redis: Redis,
-                                                 tiny_model: Path, tmp_path: Path) -> None:
+def test_job_for_another_model_fails_naming_both(
+        redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path,
+        start_worker: Spawn) -> None:
     blob, _ = BlobStore(redis, Keys()).put(make_images(tmp_path / "i", 1)[0].read_bytes())
     payload = JobPayload(task="caption", model="mlx-community/Some-Other-VLM-4bit",
                          items=(Item("image", blob, "a.png"),))
@@ -152,7 +173,8 @@ def test_job_for_another_model_fails_naming_both(redis_url: str, redis: Redis,
 
 
 def test_backpressure_keeps_a_window_and_a_small_job_overtakes_a_big_one(
-        redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path) -> None:
+        redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path,
+        start_worker: Spawn) -> None:
     client = Client(redis_url)
     big = client.ocr([make_pdf(tmp_path / "big.pdf", 200)], max_side=56, max_tokens=4)
     proc = start_worker(redis_url, tiny_model, tmp_path, "--burst", "--max-batch", "4",
@@ -193,8 +215,9 @@ def test_readme_demo_command_runs(redis_url: str, tmp_path: Path) -> None:
     assert warm[0] == warm[1] and int(warm[2]) == int(warm[1]) > 0
 
 
-def test_pickled_job_is_refused_by_the_worker(redis_url: str, redis: Redis, tiny_model: Path,
-                                              tmp_path: Path) -> None:
+def test_pickled_job_is_refused_by_the_worker(
+        redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path,
+        start_worker: Spawn) -> None:
     from rq import Queue
 
     marker = tmp_path / "unpickled"
