@@ -161,8 +161,7 @@ class WorkerService:
 
     def _pull_jobs(self, lifecycle: JobLifecycle, preparer: Preparer) -> bool:
         """Take jobs while there is room; returns True when the queues were found empty."""
-        while len(self.scheduler) < self.cfg.job_limit and \
-                self.scheduler.unscheduled < self.cfg.prep_window:
+        while len(self.scheduler) < self.cfg.job_limit:
             running = lifecycle.take()
             if running is None:
                 return True
