@@ -228,6 +228,9 @@ def test_readme_demo_command_runs(redis_url: str, tmp_path: Path) -> None:
     cold, warm = re.findall(r"(\d+)/(\d+) items ok, (\d+) vision-cache hits", out)
     assert cold[0] == cold[1] and int(cold[2]) == 0
     assert warm[0] == warm[1] and int(warm[2]) == int(warm[1]) > 0
+    work = re.findall(r"(\d+) vision-tower calls, (\d+) PDF renders", out)
+    assert int(work[0][0]) > 0 and int(work[0][1]) > 0
+    assert work[1] == ("0", "0"), "the warm run repeated image work"
 
 
 def test_pickled_job_is_refused_by_the_worker(

@@ -50,7 +50,8 @@ def _show(jobs: list[Job]) -> dict[str, int]:
     for job in jobs:
         click.secho(f"\njob {job.id} ({job.queue}): {job.status()}", bold=True)
         for r in job.results():
-            where = f"{r.source} p{r.page}" if r.page else r.source
+            name = Path(r.source).name
+            where = f"{name} p{r.page}" if r.page else name
             body = r.text if r.error is None else f"ERROR: {r.error}"
             flat = " ".join((body or "").split())
             hit = " [cache hit]" if r.vision_cache_hit else ""
@@ -62,6 +63,10 @@ def _show(jobs: list[Job]) -> dict[str, int]:
         totals["cache_hits"] += int(summary.get("cache_hits", 0))
         totals["tokens"] += int(summary.get("completion_tokens", 0))
     return totals
+
+
+def worker_name(run: int) -> str:
+    return f"demo-{os.getpid()}-{run + 1}"
 
 
 def run_demo(*, redis_url: str | None, model: str | None, max_batch: int) -> int:
@@ -85,7 +90,7 @@ def run_demo(*, redis_url: str | None, model: str | None, max_batch: int) -> int
         assert model is not None
         with tempfile.TemporaryDirectory(prefix="vlmq-demo-cache-") as cache_dir:
             rounds = []
-            for label in ("cold cache", "warm cache, restarted worker"):
+            for n, label in enumerate(("cold cache", "warm cache, restarted worker")):
                 client = Client(url)
                 jobs = _enqueue(client, tiny)
                 click.secho(f"\n== {label}: enqueued {sum(j.items for j in jobs)} items "
@@ -93,19 +98,24 @@ def run_demo(*, redis_url: str | None, model: str | None, max_batch: int) -> int
                 t0 = time.monotonic()
                 rc = run_worker(WorkerConfig(
                     redis_url=url, model=model, queues=DEMO_QUEUES, burst=True,
-                    max_batch=max_batch, cache_dir=Path(cache_dir), name=f"demo-{os.getpid()}",
+                    max_batch=max_batch, cache_dir=Path(cache_dir), name=worker_name(n),
                     stats_s=1.0))
                 wall = time.monotonic() - t0
                 if rc != 0:
                     return rc
                 totals = _show(jobs)
-                rounds.append((label, wall, totals))
+                raw = client.redis.hgetall(client.keys.worker_stats(worker_name(n)))
+                stats = {k.decode(): v.decode() for k, v in raw.items()}
+                rounds.append((label, wall, totals, stats))
                 client.close()
         click.secho("\n== stats", bold=True)
-        for label, wall, t in rounds:
+        for label, wall, t, st in rounds:
             click.echo(f"  {label:<30} {t['ok']}/{t['items']} items ok, "
                        f"{t['cache_hits']} vision-cache hits, {t['tokens']} tokens, "
-                       f"{wall:.1f} s (model load included)")
+                       f"{wall:.1f} s with model load")
+            click.echo(f"  {'':<30} worker stats: {st.get('tower_calls')} vision-tower calls, "
+                       f"{st.get('pdf_renders')} PDF renders, {st.get('image_decodes')} image "
+                       f"decodes, cache hit rate {st.get('cache_hit_rate')}")
         return 0
     finally:
         if private is not None:

@@ -45,6 +45,8 @@ class WorkerStats:
         self.cache_hits = 0
         self.peak_waiting = 0
         self._samples: deque[tuple[float, int, int]] = deque()
+        # Preprocessing counters are process-wide; report this worker's share only.
+        self._work_base = P.COUNTERS.snapshot()
         self._next_log = time.monotonic() + LOG_EVERY_S
 
     def count_item(self, result: ItemResult) -> None:
@@ -96,7 +98,7 @@ class WorkerStats:
             "cache_mem_bytes": cs.get("mem_bytes", 0),
             "cache_disk_bytes": cs.get("disk_bytes", 0),
             "tower_calls": engine.tower_calls,
-            **P.COUNTERS.snapshot(),
+            **{k: v - self._work_base.get(k, 0) for k, v in P.COUNTERS.snapshot().items()},
             "uptime_s": round(now - self.started, 1),
         }
         out = {k: str(v) for k, v in fields.items()}
