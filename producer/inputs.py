@@ -22,6 +22,7 @@ from PIL import Image, UnidentifiedImageError
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import sha256_hex
 from vlmq.shared.errors import InputError
+from vlmq.shared.pdfium import PDFIUM_LOCK
 from vlmq.shared.schema import Item
 
 PDF_MAGIC = b"%PDF-"
@@ -93,14 +94,15 @@ def _read(path: Path, source: str) -> bytes:
 
 
 def _pdf_page_count(data: bytes, source: str) -> int:
-    try:
-        doc = pdfium.PdfDocument(data)
-    except pdfium.PdfiumError as exc:
-        raise InputError(source, f"is a corrupt or truncated PDF ({exc})") from exc
-    try:
-        count = len(doc)
-    finally:
-        doc.close()
+    with PDFIUM_LOCK:
+        try:
+            doc = pdfium.PdfDocument(data)
+        except pdfium.PdfiumError as exc:
+            raise InputError(source, f"is a corrupt or truncated PDF ({exc})") from exc
+        try:
+            count = len(doc)
+        finally:
+            doc.close()
     if count < 1:
         raise InputError(source, "is a PDF with no pages")
     return count

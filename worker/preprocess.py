@@ -19,11 +19,9 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.errors import VlmqError
+from vlmq.shared.pdfium import PDFIUM_LOCK
 
-# PDFium keeps global state and is not thread-safe: every pypdfium2 call in this process
-# (open, render, close, and closing by GC) must hold this one lock. Other worker modules that
-# touch pypdfium2 must use this lock too, not their own.
-PDFIUM_LOCK = threading.Lock()
+# Every pypdfium2 call holds the process-wide PDFIUM_LOCK (see vlmq.shared.pdfium).
 
 # Open documents kept per blob sha, so the pages of one PDF do not re-parse it each time.
 # Each holds its bytes (up to BLOB_MAX_BYTES), hence the small bound.
