@@ -98,6 +98,16 @@ def test_restarted_worker_serves_every_item_from_the_disk_cache(
     assert int(warm["pdf_renders"]) == 0 and int(warm["image_decodes"]) == 0
     assert int(warm["cache_hits"]) == 5 and int(warm["cache_misses"]) == 0
 
+    # A partial hit: only the new image goes through decode and the tower.
+    extra = make_images(tmp_path / "more", 3)[2]
+    third = client.ocr([*inputs, extra], max_side=112, max_tokens=8)
+    rc, out = finish(start_worker(redis_url, tiny_model, tmp_path, "--burst", name="partial"))
+    assert rc == 0, out
+    partial = stats(redis, "partial")
+    assert (partial["tower_calls"], partial["image_decodes"], partial["pdf_renders"]) == \
+        ("1", "1", "0")
+    assert [r.vision_cache_hit for r in third.results()] == [True] * 5 + [False]
+
     a, b = list(first.results()), list(second.results())
     assert not any(r.vision_cache_hit for r in a)
     assert all(r.vision_cache_hit for r in b)
@@ -216,6 +226,15 @@ def test_backpressure_keeps_a_window_and_a_small_job_overtakes_a_big_one(
 def _sid(stream_id: bytes) -> tuple[int, int]:
     ms, seq = stream_id.split(b"-")
     return int(ms), int(seq)
+
+
+def test_a_model_that_cannot_be_found_stops_the_worker_with_a_clear_error(
+        redis_url: str, tmp_path: Path, start_worker: Spawn) -> None:
+    missing = tmp_path / "no-such-model"
+    rc, out = finish(start_worker(redis_url, missing, tmp_path, "--burst"))
+    assert rc == 1
+    assert f"model folder {missing} does not exist" in out
+    assert "Traceback" not in out
 
 
 def test_readme_demo_command_runs(redis_url: str, tmp_path: Path) -> None:

@@ -235,7 +235,10 @@ class Engine:
         try:
             self._loaded = adapter.load_model(self.model_path)
         except Exception as exc:  # reported to wait_ready, not lost
-            log.exception("engine: model load failed")
+            if isinstance(exc, adapter.ModelLoadError):
+                log.debug("engine: model load failed: %s", exc)
+            else:
+                log.exception("engine: model load failed")
             self._load_error = exc
             self._closing.set()
             self._ready.set()

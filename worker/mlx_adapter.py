@@ -76,6 +76,8 @@ def load_model(model_path: str) -> LoadedModel:
     target = str(local) if local.exists() else model_path
     if local.exists() and not (local / "config.json").is_file():
         raise ModelLoadError(f"model folder {local} has no config.json")
+    if not local.exists() and (local.is_absolute() or model_path.startswith((".", "~"))):
+        raise ModelLoadError(f"model folder {local} does not exist")
     try:
         model, processor = load(target)
     except Exception as exc:  # any loader failure becomes one clear error

@@ -26,7 +26,7 @@ from rq.serializers import JSONSerializer
 from vlmq.shared import results as R
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import ItemResult, JobSummary
-from vlmq.worker.engine import Engine, Finished
+from vlmq.worker.engine import Engine, EngineError, Finished
 from vlmq.worker.prepare import Preparer, PrepError
 from vlmq.worker.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
 from vlmq.worker.scheduler import JobState, Scheduler
@@ -96,8 +96,8 @@ class WorkerService:
         engine = Engine(cfg.model, max_batch=cfg.max_batch)
         try:
             info = engine.wait_ready()
-        except Exception as exc:  # noqa: BLE001 - any load failure ends this worker cleanly
-            log.error("cannot load model %s: %s", cfg.model, exc)
+        except EngineError as exc:
+            log.error("%s", exc)
             engine.close(timeout=5)
             return 1
         if not info.cacheable:
