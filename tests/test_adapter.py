@@ -67,6 +67,10 @@ def test_load_errors_are_clear(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "qwen2_vl"}')
     with pytest.raises(A.ModelLoadError, match="cannot load model"):
         A.load_model(str(tmp_path))
+    with pytest.raises(A.ModelLoadError, match="does not exist"):
+        A.load_model(str(tmp_path / "missing"))
+    with pytest.raises(A.ModelLoadError, match="cannot load model 'not a repo id!'"):
+        A.load_model("not a repo id!")
 
 
 @pytest.mark.parametrize("size", [(224, 224), (300, 120), (64, 200), (57, 57), (500, 400)])
