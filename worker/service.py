@@ -20,6 +20,8 @@ from queue import Empty, SimpleQueue
 from types import FrameType
 
 from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue
 from rq.serializers import JSONSerializer
 
@@ -34,6 +36,8 @@ from vlmq.worker.stats import WorkerStats
 from vlmq.worker.vision_cache import VisionCache
 
 log = logging.getLogger("vlmq.worker")
+
+REDIS_RETRY_S = 1.0
 
 
 @dataclass
@@ -74,6 +78,9 @@ class WorkerService:
         self._prep_lock = threading.Lock()
         self._prep_failed: SimpleQueue[tuple[str, int, str, float]] = SimpleQueue()
         self._prep_time: dict[tuple[str, int], float] = {}
+        self._unwritten: list[tuple[str, ItemResult]] = []
+        self._queues_empty = False
+        self._next_heartbeat = self._next_stats = 0.0
         self.stats = WorkerStats(cfg.name, cfg.max_batch, cfg.prep_window)
 
     # --- signals -------------------------------------------------------------------------
@@ -133,31 +140,52 @@ class WorkerService:
 
     def _loop(self, engine: Engine, preparer: Preparer, lifecycle: JobLifecycle,
               cache: VisionCache) -> None:
-        cfg = self.cfg
-        queues_empty = False
-        next_heartbeat = next_stats = time.monotonic()
+        self._queues_empty = False
+        self._next_heartbeat = self._next_stats = time.monotonic()
         while True:
-            now = time.monotonic()
-            if not self.stop_requested:
-                queues_empty = self._pull_jobs(lifecycle, preparer)
-                self._schedule(engine, preparer)
-            busy = self._in_prep > 0 or engine.active > 0 or engine.waiting > 0
-            done = engine.get_finished(timeout=0.01 if busy else 0.1)
-            self._record(lifecycle, done, self._drain_prep_failures())
-            if now >= next_heartbeat:
-                self._heartbeat(lifecycle)
-                next_heartbeat = now + lifecycle.heartbeat_interval
-            if now >= next_stats:
-                self.stats.publish(self.redis, cfg.keys, engine, cache, len(self.scheduler),
-                                   self._in_prep)
-                next_stats = now + cfg.stats_s
-            if self.stop_requested:
-                in_flight = self._in_prep + engine.active + engine.waiting
-                if in_flight == 0 or (self.deadline is not None and now >= self.deadline):
+            try:
+                if self._iterate(engine, preparer, lifecycle, cache):
                     return
-            elif cfg.burst and queues_empty and not self.scheduler.jobs:
-                log.info("burst: queues empty and all work done")
-                return
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                # Results stay in memory (self._unwritten) and jobs stay in flight; RQ's
+                # registries only need a heartbeat within heartbeat_ttl once Redis is back.
+                log.warning("Redis unreachable (%s); retrying in %.0f s", exc, REDIS_RETRY_S)
+                time.sleep(REDIS_RETRY_S)
+
+    def _iterate(self, engine: Engine, preparer: Preparer, lifecycle: JobLifecycle,
+                 cache: VisionCache) -> bool:
+        """One turn of the main loop; True when the worker should stop."""
+        cfg = self.cfg
+        now = time.monotonic()
+        if not self.stop_requested:
+            self._queues_empty = self._pull_jobs(lifecycle, preparer)
+            self._schedule(engine, preparer)
+        busy = self._in_prep > 0 or engine.active > 0 or engine.waiting > 0
+        done = engine.get_finished(timeout=0.01 if busy else 0.1)
+        self._record(done, self._drain_prep_failures())
+        self._flush()
+        for state in [s for s in self.scheduler.jobs.values() if s.complete]:
+            self._finish_job(lifecycle, state)
+        if now >= self._next_heartbeat:
+            self._heartbeat(lifecycle)
+            self._next_heartbeat = now + lifecycle.heartbeat_interval
+        if now >= self._next_stats:
+            self.stats.publish(self.redis, cfg.keys, engine, cache, len(self.scheduler),
+                               self._in_prep)
+            self._next_stats = now + cfg.stats_s
+        if self.stop_requested:
+            in_flight = self._in_prep + engine.active + engine.waiting
+            if in_flight == 0:
+                self._record(engine.get_finished(timeout=0), self._drain_prep_failures())
+                self._flush()
+                for state in [s for s in self.scheduler.jobs.values() if s.complete]:
+                    self._finish_job(lifecycle, state)
+                return True
+            return self.deadline is not None and now >= self.deadline
+        if cfg.burst and self._queues_empty and not self.scheduler.jobs and not self._unwritten:
+            log.info("burst: queues empty and all work done")
+            return True
+        return False
 
     def _pull_jobs(self, lifecycle: JobLifecycle, preparer: Preparer) -> bool:
         """Take jobs while there is room; returns True when the queues were found empty."""
@@ -183,8 +211,6 @@ class WorkerService:
             log.info("job %s started: %s, %d items%s", state.job_id, state.payload.task,
                      state.total, f" ({len(done)} already done, resuming)" if done else "")
             self.scheduler.add(state)
-            if state.complete:
-                self._finish_job(lifecycle, state)
         return False
 
     def _heartbeat(self, lifecycle: JobLifecycle) -> None:
@@ -243,9 +269,10 @@ class WorkerService:
 
     # --- results -------------------------------------------------------------------------
 
-    def _record(self, lifecycle: JobLifecycle, finished: Iterable[Finished],
+    def _record(self, finished: Iterable[Finished],
                 failures: Iterable[tuple[str, int, str, float]]) -> None:
-        results: list[tuple[str, ItemResult]] = []
+        """Turn engine output and prep failures into results waiting to be written."""
+        results = self._unwritten
         for f in finished:
             job_id, idx = f.key  # type: ignore[misc]
             state = self.scheduler.jobs.get(job_id)
@@ -268,17 +295,19 @@ class WorkerService:
                 index=idx, source=item.source, page=item.page, text=None,
                 finish_reason="error", prompt_tokens=0, completion_tokens=0,
                 vision_cache_hit=False, error=msg, timings={})))
-        if not results:
+
+    def _flush(self) -> None:
+        """Write every waiting result in one pipeline; on a Redis error they stay queued."""
+        if not self._unwritten:
             return
         pipe = self.redis.pipeline(transaction=False)
-        for job_id, res in results:
+        for job_id, res in self._unwritten:
             R.write_item(self.redis, self.cfg.keys, job_id, res, pipeline=pipe)
         pipe.execute()
-        for job_id, res in results:
+        written, self._unwritten = self._unwritten, []
+        for job_id, res in written:
             self.stats.count_item(res)
-            state = self.scheduler.finish_item(job_id, res.index)
-            if state is not None and state.complete:
-                self._finish_job(lifecycle, state)
+            self.scheduler.finish_item(job_id, res.index)
 
     def _finish_job(self, lifecycle: JobLifecycle, state: JobState[Running]) -> None:
         stored = R.read_items(self.redis, self.cfg.keys, state.job_id)
@@ -291,10 +320,10 @@ class WorkerService:
             wall_s=round(time.monotonic() - state.started, 3),
             cache_hits=sum(1 for r in stored if r.vision_cache_hit),
         )
-        self.scheduler.remove(state.job_id)
         R.add_event(self.redis, self.cfg.keys, state.job_id,
                     {"type": "finished", **summary.to_dict()})
         lifecycle.succeed(state.handle, summary.to_dict())
+        self.scheduler.remove(state.job_id)
         log.info("job %s finished: %d ok, %d failed, %d tokens, %.1f s, %d cache hits",
                  state.job_id, summary.ok, summary.failed, summary.completion_tokens,
                  summary.wall_s, summary.cache_hits)
