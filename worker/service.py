@@ -331,6 +331,8 @@ class WorkerService:
 
 def run_worker(cfg: WorkerConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # vlmq logs each job's start and finish itself; RQ's per-job lines would repeat them.
+    logging.getLogger("rq.worker").setLevel(logging.WARNING)
     service = WorkerService(cfg)
     old = {s: signal.signal(s, service.request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
