@@ -94,6 +94,23 @@ def ensure_test_redis() -> None:
     sys.exit(f"{binary} did not start answering on {host}:{port}")
 
 
+def typecheck() -> int:
+    """mypy --strict over the three packages under their import names.
+
+    The folders map to vlmq.* only through setuptools' package-dir, which mypy cannot
+    follow, so a tree of links under build/ gives it the installed layout.
+    """
+    tree = ROOT / "build" / "typecheck" / "vlmq"
+    tree.mkdir(parents=True, exist_ok=True)
+    for name in ("producer", "worker", "shared"):
+        link = tree / name
+        if not link.is_symlink():
+            link.symlink_to(ROOT / name, target_is_directory=True)
+    cmd = [str(BIN / "mypy"), "--config-file", str(ROOT / "pyproject.toml"),
+           "-p", "vlmq.producer", "-p", "vlmq.worker", "-p", "vlmq.shared"]
+    return subprocess.run(cmd, cwd=tree.parent, check=False).returncode
+
+
 def cmd_test(args: list[str]) -> int:
     ensure_venv()
     ensure_test_redis()
@@ -101,6 +118,9 @@ def cmd_test(args: list[str]) -> int:
     lint = subprocess.run([str(BIN / "ruff"), "check", "."], cwd=ROOT, check=False)
     if lint.returncode != 0:
         return lint.returncode
+    log("mypy --strict")
+    if typecheck() != 0:
+        return 1
     log("pytest")
     return subprocess.run([str(PY), "-m", "pytest", *args], cwd=ROOT, check=False).returncode
 

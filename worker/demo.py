@@ -65,6 +65,10 @@ def _show(jobs: list[Job]) -> dict[str, int]:
     return totals
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def worker_name(run: int) -> str:
     return f"demo-{os.getpid()}-{run + 1}"
 
@@ -105,7 +109,7 @@ def run_demo(*, redis_url: str | None, model: str | None, max_batch: int) -> int
                     return rc
                 totals = _show(jobs)
                 raw = client.redis.hgetall(client.keys.worker_stats(worker_name(n)))
-                stats = {k.decode(): v.decode() for k, v in raw.items()}
+                stats = {_text(k): _text(v) for k, v in raw.items()}
                 rounds.append((label, wall, totals, stats))
                 client.close()
         click.secho("\n== stats", bold=True)

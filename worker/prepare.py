@@ -88,7 +88,7 @@ class Preparer:
             return str(exc)
         return None
 
-    def submit(self, job_id: str, payload: JobPayload, idx: int) -> Future[Any]:
+    def submit(self, job_id: str, payload: JobPayload, idx: int) -> Future[tuple[Request, float]]:
         return self.pool.submit(self.prepare, job_id, payload, idx)
 
     def max_side(self, payload: JobPayload, item: Item) -> int:

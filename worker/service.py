@@ -15,9 +15,11 @@ from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from queue import Empty, SimpleQueue
 from types import FrameType
+from typing import cast
 
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -28,7 +30,7 @@ from rq.serializers import JSONSerializer
 from vlmq.shared import results as R
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import ItemResult, JobSummary
-from vlmq.worker.engine import Engine, EngineError, Finished
+from vlmq.worker.engine import Engine, EngineError, Finished, Request
 from vlmq.worker.prepare import Preparer, PrepError
 from vlmq.worker.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
 from vlmq.worker.scheduler import JobState, Scheduler
@@ -241,20 +243,23 @@ class WorkerService:
             with self._prep_lock:
                 self._in_prep += 1
             fut = preparer.submit(state.job_id, state.payload, idx)
-            fut.add_done_callback(lambda f, j=state.job_id, i=idx: self._prepared(engine, j, i, f))
+            fut.add_done_callback(partial(self._prepared, engine, state.job_id, idx))
         self.stats.observe_waiting(self._in_prep + engine.waiting)
 
-    def _prepared(self, engine: Engine, job_id: str, idx: int, fut: Future[object]) -> None:
+    def _prepared(self, engine: Engine, job_id: str, idx: int,
+                  fut: Future[tuple[Request, float]]) -> None:
         """Pool callback: hand the request to the engine at once, so MLX never waits on us."""
         try:
             exc = fut.exception()
             if exc is None:
-                req, prep_s = fut.result()  # type: ignore[misc]
+                req, prep_s = fut.result()
                 self._prep_time[(job_id, idx)] = prep_s
                 engine.submit(req)
-            else:
-                msg = str(exc) if isinstance(exc, PrepError) else f"{type(exc).__name__}: {exc}"
-                self._prep_failed.put((job_id, idx, msg, 0.0))
+            elif isinstance(exc, PrepError):
+                self._prep_failed.put((job_id, idx, str(exc), 0.0))
+            else:  # a bug, not bad input: keep the traceback, fail only this item
+                log.error("job %s item %d: preparation failed", job_id, idx, exc_info=exc)
+                self._prep_failed.put((job_id, idx, f"{type(exc).__name__}: {exc}", 0.0))
         finally:
             with self._prep_lock:
                 self._in_prep -= 1
@@ -274,7 +279,7 @@ class WorkerService:
         """Turn engine output and prep failures into results waiting to be written."""
         results = self._unwritten
         for f in finished:
-            job_id, idx = f.key  # type: ignore[misc]
+            job_id, idx = cast(tuple[str, int], f.key)
             state = self.scheduler.jobs.get(job_id)
             if state is None:
                 continue

@@ -8,6 +8,7 @@ from collections import deque
 from typing import Protocol
 
 from redis import Redis
+from redis.typing import EncodableT, FieldT
 
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import ItemResult
@@ -72,7 +73,7 @@ class WorkerStats:
         return (self.tokens - tok0) / dt, (items - it0) / dt
 
     def publish(self, redis: Redis, keys: Keys, engine: _EngineView, cache: _CacheView,
-                jobs: int, in_prep: int, ttl_s: int = 30) -> dict[str, str]:
+                jobs: int, in_prep: int, ttl_s: int = 30) -> dict[FieldT, EncodableT]:
         now = time.monotonic()
         tok_s, items_s = self._rates(now)
         cs = cache.stats()
@@ -101,7 +102,7 @@ class WorkerStats:
             **{k: v - self._work_base.get(k, 0) for k, v in P.COUNTERS.snapshot().items()},
             "uptime_s": round(now - self.started, 1),
         }
-        out = {k: str(v) for k, v in fields.items()}
+        out: dict[FieldT, EncodableT] = {k: str(v) for k, v in fields.items()}
         pipe = redis.pipeline(transaction=False)
         pipe.hset(keys.worker_stats(self.name), mapping=out)
         pipe.expire(keys.worker_stats(self.name), ttl_s)
