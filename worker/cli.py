@@ -28,15 +28,18 @@ def _split_queues(values: tuple[str, ...]) -> list[str]:
 @click.option("--model", "model", required=True,
               help="Local model folder, or a hub id (mlx-community/...).")
 @click.option("--queues", "queues_opt", multiple=True,
-              help="Queues to serve, in priority order (default: ocr caption generate).")
+              help="Queues to serve, in priority order: --queues ocr caption "
+                   "(default: ocr caption generate).")
 @click.argument("extra_queues", nargs=-1)
 @click.option("--burst", is_flag=True, help="Exit once the queues are empty and all work is done.")
 @click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True,
               help="Sequences decoded together.")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Disk tier of the vision-feature cache (default: ~/.cache/vlmq/vision).")
-@click.option("--cache-mem-mb", type=click.IntRange(0), default=1024, show_default=True)
-@click.option("--cache-disk-gb", type=click.FloatRange(0), default=10.0, show_default=True)
+@click.option("--cache-mem-mb", type=click.IntRange(0), default=1024, show_default=True,
+              help="Memory tier of the vision-feature cache (LRU by bytes).")
+@click.option("--cache-disk-gb", type=click.FloatRange(0), default=10.0, show_default=True,
+              help="Disk tier bound (LRU); survives restarts.")
 @click.option("--name", default=None, help="Worker name (default: host.pid).")
 @click.option("--grace", type=click.FloatRange(0), default=30.0, show_default=True,
               help="Seconds to finish in-flight items after SIGTERM/SIGINT before requeueing.")
@@ -47,7 +50,12 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...],
                extra_queues: tuple[str, ...], burst: bool, max_batch: int,
                cache_dir: Path | None, cache_mem_mb: int, cache_disk_gb: float,
                name: str | None, grace: float, prep_threads: int | None) -> None:
-    """Serve jobs with one loaded model and a continuous batcher."""
+    """Serve jobs with one loaded model and a continuous batcher.
+
+    Items from every job in flight share one batch; each result is written the moment it
+    is done. SIGTERM/SIGINT: stop taking jobs, finish in-flight items within --grace,
+    requeue the rest (their finished items are kept), exit 0.
+    """
     from vlmq.worker.service import WorkerConfig, run_worker
 
     queues = _split_queues(queues_opt + extra_queues) or list(DEFAULT_QUEUES)
