@@ -63,7 +63,9 @@ def stop_all(procs: list[subprocess.Popen[str]]) -> None:
     for proc in procs:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        if proc.stdout is not None and not proc.stdout.closed:
+            proc.communicate()
+        proc.wait()
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str]:

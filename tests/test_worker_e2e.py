@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -142,6 +143,31 @@ def test_sigterm_requeues_and_a_new_worker_finishes_each_item_once(
     events = redis.xrange(Keys().job_events(job.id))
     item_events = [int(f[b"index"]) for _, f in events if f[b"type"] == b"item"]
     assert sorted(item_events) == list(range(pages)), "an item was computed twice or lost"
+
+
+def test_a_killed_worker_s_job_is_reclaimed_and_resumed_at_item_level(
+        redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path,
+        start_worker: Spawn) -> None:
+    client = Client(redis_url)
+    pages = 20
+    job = client.ocr([make_pdf(tmp_path / "long.pdf", pages)], max_side=112, max_tokens=24)
+    proc = start_worker(redis_url, tiny_model, tmp_path, "--max-batch", "2",
+                        "--heartbeat-ttl", "2", name="doomed")
+    wait_for(lambda: job.progress()[0] >= 2, 60, "two items done")
+    os.killpg(proc.pid, signal.SIGKILL)  # no chance to requeue anything
+    proc.communicate()
+    done_at_kill = job.progress()[0]
+    assert job.status() == "started" and done_at_kill < pages
+
+    time.sleep(3)  # past the dead worker's heartbeat TTL
+    rc, out = finish(start_worker(redis_url, tiny_model, tmp_path, "--burst", name="heir"))
+    assert rc == 0, out
+    assert f"({done_at_kill} already done, resuming)" in out
+    assert job.status() == "finished" and job.summary()["ok"] == pages
+    assert fetch_job(redis, job.id).retries_left == C.CRASH_RETRIES - 1
+    events = redis.xrange(Keys().job_events(job.id))
+    items = sorted(int(f[b"index"]) for _, f in events if f[b"type"] == b"item")
+    assert items == list(range(pages)), "an item was lost or computed twice"
 
 
 def test_an_undecodable_item_fails_alone(

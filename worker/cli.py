@@ -45,11 +45,15 @@ def _split_queues(values: tuple[str, ...]) -> list[str]:
               help="Seconds to finish in-flight items after SIGTERM/SIGINT before requeueing.")
 @click.option("--prep-threads", type=click.IntRange(1, 64), default=None,
               help="CPU threads for fetch/decode/render/tokenize (default: cores, at most 4).")
+@click.option("--heartbeat-ttl", type=click.IntRange(1), default=None,
+              help="Seconds without a heartbeat after which this worker's jobs count as "
+                   "abandoned and are requeued (default 90).")
 @click.pass_context
 def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...],
                extra_queues: tuple[str, ...], burst: bool, max_batch: int,
                cache_dir: Path | None, cache_mem_mb: int, cache_disk_gb: float,
-               name: str | None, grace: float, prep_threads: int | None) -> None:
+               name: str | None, grace: float, prep_threads: int | None,
+               heartbeat_ttl: int | None) -> None:
     """Serve jobs with one loaded model and a continuous batcher.
 
     Items from every job in flight share one batch; each result is written the moment it
@@ -72,6 +76,7 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...],
         name=name or f"{socket.gethostname()}.{os.getpid()}",
         grace_s=grace,
         prep_threads=prep_threads or min(4, os.cpu_count() or 2),
+        heartbeat_ttl=heartbeat_ttl,
     )
     ctx.exit(run_worker(cfg))
 

@@ -58,6 +58,7 @@ class WorkerConfig:
     window: int | None = None      # prepared-but-not-batched bound; default 2 x max_batch
     max_jobs: int | None = None    # jobs in flight; default max(4, max_batch)
     stats_s: float = 2.0
+    heartbeat_ttl: int | None = None  # None: RQ's job monitoring interval + 60 s
     keys: Keys = field(default_factory=Keys.from_env)
 
     @property
@@ -117,9 +118,13 @@ class WorkerService:
         pool = ThreadPoolExecutor(cfg.prep_threads, thread_name_prefix="vlmq-prep")
         preparer = Preparer(engine, info, cache, self.redis, cfg.keys, pool)
         queues = [Queue(q, connection=self.redis, serializer=JSONSerializer) for q in cfg.queues]
-        worker = BatchWorker(queues, connection=self.redis, name=cfg.name)
+        worker = BatchWorker(queues, connection=self.redis, name=cfg.name,
+                             heartbeat_ttl=cfg.heartbeat_ttl)
         lifecycle = JobLifecycle(worker, queues)
         lifecycle.register_birth()
+        # Reclaim dead workers' jobs (RQ requeues them while retries are left) before the
+        # first look at the queues, so even a --burst worker resumes them.
+        lifecycle.maintain()
         self.stats.model = cfg.model
         log.info("worker %s ready: model %s (%s), queues %s, max batch %d, window %d",
                  cfg.name, cfg.model, info.model_type, ",".join(cfg.queues), cfg.max_batch,
