@@ -119,6 +119,7 @@ class Engine:
         self._waiting = 0  # submitted, not yet inserted or failed
         self._active = 0  # inserted, not yet finished
         self.peak_active = 0
+        self.peak_waiting = 0  # most requests ever submitted but not yet in the batch
         self.tower_calls = 0
         self.tokens_generated = 0
         self.finished_count = 0
@@ -168,6 +169,7 @@ class Engine:
             raise EngineError("engine is closed")
         with self._counts:
             self._waiting += 1
+            self.peak_waiting = max(self.peak_waiting, self._waiting)
         self._inbox.put((req, time.perf_counter()))
 
     def get_finished(self, timeout: float) -> list[Finished]:
@@ -192,10 +194,6 @@ class Engine:
     @property
     def active(self) -> int:
         return self._active
-
-    def free_slots(self) -> int:
-        with self._counts:
-            return self.max_batch - self._active - self._waiting
 
     def stats(self) -> dict[str, float]:
         return {
@@ -266,13 +264,14 @@ class Engine:
         live.clear()
 
     def _emit(self, fin: Finished, *, waiting_delta: int = 0, active_delta: int = 0) -> None:
-        with self._counts:
-            self._waiting += waiting_delta
-            self._active += active_delta
+        # Outbox first: a reader that sees the counts drop to zero finds the result there.
+        self._outbox.put(fin)
         self.finished_count += 1
         if fin.error is not None:
             self.error_count += 1
-        self._outbox.put(fin)
+        with self._counts:
+            self._waiting += waiting_delta
+            self._active += active_delta
 
 
 def _error(

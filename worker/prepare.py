@@ -9,7 +9,9 @@ the tower's features back through `on_features` so they are cached for next time
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +44,11 @@ def model_matches(requested: str, served: str) -> bool:
     """A job's `model` matches when it names the served id, or the same local folder."""
     if requested == served:
         return True
-    a, b = Path(requested).expanduser(), Path(served).expanduser()
-    return a.exists() and b.exists() and a.resolve() == b.resolve()
+    try:
+        a, b = Path(requested).expanduser(), Path(served).expanduser()
+        return a.exists() and b.exists() and a.resolve() == b.resolve()
+    except (OSError, RuntimeError):  # e.g. "~nosuchuser/..." cannot be expanded
+        return False
 
 
 class Preparer:
@@ -88,6 +93,13 @@ class Preparer:
             return str(exc)
         return None
 
+    def touch_blobs(self, payload: JobPayload) -> None:
+        """Refresh the TTL of every blob a job reads, when the job starts."""
+        pipe = self.blobs.redis.pipeline(transaction=False)
+        for sha in {item.blob for item in payload.items}:
+            self.blobs.touch(sha, pipeline=pipe)
+        pipe.execute()
+
     def submit(self, job_id: str, payload: JobPayload, idx: int) -> Future[tuple[Request, float]]:
         return self.pool.submit(self.prepare, job_id, payload, idx)
 
@@ -131,15 +143,15 @@ class Preparer:
     def _load_image(self, payload: JobPayload, item: Item) -> Any:
         side = self.max_side(payload, item)
         try:
-            data = P.fetch_blob(self.blobs, item.blob)
             if item.kind == "pdf":
                 assert item.page is not None
-                return P.render_pdf_page(data, item.page, side, doc_key=item.blob)
-            return P.decode_image(data, side)
+                return P.render_pdf_page(partial(P.fetch_blob, self.blobs, item.blob),
+                                         item.page, side, doc_key=item.blob)
+            return P.decode_image(P.fetch_blob(self.blobs, item.blob), side)
         except VlmqError as exc:
             raise PrepError(str(exc)) from exc
 
-    def _storer(self, key: str, grid: np.ndarray) -> Any:
+    def _storer(self, key: str, grid: np.ndarray) -> Callable[[np.ndarray, str], None]:
         """Called on the MLX thread: keep the features in memory now, write disk in the pool."""
         def store(features: np.ndarray, dtype_name: str) -> None:
             entry = Entry(features=features, dtype_name=dtype_name, grid_thw=grid)

@@ -11,6 +11,7 @@ import io
 import math
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 import pypdfium2 as pdfium
@@ -25,7 +26,7 @@ from vlmq.shared.pdfium import PDFIUM_LOCK
 
 # Open documents kept per blob sha, so the pages of one PDF do not re-parse it each time.
 # Each holds its bytes (up to BLOB_MAX_BYTES), hence the small bound.
-PDF_DOC_CACHE_SIZE = 4
+PDF_DOC_CACHE_SIZE = 8  # >= the worker's default jobs in flight, so round-robin keeps hits
 _DOCS: OrderedDict[str, pdfium.PdfDocument] = OrderedDict()
 
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
@@ -147,19 +148,29 @@ def _bound(im: Image.Image, max_side: int | None) -> Image.Image:
 # -- PDFs ------------------------------------------------------------------------------
 
 
-def render_pdf_page(data: bytes, page: int, max_side: int, *,
+def render_pdf_page(data: bytes | Callable[[], bytes], page: int, max_side: int, *,
                     doc_key: str | None = None) -> Image.Image:
     """Render 1-based `page` of a PDF to RGB with its longest side == max_side.
 
-    `doc_key` (the blob's sha256) lets consecutive pages reuse one open document; it must
-    identify `data` exactly. Rendering holds PDFIUM_LOCK throughout, so PDF pages render one
-    at a time per process; image decodes still run in parallel.
+    `doc_key` (the blob's sha256) lets the pages of one PDF reuse one open document; it
+    must identify the bytes exactly. `data` may be a function that fetches them: it is
+    called only when that document is not already open, so a 2,000-page PDF is fetched
+    once, not once per page. Rendering holds PDFIUM_LOCK throughout, so PDF pages render
+    one at a time per process; image decodes still run in parallel.
     """
     if max_side < 1:
         raise ValueError(f"max_side must be >= 1, got {max_side}")
     if page < 1:
         raise PreprocessError(f"page {page} is out of range (pages are numbered from 1)")
     COUNTERS.incr("pdf_renders")
+    if callable(data):
+        if doc_key is not None:
+            with PDFIUM_LOCK:
+                cached = _DOCS.get(doc_key)
+                if cached is not None:
+                    _DOCS.move_to_end(doc_key)
+                    return _render(cached, page, max_side)
+        data = data()  # outside the lock: other pages keep rendering meanwhile
     with PDFIUM_LOCK:
         pdf, owned = _open_pdf(data, doc_key)
         try:

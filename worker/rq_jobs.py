@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 _UNREADABLE_HASH_ERRORS = (ValueError, TypeError, KeyError, AttributeError, TimeoutFormatError)
 
 
+# Statuses that mean someone took the job away from its worker.
+_NOT_OURS = frozenset({JobStatus.CANCELED.value, JobStatus.STOPPED.value})
+
+
 class BatchWorker(SimpleWorker):
     """An RQ worker (listed by `rq info`) whose jobs run concurrently inside one process.
 
@@ -59,6 +63,9 @@ class BatchWorker(SimpleWorker):
         if ttl < 1:
             raise ValueError(f"heartbeat_ttl must be at least 1 second, got {ttl}")
         self.heartbeat_ttl: int = ttl
+        # RQ cleans registries every 10 min by default; a dead worker's jobs would then sit
+        # STARTED that long after their heartbeat TTL. Look as often as the TTL itself.
+        self.maintenance_interval = min(self.maintenance_interval, max(ttl, 10))
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         """Constant TTL: the batcher, not a death penalty, decides when a job has run too long."""
@@ -228,13 +235,17 @@ class JobLifecycle:
         jobs as AbandonedJobError while they are still running. heartbeat([]) keeps an idle
         worker listed by `rq info` (its key expires after worker_ttl + 60 s).
 
-        Returns the jobs whose RQ hash is gone (deleted while running): stop working on
-        them and do not succeed/fail them, which would recreate the hash.
+        Returns the jobs that are no longer this worker's: deleted, canceled or stopped
+        while running. Stop working on them and `drop` them; succeeding, failing or
+        requeueing one would bring it back.
         """
         batch = list(running)
         worker = self.worker
         with self.connection.pipeline() as pipe:
-            worker.heartbeat(pipeline=pipe)  # first command: HSET returns 1 if the key was gone
+            for r in batch:
+                pipe.hget(r.job.key, "status")
+            worker.heartbeat(pipeline=pipe)  # HSET returns 1 if the worker key was gone
+            worker_at = len(pipe) - 1
             job_hset_at: list[int] = []
             for r in batch:
                 ttl = worker.get_heartbeat_ttl(r.job)
@@ -242,17 +253,38 @@ class JobLifecycle:
                 job_hset_at.append(len(pipe))
                 r.job.heartbeat(now(), ttl, pipeline=pipe)
             results = pipe.execute()
-            gone = [r for r, i in zip(batch, job_hset_at, strict=True) if results[i] == 1]
+            deleted = [r for r, i in zip(batch, job_hset_at, strict=True) if results[i] == 1]
+            ended = [r for r, st in zip(batch, results[:len(batch)], strict=True)
+                     if st is not None and st.decode() in _NOT_OURS]
             # Same repairs as RQ's Worker.maintain_heartbeats (rq#1450).
-            for r in gone:
+            for r in deleted:
                 log.warning("job %s was deleted while running", r.job_id)
                 pipe.delete(r.job.key)
-            if results[0] == 1:
+            for r in ended:
+                log.warning("job %s was %s while running", r.job_id,
+                            results[batch.index(r)].decode())
+            if results[worker_at] == 1:
                 pipe.hset(worker.key, mapping=worker.serialize())
                 pipe.expire(worker.key, worker.worker_ttl + 60)
             if len(pipe):
                 pipe.execute()
-        return gone
+        return deleted + [r for r in ended if r not in deleted]
+
+    def is_ours(self, running: Running) -> bool:
+        """Still STARTED here: not deleted, canceled or stopped by someone else meanwhile."""
+        status = self.connection.hget(running.job.key, "status")
+        if isinstance(status, bytes):
+            status = status.decode()
+        return status == JobStatus.STARTED.value
+
+    def drop(self, running: Running) -> None:
+        """Forget a job someone else deleted or canceled: end its execution, touch nothing
+        else, so the job keeps whatever state they gave it."""
+        with self.connection.pipeline() as pipe:
+            self.worker.cleanup_execution(running.job, pipeline=pipe,
+                                          execution=running.execution)
+            pipe.execute()
+        self._after_end()
 
     # --- ending --------------------------------------------------------------------------
 

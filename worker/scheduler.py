@@ -70,6 +70,13 @@ class Scheduler(Generic[H]):
                 return state, idx
         return None
 
+    def retry_item(self, job_id: str, idx: int) -> None:
+        """Put an item whose preparation hit a transient error back at the head of its job."""
+        state = self.jobs.get(job_id)
+        if state is not None and idx in state.outstanding:
+            state.outstanding.discard(idx)
+            state.pending.appendleft(idx)
+
     def finish_item(self, job_id: str, idx: int) -> JobState[H] | None:
         """Mark an item finished; returns its job, or None if the job is no longer here."""
         state = self.jobs.get(job_id)

@@ -42,6 +42,10 @@ log = logging.getLogger("vlmq.worker")
 REDIS_RETRY_S = 1.0
 
 
+class StartupError(Exception):
+    """The worker cannot start; the message says why (no traceback needed)."""
+
+
 @dataclass
 class WorkerConfig:
     redis_url: str
@@ -80,6 +84,7 @@ class WorkerService:
         self._in_prep = 0
         self._prep_lock = threading.Lock()
         self._prep_failed: SimpleQueue[tuple[str, int, str, float]] = SimpleQueue()
+        self._prep_retry: SimpleQueue[tuple[str, int]] = SimpleQueue()
         self._prep_time: dict[tuple[str, int], float] = {}
         self._unwritten: list[tuple[str, ItemResult]] = []
         self._queues_empty = False
@@ -102,48 +107,89 @@ class WorkerService:
 
     def run(self) -> int:
         cfg = self.cfg
+        problem = self._preflight()
+        if problem:
+            log.error("%s", problem)
+            return 1
         log.info("loading model %s", cfg.model)
         engine = Engine(cfg.model, max_batch=cfg.max_batch)
         try:
+            return self._serve(engine)
+        except StartupError as exc:
+            log.error("%s", exc)
+            return 1
+        finally:
+            engine.close(timeout=10)
+
+    def _preflight(self) -> str | None:
+        """Problems worth reporting before a model load that can take minutes."""
+        try:
+            self.redis.ping()
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            return f"cannot reach Redis at {self.cfg.redis_url}: {exc}"
+        if self.redis.exists(f"rq:worker:{self.cfg.name}"):
+            return (f"a worker named {self.cfg.name!r} is already registered in Redis; pick "
+                    "another --name (a dead worker's name frees up within 8 minutes)")
+        return None
+
+    def _serve(self, engine: Engine) -> int:
+        cfg = self.cfg
+        try:
             info = engine.wait_ready()
         except EngineError as exc:
-            log.error("%s", exc)
-            engine.close(timeout=5)
-            return 1
+            raise StartupError(str(exc)) from exc
         if not info.cacheable:
             log.warning("vision features of model type %s cannot be cached: "
                         "running every image uncached", info.model_type)
-        cache = VisionCache(cfg.cache_mem_bytes, cfg.cache_dir if info.cacheable else None,
-                            cfg.cache_disk_bytes)
-        pool = ThreadPoolExecutor(cfg.prep_threads, thread_name_prefix="vlmq-prep")
-        preparer = Preparer(engine, info, cache, self.redis, cfg.keys, pool)
+        disk = cfg.cache_dir if info.cacheable and cfg.cache_disk_bytes > 0 else None
+        try:
+            cache = VisionCache(cfg.cache_mem_bytes, disk, cfg.cache_disk_bytes)
+        except OSError as exc:
+            raise StartupError(f"cannot use cache dir {cfg.cache_dir}: {exc}") from exc
         queues = [Queue(q, connection=self.redis, serializer=JSONSerializer) for q in cfg.queues]
         worker = BatchWorker(queues, connection=self.redis, name=cfg.name,
                              heartbeat_ttl=cfg.heartbeat_ttl)
         lifecycle = JobLifecycle(worker, queues)
-        lifecycle.register_birth()
-        # Reclaim dead workers' jobs (RQ requeues them while retries are left) before the
-        # first look at the queues, so even a --burst worker resumes them.
-        lifecycle.maintain()
+        try:
+            lifecycle.register_birth()
+        except ValueError as exc:  # RQ: "There exists an active worker named ..."
+            raise StartupError(str(exc)) from exc
+        pool = ThreadPoolExecutor(cfg.prep_threads, thread_name_prefix="vlmq-prep")
+        preparer = Preparer(engine, info, cache, self.redis, cfg.keys, pool)
         self.stats.model = cfg.model
         log.info("worker %s ready: model %s (%s), queues %s, max batch %d, window %d",
                  cfg.name, cfg.model, info.model_type, ",".join(cfg.queues), cfg.max_batch,
                  cfg.prep_window)
         try:
+            # Reclaim dead workers' jobs (RQ requeues them while retries are left) before
+            # the first look at the queues, so even a --burst worker resumes them.
+            lifecycle.maintain()
             self._loop(engine, preparer, lifecycle, cache)
         finally:
-            for state in list(self.scheduler.jobs.values()):
-                lifecycle.requeue(state.handle)
-                log.info("job %s requeued with %d/%d items done", state.job_id,
-                         state.already_done + state.finished_here, state.total)
-            self.scheduler.jobs.clear()
-            engine.close(timeout=10)
             pool.shutdown(wait=True, cancel_futures=True)
+            self._shutdown(engine, lifecycle, cache)
+        return 0
+
+    def _shutdown(self, engine: Engine, lifecycle: JobLifecycle, cache: VisionCache) -> None:
+        """Requeue unfinished jobs (their written items stay) and leave the worker registry."""
+        cfg = self.cfg
+        try:
+            for state in list(self.scheduler.jobs.values()):
+                if lifecycle.is_ours(state.handle):
+                    lifecycle.requeue(state.handle)
+                    log.info("job %s requeued with %d/%d items done", state.job_id,
+                             state.already_done + state.finished_here, state.total)
+                else:
+                    lifecycle.drop(state.handle)
+                self.scheduler.remove(state.job_id)
             self.stats.publish(self.redis, cfg.keys, engine, cache, 0, 0)
             self.stats.retire(self.redis, cfg.keys)
             lifecycle.register_death()
-            log.info("worker %s stopped", cfg.name)
-        return 0
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            log.warning("Redis unreachable at shutdown (%s): %d job(s) left STARTED; RQ "
+                        "requeues them once this worker's heartbeat expires",
+                        exc, len(self.scheduler))
+        log.info("worker %s stopped", cfg.name)
 
     def _loop(self, engine: Engine, preparer: Preparer, lifecycle: JobLifecycle,
               cache: VisionCache) -> None:
@@ -156,6 +202,9 @@ class WorkerService:
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 # Results stay in memory (self._unwritten) and jobs stay in flight; RQ's
                 # registries only need a heartbeat within heartbeat_ttl once Redis is back.
+                if self.deadline is not None and time.monotonic() >= self.deadline:
+                    log.warning("Redis unreachable (%s) past the grace period: stopping", exc)
+                    return
                 log.warning("Redis unreachable (%s); retrying in %.0f s", exc, REDIS_RETRY_S)
                 time.sleep(REDIS_RETRY_S)
 
@@ -204,21 +253,38 @@ class WorkerService:
                 log.warning("job %s (%s) refused: %s", running.job_id, running.queue,
                             running.reason)
                 continue
-            problem = preparer.check_job(running.payload)
-            if problem:
-                lifecycle.fail(running, problem, retry=False)
-                R.add_event(self.redis, self.cfg.keys, running.job_id,
-                            {"type": "failed", "error": problem})
-                log.info("job %s failed: %s", running.job_id, problem)
-                continue
-            done = R.done_indexes(self.redis, self.cfg.keys, running.job.id)
-            todo = [i for i in range(len(running.payload.items)) if i not in done]
-            state = JobState(job_id=running.job.id, handle=running, payload=running.payload,
-                             pending=deque(todo), already_done=len(done))
-            log.info("job %s started: %s, %d items%s", state.job_id, state.payload.task,
-                     state.total, f" ({len(done)} already done, resuming)" if done else "")
-            self.scheduler.add(state)
+            try:
+                self._start_job(lifecycle, preparer, running)
+            except (RedisConnectionError, RedisTimeoutError):
+                raise  # the job stays STARTED; RQ reclaims it if we never come back
+            except Exception as exc:  # a job must never take the worker down
+                log.exception("job %s could not be started", running.job_id)
+                self._fail_job(lifecycle, running, f"worker error starting the job: "
+                                                   f"{type(exc).__name__}: {exc}")
         return False
+
+    def _start_job(self, lifecycle: JobLifecycle, preparer: Preparer, running: Running) -> None:
+        if running.job_id in self.scheduler.jobs:  # the same id twice: keep the first
+            self._fail_job(lifecycle, running, "a job with this id is already running here")
+            return
+        problem = preparer.check_job(running.payload)
+        if problem:
+            self._fail_job(lifecycle, running, problem)
+            return
+        preparer.touch_blobs(running.payload)  # a long wait in the queue must not expire them
+        done = R.done_indexes(self.redis, self.cfg.keys, running.job_id)
+        todo = [i for i in range(len(running.payload.items)) if i not in done]
+        state = JobState(job_id=running.job_id, handle=running, payload=running.payload,
+                         pending=deque(todo), already_done=len(done))
+        log.info("job %s started: %s, %d items%s", state.job_id, state.payload.task,
+                 state.total, f" ({len(done)} already done, resuming)" if done else "")
+        self.scheduler.add(state)
+
+    def _fail_job(self, lifecycle: JobLifecycle, running: Running, message: str) -> None:
+        lifecycle.fail(running, message)
+        R.add_event(self.redis, self.cfg.keys, running.job_id,
+                    {"type": "failed", "error": message})
+        log.info("job %s failed: %s", running.job_id, message)
 
     def _heartbeat(self, lifecycle: JobLifecycle) -> None:
         """Keep every in-flight job alive in RQ; drop jobs deleted or past their timeout."""
@@ -226,19 +292,24 @@ class WorkerService:
         gone = {r.job_id for r in lifecycle.heartbeat(s.handle for s in states)}
         for state in states:
             if state.job_id in gone:
-                log.warning("job %s was deleted while running: dropping it", state.job_id)
+                log.warning("job %s is no longer ours (deleted or canceled): dropping it",
+                            state.job_id)
                 self.scheduler.remove(state.job_id)
+                lifecycle.drop(state.handle)
             elif state.handle.timed_out():
-                msg = f"job timeout of {state.handle.job.timeout} s exceeded"
                 self.scheduler.remove(state.job_id)
-                lifecycle.fail(state.handle, msg, retry=False)
-                R.add_event(self.redis, self.cfg.keys, state.job_id,
-                            {"type": "failed", "error": msg})
-                log.info("job %s failed: %s", state.job_id, msg)
+                self._fail_job(lifecycle, state.handle,
+                               f"job timeout of {state.handle.job.timeout} s exceeded")
         lifecycle.maintain()
 
     def _schedule(self, engine: Engine, preparer: Preparer) -> None:
         """Prepare items while fewer than `window` are prepared-but-not-batched."""
+        while True:
+            try:
+                job_id, idx = self._prep_retry.get_nowait()
+            except Empty:
+                break
+            self.scheduler.retry_item(job_id, idx)
         window = self.cfg.prep_window
         while self._in_prep + engine.waiting < window:
             nxt = self.scheduler.next_item()
@@ -255,16 +326,22 @@ class WorkerService:
                   fut: Future[tuple[Request, float]]) -> None:
         """Pool callback: hand the request to the engine at once, so MLX never waits on us."""
         try:
+            if fut.cancelled():
+                return  # shutting down: the item stays unwritten and is redone on resume
             exc = fut.exception()
             if exc is None:
                 req, prep_s = fut.result()
                 self._prep_time[(job_id, idx)] = prep_s
                 engine.submit(req)
+            elif isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+                self._prep_retry.put((job_id, idx))  # not the item's fault: prepare it again
             elif isinstance(exc, PrepError):
                 self._prep_failed.put((job_id, idx, str(exc), 0.0))
             else:  # a bug, not bad input: keep the traceback, fail only this item
                 log.error("job %s item %d: preparation failed", job_id, idx, exc_info=exc)
                 self._prep_failed.put((job_id, idx, f"{type(exc).__name__}: {exc}", 0.0))
+        except EngineError:
+            log.debug("engine closed before job %s item %d was submitted", job_id, idx)
         finally:
             with self._prep_lock:
                 self._in_prep -= 1
@@ -310,7 +387,7 @@ class WorkerService:
         """Write every waiting result in one pipeline; on a Redis error they stay queued."""
         if not self._unwritten:
             return
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.redis.pipeline(transaction=True)  # all or nothing: no duplicate events
         for job_id, res in self._unwritten:
             R.write_item(self.redis, self.cfg.keys, job_id, res, pipeline=pipe)
         pipe.execute()
@@ -320,6 +397,12 @@ class WorkerService:
             self.scheduler.finish_item(job_id, res.index)
 
     def _finish_job(self, lifecycle: JobLifecycle, state: JobState[Running]) -> None:
+        if not lifecycle.is_ours(state.handle):
+            log.warning("job %s was deleted or canceled while running: not finishing it",
+                        state.job_id)
+            self.scheduler.remove(state.job_id)
+            lifecycle.drop(state.handle)
+            return
         stored = R.read_items(self.redis, self.cfg.keys, state.job_id)
         summary = JobSummary(
             items=state.total,

@@ -27,6 +27,8 @@ class _EngineView(Protocol):
     def waiting(self) -> int: ...
     @property
     def tower_calls(self) -> int: ...
+    @property
+    def peak_waiting(self) -> int: ...
 
 
 class _CacheView(Protocol):
@@ -98,6 +100,7 @@ class WorkerStats:
             "cache_hit_rate": round(hit_rate, 3),
             "cache_mem_bytes": cs.get("mem_bytes", 0),
             "cache_disk_bytes": cs.get("disk_bytes", 0),
+            "engine_peak_waiting": engine.peak_waiting,
             "tower_calls": engine.tower_calls,
             **{k: v - self._work_base.get(k, 0) for k, v in P.COUNTERS.snapshot().items()},
             "uptime_s": round(now - self.started, 1),
