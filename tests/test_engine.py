@@ -117,7 +117,6 @@ def test_parity_with_sequential_generate_under_continuous_batching(engine: Engin
     assert len(got["hot"].tokens) <= 8 and got["hot"].error is None
     assert engine.stats()["peak_active"] == 4  # batches really filled, never over max_batch
     assert engine.active == engine.waiting == 0
-    assert engine.free_slots() == 4
 
 
 def test_cache_hit_matches_miss_without_tower(engine: Engine, refs) -> None:

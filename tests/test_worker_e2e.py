@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -246,6 +246,8 @@ def test_backpressure_keeps_a_window_and_a_small_job_overtakes_a_big_one(
 
     final = stats(redis, "bp")
     assert 0 < int(final["peak_waiting"]) <= int(final["window"]) == 8
+    # The engine's own count of submitted-but-not-batched requests agrees.
+    assert 0 < int(final["engine_peak_waiting"]) <= 8
     assert peak_seen <= 8
 
 
@@ -261,6 +263,53 @@ def test_a_model_that_cannot_be_found_stops_the_worker_with_a_clear_error(
     assert rc == 1
     assert f"model folder {missing} does not exist" in out
     assert "Traceback" not in out
+
+
+def test_a_poison_job_fails_alone_and_the_worker_goes_on(
+        redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path,
+        start_worker: Spawn) -> None:
+    blob, _ = BlobStore(redis, Keys()).put(make_images(tmp_path / "i", 1)[0].read_bytes())
+    # "~nosuchuser/..." makes path expansion raise inside the worker's model check.
+    poison = enqueue(redis, JobPayload(task="caption", model="~nosuchuser/model",
+                                       items=(Item("image", blob, "a.png"),)), queue="caption")
+    good = Client(redis_url).caption(make_images(tmp_path / "j", 2), max_side=112,
+                                     max_tokens=4)
+    rc, out = finish(start_worker(redis_url, tiny_model, tmp_path, "--burst"))
+    assert rc == 0, out
+    assert fetch_job(redis, poison).get_status() == "failed"
+    assert good.status() == "finished" and good.summary()["ok"] == 2
+
+
+def test_a_job_canceled_mid_run_stays_canceled(
+        redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path,
+        start_worker: Spawn) -> None:
+    client = Client(redis_url)
+    pages = 30
+    job = client.ocr([make_pdf(tmp_path / "long.pdf", pages)], max_side=112, max_tokens=24)
+    proc = start_worker(redis_url, tiny_model, tmp_path, "--burst", "--max-batch", "2",
+                        "--heartbeat-ttl", "3")
+    wait_for(lambda: job.progress()[0] >= 2, 60, "two items done")
+    fetch_job(redis, job.id).cancel()
+    rc, out = finish(proc, timeout=120)
+    assert rc == 0, out
+    assert job.status() == "canceled"
+    assert job.progress()[0] < pages, "the worker went on computing a canceled job"
+    assert "no longer ours" in out or "canceled while running" in out
+
+
+def test_worker_start_problems_are_reported_before_loading_the_model(
+        redis_url: str, tiny_model: Path, tmp_path: Path, start_worker: Spawn) -> None:
+    rc, out = finish(start_worker("redis://127.0.0.1:1/0", tiny_model, tmp_path, "--burst"))
+    assert rc == 1 and "cannot reach Redis at redis://127.0.0.1:1/0" in out
+    assert "loading model" not in out and "Traceback" not in out
+
+    first = start_worker(redis_url, tiny_model, tmp_path, name="twin")
+    wait_for(lambda: b"rq:worker:twin" in Redis.from_url(redis_url).keys("rq:worker:*"), 60,
+             "the first worker to register")
+    rc, out = finish(start_worker(redis_url, tiny_model, tmp_path, "--burst", name="twin"))
+    assert rc == 1 and "a worker named 'twin' is already registered" in out, out
+    os.killpg(first.pid, signal.SIGTERM)
+    assert finish(first)[0] == 0
 
 
 def test_readme_demo_command_runs(redis_url: str, tmp_path: Path) -> None:
@@ -284,27 +333,26 @@ def test_pickled_job_is_refused_by_the_worker(
     from rq import Queue
 
     marker = tmp_path / "unpickled"
+    # The trap unpickles to a call of a stdlib function the worker can import: if anything
+    # in the worker ever unpickled the job, the marker file would appear.
+    trap = _Trap(str(marker))
+    assert pickle.loads(pickle.dumps(trap)) is None and marker.exists()
+    marker.unlink()
     q = Queue("caption", connection=redis)  # RQ's default serializer: pickle
-    job = q.enqueue_call(func=C.TASK_FUNC, args=[_Trap(str(marker))])
+    job = q.enqueue_call(func=C.TASK_FUNC, args=[trap], meta={"trap": trap})
     rc, out = finish(start_worker(redis_url, tiny_model, tmp_path, "--burst"))
     assert rc == 0, out
-    assert not marker.exists()
+    assert not marker.exists(), "the worker unpickled a job"
     assert redis.hget(f"rq:job:{job.id}", "status") == b"failed"
-    assert json.loads(json.dumps(out))  # worker output is plain text, nothing unpickled
+    assert "not JSON" in out or "pickle" in out.lower(), out
 
 
 class _Trap:
-    """Writes a marker file if anything ever unpickles it."""
-
     def __init__(self, path: str) -> None:
         self.path = path
 
-    def __reduce__(self) -> tuple[object, tuple[str, ...]]:
-        return (_touch, (self.path,))
-
-
-def _touch(path: str) -> None:
-    Path(path).write_text("unpickled")
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return (Path.touch, (Path(self.path),))
 
 
 if sys.platform == "win32":  # pragma: no cover
