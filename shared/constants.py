@@ -11,6 +11,9 @@ TASK_FUNC = "vlmq.worker.task.run"
 
 DEFAULT_QUEUE = {"ocr": "ocr", "caption": "caption", "generate": "generate"}
 
+# Where producers and workers look for Redis when neither --redis-url nor REDIS_URL is set.
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+
 BLOB_TTL_S = 7 * 24 * 3600
 BLOB_MAX_BYTES = 64 * 1024 * 1024
 RESULT_TTL_S = 7 * 24 * 3600
@@ -27,4 +30,7 @@ MAX_PROMPT_CHARS = 20_000
 MAX_TOKENS_LIMIT = 32_768
 MAX_STOP_STRINGS = 16
 MAX_SIDE_RANGE = (28, 8192)
+# generation.temperature is 0..MAX_TEMPERATURE: far past any useful sampling, low enough
+# that a typo (50 for 0.5) is refused rather than run as noise.
+MAX_TEMPERATURE = 5.0
 MAX_LABELS = 64

@@ -200,7 +200,7 @@ def _parse_generation(raw: Any) -> Generation:
         if isinstance(temp_raw, bool) or not isinstance(temp_raw, (int, float)):
             raise PayloadError("generation.temperature", "must be a number")
         temperature = float(temp_raw)
-        if not math.isfinite(temperature) or not 0.0 <= temperature <= 5.0:
+        if not math.isfinite(temperature) or not 0.0 <= temperature <= C.MAX_TEMPERATURE:
             raise PayloadError("generation.temperature", "must be between 0 and 5")
     stop_raw = raw.get("stop") or []
     if not isinstance(stop_raw, list):
