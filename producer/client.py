@@ -13,23 +13,37 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import click
-from redis import Redis
+from redis import ConnectionPool, Redis
 from rq import Queue, Worker
+from rq.job import Job as RQJob
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from vlmq.producer.inputs import PageSpec, Prepared, prepare
 from vlmq.shared.blobs import BlobStore
-from vlmq.shared.errors import VlmqError
-from vlmq.shared.jobs import check_queue_name, enqueue, fetch_job, payload_of
+from vlmq.shared.constants import DEFAULT_REDIS_URL
+from vlmq.shared.errors import PayloadError, VlmqError
+from vlmq.shared.jobs import (
+    check_job_id,
+    check_queue_name,
+    enqueue,
+    fetch_job,
+    payload_of,
+    raw_exc_info,
+)
 from vlmq.shared.keys import Keys
 from vlmq.shared.results import count_done, read_items
-from vlmq.shared.schema import Generation, ItemResult, JobPayload, parse_payload
+from vlmq.shared.schema import Generation, Item, ItemResult, JobPayload, parse_payload
+from vlmq.shared.text import as_str
 
-DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+__all__ = ["DEFAULT_REDIS_URL", "Client", "Job", "JobFailed", "JobNotFound", "WaitTimeout",
+           "check_redis_url", "redact_url", "wait_all"]
+
 REDIS_URL_ENV = "REDIS_URL"
+NO_MESSAGE = "failed (no exception recorded)"
 # RQ statuses after which nothing more will happen to a job without someone acting.
 TERMINAL = frozenset({"finished", "failed", "stopped", "canceled"})
 POLL_S = 0.5
@@ -86,9 +100,35 @@ class WorkerInfo:
     stats: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class _Settings:
+    """What ocr/caption/generate take besides their inputs: how each item is processed."""
+
+    prompt: str | None
+    model: str | None
+    max_side: int | None
+    max_tokens: int | None
+    temperature: float | None
+    stop: Sequence[str] | None
+    labels: Mapping[str, str] | None
+
+    def payload(self, task: str, items: Sequence[Item]) -> JobPayload:
+        return JobPayload(
+            task=task,
+            items=tuple(items),
+            prompt=self.prompt,
+            generation=Generation(max_tokens=self.max_tokens, temperature=self.temperature,
+                                  stop=tuple(self.stop or ())),
+            model=self.model,
+            max_side=self.max_side,
+            labels=dict(self.labels or {}),
+        )
+
+
 class Client:
     def __init__(self, redis_url: str | None = None, *, prefix: str | None = None) -> None:
-        self.redis_url = redis_url or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL
+        self.redis_url = check_redis_url(
+            redis_url or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL)
         self.redis = Redis.from_url(self.redis_url)
         self.keys = Keys(prefix) if prefix is not None else Keys.from_env()
         self.blobs = BlobStore(self.redis, self.keys)
@@ -113,10 +153,11 @@ class Client:
 
         `pages` ("1-3,7" or a list of ints) applies to every PDF in `paths`.
         """
-        prepared = prepare(_as_list(paths), pages=pages)
-        return self._submit("ocr", prepared, queue=queue, prompt=prompt, model=model,
-                            max_side=max_side, max_tokens=max_tokens,
-                            temperature=temperature, stop=stop, labels=labels, job_id=job_id)
+        settings = _Settings(prompt=prompt, model=model, max_side=max_side,
+                             max_tokens=max_tokens, temperature=temperature, stop=stop,
+                             labels=labels)
+        return self._submit("ocr", prepare(_as_list(paths), pages=pages), settings,
+                            queue=queue, job_id=job_id)
 
     def caption(self, paths: Iterable[str | os.PathLike[str]], *, recursive: bool = False,
                 skip_bad: bool = False, prompt: str | None = None, queue: str = "caption",
@@ -125,10 +166,12 @@ class Client:
                 stop: Sequence[str] | None = None, labels: Mapping[str, str] | None = None,
                 job_id: str | None = None) -> Job:
         """Caption a set of files, folders or globs; with skip_bad see `job.rejected`."""
-        prepared = prepare(_as_list(paths), recursive=recursive, skip_bad=skip_bad)
-        return self._submit("caption", prepared, queue=queue, prompt=prompt, model=model,
-                            max_side=max_side, max_tokens=max_tokens,
-                            temperature=temperature, stop=stop, labels=labels, job_id=job_id)
+        settings = _Settings(prompt=prompt, model=model, max_side=max_side,
+                             max_tokens=max_tokens, temperature=temperature, stop=stop,
+                             labels=labels)
+        return self._submit("caption", prepare(_as_list(paths), recursive=recursive,
+                                               skip_bad=skip_bad),
+                            settings, queue=queue, job_id=job_id)
 
     def generate(self, paths: Iterable[str | os.PathLike[str]], prompt: str, *,
                  recursive: bool = False, skip_bad: bool = False, queue: str = "generate",
@@ -137,45 +180,63 @@ class Client:
                  stop: Sequence[str] | None = None, labels: Mapping[str, str] | None = None,
                  job_id: str | None = None) -> Job:
         """Run one prompt over every image (and PDF page) in the set."""
-        prepared = prepare(_as_list(paths), recursive=recursive, skip_bad=skip_bad)
-        return self._submit("generate", prepared, queue=queue, prompt=prompt, model=model,
-                            max_side=max_side, max_tokens=max_tokens,
-                            temperature=temperature, stop=stop, labels=labels, job_id=job_id)
+        settings = _Settings(prompt=prompt, model=model, max_side=max_side,
+                             max_tokens=max_tokens, temperature=temperature, stop=stop,
+                             labels=labels)
+        return self._submit("generate", prepare(_as_list(paths), recursive=recursive,
+                                                skip_bad=skip_bad),
+                            settings, queue=queue, job_id=job_id)
 
-    def _submit(self, task: str, prepared: Prepared, *, queue: str, prompt: str | None,
-                model: str | None, max_side: int | None, max_tokens: int | None,
-                temperature: float | None, stop: Sequence[str] | None,
-                labels: Mapping[str, str] | None, job_id: str | None) -> Job:
-        payload = JobPayload(
-            task=task,
-            items=tuple(prepared.items),
-            prompt=prompt,
-            generation=Generation(max_tokens=max_tokens, temperature=temperature,
-                                  stop=tuple(stop or ())),
-            model=model,
-            max_side=max_side,
-            labels=dict(labels or {}),
-        )
+    def _submit(self, task: str, prepared: Prepared, settings: _Settings, *, queue: str,
+                job_id: str | None) -> Job:
+        """Check the payload, upload what is missing, enqueue: the part all tasks share."""
         # The worker will run exactly this check; failing here keeps Redis untouched.
-        payload = parse_payload(payload.to_dict())
+        payload = parse_payload(settings.payload(task, prepared.items).to_dict())
         check_queue_name(queue)
+        if job_id is not None:
+            self._refuse_taken_id(job_id)
         uploaded = 0
-        for data in prepared.blobs.values():
-            _, fresh = self.blobs.put(data)
+        for source in prepared.blobs.values():
+            if self.blobs.touch(source.sha256):
+                continue  # already stored (TTL now refreshed): nothing to read or send
+            _, fresh = self.blobs.put(source.read_verified())
             uploaded += fresh
         jid = enqueue(self.redis, payload, queue=queue, job_id=job_id)
         return Job(self, jid, queue=queue, items=len(payload.items),
                    rejected=list(prepared.rejected), uploaded=uploaded,
                    blobs=len(prepared.blobs))
 
+    def _refuse_taken_id(self, job_id: str) -> None:
+        """Refuse a taken id before uploading anything for a job that cannot be enqueued.
+
+        Also catches an id whose RQ job is gone (deleted, expired) but whose item results
+        are not: a new job under it would count them as its own and skip those items.
+        The check that holds against a racing producer is the atomic one in enqueue().
+        """
+        check_job_id(job_id)
+        if self.redis.exists(Keys.rq_job(job_id), self.keys.job_items(job_id)):
+            raise PayloadError("job_id", f"a job with id {job_id} already exists")
+
     # --- inspect ----------------------------------------------------------------------
 
     def job(self, job_id: str) -> Job:
-        """Handle for an existing job; raises JobNotFound or PayloadError (not a vlmq job)."""
+        """Handle for an existing job; raises JobNotFound.
+
+        A job that is not a readable vlmq job (pickled data, a bad payload, a hash RQ
+        cannot parse) still gets a handle, with `problem` saying why and `items` 0: its
+        status and failure message are exactly what whoever asks about it needs.
+        """
         if not self.redis.exists(Keys.rq_job(job_id)):
             raise JobNotFound(job_id)
-        rq_job = fetch_job(self.redis, job_id)
-        payload = payload_of(rq_job)
+        try:
+            rq_job = fetch_job(self.redis, job_id)
+        except PayloadError as exc:
+            origin = self.redis.hget(Keys.rq_job(job_id), "origin")
+            return Job(self, job_id, queue=as_str(origin or b""), items=0, problem=str(exc))
+        try:
+            payload = payload_of(rq_job)
+        except PayloadError as exc:
+            return Job(self, job_id, queue=rq_job.origin, items=0, problem=str(exc))
         return Job(self, job_id, queue=rq_job.origin, items=len(payload.items))
 
     def queues(self) -> dict[str, QueueInfo]:
@@ -194,11 +255,11 @@ class Client:
         rq_workers = {w.name: w for w in Worker.all(connection=self.redis,
                                                      serializer=JSONSerializer)}
         names = set(rq_workers)
-        names.update(_text(n) for n in self.redis.smembers(self.keys.workers))
+        names.update(as_str(n) for n in self.redis.smembers(self.keys.workers))
         out: list[WorkerInfo] = []
         for name in sorted(names):
             raw = self.redis.hgetall(self.keys.worker_stats(name))
-            stats = {_text(k): _text(v) for k, v in raw.items()}
+            stats = {as_str(k): as_str(v) for k, v in raw.items()}
             worker = rq_workers.get(name)
             if worker is None and not stats:
                 continue  # stats expired and no RQ worker: it is gone
@@ -216,7 +277,7 @@ class Job:
 
     def __init__(self, client: Client, job_id: str, *, queue: str, items: int,
                  rejected: Sequence[tuple[str, str]] = (), uploaded: int = 0,
-                 blobs: int = 0) -> None:
+                 blobs: int = 0, problem: str | None = None) -> None:
         self.client = client
         self.id = job_id
         self.queue = queue
@@ -225,6 +286,8 @@ class Job:
         # Blobs newly written by this enqueue / distinct blobs the job uses.
         self.uploaded = uploaded
         self.blobs = blobs
+        # Why this is not a readable vlmq job (None when it is); a worker will fail it.
+        self.problem = problem
 
     def __repr__(self) -> str:
         return f"Job(id={self.id!r}, queue={self.queue!r}, items={self.items})"
@@ -233,7 +296,7 @@ class Job:
         raw = self.client.redis.hget(Keys.rq_job(self.id), "status")
         if raw is None:
             raise JobNotFound(self.id)
-        return _text(raw)
+        return as_str(raw)
 
     def progress(self) -> tuple[int, int]:
         """(items done, items in the job); done counts failed items too."""
@@ -250,9 +313,15 @@ class Job:
         return payload_of(fetch_job(self.client.redis, self.id))
 
     def _latest(self) -> Result | None:
+        """RQ's latest Result, read from its results stream alone.
+
+        A stand-in Job carries only the id: fetching the real one would parse the hash,
+        which fails for exactly the jobs whose failure people most need to see.
+        """
         if not self.client.redis.exists(Keys.rq_job(self.id)):
             raise JobNotFound(self.id)
-        latest: Result | None = fetch_job(self.client.redis, self.id).latest_result()
+        ref = RQJob(self.id, connection=self.client.redis, serializer=JSONSerializer)
+        latest: Result | None = Result.fetch_latest(ref, serializer=JSONSerializer)
         return latest
 
     def summary(self) -> dict[str, Any] | None:
@@ -264,10 +333,17 @@ class Job:
         return dict(value) if isinstance(value, Mapping) else {"value": value}
 
     def error(self) -> str | None:
-        """RQ's exception string for a failed job, else None."""
+        """Why the job failed, or None while it has not.
+
+        RQ keeps the message in its results stream (latest_result().exc_string). A job
+        whose hash RQ cannot load never gets a Result: the worker writes the reason to
+        the hash's `exc_info` field instead, read here as plain text.
+        """
         result = self._latest()
         if result is not None and result.type == Result.Type.FAILED:
-            return result.exc_string or "failed (no exception recorded)"
+            return result.exc_string or NO_MESSAGE
+        if self.status() == "failed":
+            return raw_exc_info(self.client.redis, self.id) or NO_MESSAGE
         return None
 
     def wait(self, timeout: float | None = None, progress: bool = False, *,
@@ -320,7 +396,7 @@ def wait_all(jobs: Sequence[Job], *, timeout: float | None = None,
             reply: Any = redis.xread(cursors, count=1000, block=max(1, int(wait_s * 1000)))
             for stream, entries in reply or []:
                 if entries:
-                    cursors[_text(stream)] = _text(entries[-1][0])
+                    cursors[as_str(stream)] = as_str(entries[-1][0])
 
 
 def _as_list(paths: Iterable[str | os.PathLike[str]]) -> list[str | os.PathLike[str]]:
@@ -330,5 +406,19 @@ def _as_list(paths: Iterable[str | os.PathLike[str]]) -> list[str | os.PathLike[
     return list(paths)
 
 
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+def check_redis_url(url: str) -> str:
+    """`url`, or ValueError naming it: redis-py's own message does not say which URL."""
+    try:
+        ConnectionPool.from_url(url).disconnect()
+    except ValueError as exc:
+        raise ValueError(f"invalid Redis URL {redact_url(url)!r}: {exc}") from exc
+    return url
+
+
+def redact_url(url: str) -> str:
+    """The URL with its password masked, for messages: stderr ends up in CI logs."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))

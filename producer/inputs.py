@@ -48,15 +48,48 @@ class InputErrors(InputError):
 
 
 @dataclass(frozen=True)
+class BlobSource:
+    """Where one distinct input's bytes are, and what they were when validated.
+
+    Holding this instead of the bytes keeps a 10,000-photo set at a few MB of RAM: the
+    file is read again at upload, and the hash proves it is still what was checked.
+    """
+
+    path: Path
+    source: str
+    sha256: str
+    size: int
+
+    def read_verified(self) -> bytes:
+        """The file's bytes, refused (InputError) if they changed since validation."""
+        changed = "changed since it was validated; enqueue it again"
+        try:
+            size = self.path.stat().st_size
+            if size != self.size:  # cheap, and spares reading a file that grew huge
+                raise InputError(self.source, f"{changed} (size {self.size} -> {size} bytes)")
+            data = self.path.read_bytes()
+        except OSError as exc:
+            raise InputError(self.source, f"cannot be read for upload: "
+                                          f"{exc.strerror or exc}") from exc
+        if sha256_hex(data) != self.sha256:
+            raise InputError(self.source, f"{changed} (its sha256 differs)")
+        return data
+
+
+@dataclass(frozen=True)
 class CheckedFile:
-    """One input file whose content has been verified; `data` is what gets uploaded."""
+    """One input file whose content has been verified; its bytes are not kept."""
 
     path: Path
     source: str
     kind: str  # "pdf" | "image"
-    data: bytes
     pages: int  # PDF page count; 1 for an image
     sha256: str
+    size: int
+
+    def blob(self) -> BlobSource:
+        return BlobSource(path=self.path, source=self.source, sha256=self.sha256,
+                          size=self.size)
 
 
 @dataclass
@@ -64,11 +97,11 @@ class Prepared:
     """Items ready for a payload, the distinct blobs they need, and what was left out."""
 
     items: list[Item] = field(default_factory=list)
-    blobs: dict[str, bytes] = field(default_factory=dict)
+    blobs: dict[str, BlobSource] = field(default_factory=dict)
     rejected: list[tuple[str, str]] = field(default_factory=list)
 
     def add(self, checked: CheckedFile, pages: Iterable[int | None]) -> None:
-        self.blobs.setdefault(checked.sha256, checked.data)
+        self.blobs.setdefault(checked.sha256, checked.blob())
         for page in pages:
             self.items.append(Item(kind=checked.kind, blob=checked.sha256,
                                    source=checked.source, page=page))
@@ -81,16 +114,27 @@ def _read(path: Path, source: str) -> bytes:
         raise InputError(source, "is a directory (pass --recursive, or list its files)")
     if not path.is_file():
         raise InputError(source, "is not a regular file")
-    size = path.stat().st_size
-    if size > C.BLOB_MAX_BYTES:
-        raise InputError(source, f"is {size} bytes, over the {C.BLOB_MAX_BYTES}-byte limit")
     try:
+        size = path.stat().st_size
+        if size > C.BLOB_MAX_BYTES:
+            with path.open("rb") as fh:
+                head = fh.read(PDF_HEADER_WINDOW)
+            raise InputError(source, _too_big(size, is_pdf=PDF_MAGIC in head))
         data = path.read_bytes()
     except OSError as exc:
         raise InputError(source, f"cannot be read: {exc.strerror or exc}") from exc
     if not data:
         raise InputError(source, "is empty")
     return data
+
+
+def _too_big(size: int, *, is_pdf: bool) -> str:
+    """A PDF is one blob however few pages are wanted, so --pages cannot help: say so."""
+    limit = C.BLOB_MAX_BYTES
+    head = f"is {size} bytes, over the {limit // (1024 * 1024)} MiB ({limit}-byte) blob limit"
+    if is_pdf:
+        return f"{head}; split it into smaller PDFs"
+    return f"{head}; recompress or downscale it"
 
 
 def _pdf_page_count(data: bytes, source: str) -> int:
@@ -146,21 +190,23 @@ def check_file(path: str | os.PathLike[str], *, source: str | None = None) -> Ch
     else:
         _check_image(data, name)
         kind, pages = "image", 1
-    return CheckedFile(path=p, source=name, kind=kind, data=data, pages=pages,
-                       sha256=sha256_hex(data))
+    return CheckedFile(path=p, source=name, kind=kind, pages=pages, sha256=sha256_hex(data),
+                       size=len(data))
 
 
 def parse_pages(spec: PageSpec, page_count: int, source: str) -> list[int]:
     """'1-3,7' -> [1, 2, 3, 7]: 1-based, in the order given, duplicates dropped.
 
-    None means every page. A list of ints is checked the same way as a string.
+    None means every page. A list of ints is checked the same way as a string. Each range
+    is checked against page_count before it is expanded, so '1-300000000' is an error
+    message, not a list of 300 million ints.
     """
     if spec is None:
         return list(range(1, page_count + 1))
+    pages: list[int] = []
     if isinstance(spec, str):
         if not spec.strip():
             raise InputError(source, "empty page range")
-        pages: list[int] = []
         for part in spec.split(","):
             m = _RANGE_PART.match(part)
             if not m:
@@ -173,22 +219,25 @@ def parse_pages(spec: PageSpec, page_count: int, source: str) -> list[int]:
             if hi < lo:
                 raise InputError(source, f"bad page range {part.strip()!r}: "
                                          f"{hi} comes before {lo}")
+            _check_in_range(hi, page_count, source)
             pages.extend(range(lo, hi + 1))
     else:
-        pages = []
         for value in spec:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InputError(source, f"page numbers must be integers, got {value!r}")
             if value < 1:
                 raise InputError(source, f"pages are numbered from 1, got {value}")
+            _check_in_range(value, page_count, source)
             pages.append(value)
         if not pages:
             raise InputError(source, "empty page list")
-    for page in pages:
-        if page > page_count:
-            raise InputError(source, f"page {page} is out of range: {source} has "
-                                     f"{page_count} page{'s' if page_count != 1 else ''}")
     return list(dict.fromkeys(pages))
+
+
+def _check_in_range(page: int, page_count: int, source: str) -> None:
+    if page > page_count:
+        raise InputError(source, f"page {page} is out of range: {source} has "
+                                 f"{page_count} page{'s' if page_count != 1 else ''}")
 
 
 def expand_paths(paths: Iterable[str | os.PathLike[str]], *,
@@ -248,10 +297,13 @@ def prepare(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
 
     `pages` applies to each PDF (an image is always its one page). All bad files are
     collected first; unless skip_bad, any bad file rejects the whole set (InputErrors).
+    Files are read one at a time and only their hash kept (upload reads them again). The
+    item limit is enforced the moment it is passed: reading thousands more files only to
+    refuse the set afterwards would waste minutes.
     """
     names, errors = expand_paths(paths, recursive=recursive)
     prepared = Prepared()
-    for name in names:
+    for done, name in enumerate(names, start=1):
         try:
             checked = check_file(name)
             page_list: list[int | None] = (
@@ -261,6 +313,11 @@ def prepare(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
             errors.append(exc)
             continue
         prepared.add(checked, page_list)
+        if len(prepared.items) > C.MAX_ITEMS_PER_JOB:
+            raise InputError(f"{len(names)} file(s)",
+                             f"the first {done} file(s) already make {len(prepared.items)} "
+                             f"items, over the {C.MAX_ITEMS_PER_JOB}-item limit per job; "
+                             "split the set into several jobs")
     if errors and not skip_bad:
         if len(errors) == 1:
             raise errors[0]
@@ -270,8 +327,4 @@ def prepare(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
         if errors:
             raise InputErrors(errors)
         raise InputError("(no files)", "nothing to enqueue")
-    if len(prepared.items) > C.MAX_ITEMS_PER_JOB:
-        raise InputError(f"{len(names)} file(s)",
-                         f"{len(prepared.items)} items is over the {C.MAX_ITEMS_PER_JOB}"
-                         "-item limit per job; split the set")
     return prepared

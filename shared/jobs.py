@@ -16,6 +16,7 @@ from typing import Any
 from redis import Redis
 from redis.client import Pipeline
 from rq import Queue, Retry
+from rq.exceptions import DeserializationError, DuplicateJobError, TimeoutFormatError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
@@ -23,6 +24,9 @@ from vlmq.shared import constants as C
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import JOB_ID_RE, QUEUE_NAME_RE, RQ_QUEUES, Keys
 from vlmq.shared.schema import JobPayload, parse_payload, utc_now_iso
+
+# What RQ's Job.restore raises on a job hash it cannot read (bad dates, status, timeout...).
+UNREADABLE_HASH_ERRORS = (ValueError, TypeError, KeyError, AttributeError, TimeoutFormatError)
 
 
 def describe(payload: JobPayload) -> str:
@@ -37,25 +41,46 @@ def check_queue_name(queue: str) -> str:
     return queue
 
 
+def check_job_id(job_id: str) -> str:
+    if not JOB_ID_RE.match(job_id):
+        raise PayloadError("job_id", f"invalid job id {job_id!r} (must match "
+                                     "[A-Za-z0-9_-]{1,128})")
+    return job_id
+
+
 def enqueue(redis: Redis, payload: JobPayload, *, queue: str, job_id: str | None = None,
             timeout: int = C.JOB_TIMEOUT_S, result_ttl: int = C.RESULT_TTL_S,
             failure_ttl: int = C.FAILURE_TTL_S, pipeline: Pipeline | None = None) -> str:
-    """Enqueue a validated payload as an RQ job; returns the job id."""
+    """Enqueue a validated payload as an RQ job; returns the job id.
+
+    A caller-chosen `job_id` that already names a job is refused (PayloadError) instead of
+    overwriting it: the new job would otherwise inherit the old one's item results and
+    resume from them. RQ's unique enqueue checks and writes in one Lua script, so two
+    producers racing for one id cannot both win. That script cannot join a caller's
+    pipeline, hence no `pipeline` together with `job_id`.
+    """
     check_queue_name(queue)
-    if job_id is not None and not JOB_ID_RE.match(job_id):
-        raise PayloadError("job_id", "must match [A-Za-z0-9_-]{1,128}")
+    if job_id is not None:
+        check_job_id(job_id)
+    if job_id is not None and pipeline is not None:
+        raise ValueError("enqueue: job_id cannot be combined with a pipeline (the id is "
+                         "checked for uniqueness atomically, outside any pipeline)")
     q = Queue(queue, connection=redis, serializer=JSONSerializer)
-    job = q.enqueue_call(
-        func=C.TASK_FUNC,
-        args=[payload.to_dict()],
-        timeout=timeout,
-        result_ttl=result_ttl,
-        failure_ttl=failure_ttl,
-        description=describe(payload),
-        job_id=job_id,
-        retry=Retry(max=C.CRASH_RETRIES),
-        pipeline=pipeline,
-    )
+    try:
+        job = q.enqueue_call(
+            func=C.TASK_FUNC,
+            args=[payload.to_dict()],
+            timeout=timeout,
+            result_ttl=result_ttl,
+            failure_ttl=failure_ttl,
+            description=describe(payload),
+            job_id=job_id,
+            retry=Retry(max=C.CRASH_RETRIES),
+            pipeline=pipeline,
+            unique=job_id is not None,
+        )
+    except DuplicateJobError as exc:
+        raise PayloadError("job_id", f"a job with id {job_id} already exists") from exc
     return str(job.id)
 
 
@@ -79,7 +104,35 @@ def enqueue_lua(redis: Redis, payload: dict[str, Any], *, queue: str,
 
 
 def fetch_job(redis: Redis, job_id: str) -> Job:
-    return Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
+    """The RQ job, read with the JSON serializer so nothing in it is ever unpickled.
+
+    Raises PayloadError when RQ cannot parse the hash (a non-Python producer wrote e.g.
+    `created_at` = "yesterday"): RQ's own error is a bare ValueError that names neither
+    the job nor the field, and callers should not have to know RQ's parsing internals.
+    """
+    try:
+        return Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
+    except UNREADABLE_HASH_ERRORS as exc:
+        raise PayloadError("", f"RQ cannot read the job's hash "
+                               f"({type(exc).__name__}: {exc})") from exc
+
+
+def raw_exc_info(redis: Redis, job_id: str) -> str | None:
+    """The `exc_info` field of a job hash as text, read without RQ.
+
+    A worker fails a job whose hash RQ cannot load by writing status and `exc_info` to the
+    hash directly (no Result can be created without a Job object), so this is the only
+    place its reason lives. RQ itself writes the field zlib-compressed; both forms are
+    text, never a serialized object, so nothing here deserializes anything.
+    """
+    raw = redis.hget(Keys.rq_job(job_id), "exc_info")
+    if not raw:
+        return None
+    if isinstance(raw, str):  # a connection made with decode_responses=True
+        return raw
+    with contextlib.suppress(zlib.error):  # vlmq's worker writes it uncompressed
+        raw = zlib.decompress(raw)
+    return raw.decode("utf-8", "replace")
 
 
 def is_json_data(raw: bytes) -> bool:
@@ -100,8 +153,13 @@ def payload_of(job: Job) -> JobPayload:
     if not is_json_data(job.data):
         raise PayloadError("data", "job data is not JSON (a pickled job?): vlmq refuses "
                                    "pickle; enqueue with RQ's JSONSerializer")
-    if job.func_name != C.TASK_FUNC:
-        raise PayloadError("func", f"not a vlmq job: function {job.func_name!r}")
+    try:
+        func_name = job.func_name
+    except DeserializationError as exc:
+        raise PayloadError("data", "job data is JSON but not RQ's [func, instance, args, "
+                                   f"kwargs] array: {exc.__cause__}") from exc
+    if func_name != C.TASK_FUNC:
+        raise PayloadError("func", f"not a vlmq job: function {func_name!r}")
     args = job.args
     if not isinstance(args, (list, tuple)):
         raise PayloadError("args", f"must be a list, got {type(args).__name__}")

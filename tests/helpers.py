@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from PIL import Image, ImageDraw
+from redis import Redis
+
+if TYPE_CHECKING:
+    from vlmq.worker.rq_jobs import JobLifecycle
 
 VLMQ = str(Path(sys.executable).parent / "vlmq")
 COLORS = [(220, 40, 40), (40, 160, 60), (40, 70, 200), (230, 200, 40), (160, 60, 190),
@@ -35,6 +43,18 @@ def make_pdf(path: Path, pages: int) -> Path:
     imgs = [page_image(i) for i in range(pages)]
     imgs[0].save(path, "PDF", save_all=True, append_images=imgs[1:], resolution=72.0)
     return path
+
+
+def pdf_bytes(pages: int = 3) -> bytes:
+    """A small real PDF, one numbered white page per page, made in memory."""
+    images = []
+    for i in range(pages):
+        im = Image.new("L", (200, 260), 255)
+        ImageDraw.Draw(im).text((20, 20), f"page {i + 1}", fill=0)
+        images.append(im)
+    buf = io.BytesIO()
+    images[0].save(buf, "PDF", save_all=True, append_images=images[1:])
+    return buf.getvalue()
 
 
 def make_images(folder: Path, n: int, sizes: list[tuple[int, int]] | None = None) -> list[Path]:
@@ -85,3 +105,32 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@contextmanager
+def worker_lifecycle(redis: Redis, queues: list[str]) -> Iterator[JobLifecycle]:
+    """The real vlmq worker's job lifecycle (no model): take, succeed and fail jobs exactly
+    as a worker does, so producer tests read what a worker really leaves in Redis."""
+    from vlmq.worker.rq_jobs import BatchWorker, JobLifecycle
+
+    worker = BatchWorker(queues, connection=redis, name=f"test-{uuid.uuid4().hex[:8]}")
+    life = JobLifecycle(worker)
+    life.register_birth()
+    try:
+        yield life
+    finally:
+        life.register_death()
+
+
+def _touch(path: str) -> None:
+    Path(path).write_text("unpickled!")
+
+
+class Tripwire:
+    """Put one in a pickled job: unpickling it writes `path`, proof that someone did."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return _touch, (self.path,)

@@ -8,9 +8,10 @@ import threading
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
-from PIL import Image, ImageDraw
+from PIL import Image
 from redis import Redis
 from rq import Queue, SimpleWorker, Worker
 from rq.job import JobStatus
@@ -18,6 +19,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from vlmq.producer import Client, JobFailed, JobNotFound, WaitTimeout, sample_files
+from vlmq.producer import client as client_module
 from vlmq.producer.client import wait_all
 from vlmq.shared import constants as C
 from vlmq.shared.errors import InputError, PayloadError
@@ -26,16 +28,7 @@ from vlmq.shared.keys import Keys
 from vlmq.shared.results import write_item
 from vlmq.shared.schema import ItemResult
 
-
-def pdf_bytes(pages: int) -> bytes:
-    images = []
-    for i in range(pages):
-        im = Image.new("L", (200, 260), 255)
-        ImageDraw.Draw(im).text((20, 20), f"page {i + 1}", fill=0)
-        images.append(im)
-    buf = io.BytesIO()
-    images[0].save(buf, "PDF", save_all=True, append_images=images[1:])
-    return buf.getvalue()
+from .helpers import pdf_bytes, worker_lifecycle
 
 
 def png_bytes(color: tuple[int, int, int]) -> bytes:
@@ -266,3 +259,62 @@ def test_client_reads_env(monkeypatch: pytest.MonkeyPatch, redis_url: str, doc: 
         assert items_key.startswith("other:job:")
         assert list(c.redis.scan_iter(match="other:blob:*"))
     assert Queue("ocr", connection=Redis.from_url(redis_url)).count == 1
+
+
+@pytest.mark.parametrize("change", ["other size", "same size"])
+def test_file_changed_after_validation_enqueues_nothing(client: Client, redis: Redis,
+                                                        tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        change: str) -> None:
+    first, second = tmp_path / "a.png", tmp_path / "b.png"
+    first.write_bytes(png_bytes((1, 2, 3)))
+    second.write_bytes(png_bytes((4, 5, 6)))
+    real_prepare = client_module.prepare
+
+    def prepare_then_edit(*args: Any, **kwargs: Any) -> Any:
+        prepared = real_prepare(*args, **kwargs)
+        data = second.read_bytes()
+        # Someone rewrites the file between validation and upload.
+        second.write_bytes(data + b"tail" if change == "other size"
+                           else data[:-1] + bytes([data[-1] ^ 0xFF]))
+        return prepared
+
+    monkeypatch.setattr(client_module, "prepare", prepare_then_edit)
+    with pytest.raises(InputError, match=r"b\.png: changed since it was validated"):
+        client.caption([first, second])
+    assert list(redis.scan_iter(match="rq:*")) == []  # no job, no queue
+    # a.png may already be stored: content-addressed and expiring, so harmless.
+    assert len(blob_keys(redis)) <= 1
+
+
+def test_existing_job_id_is_refused(client: Client, redis: Redis, keys: Keys,
+                                    doc: Path) -> None:
+    first = client.ocr([doc], "1", job_id="fixed-1")
+    assert first.id == "fixed-1"
+    with pytest.raises(PayloadError, match=r"^job_id: a job with id fixed-1 already exists$"):
+        client.ocr([doc], "2-3", job_id="fixed-1")
+    assert [i.page for i in client.job("fixed-1").payload().items] == [1]
+    assert redis.lrange("rq:queue:ocr", 0, -1) == [b"fixed-1"]
+    # The RQ job is gone but its item results are not: a new job must not inherit them.
+    write_item(redis, keys, "gone-1", item_result(0, "doc.pdf", 1, "old text"))
+    with pytest.raises(PayloadError, match="a job with id gone-1 already exists"):
+        client.ocr([doc], "1", job_id="gone-1")
+    assert not redis.exists("rq:job:gone-1")
+
+
+def test_job_handle_for_a_job_the_worker_refused(client: Client, redis: Redis) -> None:
+    pickled = Queue("ocr", connection=redis).enqueue_call(func=C.TASK_FUNC, args=[{"v": 1}])
+    job = client.job(pickled.id)
+    assert job.problem is not None and job.problem.startswith("data: job data is not JSON")
+    assert (job.status(), job.items, job.error()) == ("queued", 0, None)
+    with worker_lifecycle(redis, ["ocr"]) as life:
+        life.take()
+    assert job.status() == "failed"
+    assert f"vlmq refused job {pickled.id}: data: job data is not JSON" in (job.error() or "")
+    with pytest.raises(JobFailed, match="not JSON"):
+        job.wait(timeout=5, check=True)
+
+
+def test_bad_redis_url_names_it() -> None:
+    with pytest.raises(ValueError, match=r"^invalid Redis URL 'nope': "):
+        Client("nope")

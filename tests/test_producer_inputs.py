@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
+import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import pytest
-from PIL import Image, ImageDraw
+from PIL import Image
 
+from vlmq.producer import inputs
 from vlmq.producer.inputs import (
+    BlobSource,
     InputErrors,
     check_file,
     expand_paths,
@@ -19,16 +24,7 @@ from vlmq.producer.inputs import (
 from vlmq.shared import constants as C
 from vlmq.shared.errors import InputError
 
-
-def pdf_bytes(pages: int = 3) -> bytes:
-    images = []
-    for i in range(pages):
-        im = Image.new("L", (200, 260), 255)
-        ImageDraw.Draw(im).text((20, 20), f"page {i + 1}", fill=0)
-        images.append(im)
-    buf = io.BytesIO()
-    images[0].save(buf, "PDF", save_all=True, append_images=images[1:])
-    return buf.getvalue()
+from .helpers import pdf_bytes
 
 
 def image_bytes(fmt: str = "PNG", size: tuple[int, int] = (64, 48),
@@ -134,10 +130,21 @@ def test_pillow_bomb_warning_and_error_become_rejections(tmp_path: Path, side: i
 
 
 def test_file_over_blob_limit_is_refused_without_reading(tmp_path: Path) -> None:
-    path = tmp_path / "huge.pdf"
+    path = tmp_path / "huge.png"
     with open(path, "wb") as fh:  # sparse: costs no disk
         fh.truncate(C.BLOB_MAX_BYTES + 1)
     assert "over the" in _problem(path) and str(C.BLOB_MAX_BYTES) in _problem(path)
+    assert "split" not in _problem(path)
+
+
+def test_pdf_over_blob_limit_suggests_splitting(tmp_path: Path) -> None:
+    path = tmp_path / "scans.bin"  # the header, not the name, makes it a PDF
+    with open(path, "wb") as fh:
+        fh.write(b"%PDF-1.7\n")
+        fh.truncate(C.BLOB_MAX_BYTES + 1)
+    problem = _problem(path)
+    assert problem == (f"is {C.BLOB_MAX_BYTES + 1} bytes, over the 64 MiB "
+                       f"({C.BLOB_MAX_BYTES}-byte) blob limit; split it into smaller PDFs")
 
 
 # --- page ranges ----------------------------------------------------------------------------
@@ -170,6 +177,8 @@ def test_parse_pages_valid(spec: str | list[int] | None, pages: list[int] | None
     ("", "empty page range"),
     ("9", "page 9 is out of range: doc.pdf has 4 pages"),
     ("2-5", "page 5 is out of range: doc.pdf has 4 pages"),
+    ("1-300000000", "page 300000000 is out of range: doc.pdf has 4 pages"),
+    ("1-2,3-9,abc", "page 9 is out of range"),
     ([0], "numbered from 1"),
     ([], "empty page list"),
 ])
@@ -178,6 +187,17 @@ def test_parse_pages_errors(spec: str | list[int], needle: str) -> None:
         parse_pages(spec, 4, "doc.pdf")
     assert info.value.path == "doc.pdf"
     assert needle in info.value.problem
+
+
+def test_huge_range_is_checked_before_it_is_expanded() -> None:
+    tracemalloc.start()
+    try:
+        with pytest.raises(InputError, match="page 5000000 is out of range"):
+            parse_pages("1-5000000", 4, "doc.pdf")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000  # expanding first would allocate ~200 MB of ints
 
 
 def test_single_page_wording() -> None:
@@ -229,6 +249,40 @@ def test_prepare_ocr_items_and_one_blob_per_distinct_file(tmp_path: Path) -> Non
         ("image", None, "page.png"), ("image", None, "copy.png")]
     assert len(prepared.blobs) == 2
     assert prepared.items[2].blob == prepared.items[3].blob
+
+
+def test_prepare_keeps_hashes_not_bytes(tmp_path: Path) -> None:
+    pdf = write(tmp_path / "doc.pdf", pdf_bytes(2))
+    prepared = prepare([pdf])
+    (source,) = prepared.blobs.values()
+    assert isinstance(source, BlobSource)
+    assert not any(isinstance(v, bytes) for v in vars(source).values())
+    assert (source.path, source.size) == (pdf, pdf.stat().st_size)
+    assert source.sha256 == prepared.items[0].blob == hashlib.sha256(pdf.read_bytes()).hexdigest()
+    assert source.read_verified() == pdf.read_bytes()
+    pdf.write_bytes(pdf_bytes(3))
+    with pytest.raises(InputError, match="changed since it was validated"):
+        source.read_verified()
+
+
+def test_item_limit_stops_reading_files_once_passed(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    for i in range(6):
+        write(tmp_path / f"img{i}.png", image_bytes(color=(i, 0, 0)))
+    write(tmp_path / "img9-empty.png", b"")  # after the limit: never read, never reported
+    monkeypatch.setattr(C, "MAX_ITEMS_PER_JOB", 3)
+    checked: list[str] = []
+    real_check = inputs.check_file
+
+    def counting_check(path: str | os.PathLike[str], **kw: Any) -> inputs.CheckedFile:
+        checked.append(os.fspath(path))
+        return real_check(path, **kw)
+
+    monkeypatch.setattr(inputs, "check_file", counting_check)
+    with pytest.raises(InputError) as info:
+        prepare([tmp_path])
+    assert "the first 4 file(s) already make 4 items, over the 3-item limit" in str(info.value)
+    assert [Path(p).name for p in checked] == ["img0.png", "img1.png", "img2.png", "img3.png"]
 
 
 def test_prepare_collects_every_bad_file(tree: Path) -> None:
