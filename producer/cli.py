@@ -16,15 +16,18 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from vlmq.producer.client import (
-    DEFAULT_REDIS_URL,
     Client,
     Job,
     JobNotFound,
     WaitTimeout,
+    check_redis_url,
+    redact_url,
     wait_all,
 )
+from vlmq.shared import constants as C
 from vlmq.shared.errors import InputError, PayloadError
 from vlmq.shared.schema import ItemResult
 
@@ -40,39 +43,56 @@ def _fail(message: str, code: int) -> NoReturn:
     sys.exit(code)
 
 
-def _handle_errors(*, enqueues: bool) -> Callable[[F], F]:
-    """Map vlmq's own errors to a stderr message and a documented exit code.
+def _handle_errors(func: F) -> F:
+    """Map an enqueue's input errors to a stderr message and exit 2.
 
-    For enqueue commands a PayloadError is bad input (exit 2); for commands that read
-    jobs it means the stored job is unreadable (e.g. pickled), which is a failure (exit 1).
+    Commands that read jobs do not use this: an unreadable job is still a job, and they
+    show what is known about it (status, failure message) instead of one error line.
     """
 
-    def decorate(func: F) -> F:
-        @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return func(*args, **kwargs)
-            except (InputError, PayloadError) as exc:
-                if enqueues:
-                    _fail(f"error: {exc}\nnothing was enqueued", EXIT_BAD_INPUT)
-                _fail(f"error: not a readable vlmq job: {exc}", EXIT_FAILED)
-            except JobNotFound as exc:
-                _fail(f"error: {exc}", EXIT_FAILED)
-            except RedisConnectionError as exc:
-                _fail(f"error: cannot reach Redis: {exc}", EXIT_FAILED)
-            return None
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except (InputError, PayloadError) as exc:
+            _fail(f"error: {exc}\nnothing was enqueued", EXIT_BAD_INPUT)
 
-        return wrapper  # type: ignore[return-value]
+    return wrapper  # type: ignore[return-value]
 
-    return decorate
+
+class _Main(click.Group):
+    """The root group: Redis being unreachable, or a job id not found, is one line.
+
+    Catching here rather than per command also covers the worker's commands, which
+    register themselves on this group.
+    """
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            url = redact_url(str(ctx.params.get("redis_url") or ""))
+            _fail(f"error: cannot reach Redis at {url}: {exc}", EXIT_FAILED)
+        except JobNotFound as exc:
+            _fail(f"error: {exc}", EXIT_FAILED)
 
 
 def _client(ctx: click.Context) -> Client:
     return Client(ctx.find_root().obj["redis_url"])
 
 
-@click.group()
-@click.option("--redis-url", envvar="REDIS_URL", default=DEFAULT_REDIS_URL, show_default=True,
+def _check_url(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    # One line and exit 2 rather than click's usage block: the URL usually comes from
+    # REDIS_URL in the environment, where the usage text would not help.
+    try:
+        return check_redis_url(value)
+    except ValueError as exc:
+        _fail(f"error: {exc} (from --redis-url or REDIS_URL)", EXIT_BAD_INPUT)
+
+
+@click.group(cls=_Main)
+@click.option("--redis-url", envvar="REDIS_URL", default=C.DEFAULT_REDIS_URL,
+              show_default=True, callback=_check_url,
               help="Redis to use (env REDIS_URL). Key prefix: env VLMQ_PREFIX.")
 @click.pass_context
 def main(ctx: click.Context, redis_url: str) -> None:
@@ -101,17 +121,28 @@ def _common_options(func: F) -> F:
         click.option("--model", help="Model id the worker should use (default: its own)."),
         click.option("--max-tokens", type=click.IntRange(min=1),
                      help="Most tokens to generate per item."),
-        click.option("--max-side", type=click.IntRange(min=1), metavar="PX",
-                     help="Resize so the longer side is at most PX pixels."),
-        click.option("--temperature", type=float, help="Sampling temperature (0 = greedy)."),
+        click.option("--max-side", type=click.IntRange(*C.MAX_SIDE_RANGE), metavar="PX",
+                     help="Resize so the longer side is at most PX pixels "
+                          "(default: the model's own)."),
+        click.option("--temperature", type=click.FloatRange(0.0, C.MAX_TEMPERATURE),
+                     help="Sampling temperature, 0 = greedy (default: the model's own)."),
         click.option("--stop", multiple=True, help="Extra stop string (repeatable)."),
         click.option("--label", "labels", multiple=True, callback=_parse_labels,
                      metavar="K=V", help="Label stored with the job (repeatable)."),
+        click.option("--job-id", metavar="ID",
+                     help="Use this job id ([A-Za-z0-9_-]); refused if a job with it exists, "
+                          "so a re-run script cannot enqueue the same work twice."),
         click.option("--json", "as_json", is_flag=True, help="Print a JSON object."),
     ]
     for option in reversed(options):
         func = option(func)
     return func
+
+
+def _queue_option(default: str) -> Callable[[F], F]:
+    return click.option("--queue", default=default, show_default=True, metavar="NAME",
+                        help="Queue to put the job on; workers take jobs from the queues "
+                             "they are started with.")
 
 
 def _report(job: Job, as_json: bool) -> None:
@@ -135,19 +166,19 @@ def enqueue() -> None:
 @enqueue.command()
 @click.argument("files", nargs=-1, required=True)
 @click.option("--pages", metavar="RANGE", help="Pages of each PDF, e.g. 1-3,7 (default all).")
-@click.option("--queue", default="ocr", show_default=True)
+@_queue_option("ocr")
 @_common_options
 @click.pass_context
-@_handle_errors(enqueues=True)
+@_handle_errors
 def ocr(ctx: click.Context, files: tuple[str, ...], pages: str | None, queue: str,
         prompt: str | None, model: str | None, max_tokens: int | None, max_side: int | None,
         temperature: float | None, stop: tuple[str, ...], labels: dict[str, str],
-        as_json: bool) -> None:
+        job_id: str | None, as_json: bool) -> None:
     """OCR PDFs (one item per page) and page images."""
     with _client(ctx) as client:
         job = client.ocr(files, pages, max_side=max_side, prompt=prompt, queue=queue,
                          model=model, max_tokens=max_tokens, temperature=temperature,
-                         stop=stop, labels=labels)
+                         stop=stop, labels=labels, job_id=job_id)
         _report(job, as_json)
 
 
@@ -156,21 +187,21 @@ def _set_command(task: str, needs_prompt: bool) -> Callable[..., None]:
     @click.option("--recursive", "-r", is_flag=True, help="Descend into folders.")
     @click.option("--skip-bad", is_flag=True,
                   help="Enqueue the good files and report the bad ones (default: reject all).")
-    @click.option("--queue", default=task, show_default=True)
+    @_queue_option(task)
     @_common_options
     @click.pass_context
-    @_handle_errors(enqueues=True)
+    @_handle_errors
     def command(ctx: click.Context, paths: tuple[str, ...], recursive: bool, skip_bad: bool,
                 queue: str, prompt: str | None, model: str | None, max_tokens: int | None,
                 max_side: int | None, temperature: float | None, stop: tuple[str, ...],
-                labels: dict[str, str], as_json: bool) -> None:
+                labels: dict[str, str], job_id: str | None, as_json: bool) -> None:
         if needs_prompt and not prompt:
             raise click.UsageError("--prompt is required")
         with _client(ctx) as client:
             kwargs: dict[str, Any] = dict(
                 recursive=recursive, skip_bad=skip_bad, queue=queue, model=model,
                 max_tokens=max_tokens, max_side=max_side, temperature=temperature,
-                stop=stop, labels=labels)
+                stop=stop, labels=labels, job_id=job_id)
             if task == "generate":
                 assert prompt is not None
                 job = client.generate(paths, prompt, **kwargs)
@@ -196,12 +227,17 @@ enqueue.command(
 @click.argument("job_id", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
 @click.pass_context
-@_handle_errors(enqueues=False)
 def status(ctx: click.Context, job_id: str | None, as_json: bool) -> None:
-    """A job's state and progress; without JOB_ID, queue depths and workers."""
+    """A job's state and progress; without JOB_ID, queue depths and workers.
+
+    Exit 1 when the job is not a readable vlmq job (its status and error still shown).
+    """
     with _client(ctx) as client:
         if job_id is not None:
-            _job_status(client.job(job_id), as_json)
+            job = client.job(job_id)
+            _job_status(job, as_json)
+            if job.problem is not None:
+                sys.exit(EXIT_FAILED)
         else:
             _overview(client, as_json)
 
@@ -215,15 +251,24 @@ def _job_status(job: Job, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({"id": job.id, "queue": job.queue, "status": state,
                                "done": done, "total": total, "failed": failed,
-                               "summary": summary, "error": error}))
+                               "summary": summary, "error": error,
+                               "problem": job.problem}))
         return
-    click.echo(f"job {job.id}  queue {job.queue}")
+    click.echo(f"job {job.id}  queue {job.queue or '?'}")
     click.echo(f"status: {state}")
-    click.echo(f"items: {done}/{total} done, {failed} failed")
+    if job.problem is not None:
+        click.echo(f"not a readable vlmq job: {job.problem}")
+    else:
+        click.echo(f"items: {done}/{total} done, {failed} failed")
     if summary is not None:
         click.echo(f"summary: {json.dumps(summary)}")
     if error:
         click.echo(f"error: {error.strip()}")
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else text
 
 
 def _overview(client: Client, as_json: bool) -> None:
@@ -256,7 +301,6 @@ def _overview(client: Client, as_json: bool) -> None:
 @click.option("--timeout", type=click.FloatRange(min=0), metavar="S",
               help="Give up after S seconds (exit 124).")
 @click.pass_context
-@_handle_errors(enqueues=False)
 def wait(ctx: click.Context, job_ids: tuple[str, ...], timeout: float | None) -> None:
     """Wait for jobs with a progress bar; exit 1 if any did not finish, 124 on timeout."""
     with _client(ctx) as client:
@@ -273,7 +317,7 @@ def wait(ctx: click.Context, job_ids: tuple[str, ...], timeout: float | None) ->
                 bad = True
                 error = job.error()
                 if error:
-                    line += f": {error.strip().splitlines()[-1]}"
+                    line += f": {_last_line(error)}"
             click.echo(line)
         if bad:
             sys.exit(EXIT_FAILED)
@@ -282,16 +326,22 @@ def wait(ctx: click.Context, job_ids: tuple[str, ...], timeout: float | None) ->
 @main.command()
 @click.argument("job_id")
 @click.option("--format", "fmt", type=click.Choice(["jsonl", "json", "md"]), default="jsonl",
-              show_default=True)
+              show_default=True,
+              help="jsonl: one item result per line; json: one object with the job's status "
+                   "and summary; md: a readable document, one section per page or image.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True),
               help="Write here instead of stdout.")
 @click.pass_context
-@_handle_errors(enqueues=False)
 def result(ctx: click.Context, job_id: str, fmt: str, output: str | None) -> None:
     """Print a job's results in item order (partial while it runs)."""
     with _client(ctx) as client:
         job = client.job(job_id)
         state = job.status()
+        if job.problem is not None:
+            error = job.error()
+            detail = f"\nerror: {error.strip()}" if error else ""
+            _fail(f"error: job {job.id} is not a readable vlmq job: {job.problem}\n"
+                  f"status: {state}{detail}", EXIT_FAILED)
         results = list(job.results())
         if fmt == "jsonl":
             text = "".join(json.dumps(r.to_dict()) + "\n" for r in results)

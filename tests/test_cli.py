@@ -5,13 +5,14 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from PIL import Image, ImageDraw
+from PIL import Image
 from redis import Redis
 from rq import Queue, SimpleWorker, Worker
 from rq.job import JobStatus
@@ -20,23 +21,14 @@ from rq.serializers import JSONSerializer
 
 from vlmq.producer.cli import main
 from vlmq.shared import constants as C
-from vlmq.shared.jobs import fetch_job, payload_of
+from vlmq.shared.jobs import enqueue_lua, fetch_job, payload_of
 from vlmq.shared.keys import Keys
 from vlmq.shared.results import write_item
 from vlmq.shared.schema import ItemResult
 
+from .helpers import Tripwire, pdf_bytes, worker_lifecycle
+
 VLMQ = Path(sys.executable).with_name("vlmq")
-
-
-def pdf_bytes(pages: int) -> bytes:
-    images = []
-    for i in range(pages):
-        im = Image.new("L", (200, 260), 255)
-        ImageDraw.Draw(im).text((20, 20), f"page {i + 1}", fill=0)
-        images.append(im)
-    buf = io.BytesIO()
-    images[0].save(buf, "PDF", save_all=True, append_images=images[1:])
-    return buf.getvalue()
 
 
 def image_bytes(fmt: str = "PNG", color: tuple[int, int, int] = (200, 30, 30),
@@ -166,7 +158,13 @@ def test_bad_option_values_exit_2(run, redis: Redis, doc: Path) -> None:
     res = run("enqueue", "ocr", str(doc), "--label", "novalue")
     assert res.exit_code == 2 and "'novalue' is not key=value" in res.stderr
     res = run("enqueue", "ocr", str(doc), "--max-side", "10")
-    assert res.exit_code == 2 and "max_side" in res.stderr
+    lo, hi = C.MAX_SIDE_RANGE
+    assert res.exit_code == 2 and f"'--max-side': 10 is not in the range {lo}<=x<={hi}" \
+        in res.stderr
+    res = run("enqueue", "ocr", str(doc), "--max-side", str(hi + 1))
+    assert res.exit_code == 2 and "--max-side" in res.stderr
+    res = run("enqueue", "ocr", str(doc), "--temperature", "9")
+    assert res.exit_code == 2 and "'--temperature': 9.0 is not in the range" in res.stderr
     res = run("enqueue", "ocr", str(doc), "--queue", "bad queue!")
     assert res.exit_code == 2 and "queue" in res.stderr
     res = run("enqueue", "generate", str(doc))
@@ -385,9 +383,141 @@ def test_producer_imports_without_mlx() -> None:
     assert C.TASK_FUNC.startswith("vlmq.worker")
 
 
-def test_reading_a_pickled_job_fails_clearly(run, redis: Redis) -> None:
-    pickled = Queue("ocr", connection=redis).enqueue_call(func=C.TASK_FUNC, args=[{"v": 1}])
-    for args in (["status", pickled.id], ["result", pickled.id], ["wait", pickled.id]):
-        res = run(*args)
-        assert res.exit_code == 1, args
-        assert "not a readable vlmq job: data: job data is not JSON" in res.stderr
+def _pickled_job(redis: Redis, tmp_path: Path) -> str:
+    # rq's default serializer is pickle: what a careless producer sends. The tripwires
+    # prove that reading the job for status/wait/result never unpickles anything.
+    trap = Tripwire(tmp_path / "unpickled")
+    job = Queue("ocr", connection=redis).enqueue_call(func=C.TASK_FUNC, args=[trap],
+                                                     meta={"trap": trap})
+    return str(job.id)
+
+
+def _bad_payload_job(redis: Redis, tmp_path: Path) -> str:
+    payload = {"v": 1, "task": "ocr",
+               "items": [{"kind": "pdf", "blob": "ab" * 32, "source": "x.pdf", "page": 0}]}
+    return enqueue_lua(redis, payload, queue="ocr")
+
+
+def _unparseable_hash_job(redis: Redis, tmp_path: Path) -> str:
+    job_id = _bad_payload_job(redis, tmp_path)
+    redis.hset(Keys.rq_job(job_id), "created_at", "yesterday")  # RQ's Job.fetch raises
+    return job_id
+
+
+UNREADABLE = {
+    "pickled": (_pickled_job, "data: job data is not JSON", "not JSON"),
+    "bad payload": (_bad_payload_job, "items[0].page: must be between 1 and",
+                    "items[0].page"),
+    "hash RQ cannot parse": (_unparseable_hash_job, "RQ cannot read the job's hash (ValueError",
+                             "RQ cannot read its hash"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNREADABLE), ids=list(UNREADABLE))
+def test_unreadable_job_shows_its_status_and_failure(run, redis: Redis, tmp_path: Path,
+                                                     case: str) -> None:
+    make, problem, worker_reason = UNREADABLE[case]
+    job_id = make(redis, tmp_path)
+
+    res = run("status", job_id)  # not taken by a worker yet
+    assert res.exit_code == 1
+    assert "status: queued" in res.stdout
+    assert f"not a readable vlmq job: {problem}" in res.stdout
+    assert "Traceback" not in res.output
+
+    with worker_lifecycle(redis, ["ocr"]) as life:
+        life.take()  # the real worker path refuses it and fails the job
+
+    res = run("status", job_id)
+    assert res.exit_code == 1
+    assert "status: failed" in res.stdout and f"not a readable vlmq job: {problem}" in res.stdout
+    assert f"error: vlmq refused job {job_id}" in res.stdout and worker_reason in res.stdout
+    out = json.loads(run("status", job_id, "--json").stdout)
+    assert out["status"] == "failed" and worker_reason in out["error"]
+    assert problem in out["problem"]
+
+    res = run("wait", job_id, "--timeout", "5")
+    assert res.exit_code == 1
+    assert f"{job_id}: failed: vlmq refused job {job_id}" in res.stdout
+
+    res = run("result", job_id)
+    assert res.exit_code == 1 and res.stdout == ""
+    assert f"job {job_id} is not a readable vlmq job: {problem}" in res.stderr
+    assert "status: failed" in res.stderr and worker_reason in res.stderr
+    assert not (tmp_path / "unpickled").exists(), "a pickled job was unpickled"
+
+
+def test_huge_page_range_is_refused_before_expanding(run, redis: Redis,
+                                                     tmp_path: Path) -> None:
+    path = tmp_path / "doc.pdf"
+    path.write_bytes(pdf_bytes(3))
+    res = run("enqueue", "ocr", str(path), "--pages", "1-300000000")
+    assert res.exit_code == 2
+    assert f"{path}: page 300000000 is out of range: {path} has 3 pages" in res.stderr
+    assert "nothing was enqueued" in res.stderr
+    assert redis.dbsize() == 1  # the test-db claim only
+
+
+def test_job_id_reuse_is_refused(run, redis: Redis, doc: Path) -> None:
+    assert _enqueue(run, "ocr", str(doc), "--pages", "1", "--job-id", "batch-7") == "batch-7"
+    res = run("enqueue", "ocr", str(doc), "--pages", "2-4", "--job-id", "batch-7")
+    assert res.exit_code == 2 and res.stdout == ""
+    assert "job_id: a job with id batch-7 already exists" in res.stderr
+    assert "nothing was enqueued" in res.stderr
+    assert [i.page for i in payload_of(fetch_job(redis, "batch-7")).items] == [1]
+    assert redis.lrange("rq:queue:ocr", 0, -1) == [b"batch-7"]
+    res = run("enqueue", "ocr", str(doc), "--job-id", "bad id!")
+    assert res.exit_code == 2 and "invalid job id 'bad id!'" in res.stderr
+
+
+def test_help_texts_show_the_protocol_limits(run) -> None:
+    lo, hi = C.MAX_SIDE_RANGE
+    for command in ("ocr", "caption", "generate"):
+        text = " ".join(run("enqueue", command, "--help").stdout.split())
+        assert f"{lo}<=x<={hi}" in text, command
+        assert f"0.0<=x<={C.MAX_TEMPERATURE}" in text, command
+        assert "Queue to put the job on" in text, command
+    text = " ".join(run("result", "--help").stdout.split())
+    assert "jsonl: one item result per line" in text and "md: a readable document" in text
+
+
+def test_bad_redis_url_is_one_line_exit_2(redis_url: str, tmp_path: Path) -> None:
+    runner = CliRunner()
+    for url in ("foo", "redis://:s3cret@localhost:notaport/0"):
+        res = runner.invoke(main, ["--redis-url", url, "status"], catch_exceptions=False)
+        assert res.exit_code == 2, res.output
+        assert res.stderr.startswith("vlmq: error: invalid Redis URL ")
+        assert len(res.stderr.strip().splitlines()) == 1
+        assert "s3cret" not in res.stderr
+    assert "'foo'" in runner.invoke(main, ["--redis-url", "foo", "status"]).stderr
+    # The real console script, URL from the environment, for an enqueue and a worker's
+    # command alike (the check is on the root group).
+    env = {**os.environ, "REDIS_URL": "foo"}
+    for args in (["status"], ["enqueue", "ocr", "x.pdf"]):
+        proc = subprocess.run([str(VLMQ), *args], capture_output=True, text=True, env=env,
+                              timeout=60, check=False)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            "vlmq: error: invalid Redis URL 'foo': Redis URL must specify one of the "
+            "following schemes (redis://, rediss://, unix://) (from --redis-url or REDIS_URL)"]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_unreachable_redis_is_one_line_exit_1(tmp_path: Path) -> None:
+    url = f"redis://127.0.0.1:{_closed_port()}/2"
+    doc = tmp_path / "doc.pdf"
+    doc.write_bytes(pdf_bytes(1))
+    runner = CliRunner()
+    for args in (["status"], ["status", "j1"], ["wait", "j1"], ["result", "j1"],
+                 ["enqueue", "ocr", str(doc)], ["enqueue", "caption", str(doc)]):
+        # catch_exceptions=False: a traceback would fail the test, not be swallowed
+        res = runner.invoke(main, ["--redis-url", url, *args], catch_exceptions=False)
+        assert res.exit_code == 1, (args, res.output)
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(
+            f"vlmq: error: cannot reach Redis at {url}: "), (args, res.stderr)
