@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
+import threading
 import zlib
 from pathlib import Path
 from typing import Any
@@ -16,9 +18,19 @@ from rq.serializers import JSONSerializer
 
 from vlmq.shared import constants as C
 from vlmq.shared.errors import PayloadError
-from vlmq.shared.jobs import enqueue, enqueue_lua, fetch_job, is_json_data, payload_of
+from vlmq.shared.jobs import (
+    enqueue,
+    enqueue_lua,
+    fetch_job,
+    is_json_data,
+    payload_of,
+    raw_exc_info,
+)
 from vlmq.shared.keys import RQ_QUEUES, Keys
 from vlmq.shared.schema import Item, JobPayload, parse_payload
+from vlmq.worker.rq_jobs import Refused, Running
+
+from .helpers import worker_lifecycle
 
 SHA = "ab" * 32
 
@@ -188,3 +200,91 @@ def test_payload_of_refuses_other_functions(redis: Redis) -> None:
 def test_payload_dataclass_defaults_are_valid() -> None:
     payload = JobPayload(task="caption", items=(Item("image", SHA, "a.png"),))
     assert parse_payload(payload.to_dict()).v == C.PROTOCOL_VERSION
+
+
+def test_enqueue_refuses_an_existing_job_id_even_when_racing(redis_url: str,
+                                                             redis: Redis) -> None:
+    payload = parse_payload(good_payload())
+    first = enqueue(redis, payload, queue="ocr", job_id="taken")
+    with pytest.raises(PayloadError, match=r"^job_id: a job with id taken already exists$"):
+        enqueue(redis, payload, queue="other", job_id="taken")
+    assert fetch_job(redis, first).origin == "ocr"
+    assert redis.lrange(Keys.rq_queue("ocr"), 0, -1) == [b"taken"]
+    assert not redis.exists(Keys.rq_queue("other"))
+
+    # Eight producers, each on its own connection, race for one id: exactly one wins.
+    barrier = threading.Barrier(8)
+    outcomes: list[str] = []
+
+    def producer(n: int) -> None:
+        conn = Redis.from_url(redis_url)
+        barrier.wait()
+        try:
+            enqueue(conn, payload, queue=f"q{n}", job_id="raced")
+            outcomes.append(f"won q{n}")
+        except PayloadError:
+            outcomes.append("refused")
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=producer, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [o for o in outcomes if o.startswith("won")]
+    assert len(winners) == 1 and outcomes.count("refused") == 7
+    origin = fetch_job(redis, "raced").origin
+    assert winners == [f"won {origin}"]
+    assert sum(redis.llen(Keys.rq_queue(f"q{n}")) for n in range(8)) == 1
+
+
+def _latest_result_entry(redis: Redis, job_id: str) -> dict[bytes, bytes]:
+    """PROTOCOL.md section 6, step by step: the newest entry of `rq:results:<id>`."""
+    entries = redis.xrevrange(f"rq:results:{job_id}", "+", "-", count=1)
+    assert len(entries) == 1
+    _entry_id, fields = entries[0]
+    return dict(fields)
+
+
+def test_failed_and_finished_jobs_decode_without_rq(redis: Redis) -> None:
+    ok_id = enqueue(redis, parse_payload(good_payload()), queue="ocr")
+    bad_id = enqueue(redis, parse_payload(good_payload()), queue="ocr")
+    summary = {"items": 2, "ok": 1, "failed": 1, "prompt_tokens": 30,
+               "completion_tokens": 12, "wall_s": 1.5, "cache_hits": 1}
+    message = "model mismatch: job wants m1, this worker serves m2 — naïve"
+    with worker_lifecycle(redis, ["ocr"]) as life:
+        ok, bad = life.take(), life.take()
+        assert isinstance(ok, Running) and isinstance(bad, Running)
+        life.succeed(ok, summary)
+        life.fail(bad, message)
+
+    # Finished: status, then type 1 and return_value = base64 of the JSON (no zlib).
+    assert redis.hget(Keys.rq_job(ok_id), "status") == b"finished"
+    fields = _latest_result_entry(redis, ok_id)
+    assert fields[b"type"] == b"1"
+    assert json.loads(base64.b64decode(fields[b"return_value"]).decode("utf-8")) == summary
+    assert b"exc_string" not in fields
+
+    # Failed: status, then type 2 and exc_string = base64 of zlib of the UTF-8 message.
+    assert redis.hget(Keys.rq_job(bad_id), "status") == b"failed"
+    fields = _latest_result_entry(redis, bad_id)
+    assert fields[b"type"] == b"2"
+    text = zlib.decompress(base64.b64decode(fields[b"exc_string"])).decode("utf-8")
+    assert text == message
+    assert not redis.hexists(Keys.rq_job(bad_id), "exc_info")  # not where it lives
+    # RQ's own reader agrees with the plain decoding above.
+    latest = fetch_job(redis, bad_id).latest_result()
+    assert latest is not None and latest.exc_string == text
+
+
+def test_unloadable_job_failure_is_plain_text_in_exc_info(redis: Redis) -> None:
+    job_id = enqueue_lua(redis, good_payload(), queue="ocr")
+    redis.hset(Keys.rq_job(job_id), "created_at", "yesterday")
+    with worker_lifecycle(redis, ["ocr"]) as life:
+        assert isinstance(life.take(), Refused)
+    assert redis.hget(Keys.rq_job(job_id), "status") == b"failed"
+    assert not redis.exists(f"rq:results:{job_id}")
+    text = redis.hget(Keys.rq_job(job_id), "exc_info").decode("utf-8")
+    assert text.startswith(f"vlmq refused job {job_id}: RQ cannot read its hash")
+    assert raw_exc_info(redis, job_id) == text
