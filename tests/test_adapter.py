@@ -180,3 +180,14 @@ def test_deferred_path_matches_numpy_path(loaded: A.LoadedModel) -> None:
     ids_n, kw_n = A.build_prompt_kwargs(loaded.model, loaded.processor, prep, None)
     assert ids_d == ids_n
     assert _greedy(loaded, ids_d, kw_d, 6) == _greedy(loaded, ids_n, kw_n, 6)
+
+
+def test_fingerprint_follows_the_weights(tiny_model: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = Path(shutil.copytree(tiny_model, tmp_path / "m"))
+    first = A.fingerprint(copy)
+    assert A.fingerprint(copy) == first
+    weights = next(copy.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes() + b"\0")
+    assert A.fingerprint(copy) != first

@@ -117,6 +117,25 @@ def test_restarted_worker_serves_every_item_from_the_disk_cache(
     assert [r.text for r in a] == [r.text for r in b]
 
 
+def test_the_same_image_twice_in_flight_runs_the_tower_once(
+        redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path,
+        start_worker: Spawn) -> None:
+    (img,) = make_images(tmp_path / "a", 1)
+    twin = tmp_path / "b" / "copy.png"
+    twin.parent.mkdir()
+    twin.write_bytes(img.read_bytes())
+    job = Client(redis_url).caption([img, twin], max_side=112, max_tokens=8)
+    assert job.blobs == 1
+    rc, out = finish(start_worker(redis_url, tiny_model, tmp_path, "--burst",
+                                  "--prep-threads", "2", name="dedup"))
+    assert rc == 0, out
+    s = stats(redis, "dedup")
+    assert (s["tower_calls"], s["image_decodes"]) == ("1", "1")
+    a, b = job.results()
+    assert sorted([a.vision_cache_hit, b.vision_cache_hit]) == [False, True]
+    assert a.text == b.text
+
+
 def test_sigterm_requeues_and_a_new_worker_finishes_each_item_once(
         redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path,
         start_worker: Spawn) -> None:

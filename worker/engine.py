@@ -64,6 +64,7 @@ class EngineInfo:
     model_type: str
     cacheable: bool
     context_length: int
+    fingerprint: str
 
 
 class EngineError(RuntimeError):
@@ -149,6 +150,7 @@ class Engine:
             model_type=loaded.model_type,
             cacheable=loaded.cacheable,
             context_length=loaded.context_length,
+            fingerprint=loaded.fingerprint,
         )
 
     @property

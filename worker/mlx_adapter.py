@@ -15,6 +15,7 @@ Two kinds of function live here, and the split matters:
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ class LoadedModel:
     model_type: str
     cacheable: bool
     context_length: int
+    fingerprint: str  # changes when the weights or configs change; part of cache keys
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ class Prepared:
 
 def load_model(model_path: str) -> LoadedModel:
     """Load through `mlx_vlm.load`: a local folder offline, else a hub id via its normal path."""
-    from mlx_vlm.utils import load
+    from mlx_vlm.utils import get_model_path, load
 
     local = Path(model_path).expanduser()
     target = str(local) if local.exists() else model_path
@@ -79,7 +81,8 @@ def load_model(model_path: str) -> LoadedModel:
     if not local.exists() and (local.is_absolute() or model_path.startswith((".", "~"))):
         raise ModelLoadError(f"model folder {local} does not exist")
     try:
-        model, processor = load(target)
+        folder = get_model_path(target)  # a hub id downloads to its snapshot folder here
+        model, processor = load(str(folder))
     except Exception as exc:  # any loader failure becomes one clear error
         raise ModelLoadError(f"cannot load model {model_path!r}: {exc}") from exc
     model_type = str(model.config.model_type).lower()
@@ -90,7 +93,23 @@ def load_model(model_path: str) -> LoadedModel:
         model_type=model_type,
         cacheable=model_type in CACHEABLE_TYPES,
         context_length=_context_length(model.config),
+        fingerprint=fingerprint(folder),
     )
+
+
+def fingerprint(folder: Path) -> str:
+    """Identity of a model folder's weights and configs, without reading gigabytes.
+
+    Names, sizes and mtimes of the safetensors and JSON files: re-converting or
+    fine-tuning into the same folder changes it, and each hub revision is its own
+    snapshot folder. Cached vision features are keyed by it, so they never go stale.
+    """
+    h = hashlib.sha256()
+    for f in sorted(folder.iterdir()):
+        if f.suffix in (".safetensors", ".json") and f.is_file():
+            st = f.stat()
+            h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
 
 
 def _context_length(config: Any) -> int:

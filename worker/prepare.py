@@ -8,6 +8,7 @@ the tower's features back through `on_features` so they are cached for next time
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +33,8 @@ from vlmq.worker.vision_cache import Entry, VisionCache, cache_key
 DEFAULT_PDF_MAX_SIDE = 1288
 # Images larger than this are shrunk before the processor sees them (it bounds pixels too).
 DEFAULT_IMAGE_MAX_SIDE = 2048
+# How long an item waits for another item's pending tower run on the same image.
+SINGLE_FLIGHT_WAIT_S = 60.0
 # Bump when rendering or resizing changes in a way that changes pixels.
 PREPROCESS_VERSION = 1
 
@@ -59,9 +62,11 @@ class Preparer:
         self.cache = cache
         self.blobs = BlobStore(redis, keys)
         self.pool = pool
-        local = Path(info.model_id).expanduser()
-        self.model_identity = str(local.resolve()) if local.exists() else info.model_id
+        self.model_identity = f"{info.model_id}@{info.fingerprint}"
         self._proc_params = self._processor_params(engine.processor)
+        self._flights: dict[str, threading.Event] = {}  # cache key -> its tower run is pending
+        self._flight_of: dict[tuple[str, int], str] = {}  # owning item -> cache key
+        self._flights_lock = threading.Lock()
 
     @staticmethod
     def _processor_params(processor: Any) -> dict[str, object]:
@@ -123,22 +128,54 @@ class Preparer:
         common: dict[str, Any] = {"key": (job_id, idx), "max_tokens": res.max_tokens,
                                   "temperature": res.temperature, "stop": res.stop}
         key = self.key_for(payload, item) if self.info.cacheable else None
-        entry = self.cache.get(key) if key is not None else None
+        entry = self._lookup(key, (job_id, idx)) if key is not None else None
         if entry is not None:
             prepared = A.prepare_from_grid(processor, config, entry.grid_thw, res.prompt)
             req = Request(prepared=prepared, cached_features=(entry.features, entry.dtype_name),
                           **common)
             return req, time.perf_counter() - t0
-        image = self._load_image(payload, item)
         try:
-            prepared = A.prepare(processor, config, image, res.prompt)
-        except (ValueError, TypeError) as exc:
-            raise PrepError(f"processor rejected the image: {exc}") from exc
+            image = self._load_image(payload, item)
+            try:
+                prepared = A.prepare(processor, config, image, res.prompt)
+            except (ValueError, TypeError) as exc:
+                raise PrepError(f"processor rejected the image: {exc}") from exc
+        except BaseException:
+            self.item_done(job_id, idx)  # let anyone waiting on these features go on
+            raise
         on_features = None
         if key is not None and prepared.image_grid_thw is not None:
             on_features = self._storer(key, prepared.image_grid_thw)
         req = Request(prepared=prepared, cached_features=None, on_features=on_features, **common)
         return req, time.perf_counter() - t0
+
+    def _lookup(self, key: str, owner: tuple[str, int]) -> Entry | None:
+        """Cache lookup with single flight: the same image in flight twice (a duplicate
+        page, the same photo in two jobs) runs the tower once; the second waits for it."""
+        entry = self.cache.get(key)
+        if entry is not None:
+            return entry
+        with self._flights_lock:
+            flight = self._flights.get(key)
+            if flight is None:
+                self._flights[key] = threading.Event()
+                self._flight_of[owner] = key
+                return None
+        flight.wait(SINGLE_FLIGHT_WAIT_S)
+        return self.cache.get(key)  # None if the owner failed: then compute it here
+
+    def _land(self, key: str) -> None:
+        with self._flights_lock:
+            flight = self._flights.pop(key, None)
+        if flight is not None:
+            flight.set()
+
+    def item_done(self, job_id: str, idx: int) -> None:
+        """The item finished, however: end the flight it owned, if any."""
+        with self._flights_lock:
+            key = self._flight_of.pop((job_id, idx), None)
+        if key is not None:
+            self._land(key)
 
     def _load_image(self, payload: JobPayload, item: Item) -> Any:
         side = self.max_side(payload, item)
@@ -156,5 +193,6 @@ class Preparer:
         def store(features: np.ndarray, dtype_name: str) -> None:
             entry = Entry(features=features, dtype_name=dtype_name, grid_thw=grid)
             self.cache.put(key, entry, write_disk=False)
+            self._land(key)
             self.pool.submit(self.cache.persist, key, entry)
         return store

@@ -87,6 +87,7 @@ class WorkerService:
         self._prep_retry: SimpleQueue[tuple[str, int]] = SimpleQueue()
         self._prep_time: dict[tuple[str, int], float] = {}
         self._unwritten: list[tuple[str, ItemResult]] = []
+        self._preparer: Preparer
         self._queues_empty = False
         self._next_heartbeat = self._next_stats = 0.0
         self.stats = WorkerStats(cfg.name, cfg.max_batch, cfg.prep_window)
@@ -155,7 +156,7 @@ class WorkerService:
         except ValueError as exc:  # RQ: "There exists an active worker named ..."
             raise StartupError(str(exc)) from exc
         pool = ThreadPoolExecutor(cfg.prep_threads, thread_name_prefix="vlmq-prep")
-        preparer = Preparer(engine, info, cache, self.redis, cfg.keys, pool)
+        preparer = self._preparer = Preparer(engine, info, cache, self.redis, cfg.keys, pool)
         self.stats.model = cfg.model
         log.info("worker %s ready: model %s (%s), queues %s, max batch %d, window %d",
                  cfg.name, cfg.model, info.model_type, ",".join(cfg.queues), cfg.max_batch,
@@ -362,6 +363,7 @@ class WorkerService:
         results = self._unwritten
         for f in finished:
             job_id, idx = cast(tuple[str, int], f.key)
+            self._preparer.item_done(job_id, idx)
             state = self.scheduler.jobs.get(job_id)
             if state is None:
                 continue
