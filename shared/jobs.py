@@ -151,8 +151,8 @@ def payload_of(job: Job) -> JobPayload:
     # Checked before RQ touches `data`: a pickled job gets a clear refusal instead of
     # RQ's message-less DeserializationError, and is never handed to a deserializer.
     if not is_json_data(job.data):
-        raise PayloadError("data", "job data is not JSON (a pickled job?): vlmq refuses "
-                                   "pickle; enqueue with RQ's JSONSerializer")
+        raise PayloadError("data", "job data is not JSON (a pickled job?): vlmq never "
+                                   "unpickles; enqueue with RQ's JSONSerializer")
     try:
         func_name = job.func_name
     except DeserializationError as exc:

@@ -201,7 +201,8 @@ def _parse_generation(raw: Any) -> Generation:
             raise PayloadError("generation.temperature", "must be a number")
         temperature = float(temp_raw)
         if not math.isfinite(temperature) or not 0.0 <= temperature <= C.MAX_TEMPERATURE:
-            raise PayloadError("generation.temperature", "must be between 0 and 5")
+            raise PayloadError("generation.temperature",
+                               f"must be between 0 and {C.MAX_TEMPERATURE:g}")
     stop_raw = raw.get("stop") or []
     if not isinstance(stop_raw, list):
         raise PayloadError("generation.stop", "must be a list of strings")

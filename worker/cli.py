@@ -12,7 +12,9 @@ from pathlib import Path
 
 import click
 
-DEFAULT_QUEUES = ("ocr", "caption", "generate")
+from vlmq.shared import constants as C
+
+DEFAULT_QUEUES = tuple(C.DEFAULT_QUEUE[task] for task in C.TASKS)
 
 
 def _split_queues(values: tuple[str, ...]) -> list[str]:
@@ -65,7 +67,7 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...],
     queues = _split_queues(queues_opt + extra_queues) or list(DEFAULT_QUEUES)
     redis_url = ctx.obj["redis_url"] if ctx.obj else os.environ.get("REDIS_URL")
     cfg = WorkerConfig(
-        redis_url=redis_url or "redis://localhost:6379/0",
+        redis_url=redis_url or C.DEFAULT_REDIS_URL,
         model=model,
         queues=queues,
         burst=burst,

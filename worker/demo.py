@@ -16,6 +16,8 @@ from pathlib import Path
 import click
 
 from vlmq.producer.client import Client, Job
+from vlmq.shared import constants as C
+from vlmq.shared.text import as_str
 from vlmq.worker.cli import default_cache_dir
 from vlmq.worker.redis_server import PrivateRedis, answers, start_private
 from vlmq.worker.service import WorkerConfig, run_worker
@@ -65,16 +67,12 @@ def _show(jobs: list[Job]) -> dict[str, int]:
     return totals
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def worker_name(run: int) -> str:
     return f"demo-{os.getpid()}-{run + 1}"
 
 
 def run_demo(*, redis_url: str | None, model: str | None, max_batch: int) -> int:
-    url = redis_url or os.environ.get("REDIS_URL") or "redis://localhost:6379/0"
+    url = redis_url or os.environ.get("REDIS_URL") or C.DEFAULT_REDIS_URL
     private: PrivateRedis | None = None
     if not answers(url):
         private = start_private()
@@ -109,7 +107,7 @@ def run_demo(*, redis_url: str | None, model: str | None, max_batch: int) -> int
                     return rc
                 totals = _show(jobs)
                 raw = client.redis.hgetall(client.keys.worker_stats(worker_name(n)))
-                stats = {_text(k): _text(v) for k, v in raw.items()}
+                stats = {as_str(k): as_str(v) for k, v in raw.items()}
                 rounds.append((label, wall, totals, stats))
                 client.close()
         click.secho("\n== stats", bold=True)

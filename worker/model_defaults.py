@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-TASKS: tuple[str, ...] = ("ocr", "caption", "generate")
+from vlmq.shared import constants as C
+
+TASKS: tuple[str, ...] = C.TASKS
 
 # Chat-control markers that some OCR models emit as plain text instead of EOS.
 EXTRA_STOP: tuple[str, ...] = (

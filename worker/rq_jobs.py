@@ -21,7 +21,6 @@ from typing import Any
 
 from redis.client import Pipeline
 from rq import Queue
-from rq.exceptions import DeserializationError, TimeoutFormatError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer, resolve_serializer
@@ -30,14 +29,10 @@ from rq.worker import SimpleWorker, WorkerStatus
 
 from vlmq.shared import constants as C
 from vlmq.shared.errors import PayloadError
-from vlmq.shared.jobs import is_json_data, payload_of
+from vlmq.shared.jobs import UNREADABLE_HASH_ERRORS, payload_of
 from vlmq.shared.schema import JobPayload
 
 log = logging.getLogger(__name__)
-
-# What RQ's Job.restore raises on a job hash it cannot read (bad dates, status, timeout...).
-_UNREADABLE_HASH_ERRORS = (ValueError, TypeError, KeyError, AttributeError, TimeoutFormatError)
-
 
 # Statuses that mean someone took the job away from its worker.
 _NOT_OURS = frozenset({JobStatus.CANCELED.value, JobStatus.STOPPED.value})
@@ -182,7 +177,7 @@ class JobLifecycle:
                 dequeued = self.worker.queue_class.dequeue_any(
                     [queue], None, connection=self.connection,
                     job_class=self.worker.job_class, serializer=JSONSerializer)
-            except _UNREADABLE_HASH_ERRORS as exc:
+            except UNREADABLE_HASH_ERRORS as exc:
                 job_id = getattr(exc, "job_id", None)  # RQ attaches it on a failed fetch
                 if job_id is None:
                     raise
@@ -194,7 +189,7 @@ class JobLifecycle:
     def _start(self, job: Job, queue: Queue) -> Running | Refused:
         execution = self._mark_started(job, queue)
         try:
-            payload = _payload(job)
+            payload = payload_of(job)
         except PayloadError as exc:
             reason = f"vlmq refused job {job.id}: {exc}"
         except Exception as exc:  # a validator bug must fail this job, not the worker (logged)
@@ -345,18 +340,6 @@ class JobLifecycle:
     def _after_end(self) -> None:
         if not self.worker.executions:
             self.worker.set_state(WorkerStatus.IDLE)
-
-
-def _payload(job: Job) -> JobPayload:
-    """The job's validated payload; looks at raw bytes first so pickle is never loaded."""
-    if not is_json_data(job.data):
-        raise PayloadError("data", "job data is not JSON (pickled?); vlmq workers accept "
-                                   "JSON-serialized jobs only and never unpickle")
-    try:
-        return payload_of(job)
-    except DeserializationError as exc:
-        raise PayloadError("data", "job data is JSON but not RQ's [func, instance, args, "
-                                   f"kwargs] array: {exc.__cause__}") from exc
 
 
 def _set_return_value(job: Job, value: Any) -> None:
