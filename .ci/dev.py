@@ -77,6 +77,8 @@ def server_binary() -> str | None:
 
 
 def ensure_test_redis() -> None:
+    if os.environ.get("VLMQ_TEST_REDIS"):
+        return  # the caller chose a Redis for the tests; conftest reports if it is down
     host, port = TEST_REDIS
     if redis_answers(host, port):
         return
