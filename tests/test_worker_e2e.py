@@ -245,9 +245,14 @@ def test_backpressure_keeps_a_window_and_a_small_job_overtakes_a_big_one(
         return big.progress()[0] >= 10
 
     wait_for(progressed, 90, "the big job to get going")
+    rss_early = _rss_mb(proc.pid)
     small = client.caption(make_images(tmp_path / "imgs", 3), max_side=56, max_tokens=4)
+    wait_for(lambda: big.progress()[0] >= 180, 120, "the big job to near its end")
+    rss_late = _rss_mb(proc.pid)
     rc, out = finish(proc, timeout=300)
     assert rc == 0, out
+    # Memory stays flat over 170 more pages (the bounded vision cache grows a little).
+    assert rss_late - rss_early < 48, (rss_early, rss_late)
     assert big.status() == "finished" and big.summary()["ok"] == 200
     assert small.status() == "finished" and small.summary()["ok"] == 3
 
@@ -268,6 +273,14 @@ def test_backpressure_keeps_a_window_and_a_small_job_overtakes_a_big_one(
     # The engine's own count of submitted-but-not-batched requests agrees.
     assert 0 < int(final["engine_peak_waiting"]) <= 8
     assert peak_seen <= 8
+
+
+def _rss_mb(pid: int) -> float:
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs /proc to read a process's memory")
+    status = Path(f"/proc/{pid}/status")
+    line = next(x for x in status.read_text().splitlines() if x.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
 
 
 def _sid(stream_id: bytes) -> tuple[int, int]:
