@@ -14,9 +14,12 @@ from importlib import resources
 from pathlib import Path
 
 import click
+from rq import Queue
+from rq.serializers import JSONSerializer
 
 from vlmq.producer.client import Client, Job
 from vlmq.shared import constants as C
+from vlmq.shared.jobs import fetch_job
 from vlmq.shared.text import as_str
 from vlmq.worker.cli import default_cache_dir
 from vlmq.worker.redis_server import PrivateRedis, answers, start_private
@@ -67,6 +70,17 @@ def _show(jobs: list[Job]) -> dict[str, int]:
     return totals
 
 
+def _clean_up(client: Client, jobs: list[Job], worker: str) -> None:
+    """Leave a shared Redis as we found it: the demo's jobs, results, queues and stats go."""
+    keys = client.keys
+    for job in jobs:
+        fetch_job(client.redis, job.id).delete()
+        client.redis.delete(keys.job_items(job.id), keys.job_events(job.id))
+    for name in DEMO_QUEUES:
+        Queue(name, connection=client.redis, serializer=JSONSerializer).delete(delete_jobs=True)
+    client.redis.delete(keys.worker_stats(worker))
+
+
 def worker_name(run: int) -> str:
     return f"demo-{os.getpid()}-{run + 1}"
 
@@ -109,6 +123,8 @@ def run_demo(*, redis_url: str | None, model: str | None, max_batch: int) -> int
                 raw = client.redis.hgetall(client.keys.worker_stats(worker_name(n)))
                 stats = {as_str(k): as_str(v) for k, v in raw.items()}
                 rounds.append((label, wall, totals, stats))
+                if private is None:
+                    _clean_up(client, jobs, worker_name(n))
                 client.close()
         click.secho("\n== stats", bold=True)
         for label, wall, t, st in rounds:
