@@ -364,12 +364,13 @@ class WorkerService:
         for f in finished:
             job_id, idx = cast(tuple[str, int], f.key)
             self._preparer.item_done(job_id, idx)
+            prep_s = self._prep_time.pop((job_id, idx), 0.0)
             state = self.scheduler.jobs.get(job_id)
             if state is None:
-                continue
+                continue  # the job was dropped (canceled, deleted, timed out) meanwhile
             item = state.payload.items[idx]
             timings = dict(f.timings)
-            timings["preprocess_s"] = round(self._prep_time.pop((job_id, idx), 0.0), 4)
+            timings["preprocess_s"] = round(prep_s, 4)
             results.append((job_id, ItemResult(
                 index=idx, source=item.source, page=item.page,
                 text=None if f.error else f.text, finish_reason=f.finish_reason,
