@@ -26,7 +26,9 @@ from vlmq.shared.keys import JOB_ID_RE, QUEUE_NAME_RE, RQ_QUEUES, Keys
 from vlmq.shared.schema import JobPayload, parse_payload, utc_now_iso
 
 # What RQ's Job.restore raises on a job hash it cannot read (bad dates, status, timeout...).
-UNREADABLE_HASH_ERRORS = (ValueError, TypeError, KeyError, AttributeError, TimeoutFormatError)
+# RQ's parse_timeout asserts on a timeout like "86400.0": AssertionError belongs here too.
+UNREADABLE_HASH_ERRORS = (ValueError, TypeError, KeyError, AttributeError, AssertionError,
+                          TimeoutFormatError)
 
 
 def describe(payload: JobPayload) -> str:
@@ -89,17 +91,21 @@ def lua_script() -> str:
 
 
 def enqueue_lua(redis: Redis, payload: dict[str, Any], *, queue: str,
-                job_id: str | None = None, timeout: int = C.JOB_TIMEOUT_S,
-                result_ttl: int = C.RESULT_TTL_S, failure_ttl: int = C.FAILURE_TTL_S) -> str:
+                job_id: str | None = None, timeout: int | str = C.JOB_TIMEOUT_S,
+                result_ttl: int = C.RESULT_TTL_S, failure_ttl: int = C.FAILURE_TTL_S,
+                keys: Keys | None = None) -> str:
     """Enqueue through the shipped Lua script, exactly as a non-Python producer would."""
     check_queue_name(queue)
     job_id = job_id or uuid.uuid4().hex
+    keys = keys or Keys.from_env()
     data = json.dumps([C.TASK_FUNC, None, [payload], {}])
-    ok = redis.eval(lua_script(), 3, Keys.rq_job(job_id), Keys.rq_queue(queue), RQ_QUEUES,
+    ok = redis.eval(lua_script(), 5, Keys.rq_job(job_id), Keys.rq_queue(queue), RQ_QUEUES,
+                    keys.job_items(job_id), keys.job_events(job_id),
                     job_id, queue, data, f"vlmq {payload.get('task')} (lua)", timeout,
                     result_ttl, failure_ttl, utc_now_iso(), C.CRASH_RETRIES)
     if not ok:
-        raise PayloadError("job_id", f"a job with id {job_id} already exists")
+        raise PayloadError("job_id", f"a job with id {job_id} already exists (or its "
+                                     "results do)")
     return job_id
 
 

@@ -129,9 +129,12 @@ class JobSummary:
     completion_tokens: int
     wall_s: float
     cache_hits: int
+    labels: Mapping[str, str] = field(default_factory=dict)  # the job's own, echoed back
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["labels"] = dict(self.labels)
+        return out
 
 
 # --- validation -------------------------------------------------------------------------

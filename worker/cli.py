@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from vlmq.shared import constants as C
+from vlmq.shared.keys import QUEUE_NAME_RE
 
 DEFAULT_QUEUES = tuple(C.DEFAULT_QUEUE[task] for task in C.TASKS)
 
@@ -65,6 +66,10 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...],
     from vlmq.worker.service import WorkerConfig, run_worker
 
     queues = _split_queues(queues_opt + extra_queues) or list(DEFAULT_QUEUES)
+    bad = [q for q in queues if not QUEUE_NAME_RE.match(q)]
+    if bad:
+        raise click.BadParameter(f"{bad[0]!r} is not a queue name (letters, digits, _ . -)",
+                                 param_hint="--queues")
     redis_url = ctx.obj["redis_url"] if ctx.obj else os.environ.get("REDIS_URL")
     cfg = WorkerConfig(
         redis_url=redis_url or C.DEFAULT_REDIS_URL,

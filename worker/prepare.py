@@ -194,5 +194,8 @@ class Preparer:
             entry = Entry(features=features, dtype_name=dtype_name, grid_thw=grid)
             self.cache.put(key, entry, write_disk=False)
             self._land(key)
-            self.pool.submit(self.cache.persist, key, entry)
+            try:
+                self.pool.submit(self.cache.persist, key, entry)
+            except RuntimeError:  # the pool is shutting down: write it here instead
+                self.cache.persist(key, entry)
         return store

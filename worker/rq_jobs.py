@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.client import Pipeline
+from redis.exceptions import WatchError
 from rq import Queue
 from rq.executions import Execution
 from rq.job import Job, JobStatus
@@ -31,8 +32,13 @@ from vlmq.shared import constants as C
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.jobs import UNREADABLE_HASH_ERRORS, payload_of
 from vlmq.shared.schema import JobPayload
+from vlmq.shared.text import as_str
 
 log = logging.getLogger(__name__)
+
+class _Stale(Exception):
+    """A queue entry whose job is not QUEUED any more."""
+
 
 # Statuses that mean someone took the job away from its worker.
 _NOT_OURS = frozenset({JobStatus.CANCELED.value, JobStatus.STOPPED.value})
@@ -159,8 +165,15 @@ class JobLifecycle:
         The batch loop never enters Worker.work(), so without this no one fails or retries
         the jobs of dead workers, or rescues jobs stuck in a queue's intermediate list.
         """
-        if self.worker.should_run_maintenance_tasks:
+        if not self.worker.should_run_maintenance_tasks:
+            return
+        try:
             self.worker.run_maintenance_tasks()  # type: ignore[no-untyped-call]
+        except UNREADABLE_HASH_ERRORS:
+            # RQ's cleanup fetches every job it finds; one unreadable hash (e.g. a timeout
+            # of "86400.0" from a hand-written producer) must not stop this worker.
+            log.exception("RQ registry maintenance failed on an unreadable job; skipped")
+            self.worker.last_cleaned_at = now()  # try again at the next interval, not every turn
 
     # --- taking jobs ---------------------------------------------------------------------
 
@@ -183,11 +196,16 @@ class JobLifecycle:
                     raise
                 return _quarantine_unreadable(self.connection, queue, str(job_id), exc)
             if dequeued is not None:
-                return self._start(dequeued[0], queue)
+                started = self._start(dequeued[0], queue)
+                if started is not None:
+                    return started
+                return self.take()  # a stale entry was skipped: look again
         return None
 
-    def _start(self, job: Job, queue: Queue) -> Running | Refused:
+    def _start(self, job: Job, queue: Queue) -> Running | Refused | None:
         execution = self._mark_started(job, queue)
+        if execution is None:
+            return None
         try:
             payload = payload_of(job)
         except PayloadError as exc:
@@ -200,24 +218,47 @@ class JobLifecycle:
         self._end_failed(job, queue, execution, reason, retry=False)
         return Refused(str(job.id), queue.name, reason)
 
-    def _mark_started(self, job: Job, queue: Queue) -> Execution:
-        """What RQ's prepare_execution + prepare_job_execution do, in one transaction."""
+    def _mark_started(self, job: Job, queue: Queue) -> Execution | None:
+        """What RQ's prepare_execution + prepare_job_execution do, in one transaction.
+
+        Only a QUEUED job is started, checked under WATCH: an id pushed twice onto a queue
+        (a producer's naive retry) or a job started meanwhile by another worker is skipped,
+        never run twice. Returns None for such a stale entry.
+        """
         worker = self.worker
         with self.connection.pipeline() as pipe:
-            if job.origin != queue.name:
-                # A hand-written hash without origin would land in the wrong registries.
-                log.warning("job %s: origin %r repaired to %r", job.id, job.origin, queue.name)
-                job.origin = queue.name
-                pipe.hset(job.key, "origin", queue.name)
-            execution = Execution.create(job, worker.get_heartbeat_ttl(job), pipeline=pipe,
-                                         worker_name=worker.name)
-            job.prepare_for_execution(worker.name, pipe)
-            pipe.persist(job.key)  # a job enqueued with ttl= must not vanish mid-run
-            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-            worker.heartbeat(pipeline=pipe)
-            worker.set_state(WorkerStatus.BUSY, pipeline=pipe)
-            pipe.execute()
+            try:
+                pipe.watch(job.key)
+                status = pipe.hget(job.key, "status")
+                if status is not None and as_str(status) != JobStatus.QUEUED.value:
+                    raise _Stale(as_str(status))
+                pipe.multi()
+                execution = self._queue_start(pipe, job, queue)
+                pipe.execute()
+            except (_Stale, WatchError) as exc:
+                pipe.reset()
+                self.connection.lrem(queue.intermediate_queue_key, 1, job.id)
+                log.warning("job %s listed in queue %s but %s: stale entry skipped", job.id,
+                            queue.name, f"already {exc}" if isinstance(exc, _Stale)
+                            else "taken by another worker")
+                return None
         worker.executions[execution.id] = execution
+        return execution
+
+    def _queue_start(self, pipe: Pipeline, job: Job, queue: Queue) -> Execution:
+        worker = self.worker
+        if job.origin != queue.name:
+            # A hand-written hash without origin would land in the wrong registries.
+            log.warning("job %s: origin %r repaired to %r", job.id, job.origin, queue.name)
+            job.origin = queue.name
+            pipe.hset(job.key, "origin", queue.name)
+        execution = Execution.create(job, worker.get_heartbeat_ttl(job), pipeline=pipe,
+                                     worker_name=worker.name)
+        job.prepare_for_execution(worker.name, pipe)
+        pipe.persist(job.key)  # a job enqueued with ttl= must not vanish mid-run
+        pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+        worker.heartbeat(pipeline=pipe)
+        worker.set_state(WorkerStatus.BUSY, pipeline=pipe)
         return execution
 
     # --- while running -------------------------------------------------------------------
@@ -264,6 +305,17 @@ class JobLifecycle:
             if len(pipe):
                 pipe.execute()
         return deleted + [r for r in ended if r not in deleted]
+
+    def taken_away(self, running: Sequence[Running]) -> list[Running]:
+        """Those of `running` that were deleted, canceled or stopped meanwhile (one round trip)."""
+        if not running:
+            return []
+        with self.connection.pipeline(transaction=False) as pipe:
+            for r in running:
+                pipe.hget(r.job.key, "status")
+            statuses = pipe.execute()
+        return [r for r, st in zip(running, statuses, strict=True)
+                if st is None or as_str(st) in _NOT_OURS]
 
     def is_ours(self, running: Running) -> bool:
         """Still STARTED here: not deleted, canceled or stopped by someone else meanwhile."""

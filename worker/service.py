@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import tempfile
 import threading
 import time
 from collections import deque
@@ -22,11 +23,19 @@ from types import FrameType
 from typing import cast
 
 from redis import Redis
+from redis.exceptions import (
+    BusyLoadingError,
+    ExecAbortError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue
 from rq.serializers import JSONSerializer
 
+from vlmq.shared import constants as C
 from vlmq.shared import results as R
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import ItemResult, JobSummary
@@ -44,6 +53,18 @@ REDIS_RETRY_S = 1.0
 
 class StartupError(Exception):
     """The worker cannot start; the message says why (no traceback needed)."""
+
+
+def transient(exc: RedisError) -> bool:
+    """Redis errors that pass: unreachable, timed out, out of memory, a replica in failover.
+
+    The worker waits them out with its results held in memory; any other Redis error is
+    a real problem with one job's keys or a bug.
+    """
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, OutOfMemoryError,
+                        ReadOnlyError, BusyLoadingError)):
+        return True
+    return isinstance(exc, ExecAbortError) and "OOM" in str(exc)
 
 
 @dataclass
@@ -88,6 +109,7 @@ class WorkerService:
         self._prep_time: dict[tuple[str, int], float] = {}
         self._unwritten: list[tuple[str, ItemResult]] = []
         self._preparer: Preparer
+        self._lifecycle: JobLifecycle
         self._queues_empty = False
         self._next_heartbeat = self._next_stats = 0.0
         self.stats = WorkerStats(cfg.name, cfg.max_batch, cfg.prep_window)
@@ -128,9 +150,18 @@ class WorkerService:
             self.redis.ping()
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             return f"cannot reach Redis at {self.cfg.redis_url}: {exc}"
-        if self.redis.exists(f"rq:worker:{self.cfg.name}"):
+        key = f"rq:worker:{self.cfg.name}"
+        if self.redis.exists(key) and not self.redis.hexists(key, "death"):
             return (f"a worker named {self.cfg.name!r} is already registered in Redis; pick "
-                    "another --name (a dead worker's name frees up within 8 minutes)")
+                    "another --name (the name of a worker that was killed frees up once its "
+                    "heartbeat expires, within 8 minutes)")
+        if self.cfg.cache_dir is not None and self.cfg.cache_disk_bytes > 0:
+            try:
+                self.cfg.cache_dir.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryFile(dir=self.cfg.cache_dir):
+                    pass
+            except OSError as exc:
+                return f"cannot write to cache dir {self.cfg.cache_dir}: {exc}"
         return None
 
     def _serve(self, engine: Engine) -> int:
@@ -150,7 +181,7 @@ class WorkerService:
         queues = [Queue(q, connection=self.redis, serializer=JSONSerializer) for q in cfg.queues]
         worker = BatchWorker(queues, connection=self.redis, name=cfg.name,
                              heartbeat_ttl=cfg.heartbeat_ttl)
-        lifecycle = JobLifecycle(worker, queues)
+        lifecycle = self._lifecycle = JobLifecycle(worker, queues)
         try:
             lifecycle.register_birth()
         except ValueError as exc:  # RQ: "There exists an active worker named ..."
@@ -186,8 +217,10 @@ class WorkerService:
             self.stats.publish(self.redis, cfg.keys, engine, cache, 0, 0)
             self.stats.retire(self.redis, cfg.keys)
             lifecycle.register_death()
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            log.warning("Redis unreachable at shutdown (%s): %d job(s) left STARTED; RQ "
+        except RedisError as exc:
+            if not transient(exc):
+                raise
+            log.warning("Redis unavailable at shutdown (%s): %d job(s) left STARTED; RQ "
                         "requeues them once this worker's heartbeat expires",
                         exc, len(self.scheduler))
         log.info("worker %s stopped", cfg.name)
@@ -200,7 +233,9 @@ class WorkerService:
             try:
                 if self._iterate(engine, preparer, lifecycle, cache):
                     return
-            except (RedisConnectionError, RedisTimeoutError) as exc:
+            except RedisError as exc:
+                if not transient(exc):
+                    raise
                 # Results stay in memory (self._unwritten) and jobs stay in flight; RQ's
                 # registries only need a heartbeat within heartbeat_ttl once Redis is back.
                 if self.deadline is not None and time.monotonic() >= self.deadline:
@@ -227,6 +262,7 @@ class WorkerService:
             self._heartbeat(lifecycle)
             self._next_heartbeat = now + lifecycle.heartbeat_interval
         if now >= self._next_stats:
+            self._drop_taken_away(lifecycle)
             self.stats.publish(self.redis, cfg.keys, engine, cache, len(self.scheduler),
                                self._in_prep)
             self._next_stats = now + cfg.stats_s
@@ -256,8 +292,12 @@ class WorkerService:
                 continue
             try:
                 self._start_job(lifecycle, preparer, running)
-            except (RedisConnectionError, RedisTimeoutError):
-                raise  # the job stays STARTED; RQ reclaims it if we never come back
+            except RedisError as exc:
+                if transient(exc):
+                    raise  # the job stays STARTED; RQ reclaims it if we never come back
+                log.exception("job %s could not be started", running.job_id)
+                self._fail_job(lifecycle, running, f"Redis refused a command for this job: "
+                                                   f"{exc}")
             except Exception as exc:  # a job must never take the worker down
                 log.exception("job %s could not be started", running.job_id)
                 self._fail_job(lifecycle, running, f"worker error starting the job: "
@@ -273,8 +313,9 @@ class WorkerService:
             self._fail_job(lifecycle, running, problem)
             return
         preparer.touch_blobs(running.payload)  # a long wait in the queue must not expire them
-        done = R.done_indexes(self.redis, self.cfg.keys, running.job_id)
-        todo = [i for i in range(len(running.payload.items)) if i not in done]
+        n = len(running.payload.items)
+        done = {i for i in R.done_indexes(self.redis, self.cfg.keys, running.job_id) if i < n}
+        todo = [i for i in range(n) if i not in done]
         state = JobState(job_id=running.job_id, handle=running, payload=running.payload,
                          pending=deque(todo), already_done=len(done))
         log.info("job %s started: %s, %d items%s", state.job_id, state.payload.task,
@@ -286,6 +327,15 @@ class WorkerService:
         R.add_event(self.redis, self.cfg.keys, running.job_id,
                     {"type": "failed", "error": message})
         log.info("job %s failed: %s", running.job_id, message)
+
+    def _drop_taken_away(self, lifecycle: JobLifecycle) -> None:
+        """Stop work on jobs canceled or deleted meanwhile, within a stats tick (seconds),
+        rather than at the next heartbeat."""
+        handles = [s.handle for s in self.scheduler.jobs.values()]
+        for running in lifecycle.taken_away(handles):
+            log.warning("job %s was canceled or deleted: dropping it", running.job_id)
+            self.scheduler.remove(running.job_id)
+            lifecycle.drop(running)
 
     def _heartbeat(self, lifecycle: JobLifecycle) -> None:
         """Keep every in-flight job alive in RQ; drop jobs deleted or past their timeout."""
@@ -387,17 +437,35 @@ class WorkerService:
                 vision_cache_hit=False, error=msg, timings={})))
 
     def _flush(self) -> None:
-        """Write every waiting result in one pipeline; on a Redis error they stay queued."""
+        """Write waiting results, one transaction per job: all of a job's new results and
+        events land together or not at all. Transient Redis errors propagate (the results
+        stay waiting); any other error fails only the job whose keys refused the write."""
         if not self._unwritten:
             return
-        pipe = self.redis.pipeline(transaction=True)  # all or nothing: no duplicate events
+        by_job: dict[str, list[ItemResult]] = {}
         for job_id, res in self._unwritten:
-            R.write_item(self.redis, self.cfg.keys, job_id, res, pipeline=pipe)
-        pipe.execute()
-        written, self._unwritten = self._unwritten, []
-        for job_id, res in written:
-            self.stats.count_item(res)
-            self.scheduler.finish_item(job_id, res.index)
+            by_job.setdefault(job_id, []).append(res)
+        for job_id, results in by_job.items():
+            state = self.scheduler.jobs.get(job_id)
+            ttl = _result_ttl(state.handle) if state is not None else C.RESULT_TTL_S
+            pipe = self.redis.pipeline(transaction=True)
+            for res in results:
+                R.write_item(self.redis, self.cfg.keys, job_id, res, ttl_s=ttl, pipeline=pipe)
+            try:
+                pipe.execute()
+            except RedisError as exc:
+                if transient(exc):
+                    raise
+                self._unwritten = [(j, r) for j, r in self._unwritten if j != job_id]
+                if state is not None:
+                    self.scheduler.remove(job_id)
+                    self._fail_job(self._lifecycle, state.handle,
+                                   f"cannot write this job's results: {exc}")
+                continue
+            self._unwritten = [(j, r) for j, r in self._unwritten if j != job_id]
+            for res in results:
+                self.stats.count_item(res)
+                self.scheduler.finish_item(job_id, res.index)
 
     def _finish_job(self, lifecycle: JobLifecycle, state: JobState[Running]) -> None:
         if not lifecycle.is_ours(state.handle):
@@ -406,7 +474,8 @@ class WorkerService:
             self.scheduler.remove(state.job_id)
             lifecycle.drop(state.handle)
             return
-        stored = R.read_items(self.redis, self.cfg.keys, state.job_id)
+        stored = [r for r in R.read_items(self.redis, self.cfg.keys, state.job_id)
+                  if r.index < state.total]
         summary = JobSummary(
             items=state.total,
             ok=sum(1 for r in stored if r.ok),
@@ -415,6 +484,7 @@ class WorkerService:
             completion_tokens=sum(r.completion_tokens for r in stored),
             wall_s=round(time.monotonic() - state.started, 3),
             cache_hits=sum(1 for r in stored if r.vision_cache_hit),
+            labels=dict(state.payload.labels),
         )
         R.add_event(self.redis, self.cfg.keys, state.job_id,
                     {"type": "finished", **summary.to_dict()})
@@ -423,6 +493,12 @@ class WorkerService:
         log.info("job %s finished: %d ok, %d failed, %d tokens, %.1f s, %d cache hits",
                  state.job_id, summary.ok, summary.failed, summary.completion_tokens,
                  summary.wall_s, summary.cache_hits)
+
+
+def _result_ttl(running: Running) -> int:
+    """Item results live as long as the job's own result (RQ's result_ttl)."""
+    ttl = running.job.result_ttl
+    return ttl if ttl is not None and ttl > 0 else C.RESULT_TTL_S
 
 
 def run_worker(cfg: WorkerConfig) -> int:

@@ -272,7 +272,8 @@ class VisionCache:
                 self._disk_evict()
             return True
         except (OSError, SafetensorError) as exc:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # e.g. a read-only disk refuses this too
+                tmp.unlink(missing_ok=True)
             with self._lock:
                 self._n["disk_write_errors"] += 1
             log.warning("vision cache: could not write %s: %s", key, exc)
