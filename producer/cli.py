@@ -1,8 +1,9 @@
 """The `vlmq` command line: enqueue, status, wait, result (worker commands plug in below).
 
 Exit codes are part of the interface so scripts can branch on them:
-0 ok; 1 a job failed / not found / Redis unreachable; 2 bad input or usage (nothing was
-written to Redis); 124 `wait` timed out.
+0 ok; 1 a job failed / not found / Redis unreachable or refusing writes (maxmemory, a
+read-only replica); 2 bad input or usage (nothing was written to Redis; for `result`, an
+-o path that cannot be written); 124 `wait` timed out.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
+from redis.exceptions import ReadOnlyError as RedisReadOnlyError
+from redis.exceptions import ResponseError as RedisResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from vlmq.producer.client import (
@@ -27,6 +31,7 @@ from vlmq.producer.client import (
     redact_url,
     wait_all,
 )
+from vlmq.producer.inputs import PagesWithoutPdf
 from vlmq.shared import constants as C
 from vlmq.shared.errors import InputError, PayloadError
 from vlmq.shared.schema import ItemResult
@@ -61,7 +66,8 @@ def _handle_errors(func: F) -> F:
 
 
 class _Main(click.Group):
-    """The root group: Redis being unreachable, or a job id not found, is one line.
+    """The root group: Redis unreachable or refusing a command, or a job id not found,
+    is one line.
 
     Catching here rather than per command also covers the worker's commands, which
     register themselves on this group.
@@ -73,8 +79,26 @@ class _Main(click.Group):
         except (RedisConnectionError, RedisTimeoutError) as exc:
             url = redact_url(str(ctx.params.get("redis_url") or ""))
             _fail(f"error: cannot reach Redis at {url}: {exc}", EXIT_FAILED)
+        except RedisResponseError as exc:
+            # The server said no (maxmemory with noeviction, a read-only replica, ...):
+            # an operator's problem, and the server's own message is what they need.
+            url = redact_url(str(ctx.params.get("redis_url") or ""))
+            _fail(f"error: {_refusal(exc)}: {_one_line(str(exc))} (Redis at {url})",
+                  EXIT_FAILED)
         except JobNotFound as exc:
             _fail(f"error: {exc}", EXIT_FAILED)
+
+
+def _refusal(exc: RedisResponseError) -> str:
+    if isinstance(exc, RedisOutOfMemoryError):
+        return "Redis is out of memory (maxmemory)"
+    if isinstance(exc, RedisReadOnlyError):
+        return "Redis is read-only (a replica?)"
+    return "Redis refused a command"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _client(ctx: click.Context) -> Client:
@@ -176,9 +200,12 @@ def ocr(ctx: click.Context, files: tuple[str, ...], pages: str | None, queue: st
         job_id: str | None, as_json: bool) -> None:
     """OCR PDFs (one item per page) and page images."""
     with _client(ctx) as client:
-        job = client.ocr(files, pages, max_side=max_side, prompt=prompt, queue=queue,
-                         model=model, max_tokens=max_tokens, temperature=temperature,
-                         stop=stop, labels=labels, job_id=job_id)
+        try:
+            job = client.ocr(files, pages, max_side=max_side, prompt=prompt, queue=queue,
+                             model=model, max_tokens=max_tokens, temperature=temperature,
+                             stop=stop, labels=labels, job_id=job_id)
+        except PagesWithoutPdf as exc:
+            raise PagesWithoutPdf("--pages") from exc  # name the option the user typed
         _report(job, as_json)
 
 
@@ -251,11 +278,13 @@ def _job_status(job: Job, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({"id": job.id, "queue": job.queue, "status": state,
                                "done": done, "total": total, "failed": failed,
-                               "summary": summary, "error": error,
+                               "labels": job.labels, "summary": summary, "error": error,
                                "problem": job.problem}))
         return
     click.echo(f"job {job.id}  queue {job.queue or '?'}")
     click.echo(f"status: {state}")
+    if job.labels:
+        click.echo("labels: " + "  ".join(f"{k}={v}" for k, v in job.labels.items()))
     if job.problem is not None:
         click.echo(f"not a readable vlmq job: {job.problem}")
     else:
@@ -333,7 +362,11 @@ def wait(ctx: click.Context, job_ids: tuple[str, ...], timeout: float | None) ->
               help="Write here instead of stdout.")
 @click.pass_context
 def result(ctx: click.Context, job_id: str, fmt: str, output: str | None) -> None:
-    """Print a job's results in item order (partial while it runs)."""
+    """Print a job's results in item order (partial while it runs).
+
+    Exit 1 when the job failed; the results it has are still printed, and the failure
+    message is on stderr (and in the json and md output).
+    """
     with _client(ctx) as client:
         job = client.job(job_id)
         state = job.status()
@@ -343,33 +376,52 @@ def result(ctx: click.Context, job_id: str, fmt: str, output: str | None) -> Non
             _fail(f"error: job {job.id} is not a readable vlmq job: {job.problem}\n"
                   f"status: {state}{detail}", EXIT_FAILED)
         results = list(job.results())
+        error = job.error() if state == "failed" else None
         if fmt == "jsonl":
             text = "".join(json.dumps(r.to_dict()) + "\n" for r in results)
         elif fmt == "json":
-            text = json.dumps({"id": job.id, "status": state,
+            text = json.dumps({"id": job.id, "status": state, "labels": job.labels,
                                "summary": job.summary() if state == "finished" else None,
+                               "error": error,
                                "items": [r.to_dict() for r in results]}, indent=2) + "\n"
         else:
-            text = render_markdown(job, state, results)
+            text = render_markdown(job, state, results, error)
         if len(results) < job.items:
             click.echo(f"vlmq: job {job.id} is {state}: {len(results)}/{job.items} items "
                        "done; results are partial", err=True)
     if output:
-        with open(output, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        try:
+            with open(output, "w", encoding="utf-8") as fh:
+                fh.write(text)
+        except OSError as exc:
+            _fail(f"error: cannot write {output}: {exc.strerror or exc}", EXIT_BAD_INPUT)
     else:
         click.echo(text, nl=False)
+    if error is not None:
+        click.echo(f"vlmq: job {job.id} failed: {_last_line(error)}", err=True)
+        sys.exit(EXIT_FAILED)
 
 
-def render_markdown(job: Job, state: str, results: Sequence[ItemResult]) -> str:
-    """The document's pages in item order, one heading each; errors and gaps made visible."""
+def render_markdown(job: Job, state: str, results: Sequence[ItemResult],
+                    error: str | None = None) -> str:
+    """The document's pages in item order, one heading each; errors and gaps made visible.
+
+    A failed job's document opens with why it failed (`error`), before any page.
+    """
     by_index = {r.index: r for r in results}
-    parts = [f"<!-- vlmq job {job.id}: {state}, {len(results)}/{job.items} items -->\n"]
+    parts: list[str] = []
+    if error is not None:
+        parts.append(f"> **This job failed:** {_last_line(error)}\n")
+        if len(error.strip().splitlines()) > 1:
+            parts.append("```text\n" + error.strip() + "\n```\n")
+    parts.append(f"<!-- vlmq job {job.id}: {state}, {len(results)}/{job.items} items -->\n")
     for index, item in enumerate(job.payload().items):
         heading = item.source if item.page is None else f"{item.source} — page {item.page}"
         parts.append(f"## {heading}\n")
         r = by_index.get(index)
-        if r is None:
+        if r is None and error is not None:
+            parts.append("> _no result: the job failed before this item (see the top)_\n")
+        elif r is None:
             parts.append(f"> _not done yet (job {state})_\n")
         elif r.error is not None:
             parts.append(f"> **Error:** {r.error}\n")

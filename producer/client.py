@@ -204,7 +204,7 @@ class Client:
         jid = enqueue(self.redis, payload, queue=queue, job_id=job_id)
         return Job(self, jid, queue=queue, items=len(payload.items),
                    rejected=list(prepared.rejected), uploaded=uploaded,
-                   blobs=len(prepared.blobs))
+                   blobs=len(prepared.blobs), labels=payload.labels)
 
     def _refuse_taken_id(self, job_id: str) -> None:
         """Refuse a taken id before uploading anything for a job that cannot be enqueued.
@@ -237,7 +237,8 @@ class Client:
             payload = payload_of(rq_job)
         except PayloadError as exc:
             return Job(self, job_id, queue=rq_job.origin, items=0, problem=str(exc))
-        return Job(self, job_id, queue=rq_job.origin, items=len(payload.items))
+        return Job(self, job_id, queue=rq_job.origin, items=len(payload.items),
+                   labels=payload.labels)
 
     def queues(self) -> dict[str, QueueInfo]:
         """Every queue RQ knows of, with its depth and registry counts."""
@@ -277,7 +278,8 @@ class Job:
 
     def __init__(self, client: Client, job_id: str, *, queue: str, items: int,
                  rejected: Sequence[tuple[str, str]] = (), uploaded: int = 0,
-                 blobs: int = 0, problem: str | None = None) -> None:
+                 blobs: int = 0, problem: str | None = None,
+                 labels: Mapping[str, str] | None = None) -> None:
         self.client = client
         self.id = job_id
         self.queue = queue
@@ -288,6 +290,9 @@ class Job:
         self.blobs = blobs
         # Why this is not a readable vlmq job (None when it is); a worker will fail it.
         self.problem = problem
+        # The payload's labels, echoed back as the protocol promises ({} for a job whose
+        # payload cannot be read). Fixed at enqueue, so read once rather than per call.
+        self.labels: dict[str, str] = dict(labels or {})
 
     def __repr__(self) -> str:
         return f"Job(id={self.id!r}, queue={self.queue!r}, items={self.items})"

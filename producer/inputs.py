@@ -47,6 +47,17 @@ class InputErrors(InputError):
             f"  {e.path}: {e.problem}" for e in self.errors)
 
 
+class PagesWithoutPdf(InputError):
+    """A page range was given but no input is a PDF: it would select nothing, silently."""
+
+    def __init__(self, option: str = "pages") -> None:
+        self.option = option
+        super().__init__(option, "applies to PDFs, and none of the inputs is a PDF")
+
+    def __str__(self) -> str:
+        return f"{self.option} {self.problem}"
+
+
 @dataclass(frozen=True)
 class BlobSource:
     """Where one distinct input's bytes are, and what they were when validated.
@@ -295,7 +306,8 @@ def prepare(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
             recursive: bool = False, skip_bad: bool = False) -> Prepared:
     """Check every file and build items: an image is one item, a PDF one item per page.
 
-    `pages` applies to each PDF (an image is always its one page). All bad files are
+    `pages` applies to each PDF (an image is always its one page); given with no PDF
+    among the inputs it is refused (PagesWithoutPdf). All bad files are
     collected first; unless skip_bad, any bad file rejects the whole set (InputErrors).
     Files are read one at a time and only their hash kept (upload reads them again). The
     item limit is enforced the moment it is passed: reading thousands more files only to
@@ -327,4 +339,8 @@ def prepare(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
         if errors:
             raise InputErrors(errors)
         raise InputError("(no files)", "nothing to enqueue")
+    if pages is not None and not any(i.kind == "pdf" for i in prepared.items):
+        # An image is always its one page, so the range would be dropped without a word;
+        # more likely the user meant a different file.
+        raise PagesWithoutPdf()
     return prepared

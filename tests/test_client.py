@@ -21,6 +21,7 @@ from rq.serializers import JSONSerializer
 from vlmq.producer import Client, JobFailed, JobNotFound, WaitTimeout, sample_files
 from vlmq.producer import client as client_module
 from vlmq.producer.client import wait_all
+from vlmq.producer.inputs import PagesWithoutPdf
 from vlmq.shared import constants as C
 from vlmq.shared.errors import InputError, PayloadError
 from vlmq.shared.jobs import fetch_job, is_json_data, payload_of
@@ -318,3 +319,28 @@ def test_job_handle_for_a_job_the_worker_refused(client: Client, redis: Redis) -
 def test_bad_redis_url_names_it() -> None:
     with pytest.raises(ValueError, match=r"^invalid Redis URL 'nope': "):
         Client("nope")
+
+
+def test_job_labels_come_from_the_payload(client: Client, doc: Path) -> None:
+    job = client.ocr([doc], labels={"batch": "b7", "owner": "ann"})
+    assert job.labels == {"batch": "b7", "owner": "ann"}
+    assert client.job(job.id).labels == {"batch": "b7", "owner": "ann"}
+    assert client.job(client.ocr([doc]).id).labels == {}
+
+
+def test_job_labels_of_an_unreadable_job_are_empty(client: Client, redis: Redis) -> None:
+    pickled = Queue("ocr", connection=redis).enqueue_call(func=C.TASK_FUNC, args=[{"v": 1}])
+    assert client.job(pickled.id).labels == {}
+
+
+def test_pages_without_a_pdf_is_refused(client: Client, redis: Redis, tmp_path: Path) -> None:
+    img = tmp_path / "a.png"
+    img.write_bytes(png_bytes((9, 9, 9)))
+    before = redis.dbsize()
+    with pytest.raises(PagesWithoutPdf,
+                       match=r"^pages applies to PDFs, and none of the inputs is a PDF$"):
+        client.ocr([img], pages="1")
+    with pytest.raises(InputError):  # an InputError like any other bad input
+        client.ocr([img], pages=[1, 2])
+    assert redis.dbsize() == before
+    assert client.ocr([img]).items == 1  # without pages it is fine
