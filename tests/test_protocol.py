@@ -288,3 +288,37 @@ def test_unloadable_job_failure_is_plain_text_in_exc_info(redis: Redis) -> None:
     text = redis.hget(Keys.rq_job(job_id), "exc_info").decode("utf-8")
     assert text.startswith(f"vlmq refused job {job_id}: RQ cannot read its hash")
     assert raw_exc_info(redis, job_id) == text
+
+
+@pytest.mark.parametrize(("arg", "value", "needle"), [
+    (0, "bad id!", "job_id: must match"),
+    (1, "bad queue!", "queue: must match"),
+    (4, "86400.0", "timeout: must be a whole number"),
+    (5, "1h", "result_ttl: must be a whole number"),
+    (7, "yesterday", "now: must be UTC"),
+    (8, "three", "retries_left: must be a whole number"),
+])
+def test_lua_refuses_malformed_arguments_by_name(redis: Redis, arg: int, value: str,
+                                                 needle: str) -> None:
+    from redis.exceptions import ResponseError
+
+    from vlmq.shared.jobs import lua_script
+
+    keys = Keys()
+    args = ["j1", "ocr", json.dumps([C.TASK_FUNC, None, [{}], {}]), "d", "60", "60", "60",
+            "2026-11-29T12:00:00.000000Z", "3"]
+    args[arg] = value
+    job_id, queue = args[0], args[1]
+    before = redis.dbsize()
+    with pytest.raises(ResponseError, match=needle):
+        redis.eval(lua_script(), 5, f"rq:job:{job_id}", f"rq:queue:{queue}", RQ_QUEUES,
+                   keys.job_items(job_id), keys.job_events(job_id), *args)
+    assert redis.dbsize() == before
+
+
+def test_lua_refuses_an_id_whose_old_results_remain(redis: Redis) -> None:
+    keys = Keys()
+    redis.hset(keys.job_items("reused"), "0", "{}")  # left by an earlier, deleted job
+    with pytest.raises(PayloadError, match="already exists"):
+        enqueue_lua(redis, {"v": 1}, queue="ocr", job_id="reused")
+    assert not redis.exists("rq:job:reused")

@@ -74,7 +74,7 @@ def test_worker_survives_a_redis_restart_mid_job(server: Server, tiny_model: Pat
     finally:
         helpers.stop_all([proc])
     assert rc == 0, out
-    assert "Redis unreachable" in out
+    assert "Redis unavailable (ConnectionError" in out
 
     client = Client(server.url)
     assert client.job(job.id).status() == "finished"
@@ -82,6 +82,32 @@ def test_worker_survives_a_redis_restart_mid_job(server: Server, tiny_model: Pat
     assert [r.index for r in results] == list(range(pages))
     assert all(r.text and r.error is None for r in results)
     events = Redis.from_url(server.url).xrange(Keys().job_events(job.id))
+    items = sorted(int(f[b"index"]) for _, f in events if f[b"type"] == b"item")
+    assert items == list(range(pages)), "a page was lost or written twice"
+    client.close()
+
+
+def test_worker_waits_out_redis_running_out_of_memory(server: Server, tiny_model: Path,
+                                                     tmp_path: Path) -> None:
+    pages = 16
+    client = Client(server.url)
+    admin = Redis.from_url(server.url)
+    job = client.ocr([make_pdf(tmp_path / "doc.pdf", pages)], max_side=112, max_tokens=24)
+    proc = helpers.start_worker(server.url, tiny_model, tmp_path, "--burst", "--max-batch", "2")
+    try:
+        wait_for(lambda: job.progress()[0] >= 2, 60, "the job to start producing")
+        used = int(admin.info("memory")["used_memory"])
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", used // 2)  # every write is refused from now on
+        time.sleep(3)
+        admin.config_set("maxmemory", 0)
+        rc, out = finish(proc, timeout=120)
+    finally:
+        helpers.stop_all([proc])
+    assert rc == 0, out
+    assert "Redis unavailable (OutOfMemoryError" in out
+    assert client.job(job.id).status() == "finished"
+    events = admin.xrange(Keys().job_events(job.id))
     items = sorted(int(f[b"index"]) for _, f in events if f[b"type"] == b"item")
     assert items == list(range(pages)), "a page was lost or written twice"
     client.close()

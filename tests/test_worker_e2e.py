@@ -344,6 +344,46 @@ def test_worker_start_problems_are_reported_before_loading_the_model(
     assert finish(first)[0] == 0
 
 
+def test_a_job_id_pushed_twice_runs_once(
+        redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path,
+        start_worker: Spawn) -> None:
+    job = Client(redis_url).caption(make_images(tmp_path / "i", 3), max_side=112,
+                                    max_tokens=4, labels={"batch": "nov"})
+    redis.rpush("rq:queue:caption", job.id)  # a producer's naive retry
+    first = start_worker(redis_url, tiny_model, tmp_path, "--burst", name="a")
+    second = start_worker(redis_url, tiny_model, tmp_path, "--burst", name="b")
+    for proc in (first, second):
+        rc, out = finish(proc)
+        assert rc == 0, out
+    assert job.status() == "finished"
+    assert job.summary()["labels"] == {"batch": "nov"}
+    events = redis.xrange(Keys().job_events(job.id))
+    assert sorted(int(f[b"index"]) for _, f in events if f[b"type"] == b"item") == [0, 1, 2]
+    assert sum(1 for _, f in events if f[b"type"] == b"finished") == 1
+
+
+def test_a_hash_rq_cannot_parse_fails_alone_and_never_stops_a_worker(
+        redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path,
+        start_worker: Spawn) -> None:
+    client = Client(redis_url)
+    broken = client.caption(make_images(tmp_path / "i", 1), max_side=112, max_tokens=4)
+    redis.hset(f"rq:job:{broken.id}", "timeout", "86400.0")  # RQ's parse_timeout asserts
+    good = client.caption(make_images(tmp_path / "j", 2), max_side=112, max_tokens=4)
+    for name in ("first", "again"):  # a restarted worker must not trip over it either
+        rc, out = finish(start_worker(redis_url, tiny_model, tmp_path, "--burst", name=name))
+        assert rc == 0, out
+    assert good.status() == "finished"
+    assert redis.hget(f"rq:job:{broken.id}", "status") == b"failed"
+    assert not redis.lrange("rq:queue:caption:intermediate", 0, -1)
+
+
+def test_a_cleanly_stopped_worker_name_can_be_reused_at_once(
+        redis_url: str, tiny_model: Path, tmp_path: Path, start_worker: Spawn) -> None:
+    for _ in range(2):
+        rc, out = finish(start_worker(redis_url, tiny_model, tmp_path, "--burst", name="same"))
+        assert rc == 0, out
+
+
 def test_readme_demo_command_runs(redis_url: str, tmp_path: Path) -> None:
     env = {**os.environ, "REDIS_URL": redis_url, "VLMQ_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run([VLMQ, "demo"], env=env, capture_output=True, text=True, timeout=300,

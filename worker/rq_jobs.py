@@ -173,7 +173,7 @@ class JobLifecycle:
             # RQ's cleanup fetches every job it finds; one unreadable hash (e.g. a timeout
             # of "86400.0" from a hand-written producer) must not stop this worker.
             log.exception("RQ registry maintenance failed on an unreadable job; skipped")
-            self.worker.last_cleaned_at = now()  # try again at the next interval, not every turn
+            self.worker.last_cleaned_at = now()  # type: ignore[assignment]  # retry next interval
 
     # --- taking jobs ---------------------------------------------------------------------
 
@@ -228,7 +228,7 @@ class JobLifecycle:
         worker = self.worker
         with self.connection.pipeline() as pipe:
             try:
-                pipe.watch(job.key)
+                pipe.watch(job.key)  # type: ignore[no-untyped-call]
                 status = pipe.hget(job.key, "status")
                 if status is not None and as_str(status) != JobStatus.QUEUED.value:
                     raise _Stale(as_str(status))

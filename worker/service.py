@@ -238,10 +238,11 @@ class WorkerService:
                     raise
                 # Results stay in memory (self._unwritten) and jobs stay in flight; RQ's
                 # registries only need a heartbeat within heartbeat_ttl once Redis is back.
+                why = f"{type(exc).__name__}: {exc}"
                 if self.deadline is not None and time.monotonic() >= self.deadline:
-                    log.warning("Redis unreachable (%s) past the grace period: stopping", exc)
+                    log.warning("Redis unavailable (%s) past the grace period: stopping", why)
                     return
-                log.warning("Redis unreachable (%s); retrying in %.0f s", exc, REDIS_RETRY_S)
+                log.warning("Redis unavailable (%s); retrying in %.0f s", why, REDIS_RETRY_S)
                 time.sleep(REDIS_RETRY_S)
 
     def _iterate(self, engine: Engine, preparer: Preparer, lifecycle: JobLifecycle,

@@ -1,0 +1,42 @@
+"""Shortest-remaining-job-first item order across jobs in flight."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from vlmq.shared.schema import Item, JobPayload
+from vlmq.worker.scheduler import JobState, Scheduler
+
+SHA = "0" * 64
+
+
+def _state(job_id: str, n: int) -> JobState[None]:
+    payload = JobPayload(task="caption",
+                         items=tuple(Item("image", SHA, f"{i}.png") for i in range(n)))
+    return JobState(job_id=job_id, handle=None, payload=payload, pending=deque(range(n)),
+                    already_done=0)
+
+
+def test_the_job_with_fewest_items_left_goes_first_and_ties_keep_arrival_order() -> None:
+    s: Scheduler[None] = Scheduler()
+    s.add(_state("big-1", 40))
+    s.add(_state("big-2", 40))
+    order = [s.next_item() for _ in range(3)]
+    assert [(st.job_id, i) for st, i in order] == [("big-1", 0), ("big-1", 1), ("big-1", 2)]
+    s.add(_state("small", 2))  # arrives while the big ones run
+    nxt = [s.next_item() for _ in range(2)]
+    assert [(st.job_id, i) for st, i in nxt] == [("small", 0), ("small", 1)]
+    assert s.finish_item("small", 0) is not None and s.finish_item("small", 1) is not None
+    assert s.jobs["small"].complete
+    s.remove("small")
+    st, i = s.next_item()  # back to the big job that is furthest along
+    assert (st.job_id, i) == ("big-1", 3)
+
+
+def test_an_item_retried_after_a_transient_error_comes_back_first() -> None:
+    s: Scheduler[None] = Scheduler()
+    s.add(_state("a", 3))
+    _, i = s.next_item()
+    s.retry_item("a", i)
+    assert s.next_item()[1] == i
+    assert s.finish_item("a", 99) is None  # not outstanding: ignored
