@@ -254,11 +254,7 @@ class WorkerService:
             self._queues_empty = self._pull_jobs(lifecycle, preparer)
             self._schedule(engine, preparer)
         busy = self._in_prep > 0 or engine.active > 0 or engine.waiting > 0
-        done = engine.get_finished(timeout=0.01 if busy else 0.1)
-        self._record(done, self._drain_prep_failures())
-        self._flush()
-        for state in [s for s in self.scheduler.jobs.values() if s.complete]:
-            self._finish_job(lifecycle, state)
+        self._collect(engine, lifecycle, timeout=0.01 if busy else 0.1)
         if now >= self._next_heartbeat:
             self._heartbeat(lifecycle)
             self._next_heartbeat = now + lifecycle.heartbeat_interval
@@ -270,16 +266,20 @@ class WorkerService:
         if self.stop_requested:
             in_flight = self._in_prep + engine.active + engine.waiting
             if in_flight == 0:
-                self._record(engine.get_finished(timeout=0), self._drain_prep_failures())
-                self._flush()
-                for state in [s for s in self.scheduler.jobs.values() if s.complete]:
-                    self._finish_job(lifecycle, state)
+                self._collect(engine, lifecycle, timeout=0)  # what finished since the last look
                 return True
             return self.deadline is not None and now >= self.deadline
         if cfg.burst and self._queues_empty and not self.scheduler.jobs and not self._unwritten:
             log.info("burst: queues empty and all work done")
             return True
         return False
+
+    def _collect(self, engine: Engine, lifecycle: JobLifecycle, timeout: float) -> None:
+        """Write what finished (engine results, prep failures) and finish complete jobs."""
+        self._record(engine.get_finished(timeout=timeout), self._drain_prep_failures())
+        self._flush()
+        for state in [s for s in self.scheduler.jobs.values() if s.complete]:
+            self._finish_job(lifecycle, state)
 
     def _pull_jobs(self, lifecycle: JobLifecycle, preparer: Preparer) -> bool:
         """Take jobs while there is room; returns True when the queues were found empty."""
