@@ -84,10 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="vlmq-bench-batching-") as tmp:
         workdir = args.workdir or Path(tmp)
         inputs = C.make_inputs(workdir / "inputs", args.items, args.side)
-        print(f"machine: {C.machine()}")
-        print(f"model: {model}; {args.items} items ({args.items // 2} PDF pages + "
-              f"{args.items - args.items // 2} images) at {args.side} px, "
-              f"max {args.max_tokens} new tokens, temperature 0")
+        C.print_header(model, args.items, args.side,
+                       f"max {args.max_tokens} new tokens, temperature 0")
         runs = run_batches(args.redis_url, model, inputs, workdir, batches, args.repeat,
                            args.max_tokens, args.side)
     report(runs)

@@ -151,10 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="vlmq-bench-cache-") as tmp:
         workdir = args.workdir or Path(tmp)
         inputs = C.make_inputs(workdir / "inputs", args.items, args.side)
-        print(f"machine: {C.machine()}")
-        print(f"model: {model}; {args.items} items ({args.items // 2} PDF pages + "
-              f"{args.items - args.items // 2} images) at {args.side} px, max "
-              f"{args.max_tokens} new tokens, --max-batch {args.max_batch}")
+        C.print_header(model, args.items, args.side,
+                       f"max {args.max_tokens} new tokens, --max-batch {args.max_batch}")
         runs: list[list[Row]] = []
         for n in range(args.repeat):
             cache = workdir / f"cache-{n}-{uuid.uuid4().hex[:6]}" / "vision"

@@ -51,6 +51,13 @@ def add_common_args(parser: argparse.ArgumentParser, *, items: int = 16,
                         help="where inputs and caches go (default: a fresh temp dir)")
 
 
+def print_header(model: str, items: int, side: int, detail: str) -> None:
+    """What ran, on what: the first lines of every benchmark's output."""
+    print(f"machine: {machine()}")
+    print(f"model: {model}; {items} items ({items // 2} PDF pages + {items - items // 2} "
+          f"images) at {side} px, {detail}")
+
+
 def machine() -> str:
     """One line saying what ran the benchmark; figures mean nothing without it."""
     import mlx.core as mx
