@@ -20,7 +20,7 @@ from functools import partial
 from pathlib import Path
 from queue import Empty, SimpleQueue
 from types import FrameType
-from typing import cast
+from typing import TypeVar, cast
 
 from redis import Redis
 from redis.exceptions import (
@@ -49,6 +49,7 @@ from vlmq.worker.vision_cache import VisionCache
 log = logging.getLogger("vlmq.worker")
 
 REDIS_RETRY_S = 1.0
+T = TypeVar("T")
 
 
 class StartupError(Exception):
@@ -104,7 +105,7 @@ class WorkerService:
         self.deadline: float | None = None
         self._in_prep = 0
         self._prep_lock = threading.Lock()
-        self._prep_failed: SimpleQueue[tuple[str, int, str, float]] = SimpleQueue()
+        self._prep_failed: SimpleQueue[tuple[str, int, str]] = SimpleQueue()
         self._prep_retry: SimpleQueue[tuple[str, int]] = SimpleQueue()
         self._prep_time: dict[tuple[str, int], float] = {}
         self._unwritten: list[tuple[str, ItemResult]] = []
@@ -276,7 +277,7 @@ class WorkerService:
 
     def _collect(self, engine: Engine, lifecycle: JobLifecycle, timeout: float) -> None:
         """Write what finished (engine results, prep failures) and finish complete jobs."""
-        self._record(engine.get_finished(timeout=timeout), self._drain_prep_failures())
+        self._record(engine.get_finished(timeout=timeout), _drain(self._prep_failed))
         self._flush()
         for state in [s for s in self.scheduler.jobs.values() if s.complete]:
             self._finish_job(lifecycle, state)
@@ -306,8 +307,10 @@ class WorkerService:
         return False
 
     def _start_job(self, lifecycle: JobLifecycle, preparer: Preparer, running: Running) -> None:
-        if running.job_id in self.scheduler.jobs:  # the same id twice: keep the first
-            self._fail_job(lifecycle, running, "a job with this id is already running here")
+        if running.job_id in self.scheduler.jobs:  # requeued by hand while running here
+            log.warning("job %s is already running here: the second copy is ignored",
+                        running.job_id)
+            lifecycle.drop(running)  # ends that copy's execution; the running one goes on
             return
         problem = preparer.check_job(running.payload)
         if problem:
@@ -333,7 +336,10 @@ class WorkerService:
         """Stop work on jobs canceled or deleted meanwhile, within a stats tick (seconds),
         rather than at the next heartbeat."""
         handles = [s.handle for s in self.scheduler.jobs.values()]
-        for running in lifecycle.taken_away(handles):
+        self._drop(lifecycle, lifecycle.taken_away(handles))
+
+    def _drop(self, lifecycle: JobLifecycle, runnings: Iterable[Running]) -> None:
+        for running in runnings:
             log.warning("job %s was canceled or deleted: dropping it", running.job_id)
             self.scheduler.remove(running.job_id)
             lifecycle.drop(running)
@@ -341,14 +347,10 @@ class WorkerService:
     def _heartbeat(self, lifecycle: JobLifecycle) -> None:
         """Keep every in-flight job alive in RQ; drop jobs deleted or past their timeout."""
         states = list(self.scheduler.jobs.values())
-        gone = {r.job_id for r in lifecycle.heartbeat(s.handle for s in states)}
+        gone = lifecycle.heartbeat(s.handle for s in states)
+        self._drop(lifecycle, gone)
         for state in states:
-            if state.job_id in gone:
-                log.warning("job %s is no longer ours (deleted or canceled): dropping it",
-                            state.job_id)
-                self.scheduler.remove(state.job_id)
-                lifecycle.drop(state.handle)
-            elif state.handle.timed_out():
+            if state.job_id in self.scheduler.jobs and state.handle.timed_out():
                 self.scheduler.remove(state.job_id)
                 self._fail_job(lifecycle, state.handle,
                                f"job timeout of {state.handle.job.timeout} s exceeded")
@@ -356,11 +358,7 @@ class WorkerService:
 
     def _schedule(self, engine: Engine, preparer: Preparer) -> None:
         """Prepare items while fewer than `window` are prepared-but-not-batched."""
-        while True:
-            try:
-                job_id, idx = self._prep_retry.get_nowait()
-            except Empty:
-                break
+        for job_id, idx in _drain(self._prep_retry):
             self.scheduler.retry_item(job_id, idx)
         window = self.cfg.prep_window
         while self._in_prep + engine.waiting < window:
@@ -385,31 +383,23 @@ class WorkerService:
                 req, prep_s = fut.result()
                 self._prep_time[(job_id, idx)] = prep_s
                 engine.submit(req)
-            elif isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+            elif isinstance(exc, RedisError) and transient(exc):
                 self._prep_retry.put((job_id, idx))  # not the item's fault: prepare it again
             elif isinstance(exc, PrepError):
-                self._prep_failed.put((job_id, idx, str(exc), 0.0))
+                self._prep_failed.put((job_id, idx, str(exc)))
             else:  # a bug, not bad input: keep the traceback, fail only this item
                 log.error("job %s item %d: preparation failed", job_id, idx, exc_info=exc)
-                self._prep_failed.put((job_id, idx, f"{type(exc).__name__}: {exc}", 0.0))
+                self._prep_failed.put((job_id, idx, f"{type(exc).__name__}: {exc}"))
         except EngineError:
             log.debug("engine closed before job %s item %d was submitted", job_id, idx)
         finally:
             with self._prep_lock:
                 self._in_prep -= 1
 
-    def _drain_prep_failures(self) -> list[tuple[str, int, str, float]]:
-        out = []
-        while True:
-            try:
-                out.append(self._prep_failed.get_nowait())
-            except Empty:
-                return out
-
     # --- results -------------------------------------------------------------------------
 
     def _record(self, finished: Iterable[Finished],
-                failures: Iterable[tuple[str, int, str, float]]) -> None:
+                failures: Iterable[tuple[str, int, str]]) -> None:
         """Turn engine output and prep failures into results waiting to be written."""
         results = self._unwritten
         for f in finished:
@@ -427,7 +417,7 @@ class WorkerService:
                 text=None if f.error else f.text, finish_reason=f.finish_reason,
                 prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
                 vision_cache_hit=f.vision_cache_hit, error=f.error, timings=timings)))
-        for job_id, idx, msg, _ in failures:
+        for job_id, idx, msg in failures:
             state = self.scheduler.jobs.get(job_id)
             if state is None:
                 continue
@@ -494,6 +484,16 @@ class WorkerService:
         log.info("job %s finished: %d ok, %d failed, %d tokens, %.1f s, %d cache hits",
                  state.job_id, summary.ok, summary.failed, summary.completion_tokens,
                  summary.wall_s, summary.cache_hits)
+
+
+def _drain(q: SimpleQueue[T]) -> list[T]:
+    """Everything a pool thread has put on `q` so far, without waiting."""
+    out: list[T] = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except Empty:
+            return out
 
 
 def _result_ttl(running: Running) -> int:

@@ -45,7 +45,6 @@ class WorkerStats:
         self.items_ok = 0
         self.items_failed = 0
         self.tokens = 0
-        self.cache_hits = 0
         self.peak_waiting = 0
         self._samples: deque[tuple[float, int, int]] = deque()
         # Preprocessing counters are process-wide; report this worker's share only.
@@ -58,7 +57,6 @@ class WorkerStats:
         else:
             self.items_failed += 1
         self.tokens += result.completion_tokens
-        self.cache_hits += int(result.vision_cache_hit)
 
     def observe_waiting(self, n: int) -> None:
         self.peak_waiting = max(self.peak_waiting, n)
