@@ -9,8 +9,10 @@ from importlib import resources
 from pathlib import Path
 
 from vlmq.producer.client import Client, Job, JobFailed, JobNotFound, WaitTimeout
+from vlmq.producer.options import JobOptions
 
-__all__ = ["Client", "Job", "JobFailed", "JobNotFound", "WaitTimeout", "sample_files"]
+__all__ = ["Client", "Job", "JobFailed", "JobNotFound", "JobOptions", "WaitTimeout",
+           "sample_files"]
 
 
 def sample_files() -> dict[str, Path]:

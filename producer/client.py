@@ -22,13 +22,16 @@ from rq.job import Job as RQJob
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
+from vlmq.producer import manage
+from vlmq.producer.errors import JobNotFound
 from vlmq.producer.inputs import PageSpec, Prepared, prepare
+from vlmq.producer.options import JobOptions
+from vlmq.shared import constants as C
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.constants import DEFAULT_REDIS_URL
 from vlmq.shared.errors import PayloadError, VlmqError
 from vlmq.shared.jobs import (
     check_job_id,
-    check_queue_name,
     enqueue,
     fetch_job,
     payload_of,
@@ -36,7 +39,7 @@ from vlmq.shared.jobs import (
 )
 from vlmq.shared.keys import Keys
 from vlmq.shared.results import count_done, read_items
-from vlmq.shared.schema import Generation, Item, ItemResult, JobPayload, parse_payload
+from vlmq.shared.schema import ItemResult, JobPayload
 from vlmq.shared.text import as_str
 
 __all__ = ["DEFAULT_REDIS_URL", "Client", "Job", "JobFailed", "JobNotFound", "WaitTimeout",
@@ -47,14 +50,7 @@ NO_MESSAGE = "failed (no exception recorded)"
 # RQ statuses after which nothing more will happen to a job without someone acting.
 TERMINAL = frozenset({"finished", "failed", "stopped", "canceled"})
 POLL_S = 0.5
-
-
-class JobNotFound(VlmqError):
-    """No RQ job with this id: never enqueued here, or expired (result/failure TTL)."""
-
-    def __init__(self, job_id: str) -> None:
-        self.job_id = job_id
-        super().__init__(f"job {job_id} not found (wrong id or Redis db, or it expired)")
+Inputs = Iterable[str | os.PathLike[str]] | str | os.PathLike[str]
 
 
 class JobFailed(VlmqError):
@@ -100,31 +96,6 @@ class WorkerInfo:
     stats: dict[str, str] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class _Settings:
-    """What ocr/caption/generate take besides their inputs: how each item is processed."""
-
-    prompt: str | None
-    model: str | None
-    max_side: int | None
-    max_tokens: int | None
-    temperature: float | None
-    stop: Sequence[str] | None
-    labels: Mapping[str, str] | None
-
-    def payload(self, task: str, items: Sequence[Item]) -> JobPayload:
-        return JobPayload(
-            task=task,
-            items=tuple(items),
-            prompt=self.prompt,
-            generation=Generation(max_tokens=self.max_tokens, temperature=self.temperature,
-                                  stop=tuple(self.stop or ())),
-            model=self.model,
-            max_side=self.max_side,
-            labels=dict(self.labels or {}),
-        )
-
-
 class Client:
     def __init__(self, redis_url: str | None = None, *, prefix: str | None = None) -> None:
         self.redis_url = check_redis_url(
@@ -144,67 +115,63 @@ class Client:
 
     # --- enqueue ----------------------------------------------------------------------
 
-    def ocr(self, paths: Iterable[str | os.PathLike[str]], pages: PageSpec = None, *,
-            max_side: int | None = None, prompt: str | None = None, queue: str = "ocr",
-            model: str | None = None, max_tokens: int | None = None,
-            temperature: float | None = None, stop: Sequence[str] | None = None,
-            labels: Mapping[str, str] | None = None, job_id: str | None = None) -> Job:
+    def ocr(self, paths: Inputs, pages: PageSpec = None, options: JobOptions | None = None,
+            **values: Any) -> Job:
         """OCR PDFs (each selected page one item) and images (one page each).
 
-        `pages` ("1-3,7" or a list of ints) applies to every PDF in `paths`.
+        `pages` ("1-3,7" or a list of ints) applies to every PDF in `paths`. Options come
+        as a JobOptions, or as its field names (queue=, max_tokens=, labels=, ...).
         """
-        settings = _Settings(prompt=prompt, model=model, max_side=max_side,
-                             max_tokens=max_tokens, temperature=temperature, stop=stop,
-                             labels=labels)
-        return self._submit("ocr", prepare(_as_list(paths), pages=pages), settings,
-                            queue=queue, job_id=job_id)
+        return self.submit("ocr", paths, _options(options, values), pages=pages)
 
-    def caption(self, paths: Iterable[str | os.PathLike[str]], *, recursive: bool = False,
-                skip_bad: bool = False, prompt: str | None = None, queue: str = "caption",
-                model: str | None = None, max_tokens: int | None = None,
-                max_side: int | None = None, temperature: float | None = None,
-                stop: Sequence[str] | None = None, labels: Mapping[str, str] | None = None,
-                job_id: str | None = None) -> Job:
-        """Caption a set of files, folders or globs; with skip_bad see `job.rejected`."""
-        settings = _Settings(prompt=prompt, model=model, max_side=max_side,
-                             max_tokens=max_tokens, temperature=temperature, stop=stop,
-                             labels=labels)
-        return self._submit("caption", prepare(_as_list(paths), recursive=recursive,
-                                               skip_bad=skip_bad),
-                            settings, queue=queue, job_id=job_id)
+    def caption(self, paths: Inputs, *, recursive: bool = False, skip_bad: bool = False,
+                options: JobOptions | None = None, **values: Any) -> Job:
+        """Caption a set of files, folders or globs (a PDF: every page); with skip_bad
+        see `job.rejected`."""
+        return self.submit("caption", paths, _options(options, values), recursive=recursive,
+                           skip_bad=skip_bad)
 
-    def generate(self, paths: Iterable[str | os.PathLike[str]], prompt: str, *,
-                 recursive: bool = False, skip_bad: bool = False, queue: str = "generate",
-                 model: str | None = None, max_tokens: int | None = None,
-                 max_side: int | None = None, temperature: float | None = None,
-                 stop: Sequence[str] | None = None, labels: Mapping[str, str] | None = None,
-                 job_id: str | None = None) -> Job:
+    def generate(self, paths: Inputs, prompt: str, *, recursive: bool = False,
+                 skip_bad: bool = False, options: JobOptions | None = None,
+                 **values: Any) -> Job:
         """Run one prompt over every image (and PDF page) in the set."""
-        settings = _Settings(prompt=prompt, model=model, max_side=max_side,
-                             max_tokens=max_tokens, temperature=temperature, stop=stop,
-                             labels=labels)
-        return self._submit("generate", prepare(_as_list(paths), recursive=recursive,
-                                                skip_bad=skip_bad),
-                            settings, queue=queue, job_id=job_id)
+        opts = _options(options, values).with_(prompt=prompt)
+        return self.submit("generate", paths, opts, recursive=recursive, skip_bad=skip_bad)
 
-    def _submit(self, task: str, prepared: Prepared, settings: _Settings, *, queue: str,
-                job_id: str | None) -> Job:
-        """Check the payload, upload what is missing, enqueue: the part all tasks share."""
+    def submit(self, task: str, inputs: Inputs | Prepared, options: JobOptions | None = None,
+               *, pages: PageSpec = None, recursive: bool = False,
+               skip_bad: bool = False) -> Job:
+        """Validate, upload what is missing, enqueue: the one path every job takes.
+
+        `inputs` are paths (files, folders, globs) checked here, or items already
+        prepared (a manifest, a retry).
+        """
+        if task not in C.TASKS:
+            raise PayloadError("task", f"must be one of {list(C.TASKS)}, got {task!r}")
+        opts = options if options is not None else JobOptions()
+        prepared = inputs if isinstance(inputs, Prepared) else prepare(
+            _as_list(inputs), pages=pages, recursive=recursive, skip_bad=skip_bad)
         # The worker will run exactly this check; failing here keeps Redis untouched.
-        payload = parse_payload(settings.payload(task, prepared.items).to_dict())
-        check_queue_name(queue)
-        if job_id is not None:
-            self._refuse_taken_id(job_id)
+        payload = opts.payload(task, prepared.items)
+        queue = opts.queue_for(task)
+        if opts.job_id is not None:
+            self._refuse_taken_id(opts.job_id)
+        blobs = BlobStore(self.redis, self.keys, ttl_s=opts.blob_ttl)
         uploaded = 0
         for source in prepared.blobs.values():
-            if self.blobs.touch(source.sha256):
+            if blobs.touch(source.sha256):
                 continue  # already stored (TTL now refreshed): nothing to read or send
-            _, fresh = self.blobs.put(source.read_verified())
+            _, fresh = blobs.put(source.read_verified())
             uploaded += fresh
-        jid = enqueue(self.redis, payload, queue=queue, job_id=job_id)
+        jid = enqueue(self.redis, payload, queue=queue, job_id=opts.job_id,
+                      result_ttl=opts.result_ttl)
         return Job(self, jid, queue=queue, items=len(payload.items),
                    rejected=list(prepared.rejected), uploaded=uploaded,
-                   blobs=len(prepared.blobs), labels=payload.labels)
+                   blobs=len(prepared.blobs), labels=payload.labels, task=task)
+
+    def serving(self, queue: str) -> int:
+        """How many live RQ workers listen on `queue` (0: a job there waits for one)."""
+        return int(self.redis.scard(f"rq:workers:{queue}"))
 
     def _refuse_taken_id(self, job_id: str) -> None:
         """Refuse a taken id before uploading anything for a job that cannot be enqueued.
@@ -238,7 +205,37 @@ class Client:
         except PayloadError as exc:
             return Job(self, job_id, queue=rq_job.origin, items=0, problem=str(exc))
         return Job(self, job_id, queue=rq_job.origin, items=len(payload.items),
-                   labels=payload.labels)
+                   labels=payload.labels, task=payload.task)
+
+    def jobs(self, *, queue: str | None = None, status: str | None = None,
+             labels: Mapping[str, str] | None = None,
+             limit: int | None = None) -> list[manage.JobRow]:
+        """Jobs newest first, with items done/failed/total; filters combine (AND)."""
+        return manage.list_jobs(self.redis, self.keys, queue=queue, status=status,
+                                labels=labels, limit=limit)
+
+    def group_status(self, labels: Mapping[str, str]) -> dict[str, Any]:
+        """Every job carrying all of `labels`, summed: jobs by state, items done/failed."""
+        return manage.group_status(self.redis, self.keys, labels)
+
+    def cancel(self, job_id: str) -> None:
+        """Cancel a queued or running job (terminal `canceled` event included)."""
+        manage.cancel(self.redis, self.keys, job_id)
+
+    def delete(self, job_ids: Iterable[str], *, purge_blobs: bool = False) -> int:
+        """Remove jobs with their results and events; returns blobs purged.
+
+        With purge_blobs, blobs these jobs used go too unless a remaining job names them.
+        All ids are checked first, so a typo deletes nothing.
+        """
+        ids = list(job_ids)
+        for job_id in ids:
+            if not self.redis.exists(Keys.rq_job(job_id)):
+                raise JobNotFound(job_id)
+        used: set[str] = set()
+        for job_id in ids:
+            used |= manage.delete(self.redis, self.keys, job_id)
+        return manage.purge_blobs(self.redis, self.keys, used) if purge_blobs else 0
 
     def queues(self) -> dict[str, QueueInfo]:
         """Every queue RQ knows of, with its depth and registry counts."""
@@ -279,8 +276,9 @@ class Job:
     def __init__(self, client: Client, job_id: str, *, queue: str, items: int,
                  rejected: Sequence[tuple[str, str]] = (), uploaded: int = 0,
                  blobs: int = 0, problem: str | None = None,
-                 labels: Mapping[str, str] | None = None) -> None:
+                 labels: Mapping[str, str] | None = None, task: str = "?") -> None:
         self.client = client
+        self.task = task
         self.id = job_id
         self.queue = queue
         self.items = items
@@ -316,6 +314,40 @@ class Job:
 
     def payload(self) -> JobPayload:
         return payload_of(fetch_job(self.client.redis, self.id))
+
+    def cancel(self) -> None:
+        self.client.cancel(self.id)
+
+    def delete(self, *, purge_blobs: bool = False) -> int:
+        return self.client.delete([self.id], purge_blobs=purge_blobs)
+
+    def retry(self, *, failed_only: bool = False) -> Job:
+        """A new job with this one's settings over its items (failed_only: only the failed
+        ones and those with no result); its labels carry `retry_of`.
+
+        The inputs are this job's blobs, so nothing is read from disk; a blob that has
+        expired is refused naming its source.
+        """
+        payload = self.payload()
+        results = {r.index: r for r in self.results()}
+        items = [item for i, item in enumerate(payload.items)
+                 if not failed_only or i not in results or not results[i].ok]
+        if not items:
+            raise PayloadError("items", f"job {self.id} has no failed or missing items "
+                                        "to retry")
+        ttl = self.client.redis.hget(Keys.rq_job(self.id), "result_ttl")
+        opts = JobOptions.build(
+            prompt=payload.prompt, model=payload.model, max_side=payload.max_side,
+            max_tokens=payload.generation.max_tokens,
+            temperature=payload.generation.temperature, stop=payload.generation.stop,
+            labels={**payload.labels, "retry_of": self.id}, queue=self.queue,
+            result_ttl=_positive_int(ttl))
+        blobs = BlobStore(self.client.redis, self.client.keys, ttl_s=opts.blob_ttl)
+        for item in items:
+            if not blobs.touch(item.blob):
+                raise PayloadError("items", f"the input {item.source} has expired from "
+                                            "Redis; enqueue it again from its file")
+        return self.client.submit(payload.task, Prepared(items=items), opts)
 
     def _latest(self) -> Result | None:
         """RQ's latest Result, read from its results stream alone.
@@ -380,16 +412,19 @@ def wait_all(jobs: Sequence[Job], *, timeout: float | None = None,
     cursors: dict[Any, Any] = {client.keys.job_events(j.id): "0-0" for j in jobs}
     statuses: dict[str, str] = {}
     shown = 0
+    lines = _ProgressLines(total) if progress and not sys.stderr.isatty() else None
     with ExitStack() as stack:
         bar: Any = (stack.enter_context(click.progressbar(
             length=total, label="items", file=sys.stderr, show_pos=True, show_eta=True))
-            if progress else None)
+            if progress and lines is None else None)
         while True:
             statuses = {j.id: j.status() for j in jobs}
             done = sum(j.progress()[0] for j in jobs)
             if bar is not None and done > shown:
                 bar.update(done - shown)
                 shown = done
+            if lines is not None:
+                lines.update(done, final=all(s in TERMINAL for s in statuses.values()))
             if all(s in TERMINAL for s in statuses.values()):
                 return statuses
             wait_s = poll_s
@@ -404,7 +439,46 @@ def wait_all(jobs: Sequence[Job], *, timeout: float | None = None,
                     cursors[as_str(stream)] = as_str(entries[-1][0])
 
 
-def _as_list(paths: Iterable[str | os.PathLike[str]]) -> list[str | os.PathLike[str]]:
+class _ProgressLines:
+    """Progress without a terminal (CI logs, pipes): a line every 10 % or every 10 s."""
+
+    EVERY_S = 10.0
+    STEP = 0.1
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.started = time.monotonic()
+        self.last_t = self.started
+        self.last_step = -1
+
+    def update(self, done: int, *, final: bool = False) -> None:
+        now = time.monotonic()
+        step = int(done / self.total / self.STEP) if self.total else 10
+        if step > self.last_step or now - self.last_t >= self.EVERY_S or final:
+            if final and step == self.last_step and now - self.last_t < self.EVERY_S:
+                return
+            pct = 100 * done / self.total if self.total else 100.0
+            click.echo(f"items {done}/{self.total} ({pct:.0f}%) after "
+                       f"{now - self.started:.0f}s", err=True)
+            self.last_step, self.last_t = step, now
+
+
+def _positive_int(raw: bytes | str | None) -> int | None:
+    try:
+        value = int(as_str(raw or b""))
+    except ValueError:
+        return None
+    return value if value > 0 else None
+
+
+def _options(options: JobOptions | None, values: Mapping[str, Any]) -> JobOptions:
+    """A JobOptions from the wrappers' two forms; keywords override fields of `options`."""
+    if options is None:
+        return JobOptions.build(**values)
+    return options.with_(**values) if values else options
+
+
+def _as_list(paths: Inputs) -> list[str | os.PathLike[str]]:
     # A bare string is one path, not an iterable of one-character paths.
     if isinstance(paths, (str, os.PathLike)):
         return [paths]

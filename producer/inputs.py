@@ -111,11 +111,12 @@ class Prepared:
     blobs: dict[str, BlobSource] = field(default_factory=dict)
     rejected: list[tuple[str, str]] = field(default_factory=list)
 
-    def add(self, checked: CheckedFile, pages: Iterable[int | None]) -> None:
+    def add(self, checked: CheckedFile, pages: Iterable[int | None], *,
+            custom_id: str | None = None) -> None:
         self.blobs.setdefault(checked.sha256, checked.blob())
         for page in pages:
             self.items.append(Item(kind=checked.kind, blob=checked.sha256,
-                                   source=checked.source, page=page))
+                                   source=checked.source, page=page, custom_id=custom_id))
 
 
 def _read(path: Path, source: str) -> bytes:

@@ -34,3 +34,5 @@ MAX_SIDE_RANGE = (28, 8192)
 # that a typo (50 for 0.5) is refused rather than run as noise.
 MAX_TEMPERATURE = 5.0
 MAX_LABELS = 64
+# An item's custom_id (OpenAI Batch style), echoed in its result.
+MAX_CUSTOM_ID_CHARS = 256

@@ -4,33 +4,148 @@
 -- ARGV[1] = job_id   ARGV[2] = queue name   ARGV[3] = data: JSON ["vlmq.worker.task.run", null, [payload], {}]
 -- ARGV[4] = description   ARGV[5] = timeout (s)   ARGV[6] = result_ttl (s)   ARGV[7] = failure_ttl (s)
 -- ARGV[8] = now, RQ's format %Y-%m-%dT%H:%M:%S.%fZ (UTC)
--- ARGV[9] = retries_left: how often RQ requeues the job if its worker dies (vlmq uses 3)
+-- ARGV[9] = retries_left: how often RQ requeues the job if its worker dies (0..10; vlmq uses 3)
 -- Returns 1 when enqueued, 0 when the id is taken: a job with that id exists, or results
--- of an earlier job with that id remain (nothing written either way). A malformed argument
--- is an error reply naming it; the payload itself is validated by the worker.
+-- of an earlier job with that id remain. Anything malformed is an error reply that names
+-- the argument, key or payload field. Every check runs before the first write, so an
+-- error or a 0 leaves Redis exactly as it was. The worker validates the payload fully
+-- (generation settings, label types...); the checks here are those that need no model.
+if #KEYS ~= 5 then
+  return redis.error_reply('KEYS: expected 5 keys, got ' .. #KEYS)
+end
 if not string.match(ARGV[1], '^[%w_-]+$') or #ARGV[1] > 128 then
   return redis.error_reply('job_id: must match [A-Za-z0-9_-]{1,128}')
 end
 if not string.match(ARGV[2], '^[%w_.-]+$') or #ARGV[2] > 64 then
   return redis.error_reply('queue: must match [A-Za-z0-9_.-]{1,64}')
 end
-if KEYS[1] ~= 'rq:job:' .. ARGV[1] or KEYS[2] ~= 'rq:queue:' .. ARGV[2] then
-  return redis.error_reply('KEYS[1] and KEYS[2] must be rq:job:<job_id> and rq:queue:<queue>')
+if KEYS[1] ~= 'rq:job:' .. ARGV[1] then
+  return redis.error_reply('KEYS[1]: must be rq:job:<job_id>')
 end
-if not string.match(ARGV[5], '^%d+$') then
-  return redis.error_reply('timeout: must be a whole number of seconds')
+if KEYS[2] ~= 'rq:queue:' .. ARGV[2] then
+  return redis.error_reply('KEYS[2]: must be rq:queue:<queue>')
 end
-for i, name in pairs({[6] = 'result_ttl', [7] = 'failure_ttl'}) do
-  if not string.match(ARGV[i], '^%-?%d+$') then
-    return redis.error_reply(name .. ': must be a whole number of seconds (-1: keep forever)')
+if KEYS[3] ~= 'rq:queues' then
+  return redis.error_reply('KEYS[3]: must be rq:queues')
+end
+local items_tail = ':job:' .. ARGV[1] .. ':items'
+local prefix = string.sub(KEYS[4], 1, #KEYS[4] - #items_tail)
+if #KEYS[4] <= #items_tail or string.sub(KEYS[4], -#items_tail) ~= items_tail then
+  return redis.error_reply('KEYS[4]: must be <prefix>:job:<job_id>:items')
+end
+if KEYS[5] ~= prefix .. ':job:' .. ARGV[1] .. ':events' then
+  return redis.error_reply('KEYS[5]: must be <prefix>:job:<job_id>:events, with the prefix of KEYS[4]')
+end
+for i, name in pairs({[5] = 'timeout', [6] = 'result_ttl', [7] = 'failure_ttl'}) do
+  if not string.match(ARGV[i], '^%d+$') or tonumber(ARGV[i]) < 1 then
+    return redis.error_reply(name .. ': must be a positive whole number of seconds')
   end
 end
 if not string.match(ARGV[8], '^%d%d%d%d%-%d%d%-%d%dT%d%d:%d%d:%d%d%.%d+Z$') then
   return redis.error_reply('now: must be UTC as %Y-%m-%dT%H:%M:%S.%fZ')
 end
-if not string.match(ARGV[9], '^%d+$') then
-  return redis.error_reply('retries_left: must be a whole number')
+if not string.match(ARGV[9], '^%d+$') or tonumber(ARGV[9]) > 10 then
+  return redis.error_reply('retries_left: must be a whole number from 0 to 10')
 end
+local expected_types = {[1] = 'hash', [2] = 'list', [3] = 'set', [4] = 'hash', [5] = 'stream'}
+for i, want in pairs(expected_types) do
+  local got = redis.call('TYPE', KEYS[i])['ok']
+  if got ~= 'none' and got ~= want then
+    return redis.error_reply('KEYS[' .. i .. ']: ' .. KEYS[i] .. ' holds a ' .. got ..
+      ', not a ' .. want)
+  end
+end
+
+-- The payload: decoded with Redis's own cjson.
+local ok, data = pcall(cjson.decode, ARGV[3])
+if not ok or type(data) ~= 'table' then
+  return redis.error_reply('data: must be the JSON array [func, null, [payload], {}]')
+end
+if data[1] ~= 'vlmq.worker.task.run' then
+  return redis.error_reply('data: function must be vlmq.worker.task.run')
+end
+if type(data[3]) ~= 'table' or #data[3] ~= 1 or type(data[3][1]) ~= 'table' then
+  return redis.error_reply('data: args must be a list holding exactly one payload object')
+end
+local payload = data[3][1]
+local function is_array(t)
+  if type(t) ~= 'table' then return false end
+  local n = 0
+  for _ in pairs(t) do n = n + 1 end
+  return n == #t
+end
+local function utf8_len(s)
+  local _, n = string.gsub(s, '[^\128-\191]', '')
+  return n
+end
+local function is_int(x, lo, hi)
+  return type(x) == 'number' and x == math.floor(x) and x >= lo and x <= hi
+end
+local top = {v = 1, task = 1, items = 1, prompt = 1, generation = 1, model = 1,
+             max_side = 1, labels = 1, created_at = 1}
+for k in pairs(payload) do
+  if type(k) ~= 'string' or not top[k] then
+    return redis.error_reply('payload: unknown field ' .. tostring(k))
+  end
+end
+if payload.v ~= 1 then
+  return redis.error_reply('v: must be 1 (protocol version)')
+end
+local tasks = {ocr = 1, caption = 1, generate = 1}
+if type(payload.task) ~= 'string' or not tasks[payload.task] then
+  return redis.error_reply('task: must be one of ocr, caption, generate')
+end
+if payload.prompt ~= nil and payload.prompt ~= cjson.null and type(payload.prompt) ~= 'string' then
+  return redis.error_reply('prompt: must be a string')
+end
+if payload.task == 'generate' and (type(payload.prompt) ~= 'string' or payload.prompt == '') then
+  return redis.error_reply('prompt: is required for task generate')
+end
+local items = payload.items
+if not is_array(items) or #items == 0 then
+  return redis.error_reply('items: must be a non-empty list')
+end
+if #items > 10000 then
+  return redis.error_reply('items: has more than 10000 entries')
+end
+local item_fields = {kind = 1, blob = 1, source = 1, page = 1, custom_id = 1}
+local blobs = {}
+for i, item in ipairs(items) do
+  local at = 'items[' .. (i - 1) .. ']'
+  if type(item) ~= 'table' or is_array(item) and #item > 0 then
+    return redis.error_reply(at .. ': must be an object')
+  end
+  for k in pairs(item) do
+    if type(k) ~= 'string' or not item_fields[k] then
+      return redis.error_reply(at .. ': unknown field ' .. tostring(k))
+    end
+  end
+  if item.kind ~= 'image' and item.kind ~= 'pdf' then
+    return redis.error_reply(at .. '.kind: must be one of image, pdf')
+  end
+  if type(item.blob) ~= 'string' or #item.blob ~= 64 or string.match(item.blob, '[^0-9a-f]') then
+    return redis.error_reply(at .. '.blob: must be a lowercase hex sha256 (64 characters)')
+  end
+  if item.kind == 'pdf' then
+    if not is_int(item.page, 1, 1000000) then
+      return redis.error_reply(at .. '.page: must be an integer from 1 to 1000000 (1-based)')
+    end
+  elseif item.page ~= nil and item.page ~= cjson.null then
+    return redis.error_reply(at .. '.page: is only allowed on pdf items')
+  end
+  if item.custom_id ~= nil and item.custom_id ~= cjson.null and
+      (type(item.custom_id) ~= 'string' or utf8_len(item.custom_id) > 256) then
+    return redis.error_reply(at .. '.custom_id: must be a string of at most 256 characters')
+  end
+  blobs[item.blob] = at
+end
+for sha, at in pairs(blobs) do
+  if redis.call('EXISTS', prefix .. ':blob:' .. sha) == 0 then
+    return redis.error_reply(at .. '.blob: no blob ' .. prefix .. ':blob:' .. sha ..
+      ' (upload it first, SET NX with a TTL)')
+  end
+end
+
 if redis.call('EXISTS', KEYS[1], KEYS[4], KEYS[5]) > 0 then
   return 0
 end

@@ -29,11 +29,15 @@ class Item:
     blob: str
     source: str
     page: int | None = None
+    # The caller's own name for this item (batch-API style), echoed in its result.
+    custom_id: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "blob": self.blob, "source": self.source}
         if self.page is not None:
             out["page"] = self.page
+        if self.custom_id is not None:
+            out["custom_id"] = self.custom_id
         return out
 
 
@@ -94,6 +98,7 @@ class ItemResult:
     vision_cache_hit: bool
     error: str | None
     timings: dict[str, float] = field(default_factory=dict)
+    custom_id: str | None = None  # the item's custom_id, echoed back
 
     @property
     def ok(self) -> bool:
@@ -115,6 +120,7 @@ class ItemResult:
             vision_cache_hit=bool(raw.get("vision_cache_hit")),
             error=raw.get("error"),
             timings={str(k): float(v) for k, v in (raw.get("timings") or {}).items()},
+            custom_id=None if raw.get("custom_id") is None else str(raw["custom_id"]),
         )
 
 
@@ -166,7 +172,7 @@ def _str(value: Any, path: str, max_len: int, *, optional: bool = False) -> str 
 def _parse_item(raw: Any, path: str) -> Item:
     if not isinstance(raw, Mapping):
         raise PayloadError(path, f"must be an object, got {type(raw).__name__}")
-    unknown = set(raw) - {"kind", "blob", "source", "page"}
+    unknown = set(raw) - {"kind", "blob", "source", "page", "custom_id"}
     if unknown:
         raise PayloadError(path, f"unknown field(s) {sorted(unknown)}")
     kind = raw.get("kind")
@@ -184,7 +190,9 @@ def _parse_item(raw: Any, path: str) -> Item:
         page = _int(raw["page"], f"{path}.page", 1, 1_000_000)
     elif raw.get("page") is not None:
         raise PayloadError(f"{path}.page", "is only allowed on pdf items")
-    return Item(kind=kind, blob=blob, source=source, page=page)
+    custom_id = _str(raw.get("custom_id"), f"{path}.custom_id", C.MAX_CUSTOM_ID_CHARS,
+                     optional=True)
+    return Item(kind=kind, blob=blob, source=source, page=page, custom_id=custom_id)
 
 
 def _parse_generation(raw: Any) -> Generation:

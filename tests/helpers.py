@@ -134,3 +134,26 @@ class Tripwire:
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
         return _touch, (self.path,)
+
+
+def raw_enqueue(redis: Redis, payload: Any, *, queue: str) -> str:
+    """What a producer that skips enqueue.lua writes: the job hash, pushed, no checks.
+
+    Lets worker tests hand it payloads the script would refuse, as a careless client in
+    another language could.
+    """
+    import json
+
+    from vlmq.shared import constants as C
+    from vlmq.shared.schema import utc_now_iso
+
+    job_id = uuid.uuid4().hex
+    now = utc_now_iso()
+    redis.hset(f"rq:job:{job_id}", mapping={
+        "data": json.dumps([C.TASK_FUNC, None, [payload], {}]), "origin": queue,
+        "description": "raw", "timeout": C.JOB_TIMEOUT_S, "result_ttl": C.RESULT_TTL_S,
+        "failure_ttl": C.FAILURE_TTL_S, "created_at": now, "enqueued_at": now,
+        "status": "queued", "meta": "{}", "retries_left": C.CRASH_RETRIES})
+    redis.sadd("rq:queues", f"rq:queue:{queue}")
+    redis.rpush(f"rq:queue:{queue}", job_id)
+    return job_id

@@ -33,8 +33,15 @@ def test_wheel_installs_the_vlmq_packages_only_and_runs_without_mlx(tmp_path: Pa
                    capture_output=True)
     helptext = subprocess.run([str(env_dir / "bin" / "vlmq"), "--help"], check=True,
                               capture_output=True, text=True).stdout
-    for command in ("enqueue", "status", "wait", "result", "worker", "model", "demo"):
+    for command in ("enqueue", "jobs", "status", "wait", "result", "cancel", "retry", "delete",
+                    "worker", "model", "demo"):
         assert command in helptext
+    # The worker's commands are listed on a producer-only install, and say what is missing.
+    worker = subprocess.run([str(env_dir / "bin" / "vlmq"), "worker", "--model", "m"],
+                            capture_output=True, text=True, check=False)
+    assert worker.returncode == 1
+    assert "needs the worker extra" in worker.stderr and "vlmq[worker]" in worker.stderr
+    assert "Traceback" not in worker.stderr
     probe = ("import importlib.util, sys; import vlmq.producer, vlmq.producer.cli, "
              "vlmq.producer.client, vlmq.shared.jobs; "
              "assert importlib.util.find_spec('mlx') is None, 'mlx is installed'; "

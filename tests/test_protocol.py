@@ -30,7 +30,7 @@ from vlmq.shared.keys import RQ_QUEUES, Keys
 from vlmq.shared.schema import Item, JobPayload, parse_payload
 from vlmq.worker.rq_jobs import Refused, Running
 
-from .helpers import worker_lifecycle
+from .helpers import raw_enqueue, worker_lifecycle
 
 SHA = "ab" * 32
 
@@ -110,13 +110,14 @@ def test_good_payload_round_trips() -> None:
     assert parse_payload(json.loads(json.dumps(parsed.to_dict()))) == parsed
 
 
-def test_malformed_payload_sent_through_lua_fails_reading_with_the_field(redis: Redis) -> None:
-    job_id = enqueue_lua(redis, mutate("items.0.page", 0), queue="ocr")
+def test_malformed_payload_written_raw_fails_reading_with_the_field(redis: Redis) -> None:
+    job_id = raw_enqueue(redis, mutate("items.0.page", 0), queue="ocr")
     with pytest.raises(PayloadError, match=r"^items\[0\]\.page: must be between 1 and"):
         payload_of(fetch_job(redis, job_id))
 
 
 def test_lua_and_rq_paths_read_back_identically(redis: Redis) -> None:
+    redis.set(Keys().blob(SHA), b"x")
     payload = parse_payload(good_payload())
     rq_id = enqueue(redis, payload, queue="ocr")
     lua_id = enqueue_lua(redis, payload.to_dict(), queue="ocr", job_id="from-lua-1")
@@ -279,6 +280,7 @@ def test_failed_and_finished_jobs_decode_without_rq(redis: Redis) -> None:
 
 
 def test_unloadable_job_failure_is_plain_text_in_exc_info(redis: Redis) -> None:
+    redis.set(Keys().blob(SHA), b"x")
     job_id = enqueue_lua(redis, good_payload(), queue="ocr")
     redis.hset(Keys.rq_job(job_id), "created_at", "yesterday")
     with worker_lifecycle(redis, ["ocr"]) as life:
@@ -293,10 +295,15 @@ def test_unloadable_job_failure_is_plain_text_in_exc_info(redis: Redis) -> None:
 @pytest.mark.parametrize(("arg", "value", "needle"), [
     (0, "bad id!", "job_id: must match"),
     (1, "bad queue!", "queue: must match"),
-    (4, "86400.0", "timeout: must be a whole number"),
-    (5, "1h", "result_ttl: must be a whole number"),
+    (4, "86400.0", "timeout: must be a positive whole number"),
+    (4, "0", "timeout: must be a positive whole number"),
+    (5, "1h", "result_ttl: must be a positive whole number"),
+    (5, "-5", "result_ttl: must be a positive whole number"),
+    (6, "-1", "failure_ttl: must be a positive whole number"),
     (7, "yesterday", "now: must be UTC"),
-    (8, "three", "retries_left: must be a whole number"),
+    (8, "three", "retries_left: must be a whole number from 0 to 10"),
+    (8, "11", "retries_left: must be a whole number from 0 to 10"),
+    (8, "1e20", "retries_left: must be a whole number from 0 to 10"),
 ])
 def test_lua_refuses_malformed_arguments_by_name(redis: Redis, arg: int, value: str,
                                                  needle: str) -> None:
@@ -319,6 +326,7 @@ def test_lua_refuses_malformed_arguments_by_name(redis: Redis, arg: int, value: 
 def test_lua_refuses_an_id_whose_old_results_remain(redis: Redis) -> None:
     keys = Keys()
     redis.hset(keys.job_items("reused"), "0", "{}")  # left by an earlier, deleted job
+    redis.set(keys.blob(SHA), b"x")
     with pytest.raises(PayloadError, match="already exists"):
-        enqueue_lua(redis, {"v": 1}, queue="ocr", job_id="reused")
+        enqueue_lua(redis, good_payload(), queue="ocr", job_id="reused")
     assert not redis.exists("rq:job:reused")

@@ -19,9 +19,11 @@ from rq.serializers import JSONSerializer
 from rq.worker import Worker, WorkerStatus
 
 from vlmq.shared import constants as C
-from vlmq.shared.jobs import enqueue, enqueue_lua, fetch_job
+from vlmq.shared.jobs import enqueue, fetch_job
 from vlmq.shared.schema import Item, JobPayload
 from vlmq.worker.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
+
+from .helpers import raw_enqueue
 
 FAKE_SHA = "ab" * 32  # a valid sha256 hex string; lifecycle tests never read blobs
 QUEUES = ("high", "low")
@@ -285,7 +287,7 @@ def test_pickled_job_is_refused_without_unpickling(redis, life, tmp_path):
     ({"v": 1, "task": "ocr", "items": [{"kind": "image", "blob": "not-a-sha"}]}, "items[0].blob"),
 ])
 def test_malformed_payload_is_failed_naming_the_field(redis, life, bad, field):
-    job_id = enqueue_lua(redis, bad, queue="low")
+    job_id = raw_enqueue(redis, bad, queue="low")
     refused = take_refused(life)
     assert refused.job_id == job_id
     assert fetch_job(redis, job_id).get_status() == JobStatus.FAILED
@@ -294,7 +296,7 @@ def test_malformed_payload_is_failed_naming_the_field(redis, life, bad, field):
 
 
 def test_malformed_job_tuple_is_refused(redis, life):
-    job_id = enqueue_lua(redis, payload().to_dict(), queue="low")
+    job_id = raw_enqueue(redis, payload().to_dict(), queue="low")
     redis.hset(f"rq:job:{job_id}", "data", '{"not": "a tuple"}')
     refused = take_refused(life)
     assert "[func, instance, args, kwargs]" in refused.reason
@@ -302,8 +304,8 @@ def test_malformed_job_tuple_is_refused(redis, life):
 
 
 def test_unreadable_job_hash_is_failed_without_crashing(redis, life):
-    bad_id = enqueue_lua(redis, payload().to_dict(), queue="low")
-    good_id = enqueue_lua(redis, payload().to_dict(), queue="low")
+    bad_id = raw_enqueue(redis, payload().to_dict(), queue="low")
+    good_id = raw_enqueue(redis, payload().to_dict(), queue="low")
     redis.hset(f"rq:job:{bad_id}", "created_at", "yesterday")  # Job.restore raises on it
 
     refused = take_refused(life)
@@ -315,7 +317,7 @@ def test_unreadable_job_hash_is_failed_without_crashing(redis, life):
 
 
 def test_lua_job_without_origin_is_repaired_into_its_queue(redis, life):
-    job_id = enqueue_lua(redis, payload().to_dict(), queue="low")
+    job_id = raw_enqueue(redis, payload().to_dict(), queue="low")
     redis.hdel(f"rq:job:{job_id}", "origin")
     r = take_running(life)
     assert r.job.origin == "low"

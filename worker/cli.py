@@ -1,11 +1,13 @@
 """Worker-side commands (`vlmq worker`, `vlmq model make-tiny`, `vlmq demo`).
 
-They join the producer's click group, so this module imports only click and the
-standard library; MLX loads inside the command bodies, where it is needed.
+They join the root group (vlmq.shared.cli), so this module imports only click and the
+standard library; MLX loads inside the command bodies, where it is needed, after a
+check that says which install extra is missing.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 from pathlib import Path
@@ -14,8 +16,23 @@ import click
 
 from vlmq.shared import constants as C
 from vlmq.shared.keys import QUEUE_NAME_RE
+from vlmq.worker.paths import default_cache_dir
+
+__all__ = ["default_cache_dir", "register"]
+
+# What the worker extra installs and the worker commands import.
+WORKER_MODULES = ("mlx", "mlx_vlm")
 
 DEFAULT_QUEUES = tuple(C.DEFAULT_QUEUE[task] for task in C.TASKS)
+
+
+def require_worker_extra() -> None:
+    """One clear line on a producer-only install instead of an ImportError traceback."""
+    missing = [m for m in WORKER_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise click.ClickException(
+            f"this command needs the worker extra ({', '.join(missing)} not installed): "
+            "pip install 'vlmq[worker]'")
 
 
 def _split_queues(values: tuple[str, ...]) -> list[str]:
@@ -30,10 +47,9 @@ def _split_queues(values: tuple[str, ...]) -> list[str]:
 @click.command("worker")
 @click.option("--model", "model", required=True,
               help="Local model folder, or a hub id (mlx-community/...).")
-@click.option("--queues", "queues_opt", multiple=True,
-              help="Queues to serve, in priority order: --queues ocr caption "
-                   "(default: ocr caption generate).")
-@click.argument("extra_queues", nargs=-1)
+@click.option("--queues", "queues_opt", multiple=True, metavar="Q1,Q2,...",
+              help="Queues to serve, in priority order, comma-separated: --queues ocr,caption "
+                   "(repeatable; default: ocr,caption,generate).")
 @click.option("--burst", is_flag=True, help="Exit once the queues are empty and all work is done.")
 @click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True,
               help="Sequences decoded together.")
@@ -52,8 +68,8 @@ def _split_queues(values: tuple[str, ...]) -> list[str]:
               help="Seconds without a heartbeat after which this worker's jobs count as "
                    "abandoned and are requeued (default 90).")
 @click.pass_context
-def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...],
-               extra_queues: tuple[str, ...], burst: bool, max_batch: int,
+def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burst: bool,
+               max_batch: int,
                cache_dir: Path | None, cache_mem_mb: int, cache_disk_gb: float,
                name: str | None, grace: float, prep_threads: int | None,
                heartbeat_ttl: int | None) -> None:
@@ -63,9 +79,10 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...],
     is done. SIGTERM/SIGINT: stop taking jobs, finish in-flight items within --grace,
     requeue the rest (their finished items are kept), exit 0.
     """
+    require_worker_extra()
     from vlmq.worker.service import WorkerConfig, run_worker
 
-    queues = _split_queues(queues_opt + extra_queues) or list(DEFAULT_QUEUES)
+    queues = _split_queues(queues_opt) or list(DEFAULT_QUEUES)
     bad = [q for q in queues if not QUEUE_NAME_RE.match(q)]
     if bad:
         raise click.BadParameter(f"{bad[0]!r} is not a queue name (letters, digits, _ . -)",
@@ -88,14 +105,6 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...],
     ctx.exit(run_worker(cfg))
 
 
-def default_cache_dir() -> Path:
-    """VLMQ_CACHE, else $XDG_CACHE_HOME/vlmq, else ~/.cache/vlmq."""
-    if os.environ.get("VLMQ_CACHE"):
-        return Path(os.environ["VLMQ_CACHE"])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "vlmq"
-
-
 @click.group("model")
 def model_group() -> None:
     """Model utilities."""
@@ -108,6 +117,7 @@ def model_group() -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 def make_tiny_cmd(out_dir: Path, arch: str, seed: int) -> None:
     """Build a tiny random-weight model (real mlx-vlm format) for tests and offline demos."""
+    require_worker_extra()
     from vlmq.worker.tiny_model import build_tiny_model
 
     path = build_tiny_model(out_dir, arch=arch, seed=seed)
@@ -121,6 +131,7 @@ def make_tiny_cmd(out_dir: Path, arch: str, seed: int) -> None:
 @click.pass_context
 def demo_cmd(ctx: click.Context, model: str | None, max_batch: int) -> None:
     """Enqueue the bundled sample, run a burst worker on it, and show results and stats."""
+    require_worker_extra()
     from vlmq.worker.demo import run_demo
 
     redis_url = ctx.obj.get("redis_url") if ctx.obj else None

@@ -21,7 +21,7 @@ from vlmq.producer.client import Client, Job
 from vlmq.shared import constants as C
 from vlmq.shared.jobs import fetch_job
 from vlmq.shared.text import as_str
-from vlmq.worker.cli import default_cache_dir
+from vlmq.worker.paths import default_cache_dir
 from vlmq.worker.redis_server import PrivateRedis, answers, start_private
 from vlmq.worker.service import WorkerConfig, run_worker
 

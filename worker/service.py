@@ -416,7 +416,8 @@ class WorkerService:
                 index=idx, source=item.source, page=item.page,
                 text=None if f.error else f.text, finish_reason=f.finish_reason,
                 prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
-                vision_cache_hit=f.vision_cache_hit, error=f.error, timings=timings)))
+                vision_cache_hit=f.vision_cache_hit, error=f.error, timings=timings,
+                custom_id=item.custom_id)))
         for job_id, idx, msg in failures:
             state = self.scheduler.jobs.get(job_id)
             if state is None:
@@ -425,7 +426,7 @@ class WorkerService:
             results.append((job_id, ItemResult(
                 index=idx, source=item.source, page=item.page, text=None,
                 finish_reason="error", prompt_tokens=0, completion_tokens=0,
-                vision_cache_hit=False, error=msg, timings={})))
+                vision_cache_hit=False, error=msg, timings={}, custom_id=item.custom_id)))
 
     def _flush(self) -> None:
         """Write waiting results, one transaction per job: all of a job's new results and

@@ -1,0 +1,167 @@
+"""Batch manifests: a JSONL file of requests, the way batch APIs take them.
+
+Each line is one request: {"custom_id", "task", "file", "pages"?, "prompt"?, "max_tokens"?}.
+Every line is checked before anything is written; errors name the line and the field.
+Lines with the same task and settings become one job, so a manifest's items share
+batches on the worker; every item carries its line's custom_id into its result.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vlmq.producer.inputs import Prepared, check_file, parse_pages
+from vlmq.producer.options import JobOptions
+from vlmq.shared import constants as C
+from vlmq.shared.errors import InputError, PayloadError
+
+FIELDS = ("custom_id", "task", "file", "pages", "prompt", "max_tokens")
+REQUIRED = ("custom_id", "task", "file")
+
+
+class ManifestError(InputError):
+    """Bad lines of a manifest, all listed at once (line number, field, problem)."""
+
+    def __init__(self, path: str, errors: Sequence[tuple[int, str]]) -> None:
+        self.errors = list(errors)
+        super().__init__(path, f"{len(self.errors)} bad line(s)")
+
+    def __str__(self) -> str:
+        return (f"{self.path}: {len(self.errors)} bad line(s):\n"
+                + "\n".join(f"  line {n}: {msg}" for n, msg in self.errors))
+
+
+@dataclass(frozen=True)
+class Request:
+    line: int
+    custom_id: str
+    task: str
+    file: Path
+    pages: str | None
+    prompt: str | None
+    max_tokens: int | None
+
+
+@dataclass
+class Group:
+    """Requests that share a job: one task, one set of options."""
+
+    task: str
+    options: JobOptions
+    prepared: Prepared
+
+
+def _field_error(name: str, problem: str) -> PayloadError:
+    return PayloadError(name, problem)
+
+
+def parse_line(number: int, text: str, base: Path) -> Request:
+    try:
+        raw: Any = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise _field_error("(line)", f"is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise _field_error("(line)", f"must be a JSON object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(FIELDS))
+    if unknown:
+        raise _field_error(unknown[0], f"unknown field (allowed: {', '.join(FIELDS)})")
+    for name in REQUIRED:
+        if name not in raw:
+            raise _field_error(name, "is required")
+    custom_id = raw["custom_id"]
+    if not isinstance(custom_id, str) or not custom_id \
+            or len(custom_id) > C.MAX_CUSTOM_ID_CHARS:
+        raise _field_error("custom_id", f"must be a string of 1 to {C.MAX_CUSTOM_ID_CHARS} "
+                                        "characters")
+    task = raw["task"]
+    if task not in C.TASKS:
+        raise _field_error("task", f"must be one of {', '.join(C.TASKS)}, got {task!r}")
+    file = raw["file"]
+    if not isinstance(file, str) or not file:
+        raise _field_error("file", "must be a path (relative to the manifest's folder)")
+    pages = raw.get("pages")
+    if pages is not None and (not isinstance(pages, str) or not pages.strip()):
+        raise _field_error("pages", 'must be a page range string such as "1-3,7"')
+    prompt = raw.get("prompt")
+    if prompt is not None and (not isinstance(prompt, str) or not prompt
+                               or len(prompt) > C.MAX_PROMPT_CHARS):
+        raise _field_error("prompt", f"must be a string of 1 to {C.MAX_PROMPT_CHARS} "
+                                     "characters")
+    if task == "generate" and prompt is None:
+        raise _field_error("prompt", "is required for task generate")
+    max_tokens = raw.get("max_tokens")
+    if max_tokens is not None and (isinstance(max_tokens, bool)
+                                   or not isinstance(max_tokens, int)
+                                   or not 1 <= max_tokens <= C.MAX_TOKENS_LIMIT):
+        raise _field_error("max_tokens", f"must be an integer from 1 to {C.MAX_TOKENS_LIMIT}")
+    path = Path(file).expanduser()
+    return Request(line=number, custom_id=custom_id, task=task,
+                   file=path if path.is_absolute() else base / path, pages=pages,
+                   prompt=prompt, max_tokens=max_tokens)
+
+
+def read_manifest(path: str | Path, base: JobOptions, *, skip_bad: bool = False
+                  ) -> tuple[list[Group], list[tuple[int, str]]]:
+    """Check every line; returns the jobs to enqueue and the rejected lines.
+
+    Without skip_bad any bad line raises ManifestError listing them all, and nothing is
+    enqueued. Files are checked (type, pages) here, so the worker gets no surprises.
+    """
+    manifest = Path(path)
+    try:
+        text = manifest.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(str(path), f"cannot read the manifest: {exc}") from None
+    groups: dict[tuple[Any, ...], Group] = {}
+    errors: list[tuple[int, str]] = []
+    seen: dict[str, int] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            req = parse_line(number, line, manifest.parent)
+            if req.custom_id in seen:
+                raise _field_error("custom_id", f"{req.custom_id!r} is already used on line "
+                                                f"{seen[req.custom_id]}")
+            checked = check_file(req.file, source=str(req.file))
+            if req.pages is not None and checked.kind != "pdf":
+                raise _field_error("pages", f"applies to PDFs; {req.file} is an image")
+            pages: list[int | None] = (list(parse_pages(req.pages, checked.pages,
+                                                        str(req.file)))
+                                       if checked.kind == "pdf" else [None])
+        except PayloadError as exc:
+            errors.append((number, f"field {exc.field!r} {exc.problem}"))
+            continue
+        except InputError as exc:
+            errors.append((number, f"field 'file' {exc.path}: {exc.problem}"))
+            continue
+        seen[req.custom_id] = number
+        options = base.with_(prompt=req.prompt if req.prompt is not None else base.prompt,
+                             max_tokens=(req.max_tokens if req.max_tokens is not None
+                                         else base.max_tokens))
+        group = groups.setdefault((req.task, options.settings_key()),
+                                  Group(req.task, options, Prepared()))
+        group.prepared.add(checked, pages, custom_id=req.custom_id)
+    if errors and not skip_bad:
+        raise ManifestError(str(path), errors)
+    if not groups:
+        raise ManifestError(str(path), errors or [(0, "no requests in the manifest")])
+    return _split(groups.values()), errors
+
+
+def _split(groups: Iterable[Group]) -> list[Group]:
+    """Groups over the per-job item limit become several jobs."""
+    out: list[Group] = []
+    limit = C.MAX_ITEMS_PER_JOB
+    for g in groups:
+        items = g.prepared.items
+        for start in range(0, len(items), limit):
+            chunk = items[start:start + limit]
+            needed = {i.blob for i in chunk}
+            blobs = {k: v for k, v in g.prepared.blobs.items() if k in needed}
+            out.append(Group(g.task, g.options, Prepared(items=chunk, blobs=blobs)))
+    return out

@@ -1,0 +1,76 @@
+"""The `vlmq` command: one root group that composes the producer's and the worker's commands.
+
+It sits above both packages so neither imports the other's CLI. It lives in vlmq.shared
+because that is the package every install has; the worker's commands are always
+present (they import only click) and themselves say when the worker extra is missing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
+from redis.exceptions import ReadOnlyError as RedisReadOnlyError
+from redis.exceptions import ResponseError as RedisResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from vlmq.producer import cli as producer_cli
+from vlmq.producer.client import check_redis_url, redact_url
+from vlmq.producer.errors import JobNotFound
+from vlmq.shared import constants as C
+from vlmq.shared.clitools import EXIT_BAD_INPUT, EXIT_FAILED, fail, one_line
+from vlmq.worker import cli as worker_cli
+
+
+class _Main(click.Group):
+    """The root group: Redis unreachable or refusing a command, or a job id not found,
+    is one line, for the producer's and the worker's commands alike."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            url = redact_url(str(ctx.params.get("redis_url") or ""))
+            fail(f"error: cannot reach Redis at {url}: {exc}", EXIT_FAILED)
+        except RedisResponseError as exc:
+            # The server said no (maxmemory with noeviction, a read-only replica, ...):
+            # an operator's problem, and the server's own message is what they need.
+            url = redact_url(str(ctx.params.get("redis_url") or ""))
+            fail(f"error: {_refusal(exc)}: {one_line(str(exc))} (Redis at {url})",
+                 EXIT_FAILED)
+        except JobNotFound as exc:
+            fail(f"error: {exc}", EXIT_FAILED)
+
+
+def _refusal(exc: RedisResponseError) -> str:
+    if isinstance(exc, RedisOutOfMemoryError):
+        return "Redis is out of memory (maxmemory)"
+    if isinstance(exc, RedisReadOnlyError):
+        return "Redis is read-only (a replica?)"
+    return "Redis refused a command"
+
+
+def _check_url(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    # One line and exit 2 rather than click's usage block: the URL usually comes from
+    # REDIS_URL in the environment, where the usage text would not help.
+    try:
+        return check_redis_url(value)
+    except ValueError as exc:
+        fail(f"error: {exc} (from --redis-url or REDIS_URL)", EXIT_BAD_INPUT)
+
+
+@click.group(cls=_Main)
+@click.option("--redis-url", envvar="REDIS_URL", default=C.DEFAULT_REDIS_URL,
+              show_default=True, callback=_check_url,
+              help="Redis to use (env REDIS_URL). Key prefix: env VLMQ_PREFIX.")
+@click.pass_context
+def main(ctx: click.Context, redis_url: str) -> None:
+    """vlmq: a Redis job queue for bulk vision-language work (OCR, captioning)."""
+    # A plain dict, so that both sides read it without importing each other.
+    ctx.obj = {"redis_url": redis_url}
+
+
+producer_cli.register(main)
+worker_cli.register(main)

@@ -1,0 +1,27 @@
+"""What every vlmq command shares: exit codes and the one-line failure.
+
+Exit codes are part of the interface so scripts can branch on them:
+0 ok; 1 a job failed / not found / Redis unreachable or refusing writes (maxmemory, a
+read-only replica); 2 bad input or usage (nothing was written to Redis; for `result`, an
+-o path that cannot be written); 124 `wait` timed out.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import NoReturn
+
+import click
+
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_TIMEOUT = 124
+
+
+def fail(message: str, code: int) -> NoReturn:
+    click.echo(f"vlmq: {message}", err=True)
+    sys.exit(code)
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
