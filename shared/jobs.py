@@ -141,24 +141,36 @@ def raw_exc_info(redis: Redis, job_id: str) -> str | None:
     return raw.decode("utf-8", "replace")
 
 
-def is_json_data(raw: bytes) -> bool:
-    """True when an RQ job's `data` field is (zlib-compressed or plain) JSON, never pickle."""
+def data_problem(raw: bytes) -> str | None:
+    """Why an RQ job's `data` field is not readable JSON, or None when it is.
+
+    Plain or zlib-compressed JSON is accepted; pickle is never deserialized, and JSON
+    nested deeper than the parser's recursion limit is refused rather than raised.
+    """
     with contextlib.suppress(zlib.error):  # RQ accepts plain JSON too
         raw = zlib.decompress(raw)
     try:
         json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return True
+        return ("job data is not JSON (a pickled job?): vlmq never unpickles; enqueue "
+                "with RQ's JSONSerializer")
+    except RecursionError:
+        return "job data is JSON nested too deeply to read"
+    return None
+
+
+def is_json_data(raw: bytes) -> bool:
+    """True when an RQ job's `data` field is (zlib-compressed or plain) JSON, never pickle."""
+    return data_problem(raw) is None
 
 
 def payload_of(job: Job) -> JobPayload:
     """Validated payload of a vlmq job (raises PayloadError naming the problem)."""
     # Checked before RQ touches `data`: a pickled job gets a clear refusal instead of
     # RQ's message-less DeserializationError, and is never handed to a deserializer.
-    if not is_json_data(job.data):
-        raise PayloadError("data", "job data is not JSON (a pickled job?): vlmq never "
-                                   "unpickles; enqueue with RQ's JSONSerializer")
+    problem = data_problem(job.data)
+    if problem is not None:
+        raise PayloadError("data", problem)
     try:
         func_name = job.func_name
     except DeserializationError as exc:

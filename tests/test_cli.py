@@ -421,8 +421,16 @@ def _unparseable_hash_job(redis: Redis, tmp_path: Path) -> str:
     return job_id
 
 
+def _deeply_nested_job(redis: Redis, tmp_path: Path) -> str:
+    job_id = raw_enqueue(redis, {"v": 1}, queue="ocr")
+    redis.hset(Keys.rq_job(job_id), "data", "[" * 100_000 + "]" * 100_000)
+    return job_id
+
+
 UNREADABLE = {
     "pickled": (_pickled_job, "data: job data is not JSON", "not JSON"),
+    "100k-deep JSON": (_deeply_nested_job, "data: job data is JSON nested too deeply",
+                       "nested too deeply"),
     "bad payload": (_bad_payload_job, "items[0].page: must be between 1 and",
                     "items[0].page"),
     "hash RQ cannot parse": (_unparseable_hash_job, "RQ cannot read the job's hash (ValueError",

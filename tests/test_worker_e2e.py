@@ -398,7 +398,8 @@ def test_readme_demo_command_runs(redis_url: str, tmp_path: Path) -> None:
     assert int(work[0][0]) > 0 and int(work[0][1]) > 0
     assert work[1] == ("0", "0"), "the warm run repeated image work"
     left = Redis.from_url(redis_url).keys("*")
-    assert not [k for k in left if k.startswith((b"rq:job:", b"vlmq:job:", b"rq:queue:"))], left
+    assert not [k for k in left if k.startswith((b"rq:job:", b"vlmq:job:", b"rq:queue:",
+                                                 b"vlmq:blob:", b"rq:results:"))], left
 
 
 def test_pickled_job_is_refused_by_the_worker(

@@ -19,7 +19,6 @@ from rq.serializers import JSONSerializer
 
 from vlmq.producer.client import Client, Job
 from vlmq.shared import constants as C
-from vlmq.shared.jobs import fetch_job
 from vlmq.shared.text import as_str
 from vlmq.worker.paths import default_cache_dir
 from vlmq.worker.redis_server import PrivateRedis, answers, start_private
@@ -71,11 +70,10 @@ def _show(jobs: list[Job]) -> dict[str, int]:
 
 
 def _clean_up(client: Client, jobs: list[Job], worker: str) -> None:
-    """Leave a shared Redis as we found it: the demo's jobs, results, queues and stats go."""
+    """Leave a shared Redis as we found it: the demo's jobs, results, events, queues,
+    stats and uploaded samples go (a sample some other job also names stays)."""
     keys = client.keys
-    for job in jobs:
-        fetch_job(client.redis, job.id).delete()
-        client.redis.delete(keys.job_items(job.id), keys.job_events(job.id))
+    client.delete([job.id for job in jobs], purge_blobs=True)
     for name in DEMO_QUEUES:
         Queue(name, connection=client.redis, serializer=JSONSerializer).delete(delete_jobs=True)
     client.redis.delete(keys.worker_stats(worker))

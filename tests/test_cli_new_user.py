@@ -1,0 +1,143 @@
+"""What a new user hit (issue 6, section 5), each pinned: help texts, one queue form,
+ocr's --skip-bad/--recursive, retention options, progress without a TTY, unserved queues."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+from redis import Redis
+from rq.job import JobStatus
+from rq.results import Result
+
+from vlmq.producer import Client, JobOptions
+from vlmq.shared import constants as C
+from vlmq.shared.blobs import sha256_hex
+from vlmq.shared.cli import main
+from vlmq.shared.errors import PayloadError
+from vlmq.shared.jobs import fetch_job
+from vlmq.shared.keys import Keys
+from vlmq.shared.results import write_item
+from vlmq.shared.schema import ItemResult
+
+from .helpers import pdf_bytes
+
+
+@pytest.fixture
+def run(redis_url: str):
+    runner = CliRunner()
+
+    def invoke(*args: str):
+        return runner.invoke(main, ["--redis-url", redis_url, *args], catch_exceptions=False)
+
+    return invoke
+
+
+def png(path: Path, color: tuple[int, int, int] = (10, 200, 30)) -> Path:
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 30), color).save(buf, "PNG")
+    path.write_bytes(buf.getvalue())
+    return path
+
+
+def test_worker_help_shows_one_queue_form(run) -> None:
+    text = run("worker", "--help").stdout
+    assert "EXTRA_QUEUES" not in text and "Usage: main worker [OPTIONS]\n" in text
+    assert "--queues Q1,Q2,..." in text and "comma- separated" in " ".join(text.split())
+
+
+def test_generate_help_says_prompt_is_required_without_a_default(run) -> None:
+    text = " ".join(run("enqueue", "generate", "--help").stdout.split())
+    assert "--prompt TEXT Prompt text (required). [required]" in text
+    assert "default: the model's own" not in text.split("--prompt")[1].split("--model")[0]
+
+
+def test_caption_help_says_pdfs_are_captioned_page_by_page(run) -> None:
+    text = " ".join(run("enqueue", "caption", "--help").stdout.split())
+    assert "A PDF is captioned page by page" in text
+
+
+def test_ocr_takes_skip_bad_and_recursive(run, redis_url: str, tmp_path: Path) -> None:
+    folder = tmp_path / "scans"
+    (folder / "deep").mkdir(parents=True)
+    (folder / "deep" / "doc.pdf").write_bytes(pdf_bytes(2))
+    png(folder / "page.png")
+    (folder / "broken.png").write_bytes(b"not an image")
+    res = run("enqueue", "ocr", str(folder), "--recursive")
+    assert res.exit_code == 2 and "broken.png" in res.stderr
+    res = run("enqueue", "ocr", str(folder), "--recursive", "--skip-bad")
+    assert res.exit_code == 0, res.stderr
+    assert "skipped" in res.stderr and "broken.png" in res.stderr
+    job_id = res.stdout.strip()
+    items = Client(redis_url).job(job_id).payload().items
+    assert sorted((Path(i.source).name, i.page) for i in items) == [
+        ("doc.pdf", 1), ("doc.pdf", 2), ("page.png", None)]
+
+
+def test_result_and_blob_ttl_are_set_per_job(run, redis: Redis, tmp_path: Path) -> None:
+    img = png(tmp_path / "a.png")
+    res = run("enqueue", "caption", str(img), "--result-ttl", "3600", "--blob-ttl", "7200")
+    assert res.exit_code == 0, res.stderr
+    job_id = res.stdout.strip()
+    assert fetch_job(redis, job_id).result_ttl == 3600
+    assert 7100 < redis.ttl(Keys().blob(sha256_hex(img.read_bytes()))) <= 7200
+    # Defaults are the documented 7 days.
+    other = png(tmp_path / "b.png", (1, 2, 3))
+    job_id = run("enqueue", "caption", str(other)).stdout.strip()
+    assert fetch_job(redis, job_id).result_ttl == C.RESULT_TTL_S
+    assert redis.ttl(Keys().blob(sha256_hex(other.read_bytes()))) > C.BLOB_TTL_S - 100
+    res = run("enqueue", "caption", str(img), "--result-ttl", "0")
+    assert res.exit_code == 2 and "--result-ttl" in res.stderr
+    with pytest.raises(PayloadError, match="blob_ttl: must be whole seconds"):
+        JobOptions(blob_ttl=-5)
+
+
+def test_enqueue_warns_when_no_worker_serves_the_queue(run, redis: Redis,
+                                                       tmp_path: Path) -> None:
+    img = png(tmp_path / "a.png")
+    res = run("enqueue", "caption", str(img), "--queue", "nobody")
+    assert res.exit_code == 0
+    assert "warning: no live worker serves queue 'nobody'" in res.stderr
+    redis.sadd("rq:workers:served", "w1")  # what a live RQ worker registers
+    res = run("enqueue", "caption", str(img), "--queue", "served")
+    assert res.exit_code == 0 and "warning" not in res.stderr
+
+
+def test_wait_timeout_names_the_unserved_queue(run, tmp_path: Path) -> None:
+    job_id = run("enqueue", "caption", str(png(tmp_path / "a.png")), "--queue",
+                 "lonely").stdout.strip()
+    res = run("wait", job_id, "--timeout", "0.5")
+    assert res.exit_code == 124
+    assert "no live worker serves queue(s) lonely" in res.stderr
+
+
+def test_wait_without_a_tty_prints_progress_lines(run, redis: Redis, tmp_path: Path) -> None:
+    doc = tmp_path / "doc.pdf"
+    doc.write_bytes(pdf_bytes(4))
+    job_id = run("enqueue", "ocr", str(doc)).stdout.strip()
+    keys = Keys()
+
+    def work() -> None:
+        for i in range(4):
+            time.sleep(0.3)
+            write_item(redis, keys, job_id, ItemResult(
+                index=i, source=str(doc), page=i + 1, text="t", finish_reason="stop",
+                prompt_tokens=1, completion_tokens=1, vision_cache_hit=False, error=None))
+        job = fetch_job(redis, job_id)
+        Result.create(job, Result.Type.SUCCESSFUL, ttl=60, return_value={"items": 4})
+        job.set_status(JobStatus.FINISHED)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    res = run("wait", job_id, "--timeout", "30")
+    thread.join()
+    assert res.exit_code == 0, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("items ")]
+    # CliRunner's stderr is not a TTY: one line per 10 % step seen, ending at 100 %.
+    assert len(lines) >= 3 and lines[-1].startswith("items 4/4 (100%)"), res.stderr
+    assert f"{job_id}: finished" in res.stdout
