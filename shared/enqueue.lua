@@ -41,8 +41,9 @@ for i, name in pairs({[5] = 'timeout', [6] = 'result_ttl', [7] = 'failure_ttl'})
     return redis.error_reply(name .. ': must be a positive whole number of seconds')
   end
 end
-if not string.match(ARGV[8], '^%d%d%d%d%-%d%d%-%d%dT%d%d:%d%d:%d%d%.%d+Z$') then
-  return redis.error_reply('now: must be UTC as %Y-%m-%dT%H:%M:%S.%fZ')
+-- RQ parses the fraction with %f: 1 to 6 digits (microseconds).
+if not string.match(ARGV[8], '^%d%d%d%d%-%d%d%-%d%dT%d%d:%d%d:%d%d%.%d%d?%d?%d?%d?%d?Z$') then
+  return redis.error_reply('now: must be UTC as %Y-%m-%dT%H:%M:%S.%fZ (1 to 6 fraction digits)')
 end
 if not string.match(ARGV[9], '^%d+$') or tonumber(ARGV[9]) > 10 then
   return redis.error_reply('retries_left: must be a whole number from 0 to 10')

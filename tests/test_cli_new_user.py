@@ -141,3 +141,18 @@ def test_wait_without_a_tty_prints_progress_lines(run, redis: Redis, tmp_path: P
     # CliRunner's stderr is not a TTY: one line per 10 % step seen, ending at 100 %.
     assert len(lines) >= 3 and lines[-1].startswith("items 4/4 (100%)"), res.stderr
     assert f"{job_id}: finished" in res.stdout
+
+
+def test_readme_first_ocr_example_runs_on_the_bundled_sample(run, redis_url: str) -> None:
+    import shlex
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    line = next(ln for ln in readme.splitlines() if ln.startswith("vlmq enqueue ocr "))
+    args = shlex.split(line.split("#")[0])[1:]
+    args = [str(root / a) if a.startswith("producer/samples/") else a for a in args]
+    res = run(*args)
+    assert res.exit_code == 0, res.stderr
+    job = Client(redis_url).job(res.stdout.strip())
+    assert [i.page for i in job.payload().items] == [1, 2, 3]
+    assert job.labels == {"batch": "nov"}

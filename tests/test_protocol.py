@@ -301,6 +301,8 @@ def test_unloadable_job_failure_is_plain_text_in_exc_info(redis: Redis) -> None:
     (5, "-5", "result_ttl: must be a positive whole number"),
     (6, "-1", "failure_ttl: must be a positive whole number"),
     (7, "yesterday", "now: must be UTC"),
+    (7, "2026-11-29T12:00:00Z", "now: must be UTC"),
+    (7, "2026-11-29T12:00:00.1234567Z", "1 to 6 fraction digits"),
     (8, "three", "retries_left: must be a whole number from 0 to 10"),
     (8, "11", "retries_left: must be a whole number from 0 to 10"),
     (8, "1e20", "retries_left: must be a whole number from 0 to 10"),
