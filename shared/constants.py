@@ -36,3 +36,6 @@ MAX_TEMPERATURE = 5.0
 MAX_LABELS = 64
 # An item's custom_id (OpenAI Batch style), echoed in its result.
 MAX_CUSTOM_ID_CHARS = 256
+# Field of the RQ job hash (rq:job:<id>) holding the epoch seconds of the job's first start
+# on any worker (HSETNX): a resumed job's summary wall_s covers the whole job.
+FIRST_STARTED_FIELD = "vlmq_first_started"

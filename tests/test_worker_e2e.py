@@ -145,6 +145,7 @@ def test_sigterm_requeues_and_a_new_worker_finishes_each_item_once(
     proc = start_worker(redis_url, tiny_model, tmp_path, "--max-batch", "2", "--grace", "20",
                         name="first")
     wait_for(lambda: job.progress()[0] >= 2, 60, "two items done")
+    first_items_at = time.time()
     os.killpg(proc.pid, signal.SIGTERM)
     rc, out = finish(proc, timeout=60)
     assert rc == 0, out
@@ -162,6 +163,14 @@ def test_sigterm_requeues_and_a_new_worker_finishes_each_item_once(
     events = redis.xrange(Keys().job_events(job.id))
     item_events = [int(f[b"index"]) for _, f in events if f[b"type"] == b"item"]
     assert sorted(item_events) == list(range(pages)), "an item was computed twice or lost"
+    # The summary covers the whole job: both workers' time (the gap between them, a model
+    # load included, too) and every item's cache hit, not only the last worker's share.
+    summary = job.summary()
+    assert summary is not None
+    ended = fetch_job(redis, job.id).ended_at
+    assert ended is not None
+    assert summary["wall_s"] >= ended.timestamp() - first_items_at - 0.5, summary
+    assert summary["cache_hits"] == sum(r.vision_cache_hit for r in results)
 
 
 def test_a_killed_worker_s_job_is_reclaimed_and_resumed_at_item_level(

@@ -255,6 +255,7 @@ class JobLifecycle:
         execution = Execution.create(job, worker.get_heartbeat_ttl(job), pipeline=pipe,
                                      worker_name=worker.name)
         job.prepare_for_execution(worker.name, pipe)
+        pipe.hsetnx(job.key, C.FIRST_STARTED_FIELD, f"{time.time():.3f}")
         pipe.persist(job.key)  # a job enqueued with ttl= must not vanish mid-run
         pipe.lrem(queue.intermediate_queue_key, 1, job.id)
         worker.heartbeat(pipeline=pipe)

@@ -459,6 +459,13 @@ class WorkerService:
                 self.stats.count_item(res)
                 self.scheduler.finish_item(job_id, res.index)
 
+    def _whole_job_wall_s(self, state: JobState[Running]) -> float:
+        """From the job's first start on any worker: a resumed job's summary covers the
+        whole job, not only this worker's share (which is the fallback)."""
+        first = self.redis.hget(Keys.rq_job(state.job_id), C.FIRST_STARTED_FIELD)
+        wall = _wall_since(first)
+        return wall if wall is not None else round(time.monotonic() - state.started, 3)
+
     def _finish_job(self, lifecycle: JobLifecycle, state: JobState[Running]) -> None:
         if not lifecycle.is_ours(state.handle):
             log.warning("job %s was deleted or canceled while running: not finishing it",
@@ -474,7 +481,7 @@ class WorkerService:
             failed=sum(1 for r in stored if not r.ok),
             prompt_tokens=sum(r.prompt_tokens for r in stored),
             completion_tokens=sum(r.completion_tokens for r in stored),
-            wall_s=round(time.monotonic() - state.started, 3),
+            wall_s=self._whole_job_wall_s(state),
             cache_hits=sum(1 for r in stored if r.vision_cache_hit),
             labels=dict(state.payload.labels),
         )
@@ -485,6 +492,16 @@ class WorkerService:
         log.info("job %s finished: %d ok, %d failed, %d tokens, %.1f s, %d cache hits",
                  state.job_id, summary.ok, summary.failed, summary.completion_tokens,
                  summary.wall_s, summary.cache_hits)
+
+
+def _wall_since(first_started: bytes | str | None) -> float | None:
+    """Seconds since the epoch time a job first started, or None if unreadable."""
+    try:
+        first = float(first_started.decode() if isinstance(first_started, bytes)
+                      else first_started or "")
+    except ValueError:
+        return None
+    return round(max(0.0, time.time() - first), 3)
 
 
 def _drain(q: SimpleQueue[T]) -> list[T]:
