@@ -617,6 +617,8 @@ def render_markdown(job: Job, state: str, results: Sequence[ItemResult],
     parts.append(f"<!-- vlmq job {job.id}: {state}, {len(results)}/{job.items} items -->\n")
     for index, item in enumerate(job.payload().items):
         heading = item.source if item.page is None else f"{item.source} — page {item.page}"
+        if item.custom_id is not None:
+            heading += f" ({item.custom_id})"
         parts.append(f"## {heading}\n")
         r = by_index.get(index)
         if r is None and error is not None:

@@ -140,6 +140,12 @@ def test_manifest_skip_bad_runs_and_custom_id_reaches_both_files(
     client = Client(redis_url)
     assert {r.custom_id for j in job_ids for r in client.job(j).results()} == {
         "pdf-0", "pdf-1", "pdf-2", "img-0", "img-1", "img-2", "img-3"}
+    ocr_id = next(j["id"] for j in out["jobs"] if j["task"] == "ocr")
+    md = run_cli("result", ocr_id, "--format", "md").stdout
+    assert f"## {pdfs[1]} — page 2 (pdf-1)" in md
+    items = json.loads(run_cli("result", ocr_id, "--format", "json").stdout)["items"]
+    assert [i["custom_id"] for i in items] == ["pdf-0", "pdf-0", "pdf-1", "pdf-1", "pdf-2",
+                                               "pdf-2"]
 
 
 @pytest.fixture
