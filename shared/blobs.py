@@ -16,6 +16,15 @@ from vlmq.shared import constants as C
 from vlmq.shared.errors import BlobError
 from vlmq.shared.keys import SHA256_RE, Keys
 
+# PEXPIRE only upward; 0 when the key is missing, 1 when it exists (TTL now >= ARGV[1] ms,
+# or none at all, which is left alone).
+_EXTEND_TTL = """
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl == -2 then return 0 end
+if ttl >= 0 and ttl < tonumber(ARGV[1]) then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+return 1
+"""
+
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
@@ -28,6 +37,7 @@ class BlobStore:
         self.keys = keys
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
+        self._extend = redis.register_script(_EXTEND_TTL)  # sent once, then by sha
 
     def put(self, data: bytes) -> tuple[str, bool]:
         """Store `data`; returns (sha256, uploaded) where uploaded is False if it was there.
@@ -41,14 +51,20 @@ class BlobStore:
             raise BlobError(f"blob of {len(data)} bytes is over the {self.max_bytes}-byte limit")
         sha = sha256_hex(data)
         key = self.keys.blob(sha)
-        if self.redis.expire(key, self.ttl_s):
+        if self.touch(sha):
             return sha, False
         created = self.redis.set(key, data, nx=True, ex=self.ttl_s)
         return sha, bool(created)
 
     def touch(self, sha: str, *, pipeline: Pipeline | None = None) -> Any:
-        conn = pipeline if pipeline is not None else self.redis
-        return conn.expire(self.keys.blob(sha), self.ttl_s)
+        """Make the blob live at least ttl_s more seconds; truthy when it exists.
+
+        Never shortens: one job's short --blob-ttl (or a worker's default touch) must not
+        cut the life of a blob that another job asked to keep longer.
+        """
+        return self._extend(keys=[self.keys.blob(sha)], args=[self.ttl_s * 1000],
+                            client=pipeline if pipeline is not None else self.redis)
+
 
     def get(self, sha: str) -> bytes:
         """Fetch a blob and check its content against its name."""

@@ -156,3 +156,19 @@ def test_readme_first_ocr_example_runs_on_the_bundled_sample(run, redis_url: str
     job = Client(redis_url).job(res.stdout.strip())
     assert [i.page for i in job.payload().items] == [1, 2, 3]
     assert job.labels == {"batch": "nov"}
+
+
+def test_a_shorter_blob_ttl_never_cuts_a_longer_one(run, redis: Redis, tmp_path: Path) -> None:
+    from vlmq.shared.blobs import BlobStore
+
+    img = png(tmp_path / "a.png")
+    key = Keys().blob(sha256_hex(img.read_bytes()))
+    month = 30 * 86400
+    assert run("enqueue", "caption", str(img), "--blob-ttl", str(month)).exit_code == 0
+    assert run("enqueue", "caption", str(img), "--blob-ttl", "60").exit_code == 0
+    BlobStore(redis, Keys()).touch(sha256_hex(img.read_bytes()))  # a worker's default touch
+    assert redis.ttl(key) > month - 100
+    assert run("enqueue", "caption", str(img), "--blob-ttl", str(2 * month)).exit_code == 0
+    assert redis.ttl(key) > 2 * month - 100  # a longer one extends it
+    assert not BlobStore(redis, Keys()).touch("ab" * 32)  # missing: falsy, nothing created
+    assert not redis.exists(Keys().blob("ab" * 32))
