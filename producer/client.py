@@ -167,7 +167,8 @@ class Client:
                       result_ttl=opts.result_ttl)
         return Job(self, jid, queue=queue, items=len(payload.items),
                    rejected=list(prepared.rejected), uploaded=uploaded,
-                   blobs=len(prepared.blobs), labels=payload.labels, task=task)
+                   blobs=len({i.blob for i in payload.items}), labels=payload.labels,
+                   task=task)
 
     def serving(self, queue: str) -> int:
         """How many live RQ workers listen on `queue` (0: a job there waits for one)."""
