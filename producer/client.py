@@ -116,13 +116,14 @@ class Client:
     # --- enqueue ----------------------------------------------------------------------
 
     def ocr(self, paths: Inputs, pages: PageSpec = None, options: JobOptions | None = None,
-            **values: Any) -> Job:
+            *, recursive: bool = False, skip_bad: bool = False, **values: Any) -> Job:
         """OCR PDFs (each selected page one item) and images (one page each).
 
         `pages` ("1-3,7" or a list of ints) applies to every PDF in `paths`. Options come
         as a JobOptions, or as its field names (queue=, max_tokens=, labels=, ...).
         """
-        return self.submit("ocr", paths, _options(options, values), pages=pages)
+        return self.submit("ocr", paths, _options(options, values), pages=pages,
+                           recursive=recursive, skip_bad=skip_bad)
 
     def caption(self, paths: Inputs, *, recursive: bool = False, skip_bad: bool = False,
                 options: JobOptions | None = None, **values: Any) -> Job:
