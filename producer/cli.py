@@ -3,7 +3,8 @@
 Exit codes are part of the interface so scripts can branch on them:
 0 ok; 1 a job failed / not found / Redis unreachable or refusing writes (maxmemory, a
 read-only replica); 2 bad input or usage (nothing was written to Redis; for `result`, an
--o path that cannot be written); 124 `wait` timed out.
+-o path that cannot be written); 3 `wait --strict`: every job finished, but some items
+failed; 124 `wait` timed out.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from vlmq.shared.schema import ItemResult
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
+EXIT_FAILED_ITEMS = 3
 EXIT_TIMEOUT = 124
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -329,16 +331,23 @@ def _overview(client: Client, as_json: bool) -> None:
 @click.argument("job_ids", nargs=-1, required=True)
 @click.option("--timeout", type=click.FloatRange(min=0), metavar="S",
               help="Give up after S seconds (exit 124).")
+@click.option("--strict", is_flag=True,
+              help="Also fail (exit 3) when a job finished with failed items.")
 @click.pass_context
-def wait(ctx: click.Context, job_ids: tuple[str, ...], timeout: float | None) -> None:
-    """Wait for jobs with a progress bar; exit 1 if any did not finish, 124 on timeout."""
+def wait(ctx: click.Context, job_ids: tuple[str, ...], timeout: float | None,
+         strict: bool) -> None:
+    """Wait for jobs with a progress bar.
+
+    Exit codes: 0 every job finished; 1 a job failed, was canceled or is not found;
+    3 (--strict only) every job finished but some items failed; 124 timed out.
+    """
     with _client(ctx) as client:
         jobs = [client.job(j) for j in job_ids]
         try:
             statuses = wait_all(jobs, timeout=timeout, progress=True)
         except WaitTimeout as exc:
             _fail(str(exc), EXIT_TIMEOUT)
-        bad = False
+        bad = items_failed = False
         for job in jobs:
             state = statuses[job.id]
             line = f"{job.id}: {state}"
@@ -347,9 +356,14 @@ def wait(ctx: click.Context, job_ids: tuple[str, ...], timeout: float | None) ->
                 error = job.error()
                 if error:
                     line += f": {_last_line(error)}"
+            elif failed := (job.summary() or {}).get("failed", 0):
+                items_failed = True
+                line += f" ({failed} item(s) failed)"
             click.echo(line)
         if bad:
             sys.exit(EXIT_FAILED)
+        if strict and items_failed:
+            sys.exit(EXIT_FAILED_ITEMS)
 
 
 @main.command()
