@@ -18,7 +18,7 @@ from vlmq.shared.keys import Keys
 from vlmq.shared.schema import Item, JobPayload
 from vlmq.worker.engine import Finished
 from vlmq.worker.results_writer import ResultWriter
-from vlmq.worker.rq_jobs import BatchWorker, JobLifecycle, Running
+from vlmq.worker.rq_jobs import INCOMPLETE, BatchWorker, JobLifecycle, Running
 from vlmq.worker.scheduler import Scheduler
 from vlmq.worker.stats import WorkerStats
 
@@ -215,3 +215,14 @@ def test_a_job_canceled_through_rq_gets_one_canceled_event(redis, keys, rig):
     R.end_job_event(redis, keys, job_id, "canceled", queue="ocr", ttl_s=60)  # a 2nd canceler
     assert [e["type"] for e in events(redis, keys, job_id)] == ["canceled"]
     assert R.read_items(redis, keys, job_id) == []
+
+
+def test_finishing_rechecks_completeness_in_the_same_transaction(redis, keys, rig):
+    job_id = job(redis, 2)
+    state = rig.take()
+    rig.run_items(state, 2)
+    rig.writer.flush()
+    redis.hdel(keys.job_items(job_id), "1")  # vanishes after the writer read the items
+    assert rig.life.succeed(state, {"items": 2}, require_items=True) == INCOMPLETE
+    assert fetch_job(redis, job_id).get_status() == "started"
+    assert [e["type"] for e in events(redis, keys, job_id)] == ["item", "item"]

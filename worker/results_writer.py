@@ -26,7 +26,7 @@ from vlmq.shared.connection import transient
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import ItemResult, JobSummary
 from vlmq.worker.engine import Finished
-from vlmq.worker.rq_jobs import JobLifecycle, Running
+from vlmq.worker.rq_jobs import INCOMPLETE, JobLifecycle, Running
 from vlmq.worker.scheduler import Scheduler
 from vlmq.worker.stats import WorkerStats
 
@@ -192,7 +192,9 @@ class ResultWriter:
             cache_hits=sum(1 for r in results if r.vision_cache_hit),
             labels=dict(state.payload.labels),
         )
-        why = self.lifecycle.succeed(state, summary.to_dict())
+        why = self.lifecycle.succeed(state, summary.to_dict(), require_items=True)
+        if why == INCOMPLETE:
+            return  # results vanished since they were read: the next turn finds which
         if why is not None:
             self.drop(state, why)
             return

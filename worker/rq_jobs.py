@@ -46,6 +46,8 @@ class _Stale(Exception):
 # The owner key (Keys.job_owner) lives this many heartbeat TTLs, at least OWNER_TTL_MIN_S.
 OWNER_TTL_HEARTBEATS = 10
 OWNER_TTL_MIN_S = 600
+# JobLifecycle.succeed's answer when item results are missing at the moment of finishing.
+INCOMPLETE = "item results missing"
 
 
 class BatchWorker(SimpleWorker):
@@ -308,21 +310,25 @@ class JobLifecycle:
         owner = conn.get(self.keys.job_owner(str(job.id)))
         return _why_not_ours(status, owner, token)
 
-    def _fenced(self, job: Job, token: str, build: Callable[[Pipeline], None]) -> str | None:
+    def _fenced(self, job: Job, token: str, build: Callable[[Pipeline], None], *,
+                check: Callable[[Pipeline], str | None] | None = None,
+                watch: Sequence[str] = ()) -> str | None:
         """Run `build`'s writes in one transaction, only if execution `token` still owns
-        the job.
+        the job (and `check`, reading the `watch` keys, returns None).
 
         WATCH makes the check and the writes atomic: if the job hash or its owner key
         changes in between (another worker takes the job, someone cancels it), the
         transaction is dropped and the check runs again. Returns None when written, else
         why the job is not ours any more (nothing was written).
         """
-        keys = [job.key, self.keys.job_owner(str(job.id))]
+        keys = [job.key, self.keys.job_owner(str(job.id)), *watch]
         with self.connection.pipeline() as pipe:
             while True:
                 try:
                     pipe.watch(*keys)  # type: ignore[no-untyped-call]
                     why = self._owned(pipe, job, token)
+                    if why is None and check is not None:
+                        why = check(pipe)
                     if why is not None:
                         pipe.reset()
                         return why
@@ -417,14 +423,21 @@ class JobLifecycle:
 
     # --- ending --------------------------------------------------------------------------
 
-    def succeed(self, running: Running, summary: Mapping[str, Any]) -> str | None:
+    def succeed(self, running: Running, summary: Mapping[str, Any], *,
+                require_items: bool = False) -> str | None:
         """Finish the job with `summary` as its RQ result (job.return_value()), fenced.
 
         The status change, the result, the registries and the `finished` event are one
         transaction. The event carries the summary's fields, and the whole summary as JSON
-        in `summary`. Returns None when finished, else why the job is not this worker's
-        any more (then nothing was written).
+        in `summary`. Returns None when finished; with require_items, INCOMPLETE when,
+        checked in the same transaction, not every item has a stored result (nothing
+        written: compute the missing ones); else why the job is not this worker's any more.
         """
+        items_key = self.keys.job_items(running.job_id)
+
+        def complete(pipe: Pipeline) -> str | None:
+            return None if int(pipe.hlen(items_key)) >= running.total else INCOMPLETE
+
         value = dict(summary)
         # RQ would silently store "Unserializable return value" instead of raising.
         json.dumps(value)
@@ -452,7 +465,10 @@ class JobLifecycle:
                             fields={**value, "summary": value}, pipeline=pipe)
             worker.increment_successful_job_count(pipeline=pipe)
 
-        why = self._fenced(job, running.token, build)
+        why = self._fenced(job, running.token, build, check=complete if require_items else None,
+                           watch=[items_key] if require_items else [])
+        if why == INCOMPLETE:
+            return why
         if why is None:
             job.send_webhooks(JobStatus.FINISHED)
         self._after_end()
