@@ -9,12 +9,23 @@
 -- ARGV[4] = channel <prefix>:done   ARGV[5] = channel <prefix>:done:<queue>, or ''
 -- ARGV[6], ARGV[7], ... = further event fields and values (e.g. 'error', '<message>')
 -- Returns the event's stream id, or nil (nothing written) when the job's status is not
--- ARGV[2] or this run of the job has its terminal event already (hash field vlmq_end).
+-- ARGV[2] or this run of the job has its terminal event already: the hash field vlmq_end
+-- is set, or the stream's last entry is a terminal event (written by a canceler that did
+-- not use this script; nothing is ever written after a terminal event).
 if redis.call('HGET', KEYS[1], 'status') ~= ARGV[2] then
   return nil
 end
 if redis.call('HEXISTS', KEYS[1], 'vlmq_end') == 1 then
   return nil
+end
+local terminal = {finished = true, failed = true, canceled = true}
+local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
+if last then
+  for i = 1, #last[2], 2 do
+    if last[2][i] == 'type' and terminal[last[2][i + 1]] then
+      return nil
+    end
+  end
 end
 local fields = {'type', ARGV[2]}
 for i = 6, #ARGV do

@@ -226,3 +226,35 @@ def test_finishing_rechecks_completeness_in_the_same_transaction(redis, keys, ri
     assert rig.life.succeed(state, {"items": 2}, require_items=True) == INCOMPLETE
     assert fetch_job(redis, job_id).get_status() == "started"
     assert [e["type"] for e in events(redis, keys, job_id)] == ["item", "item"]
+
+
+def test_a_cancel_that_wrote_its_own_event_is_not_doubled(redis, keys, rig):
+    """A canceler that added its `canceled` event without end_job.lua: the worker that
+    drops the job finds the stream already ends with a terminal event."""
+    job_id = job(redis, 2)
+    rig.take()
+    pipe = redis.pipeline(transaction=True)
+    fetch_job(redis, job_id).cancel(pipeline=pipe)
+    R.add_event(redis, keys, job_id, {"type": "canceled"}, pipeline=pipe)
+    pipe.execute()
+    rig.writer.flush()
+    rig.writer.drop(rig.scheduler.jobs[job_id], "canceled")
+    assert [e["type"] for e in events(redis, keys, job_id)] == ["canceled"]
+
+
+def test_a_job_abandoned_with_no_retries_left_gets_its_failed_event(redis, keys):
+    job_id = job(redis, 1)
+    dead = Rig(redis, keys, f"dead-{uuid.uuid4().hex[:6]}")
+    dead.life.worker.heartbeat_ttl = 1
+    dead.take()
+    redis.hset(keys.rq_job(job_id), "retries_left", 0)
+    time.sleep(2.1)  # its heartbeat TTL passes: the worker "died"
+    other = Rig(redis, keys, f"w-{uuid.uuid4().hex[:6]}")
+    other.life.maintain()  # RQ's cleanup fails it; vlmq writes the terminal event
+    other.life.worker.last_cleaned_at = None
+    R.end_job_event(redis, keys, job_id, "failed", queue="ocr", ttl_s=60,
+                    fields={"error": "again"})  # a second maintainer writes nothing more
+    assert fetch_job(redis, job_id).get_status() == "failed"
+    evs = events(redis, keys, job_id)
+    assert [e["type"] for e in evs] == ["failed"] and "AbandonedJobError" in evs[0]["error"]
+    other.life.register_death()
