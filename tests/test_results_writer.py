@@ -258,3 +258,15 @@ def test_a_job_abandoned_with_no_retries_left_gets_its_failed_event(redis, keys)
     evs = events(redis, keys, job_id)
     assert [e["type"] for e in evs] == ["failed"] and "AbandonedJobError" in evs[0]["error"]
     other.life.register_death()
+
+
+def test_a_job_whose_owner_key_expired_is_left_for_rq_to_requeue(redis, keys, rig):
+    job_id = job(redis, 2)
+    state = rig.take()
+    rig.run_items(state, 1)
+    redis.delete(keys.job_owner(job_id))  # expired while this worker stalled for long
+    rig.writer.flush()
+    assert job_id not in rig.scheduler.jobs and R.read_items(redis, keys, job_id) == []
+    # Its wip entry stays, so RQ's cleanup requeues the job and another worker resumes it.
+    reclaim(redis)
+    assert fetch_job(redis, job_id).get_status() == "queued"

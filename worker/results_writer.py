@@ -154,7 +154,7 @@ class ResultWriter:
 
     def _why_lost(self, state: Running) -> str:
         lost = self.lifecycle.lost([state])
-        return lost[0][1] if lost else "no longer owned by this worker"
+        return lost[0][1] if lost else "ownership changed during the write"
 
     # --- end -----------------------------------------------------------------------------
 

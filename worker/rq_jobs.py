@@ -48,6 +48,9 @@ OWNER_TTL_HEARTBEATS = 10
 OWNER_TTL_MIN_S = 600
 # JobLifecycle.succeed's answer when item results are missing at the moment of finishing.
 INCOMPLETE = "item results missing"
+# Why a STARTED job is not ours when its owner key is gone (it expired while this worker
+# stalled far past its heartbeat TTL, and nobody took the job).
+ORPHANED = "its owner key expired; RQ requeues it once its heartbeat TTL has passed"
 
 
 class BatchWorker(SimpleWorker):
@@ -407,14 +410,18 @@ class JobLifecycle:
         """Forget a job this worker no longer owns: end its own execution record (its wip
         entry must not come back as a stale one), write nothing into the job.
 
-        The one exception: a job found canceled by someone who wrote no terminal event
-        (RQ's own Job.cancel) gets its `canceled` event, which end_job_event writes once
-        whoever calls it.
+        An ORPHANED job keeps its wip entry: it is the only way RQ's cleanup finds the job
+        (still STARTED) and requeues it. A job found canceled by someone who wrote no
+        terminal event (RQ's own Job.cancel) gets its `canceled` event, which
+        end_job_event writes once whoever calls it.
         """
-        with self.connection.pipeline() as pipe:
-            self.worker.cleanup_execution(running.job, pipeline=pipe,
-                                          execution=running.execution)
-            pipe.execute()
+        if why == ORPHANED:
+            self.worker.executions.pop(running.execution.id, None)
+        else:
+            with self.connection.pipeline() as pipe:
+                self.worker.cleanup_execution(running.job, pipeline=pipe,
+                                              execution=running.execution)
+                pipe.execute()
         if why == JobStatus.CANCELED.value:
             R.end_job_event(self.connection, self.keys, running.job_id, "canceled",
                             queue=running.queue.name,
@@ -561,9 +568,10 @@ def _why_not_ours(status: Any, owner: Any, token: str) -> str | None:
     st = as_str(status)
     if st != JobStatus.STARTED.value:
         return st  # queued (requeued after a missed heartbeat), canceled, finished, failed...
-    if owner is None or as_str(owner) != token:
-        other = as_str(owner).split(" ", 1)[-1] if owner is not None else None
-        return f"taken over by worker {other}" if other else "no longer owned by this worker"
+    if owner is None:
+        return ORPHANED
+    if as_str(owner) != token:
+        return f"taken over by worker {as_str(owner).split(' ', 1)[-1]}"
     return None
 
 
