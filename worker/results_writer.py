@@ -114,7 +114,8 @@ class ResultWriter:
         """Stop running a job this worker no longer owns; write nothing more for it."""
         log.warning("job %s dropped (%s): %d result(s) not written", state.job_id, why,
                     len(self._unwritten.pop(state.job_id, {})))
-        self.scheduler.jobs.pop(state.job_id, None)
+        if self.scheduler.jobs.get(state.job_id) is state:
+            del self.scheduler.jobs[state.job_id]
         self.lifecycle.drop(state, why)
 
     # --- flush ---------------------------------------------------------------------------
