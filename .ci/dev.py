@@ -24,6 +24,7 @@ BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 PY = BIN / "python"
 STAMP = VENV / ".vlmq-install-stamp"
 TEST_REDIS = ("127.0.0.1", 6379)
+NODE_PACKAGES = ROOT / "tests" / "clients" / "package.json"
 
 
 def log(msg: str) -> None:
@@ -96,6 +97,41 @@ def ensure_test_redis() -> None:
     sys.exit(f"{binary} did not start answering on {host}:{port}")
 
 
+def npm_cache() -> Path:
+    """Where the Node.js test client's npm packages go (tests read VLMQ_NODE_MODULES)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "vlmq" / "npm"
+
+
+def ensure_node() -> None:
+    """Node.js and the npm `redis` package for the cross-language producer test.
+
+    Like redis-server: installed with apt-get when missing and running as root; otherwise
+    the test says why it skips. The npm packages go to a cache directory, once.
+    """
+    if not shutil.which("node") and shutil.which("apt-get") and os.geteuid() == 0:
+        log("node is missing: installing nodejs and npm with apt-get")
+        subprocess.run(["apt-get", "update", "-qq"], check=False)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "nodejs", "npm"], check=False)
+    npm = shutil.which("npm")
+    if not shutil.which("node") or npm is None:
+        log("node/npm unavailable: the Node.js producer test will skip")
+        return
+    cache = npm_cache()
+    cache.mkdir(parents=True, exist_ok=True)
+    wanted = NODE_PACKAGES.read_text()
+    if (cache / "package.json").exists() and (cache / "package.json").read_text() == wanted \
+            and (cache / "node_modules").is_dir():
+        os.environ["VLMQ_NODE_MODULES"] = str(cache / "node_modules")
+        return
+    log(f"installing the Node.js test client's npm packages into {cache}")
+    (cache / "package.json").write_text(wanted)
+    done = subprocess.run([npm, "install", "--prefix", str(cache), "--no-audit", "--no-fund"],
+                          check=False)
+    if done.returncode == 0:
+        os.environ["VLMQ_NODE_MODULES"] = str(cache / "node_modules")
+
+
 def typecheck() -> int:
     """mypy --strict over the three packages under their import names.
 
@@ -116,6 +152,7 @@ def typecheck() -> int:
 def cmd_test(args: list[str]) -> int:
     ensure_venv()
     ensure_test_redis()
+    ensure_node()
     log("ruff check")
     lint = subprocess.run([str(BIN / "ruff"), "check", "."], cwd=ROOT, check=False)
     if lint.returncode != 0:

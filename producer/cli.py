@@ -20,7 +20,13 @@ from vlmq.producer.manage import CannotCancel
 from vlmq.producer.manifest import read_manifest
 from vlmq.producer.options import MAX_TTL_S, JobOptions
 from vlmq.shared import constants as C
-from vlmq.shared.clitools import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_TIMEOUT, fail
+from vlmq.shared.clitools import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_FAILED_ITEMS,
+    EXIT_TIMEOUT,
+    fail,
+)
 from vlmq.shared.errors import InputError, PayloadError
 from vlmq.shared.schema import ItemResult
 
@@ -399,12 +405,17 @@ def _overview(client: Client, as_json: bool) -> None:
 @click.argument("job_ids", nargs=-1, required=True)
 @click.option("--timeout", type=click.FloatRange(min=0), metavar="S",
               help="Give up after S seconds (exit 124).")
+@click.option("--strict", is_flag=True,
+              help="Also fail (exit 3) when a job finished with failed items.")
 @_json_option
 @click.pass_context
 def wait_cmd(ctx: click.Context, job_ids: tuple[str, ...], timeout: float | None,
-             as_json: bool) -> None:
-    """Wait for jobs with progress (a bar on a terminal, else a line every 10 % or 10 s);
-    exit 1 if any did not finish, 124 on timeout."""
+             strict: bool, as_json: bool) -> None:
+    """Wait for jobs with progress (a bar on a terminal, else a line every 10 % or 10 s).
+
+    Exit codes: 0 every job finished; 1 a job failed, was canceled or is not found;
+    3 (--strict only) every job finished but some items failed; 124 timed out.
+    """
     with _client(ctx) as client:
         jobs = [client.job(j) for j in job_ids]
         try:
@@ -419,16 +430,21 @@ def wait_cmd(ctx: click.Context, job_ids: tuple[str, ...], timeout: float | None
         for job in jobs:
             state = statuses[job.id]
             error = job.error() if state != "finished" else None
-            out.append({"id": job.id, "status": state,
+            failed = (job.summary() or {}).get("failed", 0) if state == "finished" else 0
+            out.append({"id": job.id, "status": state, "failed_items": failed,
                         "error": _last_line(error) if error else None})
     if as_json:
         click.echo(json.dumps(out))
     else:
         for row in out:
             click.echo(f"{row['id']}: {row['status']}"
-                       + (f": {row['error']}" if row["error"] else ""))
+                       + (f": {row['error']}" if row["error"] else "")
+                       + (f" ({row['failed_items']} item(s) failed)"
+                          if row["failed_items"] else ""))
     if any(row["status"] != "finished" for row in out):
         sys.exit(EXIT_FAILED)
+    if strict and any(row["failed_items"] for row in out):
+        sys.exit(EXIT_FAILED_ITEMS)
 
 
 def _write(path: str | None, text: str) -> None:

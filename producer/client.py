@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import click
-from redis import ConnectionPool, Redis
+from redis import ConnectionPool
 from rq import Queue, Worker
 from rq.job import Job as RQJob
 from rq.results import Result
@@ -28,6 +28,7 @@ from vlmq.producer.inputs import PageSpec, Prepared, prepare
 from vlmq.producer.options import JobOptions
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import BlobStore
+from vlmq.shared.connection import connect
 from vlmq.shared.constants import DEFAULT_REDIS_URL
 from vlmq.shared.errors import PayloadError, VlmqError
 from vlmq.shared.jobs import (
@@ -100,7 +101,7 @@ class Client:
     def __init__(self, redis_url: str | None = None, *, prefix: str | None = None) -> None:
         self.redis_url = check_redis_url(
             redis_url or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL)
-        self.redis = Redis.from_url(self.redis_url)
+        self.redis = connect(self.redis_url)
         self.keys = Keys(prefix) if prefix is not None else Keys.from_env()
         self.blobs = BlobStore(self.redis, self.keys)
 

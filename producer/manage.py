@@ -22,10 +22,11 @@ from rq.job import Job as RQJob
 from rq.serializers import JSONSerializer
 
 from vlmq.producer.errors import JobNotFound
+from vlmq.shared import constants as C
 from vlmq.shared.errors import PayloadError, VlmqError
 from vlmq.shared.jobs import UNREADABLE_HASH_ERRORS
 from vlmq.shared.keys import RQ_RESULTS, SHA256_RE, Keys
-from vlmq.shared.results import add_event
+from vlmq.shared.results import end_job_event, ended_ttl
 from vlmq.shared.text import as_str
 
 JOB_KEY_GLOB = "rq:job:*"
@@ -198,9 +199,8 @@ def cancel(redis: Redis, keys: Keys, job_id: str) -> None:
         job.cancel(pipeline=pipe)
     except InvalidJobOperation as exc:
         raise CannotCancel(job_id, "canceled") from exc
-    ttl = job.failure_ttl if job.failure_ttl and job.failure_ttl > 0 else None
-    add_event(redis, keys, job_id, {"type": "canceled", "status": "canceled"},
-              pipeline=pipe, **({"ttl_s": ttl} if ttl else {}))
+    end_job_event(redis, keys, job_id, "canceled", queue=job.origin,
+                  ttl_s=ended_ttl(job.result_ttl, C.RESULT_TTL_S), pipeline=pipe)
     pipe.execute()
 
 
@@ -224,7 +224,7 @@ def delete(redis: Redis, keys: Keys, job_id: str) -> frozenset[str]:
     elif row.queue:
         pipe.lrem(Keys.rq_queue(row.queue), 0, job_id)
     pipe.delete(Keys.rq_job(job_id), RQ_RESULTS.format(id=job_id), keys.job_items(job_id),
-                keys.job_events(job_id))
+                keys.job_events(job_id), keys.job_owner(job_id))
     pipe.execute()
     return row.blobs
 

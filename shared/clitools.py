@@ -3,7 +3,8 @@
 Exit codes are part of the interface so scripts can branch on them:
 0 ok; 1 a job failed / not found / Redis unreachable or refusing writes (maxmemory, a
 read-only replica); 2 bad input or usage (nothing was written to Redis; for `result`, an
--o path that cannot be written); 124 `wait` timed out.
+-o path that cannot be written); 3 `wait --strict`: every job finished, but some items
+failed; 124 `wait` timed out.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import click
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
+EXIT_FAILED_ITEMS = 3
 EXIT_TIMEOUT = 124
 
 

@@ -45,6 +45,24 @@ class Keys:
         """Stream of progress events for one job (item done, job finished/failed)."""
         return f"{self.prefix}:job:{job_id}:events"
 
+    def job_owner(self, job_id: str) -> str:
+        """String: the execution that owns a running job, `<execution id> <worker name>`.
+
+        Set when a worker starts the job, deleted when it ends it. Every write a worker
+        makes for the job (item results, events, the job's end, heartbeats) checks it
+        atomically, so a worker that lost the job (stalled past its heartbeat) writes nothing.
+        """
+        return f"{self.prefix}:job:{job_id}:owner"
+
+    @property
+    def done_channel(self) -> str:
+        """Pub/sub channel: `{"id": ..., "status": ...}` once per job that ends."""
+        return f"{self.prefix}:done"
+
+    def done_queue_channel(self, queue: str) -> str:
+        """Pub/sub channel: the same message, for jobs of one queue only."""
+        return f"{self.prefix}:done:{queue}"
+
     def worker_stats(self, name: str) -> str:
         """Hash of one worker's live stats; expires when the worker stops refreshing it."""
         return f"{self.prefix}:worker:{name}:stats"

@@ -1,22 +1,34 @@
 """Per-item results and progress events: the worker writes them, producers read them.
 
 Each finished item is one HSET into `<prefix>:job:<id>:items` plus one XADD to the
-job's events stream, in one pipeline, so a reader never sees an event without its result.
+job's events stream, in one transaction, so a reader never sees an event without its
+result. A job's end is one terminal event (`finished`, `failed` or `canceled`), written by
+end_job_event in the same transaction as the status change.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from functools import cache
+from importlib import resources
 from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
+from redis.commands.core import Script
 
 from vlmq.shared import constants as C
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import ItemResult
 
 EVENTS_MAXLEN = 10_000
+# Field of the RQ job hash that end_job.lua sets: this run of the job has its terminal event.
+END_FIELD = "vlmq_end"
+TERMINAL_EVENTS = ("finished", "failed", "canceled")
+# Stream/hash lifetime after a job ends with result_ttl 0 ("keep nothing"): long enough
+# for a follower of the events stream to see the terminal event.
+ENDED_MIN_TTL_S = 60
 
 
 def write_item(redis: Redis, keys: Keys, job_id: str, result: ItemResult, *,
@@ -35,9 +47,53 @@ def add_event(redis: Redis, keys: Keys, job_id: str, event: dict[str, Any], *,
               ttl_s: int = C.RESULT_TTL_S, pipeline: Pipeline | None = None) -> None:
     conn: Any = pipeline if pipeline is not None else redis
     key = keys.job_events(job_id)
-    conn.xadd(key, {k: str(v) for k, v in event.items()}, maxlen=EVENTS_MAXLEN,
-              approximate=True)
+    conn.xadd(key, event_fields(event), maxlen=EVENTS_MAXLEN, approximate=True)
     conn.expire(key, ttl_s)
+
+
+def event_fields(event: Mapping[str, Any]) -> dict[str, str]:
+    """Stream fields are strings: text as is, anything else (numbers, labels) as JSON."""
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in event.items()}
+
+
+@cache
+def _end_script_source() -> str:
+    return resources.files("vlmq.shared").joinpath("end_job.lua").read_text(encoding="utf-8")
+
+
+def end_script(redis: Redis) -> Script:
+    return redis.register_script(_end_script_source())
+
+
+def ended_ttl(ttl_s: int | None, default: int) -> int:
+    """How long a job's events and items live once it ended: as long as the job hash
+    (RQ's result_ttl or failure_ttl; -1 keeps them)."""
+    if ttl_s is None:
+        return default
+    if ttl_s == 0:
+        return ENDED_MIN_TTL_S
+    return ttl_s if ttl_s > 0 else -1
+
+
+def end_job_event(redis: Redis, keys: Keys, job_id: str, status: str, *, queue: str | None,
+                  ttl_s: int, fields: Mapping[str, Any] | None = None,
+                  pipeline: Pipeline | None = None) -> None:
+    """The terminal event of a job's run, and the PUBLISH on the done channels.
+
+    Written only when the job's status is `status` (finished, failed or canceled) and this
+    run has no terminal event yet, so it exists exactly once whoever ends the job (a worker,
+    `vlmq cancel`, a worker finding a job that RQ's cleanup failed). Queue it in the same
+    MULTI as the status change, after it. The events stream and the item results get
+    `ttl_s` (see ended_ttl) so they expire with the job.
+    """
+    if status not in TERMINAL_EVENTS:
+        raise ValueError(f"not a terminal status: {status!r}")
+    args: list[str | int] = [job_id, status, ttl_s, keys.done_channel,
+                             keys.done_queue_channel(queue) if queue else ""]
+    for k, v in event_fields(fields or {}).items():
+        args += [k, v]
+    end_script(redis)(keys=[Keys.rq_job(job_id), keys.job_events(job_id),
+                            keys.job_items(job_id)], args=args, client=pipeline or redis)
 
 
 def done_indexes(redis: Redis, keys: Keys, job_id: str) -> set[int]:

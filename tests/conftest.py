@@ -6,6 +6,7 @@ import itertools
 import os
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,9 +28,9 @@ def _clear(conn: Redis, *, keep_claim: bool) -> None:
             conn.delete(key)
 
 
-@pytest.fixture
-def redis_url() -> Iterator[str]:
-    """URL of an empty Redis db that this test alone uses; emptied afterwards."""
+@contextmanager
+def _claimed_db() -> Iterator[str]:
+    """URL of an empty Redis db claimed for the caller alone; emptied afterwards."""
     start = next(_order)
     deadline = time.monotonic() + 120
     while True:
@@ -50,9 +51,25 @@ def redis_url() -> Iterator[str]:
             continue
         break
     _clear(conn, keep_claim=True)
-    yield f"{REDIS_BASE}/{db}"
-    _clear(conn, keep_claim=False)
-    conn.close()
+    try:
+        yield f"{REDIS_BASE}/{db}"
+    finally:
+        _clear(conn, keep_claim=False)
+        conn.close()
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    """URL of an empty Redis db that this test alone uses; emptied afterwards."""
+    with _claimed_db() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def module_redis_url() -> Iterator[str]:
+    """The same, shared by one module's tests (e.g. with one worker serving them all)."""
+    with _claimed_db() as url:
+        yield url
 
 
 @pytest.fixture

@@ -327,6 +327,16 @@ def finished_doc(run, redis: Redis, keys: Keys, tmp_path: Path) -> tuple[str, Pa
     return job_id, path
 
 
+def test_wait_strict_exits_3_when_a_finished_job_has_failed_items(
+        run, finished_doc: tuple[str, Path]) -> None:
+    job_id, _ = finished_doc
+    res = run("wait", job_id, "--timeout", "5")
+    assert res.exit_code == 0 and f"{job_id}: finished (1 item(s) failed)" in res.stdout
+    res = run("wait", job_id, "--timeout", "5", "--strict")
+    assert res.exit_code == 3 and f"{job_id}: finished (1 item(s) failed)" in res.stdout
+    assert "exit 3" in run("wait", "--help").stdout
+
+
 def test_result_jsonl_is_in_item_order(run, finished_doc: tuple[str, Path]) -> None:
     job_id, _ = finished_doc
     res = run("result", job_id, "--format", "jsonl")

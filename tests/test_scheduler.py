@@ -10,15 +10,14 @@ from vlmq.worker.scheduler import JobState, Scheduler
 SHA = "0" * 64
 
 
-def _state(job_id: str, n: int) -> JobState[None]:
+def _state(job_id: str, n: int) -> JobState:
     payload = JobPayload(task="caption",
                          items=tuple(Item("image", SHA, f"{i}.png") for i in range(n)))
-    return JobState(job_id=job_id, handle=None, payload=payload, pending=deque(range(n)),
-                    already_done=0)
+    return JobState(job_id=job_id, payload=payload, pending=deque(range(n)))
 
 
 def test_the_job_with_fewest_items_left_goes_first_and_ties_keep_arrival_order() -> None:
-    s: Scheduler[None] = Scheduler()
+    s: Scheduler[JobState] = Scheduler()
     s.add(_state("big-1", 40))
     s.add(_state("big-2", 40))
     order = [s.next_item() for _ in range(3)]
@@ -26,7 +25,7 @@ def test_the_job_with_fewest_items_left_goes_first_and_ties_keep_arrival_order()
     s.add(_state("small", 2))  # arrives while the big ones run
     nxt = [s.next_item() for _ in range(2)]
     assert [(st.job_id, i) for st, i in nxt] == [("small", 0), ("small", 1)]
-    assert s.finish_item("small", 0) is not None and s.finish_item("small", 1) is not None
+    assert s.item_returned("small", 0) is not None and s.item_returned("small", 1) is not None
     assert s.jobs["small"].complete
     s.remove("small")
     st, i = s.next_item()  # back to the big job that is furthest along
@@ -34,9 +33,23 @@ def test_the_job_with_fewest_items_left_goes_first_and_ties_keep_arrival_order()
 
 
 def test_an_item_retried_after_a_transient_error_comes_back_first() -> None:
-    s: Scheduler[None] = Scheduler()
+    s: Scheduler[JobState] = Scheduler()
     s.add(_state("a", 3))
     _, i = s.next_item()
     s.retry_item("a", i)
     assert s.next_item()[1] == i
-    assert s.finish_item("a", 99) is None  # not outstanding: ignored
+    assert s.item_returned("a", 99) is None  # not outstanding: ignored
+    assert s.item_returned("a", i) is not None
+    assert s.item_returned("a", i) is None  # came back twice: the second copy is unwanted
+
+
+def test_items_whose_results_vanished_are_scheduled_again_first() -> None:
+    s: Scheduler[JobState] = Scheduler()
+    s.add(_state("a", 4))
+    for _ in range(4):
+        _, i = s.next_item()
+        s.item_returned("a", i)
+    assert s.jobs["a"].complete
+    s.redo("a", [3, 1])
+    assert not s.jobs["a"].complete
+    assert [s.next_item()[1], s.next_item()[1]] == [1, 3]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,15 +24,18 @@ from redis.exceptions import WatchError
 from rq import Queue
 from rq.executions import Execution
 from rq.job import Job, JobStatus
+from rq.results import Result
 from rq.serializers import JSONSerializer, resolve_serializer
 from rq.utils import current_timestamp, now, utcformat
 from rq.worker import SimpleWorker, WorkerStatus
 
 from vlmq.shared import constants as C
+from vlmq.shared import results as R
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.jobs import UNREADABLE_HASH_ERRORS, payload_of
-from vlmq.shared.schema import JobPayload
+from vlmq.shared.keys import Keys
 from vlmq.shared.text import as_str
+from vlmq.worker.scheduler import JobState
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +43,14 @@ class _Stale(Exception):
     """A queue entry whose job is not QUEUED any more."""
 
 
-# Statuses that mean someone took the job away from its worker.
-_NOT_OURS = frozenset({JobStatus.CANCELED.value, JobStatus.STOPPED.value})
+# The owner key (Keys.job_owner) lives this many heartbeat TTLs, at least OWNER_TTL_MIN_S.
+OWNER_TTL_HEARTBEATS = 10
+OWNER_TTL_MIN_S = 600
+# JobLifecycle.succeed's answer when item results are missing at the moment of finishing.
+INCOMPLETE = "item results missing"
+# Why a STARTED job is not ours when its owner key is gone (it expired while this worker
+# stalled far past its heartbeat TTL, and nobody took the job).
+ORPHANED = "its owner key expired; RQ requeues it once its heartbeat TTL has passed"
 
 
 class BatchWorker(SimpleWorker):
@@ -79,19 +88,15 @@ class BatchWorker(SimpleWorker):
             "BatchWorker jobs run through vlmq.worker.rq_jobs.JobLifecycle, not Worker.work()")
 
 
-@dataclass
-class Running:
-    """One in-flight job; pass it back to JobLifecycle to heartbeat or end it."""
+@dataclass(kw_only=True, eq=False)
+class Running(JobState):
+    """One in-flight job: its RQ side (job, queue, execution) and, from JobState, where its
+    items stand. Pass it back to JobLifecycle to heartbeat or end it."""
 
     job: Job
     queue: Queue
     execution: Execution
-    payload: JobPayload
-    started: float  # time.monotonic() when taken
-
-    @property
-    def job_id(self) -> str:
-        return str(self.job.id)
+    token: str  # this execution's value of the job's owner key (Keys.job_owner)
 
     def timed_out(self, at: float | None = None) -> bool:
         """True once the job's RQ timeout has passed.
@@ -123,9 +128,11 @@ class JobLifecycle:
     can leave its execution hash behind until heartbeat_ttl expires it, nothing worse.
     """
 
-    def __init__(self, worker: BatchWorker, queues: Sequence[Queue] | None = None) -> None:
+    def __init__(self, worker: BatchWorker, queues: Sequence[Queue] | None = None, *,
+                 keys: Keys | None = None) -> None:
         self.worker = worker
         self.connection = worker.connection
+        self.keys = keys if keys is not None else Keys.from_env()
         # Priority order: take() drains the first queue before looking at the next.
         self.queues: list[Queue] = list(queues) if queues is not None else list(worker.queues)
         for q in self.queues:
@@ -167,6 +174,7 @@ class JobLifecycle:
         """
         if not self.worker.should_run_maintenance_tasks:
             return
+        expired = {q.name: q.started_job_registry.get_expired_job_ids() for q in self.queues}
         try:
             self.worker.run_maintenance_tasks()  # type: ignore[no-untyped-call]
         except UNREADABLE_HASH_ERRORS:
@@ -174,6 +182,23 @@ class JobLifecycle:
             # of "86400.0" from a hand-written producer) must not stop this worker.
             log.exception("RQ registry maintenance failed on an unreadable job; skipped")
             self.worker.last_cleaned_at = now()  # type: ignore[assignment]  # retry next interval
+        self._end_abandoned(expired)
+
+    def _end_abandoned(self, expired: Mapping[str, Sequence[str]]) -> None:
+        """The terminal event of each job RQ's cleanup failed as abandoned (its worker
+        died and its retries are spent): RQ writes none. end_job_event writes it once,
+        whichever worker's maintenance gets here first."""
+        for queue, job_ids in expired.items():
+            for job_id in job_ids:
+                status, ttl = self.connection.hmget(Job.key_for(job_id),
+                                                    ["status", "failure_ttl"])
+                if status is None or as_str(status) != JobStatus.FAILED.value:
+                    continue
+                R.end_job_event(
+                    self.connection, self.keys, job_id, "failed", queue=queue,
+                    ttl_s=R.ended_ttl(_int_or_none(ttl), C.FAILURE_TTL_S),
+                    fields={"error": "the worker running this job stopped (no heartbeat) "
+                                     "and the job's retries are spent (AbandonedJobError)"})
 
     # --- taking jobs ---------------------------------------------------------------------
 
@@ -194,7 +219,8 @@ class JobLifecycle:
                 job_id = getattr(exc, "job_id", None)  # RQ attaches it on a failed fetch
                 if job_id is None:
                     raise
-                return _quarantine_unreadable(self.connection, queue, str(job_id), exc)
+                return _quarantine_unreadable(self.connection, self.keys, queue, str(job_id),
+                                              exc)
             if dequeued is not None:
                 started = self._start(dequeued[0], queue)
                 if started is not None:
@@ -214,9 +240,13 @@ class JobLifecycle:
             log.exception("job %s: payload validation crashed", job.id)
             reason = f"vlmq refused job {job.id}: payload validation crashed ({exc!r})"
         else:
-            return Running(job, queue, execution, payload, time.monotonic())
-        self._end_failed(job, queue, execution, reason, retry=False)
+            return Running(job_id=str(job.id), payload=payload, job=job, queue=queue,
+                           execution=execution, token=self._token(execution))
+        self._end_failed(job, queue, execution, self._token(execution), reason, retry=False)
         return Refused(str(job.id), queue.name, reason)
+
+    def _token(self, execution: Execution) -> str:
+        return f"{execution.id} {self.worker.name}"
 
     def _mark_started(self, job: Job, queue: Queue) -> Execution | None:
         """What RQ's prepare_execution + prepare_job_execution do, in one transaction.
@@ -256,101 +286,205 @@ class JobLifecycle:
                                      worker_name=worker.name)
         job.prepare_for_execution(worker.name, pipe)
         pipe.hsetnx(job.key, C.FIRST_STARTED_FIELD, f"{time.time():.3f}")
+        # The fence: from here on only this execution writes for the job (see _owned).
+        pipe.set(self.keys.job_owner(str(job.id)), self._token(execution), ex=self._owner_ttl)
+        pipe.hdel(job.key, R.END_FIELD)  # a new run gets its own terminal event
         pipe.persist(job.key)  # a job enqueued with ttl= must not vanish mid-run
         pipe.lrem(queue.intermediate_queue_key, 1, job.id)
         worker.heartbeat(pipeline=pipe)
         worker.set_state(WorkerStatus.BUSY, pipeline=pipe)
         return execution
 
+    # --- ownership -----------------------------------------------------------------------
+
+    @property
+    def _owner_ttl(self) -> int:
+        """The owner key outlives many missed heartbeats (it is refreshed by each), and
+        expires on its own after a worker died holding it."""
+        return max(OWNER_TTL_MIN_S, OWNER_TTL_HEARTBEATS * self.worker.heartbeat_ttl)
+
+    def _owned(self, conn: Any, job: Job, token: str) -> str | None:
+        """None while `token` is the job's current execution, else why not (for the log).
+
+        The job must be STARTED and its owner key must hold this execution's token: a
+        worker that stalled past its heartbeat finds the job requeued (QUEUED), taken by
+        another worker (another token), ended, canceled or deleted.
+        """
+        status = conn.hget(job.key, "status")
+        owner = conn.get(self.keys.job_owner(str(job.id)))
+        return _why_not_ours(status, owner, token)
+
+    def _fenced(self, job: Job, token: str, build: Callable[[Pipeline], None], *,
+                check: Callable[[Pipeline], str | None] | None = None,
+                watch: Sequence[str] = ()) -> str | None:
+        """Run `build`'s writes in one transaction, only if execution `token` still owns
+        the job (and `check`, reading the `watch` keys, returns None).
+
+        WATCH makes the check and the writes atomic: if the job hash or its owner key
+        changes in between (another worker takes the job, someone cancels it), the
+        transaction is dropped and the check runs again. Returns None when written, else
+        why the job is not ours any more (nothing was written).
+        """
+        keys = [job.key, self.keys.job_owner(str(job.id)), *watch]
+        with self.connection.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(*keys)  # type: ignore[no-untyped-call]
+                    why = self._owned(pipe, job, token)
+                    if why is None and check is not None:
+                        why = check(pipe)
+                    if why is not None:
+                        pipe.reset()
+                        return why
+                    pipe.multi()
+                    build(pipe)
+                    pipe.execute()
+                    return None
+                except WatchError:
+                    continue
+
+    def lost(self, running: Sequence[Running]) -> list[tuple[Running, str]]:
+        """Those of `running` this worker no longer owns, each with why (one round trip)."""
+        if not running:
+            return []
+        with self.connection.pipeline(transaction=False) as pipe:
+            for r in running:
+                pipe.hget(r.job.key, "status")
+                pipe.get(self.keys.job_owner(r.job_id))
+            replies = pipe.execute()
+        out = []
+        for i, r in enumerate(running):
+            why = _why_not_ours(replies[2 * i], replies[2 * i + 1], r.token)
+            if why is not None:
+                out.append((r, why))
+        return out
+
+    def is_ours(self, running: Running) -> bool:
+        return self._owned(self.connection, running.job, running.token) is None
+
     # --- while running -------------------------------------------------------------------
 
-    def heartbeat(self, running: Iterable[Running]) -> list[Running]:
-        """Extend the worker, and each job's execution and wip entry, by heartbeat_ttl.
+    def heartbeat(self, running: Iterable[Running]) -> list[tuple[Running, str]]:
+        """Extend the worker, and each owned job's execution, wip entry and owner key, by
+        heartbeat_ttl; returns the jobs this worker no longer owns, each with why.
 
         Call it every heartbeat_interval seconds (registry scores are whole seconds, so the
         real margin is up to 1 s short of the TTL), or StartedJobRegistry.cleanup fails the
         jobs as AbandonedJobError while they are still running. heartbeat([]) keeps an idle
         worker listed by `rq info` (its key expires after worker_ttl + 60 s).
 
-        Returns the jobs that are no longer this worker's: deleted, canceled or stopped
-        while running. Stop working on them and `drop` them; succeeding, failing or
-        requeueing one would bring it back.
+        A job that is not ours any more (deleted, canceled, or requeued and maybe taken by
+        another worker while this one was stalled) gets no heartbeat: that would put a stale
+        entry back into its started registry. Stop working on those and `drop` them.
         """
         batch = list(running)
         worker = self.worker
+        watched = [k for r in batch for k in (r.job.key, self.keys.job_owner(r.job_id))]
         with self.connection.pipeline() as pipe:
-            for r in batch:
-                pipe.hget(r.job.key, "status")
-            worker.heartbeat(pipeline=pipe)  # HSET returns 1 if the worker key was gone
-            worker_at = len(pipe) - 1
-            job_hset_at: list[int] = []
-            for r in batch:
-                ttl = worker.get_heartbeat_ttl(r.job)
-                r.execution.heartbeat(r.queue.started_job_registry, ttl, pipeline=pipe)
-                job_hset_at.append(len(pipe))
-                r.job.heartbeat(now(), ttl, pipeline=pipe)
-            results = pipe.execute()
-            deleted = [r for r, i in zip(batch, job_hset_at, strict=True) if results[i] == 1]
-            ended = [r for r, st in zip(batch, results[:len(batch)], strict=True)
-                     if st is not None and st.decode() in _NOT_OURS]
-            # Same repairs as RQ's Worker.maintain_heartbeats (rq#1450).
-            for r in deleted:
-                log.warning("job %s was deleted while running", r.job_id)
-                pipe.delete(r.job.key)
-            for r in ended:
-                log.warning("job %s was %s while running", r.job_id,
-                            results[batch.index(r)].decode())
-            if results[worker_at] == 1:
+            while True:
+                try:
+                    if watched:
+                        pipe.watch(*watched)  # type: ignore[no-untyped-call]
+                    gone = [(r, why) for r in batch
+                            if (why := self._owned(pipe, r.job, r.token)) is not None]
+                    pipe.multi()
+                    worker.heartbeat(pipeline=pipe)  # HSET returns 1 if the worker key was gone
+                    for r in batch:
+                        if any(g is r for g, _ in gone):
+                            continue
+                        ttl = worker.get_heartbeat_ttl(r.job)
+                        r.execution.heartbeat(r.queue.started_job_registry, ttl, pipeline=pipe)
+                        r.job.heartbeat(now(), ttl, pipeline=pipe)
+                        pipe.expire(self.keys.job_owner(r.job_id), self._owner_ttl)
+                    results = pipe.execute()
+                    break
+                except WatchError:
+                    continue
+        if results[0] == 1:  # same repair as RQ's Worker.maintain_heartbeats
+            with self.connection.pipeline() as pipe:
                 pipe.hset(worker.key, mapping=worker.serialize())
                 pipe.expire(worker.key, worker.worker_ttl + 60)
-            if len(pipe):
                 pipe.execute()
-        return deleted + [r for r in ended if r not in deleted]
+        return gone
 
-    def taken_away(self, running: Sequence[Running]) -> list[Running]:
-        """Those of `running` that were deleted, canceled or stopped meanwhile (one round trip)."""
-        if not running:
-            return []
-        with self.connection.pipeline(transaction=False) as pipe:
-            for r in running:
-                pipe.hget(r.job.key, "status")
-            statuses = pipe.execute()
-        return [r for r, st in zip(running, statuses, strict=True)
-                if st is None or as_str(st) in _NOT_OURS]
+    def drop(self, running: Running, why: str = "") -> None:
+        """Forget a job this worker no longer owns: end its own execution record (its wip
+        entry must not come back as a stale one), write nothing into the job.
 
-    def is_ours(self, running: Running) -> bool:
-        """Still STARTED here: not deleted, canceled or stopped by someone else meanwhile."""
-        status = self.connection.hget(running.job.key, "status")
-        if isinstance(status, bytes):
-            status = status.decode()
-        return status == JobStatus.STARTED.value
-
-    def drop(self, running: Running) -> None:
-        """Forget a job someone else deleted or canceled: end its execution, touch nothing
-        else, so the job keeps whatever state they gave it."""
-        with self.connection.pipeline() as pipe:
-            self.worker.cleanup_execution(running.job, pipeline=pipe,
-                                          execution=running.execution)
-            pipe.execute()
+        An ORPHANED job keeps its wip entry: it is the only way RQ's cleanup finds the job
+        (still STARTED) and requeues it. A job found canceled by someone who wrote no
+        terminal event (RQ's own Job.cancel) gets its `canceled` event, which
+        end_job_event writes once whoever calls it.
+        """
+        if why == ORPHANED:
+            self.worker.executions.pop(running.execution.id, None)
+        else:
+            with self.connection.pipeline() as pipe:
+                self.worker.cleanup_execution(running.job, pipeline=pipe,
+                                              execution=running.execution)
+                pipe.execute()
+        if why == JobStatus.CANCELED.value:
+            R.end_job_event(self.connection, self.keys, running.job_id, "canceled",
+                            queue=running.queue.name,
+                            ttl_s=R.ended_ttl(running.job.result_ttl, C.RESULT_TTL_S))
         self._after_end()
 
     # --- ending --------------------------------------------------------------------------
 
-    def succeed(self, running: Running, summary: Mapping[str, Any]) -> None:
-        """Finish the job with `summary` as its RQ result (job.return_value())."""
+    def succeed(self, running: Running, summary: Mapping[str, Any], *,
+                require_items: bool = False) -> str | None:
+        """Finish the job with `summary` as its RQ result (job.return_value()), fenced.
+
+        The status change, the result, the registries and the `finished` event are one
+        transaction. The event carries the summary's fields, and the whole summary as JSON
+        in `summary`. Returns None when finished; with require_items, INCOMPLETE when,
+        checked in the same transaction, not every item has a stored result (nothing
+        written: compute the missing ones); else why the job is not this worker's any more.
+        """
+        items_key = self.keys.job_items(running.job_id)
+
+        def complete(pipe: Pipeline) -> str | None:
+            return None if int(pipe.hlen(items_key)) >= running.total else INCOMPLETE
+
         value = dict(summary)
         # RQ would silently store "Unserializable return value" instead of raising.
         json.dumps(value)
-        job = running.job
-        job.ended_at = now()
-        _set_return_value(job, value)
-        self.worker.handle_job_success(job, running.queue, running.queue.started_job_registry,
-                                       running.execution)
-        job.send_webhooks(JobStatus.FINISHED)
-        self._after_end()
+        job, worker = running.job, self.worker
+        result_ttl = job.get_result_ttl(worker.default_result_ttl)
 
-    def fail(self, running: Running, message: str, *, retry: bool = False) -> None:
-        """Fail the job; `message` is its latest_result().exc_string.
+        def build(pipe: Pipeline) -> None:
+            # What RQ's handle_job_success writes (vlmq jobs have no dependents, repeats
+            # or rate limits), in this fenced transaction instead of RQ's own.
+            job.ended_at = now()
+            job.set_status(JobStatus.FINISHED, pipeline=pipe)
+            job.save(pipeline=pipe, include_meta=False, include_result=False)
+            if result_ttl != 0:
+                Result.create(job, Result.Type.SUCCESSFUL, ttl=result_ttl, return_value=value,
+                              worker_name=worker.name, pipeline=pipe,
+                              execution_id=running.execution.id,
+                              execution_started_at=running.execution.created_at,
+                              execution_ended_at=job.ended_at)
+                job.finished_job_registry.add(job, result_ttl, pipe)
+            job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+            self._close(pipe, running.job, running.execution)
+            R.end_job_event(self.connection, self.keys, running.job_id, "finished",
+                            queue=running.queue.name,
+                            ttl_s=R.ended_ttl(result_ttl, C.RESULT_TTL_S),
+                            fields={**value, "summary": value}, pipeline=pipe)
+            worker.increment_successful_job_count(pipeline=pipe)
+
+        why = self._fenced(job, running.token, build, check=complete if require_items else None,
+                           watch=[items_key] if require_items else [])
+        if why == INCOMPLETE:
+            return why
+        if why is None:
+            job.send_webhooks(JobStatus.FINISHED)
+        self._after_end()
+        return why
+
+    def fail(self, running: Running, message: str, *, retry: bool = False) -> str | None:
+        """Fail the job, fenced; `message` is its latest_result().exc_string and the `error`
+        of its `failed` event. Returns None when failed, else why the job is not ours.
 
         vlmq jobs carry retries for one reason: a worker that dies mid-job (RQ's cleanup
         then requeues it and the next worker resumes at item level). Failures reported
@@ -358,51 +492,98 @@ class JobLifecycle:
         spend those retries. With retry=True and retries left, RQ requeues or schedules
         the job instead and records no failure result, so the message is only logged.
         """
-        self._end_failed(running.job, running.queue, running.execution, message, retry=retry)
+        return self._end_failed(running.job, running.queue, running.execution, running.token,
+                                message, retry=retry)
 
-    def _end_failed(self, job: Job, queue: Queue, execution: Execution, message: str, *,
-                    retry: bool) -> None:
+    def _end_failed(self, job: Job, queue: Queue, execution: Execution, token: str,
+                    message: str, *, retry: bool) -> str | None:
         if not retry:
             job.retries_left = 0
-        elif job.should_retry:
+        requeue = job.should_retry
+        if requeue:
             log.warning("job %s failed, RQ will retry it: %s", job.id, message)
-        job.ended_at = now()
-        self.worker.handle_job_failure(job, queue, started_job_registry=queue.started_job_registry,
-                                       exc_string=message, execution=execution)
-        self._after_end()
+        worker = self.worker
 
-    def requeue(self, running: Running) -> None:
+        def build(pipe: Pipeline) -> None:
+            # What RQ's handle_job_failure writes, in this fenced transaction.
+            job.ended_at = now()
+            self._close(pipe, job, execution)
+            if requeue:
+                job.retry(queue, pipe)
+                return
+            job.set_status(JobStatus.FAILED, pipeline=pipe)
+            job.failed_job_registry.add(job, ttl=job.failure_ttl, exc_string=message,
+                                        pipeline=pipe)
+            Result.create_failure(job, job.failure_ttl, exc_string=message,
+                                  worker_name=worker.name, pipeline=pipe,
+                                  execution_id=execution.id,
+                                  execution_started_at=execution.created_at,
+                                  execution_ended_at=job.ended_at)
+            R.end_job_event(self.connection, self.keys, str(job.id), "failed",
+                            queue=queue.name,
+                            ttl_s=R.ended_ttl(job.failure_ttl, C.FAILURE_TTL_S),
+                            fields={"error": message}, pipeline=pipe)
+            worker.increment_failed_job_count(pipe)
+
+        why = self._fenced(job, token, build)
+        if why is None and not requeue:
+            job.send_webhooks(JobStatus.FAILED, exc_string=message)
+        self._after_end()
+        return why
+
+    def requeue(self, running: Running) -> str | None:
         """Put a job back at the FRONT of its queue (QUEUED), e.g. on a warm shutdown.
 
         Its execution ends without a result; items already written stay, so whoever takes
-        it next resumes at item level.
+        it next resumes at item level. Fenced like every end; returns why not, or None.
         """
         job, queue = running.job, running.queue
         job.get_meta(refresh=True)  # enqueue_job saves meta: keep what others wrote meanwhile
         job.started_at = None
         job.ended_at = None
-        with self.connection.pipeline() as pipe:
-            # Queue.enqueue_job(pipeline=...) calls MULTI itself unless the pipeline already
-            # is in one, and MULTI raises once commands are queued: start it first.
-            pipe.multi()
-            self.worker.cleanup_execution(job, pipeline=pipe, execution=running.execution)
+
+        def build(pipe: Pipeline) -> None:
+            self._close(pipe, job, running.execution)
             queue.enqueue_job(job, pipeline=pipe, at_front=True)
-            pipe.execute()
+
+        why = self._fenced(job, running.token, build)
         self._after_end()
+        return why
+
+    def _close(self, pipe: Pipeline, job: Job, execution: Execution) -> None:
+        """End this worker's execution and release the job's owner key."""
+        self.worker.cleanup_execution(job, pipeline=pipe, execution=execution)
+        pipe.delete(self.keys.job_owner(str(job.id)))
+        if job.started_at is not None and job.ended_at is not None:
+            self.worker.increment_total_working_time(job.ended_at - job.started_at, pipe)
 
     def _after_end(self) -> None:
         if not self.worker.executions:
             self.worker.set_state(WorkerStatus.IDLE)
 
 
-def _set_return_value(job: Job, value: Any) -> None:
-    """PRIVATE RQ: handle_job_success stores `job._result` as the result; RQ 3.0 has no
-    public setter (its perform_job assigns the attribute). Pinned by
-    tests/test_rq_jobs.py::test_rq_private_result_attribute."""
-    job._result = value
+def _why_not_ours(status: Any, owner: Any, token: str) -> str | None:
+    """None when the job is STARTED and owned by `token`, else a short reason."""
+    if status is None:
+        return "deleted"
+    st = as_str(status)
+    if st != JobStatus.STARTED.value:
+        return st  # queued (requeued after a missed heartbeat), canceled, finished, failed...
+    if owner is None:
+        return ORPHANED
+    if as_str(owner) != token:
+        return f"taken over by worker {as_str(owner).split(' ', 1)[-1]}"
+    return None
 
 
-def _quarantine_unreadable(connection: Any, queue: Queue, job_id: str,
+def _int_or_none(raw: Any) -> int | None:
+    try:
+        return int(as_str(raw)) if raw is not None and as_str(raw) else None
+    except ValueError:
+        return None
+
+
+def _quarantine_unreadable(connection: Any, keys: Keys, queue: Queue, job_id: str,
                            exc: BaseException) -> Refused:
     """Fail a job whose hash RQ cannot even load (e.g. a non-Python producer wrote a bad date).
 
@@ -422,5 +603,7 @@ def _quarantine_unreadable(connection: Any, queue: Queue, job_id: str,
                                 "exc_info": reason})
         pipe.expire(key, C.FAILURE_TTL_S)
         pipe.zadd(queue.failed_job_registry.key, {job_id: current_timestamp() + C.FAILURE_TTL_S})
+        R.end_job_event(connection, keys, job_id, "failed", queue=queue.name,
+                        ttl_s=C.FAILURE_TTL_S, fields={"error": reason}, pipeline=pipe)
         pipe.execute()
     return Refused(job_id, queue.name, reason)

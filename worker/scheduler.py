@@ -15,20 +15,21 @@ from typing import Generic, TypeVar
 
 from vlmq.shared.schema import JobPayload
 
-H = TypeVar("H")
 
+@dataclass(kw_only=True, eq=False)
+class JobState:
+    """One job in flight and where its items stand.
 
-@dataclass
-class JobState(Generic[H]):
-    """Bookkeeping for one job in flight; `handle` is the RQ lifecycle's own record."""
+    The worker's record of a running job (rq_jobs.Running) extends this one, so a job is
+    held once: the scheduler, the result writer and the RQ lifecycle share that object.
+    """
 
     job_id: str
-    handle: H
     payload: JobPayload
-    pending: deque[int]
-    already_done: int
-    outstanding: set[int] = field(default_factory=set)
-    finished_here: int = 0
+    pending: deque[int] = field(default_factory=deque)  # not yet handed to preparation
+    outstanding: set[int] = field(default_factory=set)  # being prepared or generated
+    already_done: int = 0      # items with a stored result when this worker took the job
+    finished_here: int = 0     # items this worker has stored since
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -37,17 +38,21 @@ class JobState(Generic[H]):
 
     @property
     def complete(self) -> bool:
+        """Every item has come back (its result may still wait to be written)."""
         return not self.pending and not self.outstanding
 
 
-class Scheduler(Generic[H]):
-    def __init__(self) -> None:
-        self.jobs: OrderedDict[str, JobState[H]] = OrderedDict()
+S = TypeVar("S", bound=JobState)
 
-    def add(self, state: JobState[H]) -> None:
+
+class Scheduler(Generic[S]):
+    def __init__(self) -> None:
+        self.jobs: OrderedDict[str, S] = OrderedDict()
+
+    def add(self, state: S) -> None:
         self.jobs[state.job_id] = state
 
-    def remove(self, job_id: str) -> JobState[H]:
+    def remove(self, job_id: str) -> S:
         return self.jobs.pop(job_id)
 
     def __len__(self) -> int:
@@ -61,9 +66,9 @@ class Scheduler(Generic[H]):
     def outstanding(self) -> int:
         return sum(len(j.outstanding) for j in self.jobs.values())
 
-    def next_item(self) -> tuple[JobState[H], int] | None:
+    def next_item(self) -> tuple[S, int] | None:
         """Pop one pending item of the job with the fewest left, or None if nothing is."""
-        best: JobState[H] | None = None
+        best: S | None = None
         for state in self.jobs.values():  # insertion order: ties go to the earliest job
             left = len(state.pending) + len(state.outstanding)
             if state.pending and (best is None or
@@ -82,11 +87,17 @@ class Scheduler(Generic[H]):
             state.outstanding.discard(idx)
             state.pending.appendleft(idx)
 
-    def finish_item(self, job_id: str, idx: int) -> JobState[H] | None:
-        """Mark an item finished; returns its job, or None if the job is no longer here."""
+    def item_returned(self, job_id: str, idx: int) -> S | None:
+        """An item came back from preparation or the engine; returns its job, or None when
+        the result is not wanted (the job was dropped, or this item already came back)."""
         state = self.jobs.get(job_id)
         if state is None or idx not in state.outstanding:
             return None
         state.outstanding.discard(idx)
-        state.finished_here += 1
         return state
+
+    def redo(self, job_id: str, indexes: list[int]) -> None:
+        """Schedule items again whose stored results vanished (they are missing, not done)."""
+        state = self.jobs.get(job_id)
+        if state is not None:
+            state.pending.extendleft(sorted(set(indexes) - state.outstanding, reverse=True))

@@ -22,27 +22,20 @@ from queue import Empty, SimpleQueue
 from types import FrameType
 from typing import TypeVar, cast
 
-from redis import Redis
-from redis.exceptions import (
-    BusyLoadingError,
-    ExecAbortError,
-    OutOfMemoryError,
-    ReadOnlyError,
-    RedisError,
-)
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from vlmq.shared import constants as C
 from vlmq.shared import results as R
+from vlmq.shared.connection import connect, transient
 from vlmq.shared.keys import Keys
-from vlmq.shared.schema import ItemResult, JobSummary
 from vlmq.worker.engine import Engine, EngineError, Finished, Request
 from vlmq.worker.prepare import Preparer, PrepError
+from vlmq.worker.results_writer import ResultWriter
 from vlmq.worker.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
-from vlmq.worker.scheduler import JobState, Scheduler
+from vlmq.worker.scheduler import Scheduler
 from vlmq.worker.stats import WorkerStats
 from vlmq.worker.vision_cache import VisionCache
 
@@ -54,18 +47,6 @@ T = TypeVar("T")
 
 class StartupError(Exception):
     """The worker cannot start; the message says why (no traceback needed)."""
-
-
-def transient(exc: RedisError) -> bool:
-    """Redis errors that pass: unreachable, timed out, out of memory, a replica in failover.
-
-    The worker waits them out with its results held in memory; any other Redis error is
-    a real problem with one job's keys or a bug.
-    """
-    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, OutOfMemoryError,
-                        ReadOnlyError, BusyLoadingError)):
-        return True
-    return isinstance(exc, ExecAbortError) and "OOM" in str(exc)
 
 
 @dataclass
@@ -99,7 +80,7 @@ class WorkerConfig:
 class WorkerService:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
-        self.redis = Redis.from_url(cfg.redis_url)
+        self.redis = connect(cfg.redis_url)
         self.scheduler: Scheduler[Running] = Scheduler()
         self.stop_requested = False
         self.deadline: float | None = None
@@ -108,9 +89,8 @@ class WorkerService:
         self._prep_failed: SimpleQueue[tuple[str, int, str]] = SimpleQueue()
         self._prep_retry: SimpleQueue[tuple[str, int]] = SimpleQueue()
         self._prep_time: dict[tuple[str, int], float] = {}
-        self._unwritten: list[tuple[str, ItemResult]] = []
         self._preparer: Preparer
-        self._lifecycle: JobLifecycle
+        self._writer: ResultWriter
         self._queues_empty = False
         self._next_heartbeat = self._next_stats = 0.0
         self.stats = WorkerStats(cfg.name, cfg.max_batch, cfg.prep_window)
@@ -182,7 +162,8 @@ class WorkerService:
         queues = [Queue(q, connection=self.redis, serializer=JSONSerializer) for q in cfg.queues]
         worker = BatchWorker(queues, connection=self.redis, name=cfg.name,
                              heartbeat_ttl=cfg.heartbeat_ttl)
-        lifecycle = self._lifecycle = JobLifecycle(worker, queues)
+        lifecycle = JobLifecycle(worker, queues, keys=cfg.keys)
+        self._writer = ResultWriter(self.redis, cfg.keys, lifecycle, self.scheduler, self.stats)
         try:
             lifecycle.register_birth()
         except ValueError as exc:  # RQ: "There exists an active worker named ..."
@@ -208,13 +189,13 @@ class WorkerService:
         cfg = self.cfg
         try:
             for state in list(self.scheduler.jobs.values()):
-                if lifecycle.is_ours(state.handle):
-                    lifecycle.requeue(state.handle)
+                why = lifecycle.requeue(state)
+                if why is None:
                     log.info("job %s requeued with %d/%d items done", state.job_id,
                              state.already_done + state.finished_here, state.total)
+                    self.scheduler.remove(state.job_id)
                 else:
-                    lifecycle.drop(state.handle)
-                self.scheduler.remove(state.job_id)
+                    self._writer.drop(state, why)
             self.stats.publish(self.redis, cfg.keys, engine, cache, 0, 0)
             self.stats.retire(self.redis, cfg.keys)
             lifecycle.register_death()
@@ -237,7 +218,7 @@ class WorkerService:
             except RedisError as exc:
                 if not transient(exc):
                     raise
-                # Results stay in memory (self._unwritten) and jobs stay in flight; RQ's
+                # Results stay in memory (the writer holds them) and jobs stay in flight; RQ's
                 # registries only need a heartbeat within heartbeat_ttl once Redis is back.
                 why = f"{type(exc).__name__}: {exc}"
                 if self.deadline is not None and time.monotonic() >= self.deadline:
@@ -270,7 +251,8 @@ class WorkerService:
                 self._collect(engine, lifecycle, timeout=0)  # what finished since the last look
                 return True
             return self.deadline is not None and now >= self.deadline
-        if cfg.burst and self._queues_empty and not self.scheduler.jobs and not self._unwritten:
+        if (cfg.burst and self._queues_empty and not self.scheduler.jobs
+                and not self._writer.holding):
             log.info("burst: queues empty and all work done")
             return True
         return False
@@ -278,9 +260,8 @@ class WorkerService:
     def _collect(self, engine: Engine, lifecycle: JobLifecycle, timeout: float) -> None:
         """Write what finished (engine results, prep failures) and finish complete jobs."""
         self._record(engine.get_finished(timeout=timeout), _drain(self._prep_failed))
-        self._flush()
-        for state in [s for s in self.scheduler.jobs.values() if s.complete]:
-            self._finish_job(lifecycle, state)
+        self._writer.flush()
+        self._writer.finish_complete()
 
     def _pull_jobs(self, lifecycle: JobLifecycle, preparer: Preparer) -> bool:
         """Take jobs while there is room; returns True when the queues were found empty."""
@@ -298,62 +279,48 @@ class WorkerService:
                 if transient(exc):
                     raise  # the job stays STARTED; RQ reclaims it if we never come back
                 log.exception("job %s could not be started", running.job_id)
-                self._fail_job(lifecycle, running, f"Redis refused a command for this job: "
-                                                   f"{exc}")
+                self._writer.fail(running, f"Redis refused a command for this job: {exc}")
             except Exception as exc:  # a job must never take the worker down
                 log.exception("job %s could not be started", running.job_id)
-                self._fail_job(lifecycle, running, f"worker error starting the job: "
-                                                   f"{type(exc).__name__}: {exc}")
+                self._writer.fail(running, f"worker error starting the job: "
+                                           f"{type(exc).__name__}: {exc}")
         return False
 
     def _start_job(self, lifecycle: JobLifecycle, preparer: Preparer, running: Running) -> None:
-        if running.job_id in self.scheduler.jobs:  # requeued by hand while running here
-            log.warning("job %s is already running here: the second copy is ignored",
-                        running.job_id)
-            lifecycle.drop(running)  # ends that copy's execution; the running one goes on
-            return
+        earlier = self.scheduler.jobs.get(running.job_id)
+        if earlier is not None:
+            # take() only starts a QUEUED job: it was requeued (by hand, or by RQ's cleanup
+            # after this worker missed its heartbeats), so the earlier execution is stale.
+            self._writer.drop(earlier, "requeued while running here; its new run resumes")
         problem = preparer.check_job(running.payload)
         if problem:
-            self._fail_job(lifecycle, running, problem)
+            self._writer.fail(running, problem)
             return
         preparer.touch_blobs(running.payload)  # a long wait in the queue must not expire them
         n = len(running.payload.items)
         done = {i for i in R.done_indexes(self.redis, self.cfg.keys, running.job_id) if i < n}
-        todo = [i for i in range(n) if i not in done]
-        state = JobState(job_id=running.job_id, handle=running, payload=running.payload,
-                         pending=deque(todo), already_done=len(done))
-        log.info("job %s started: %s, %d items%s", state.job_id, state.payload.task,
-                 state.total, f" ({len(done)} already done, resuming)" if done else "")
-        self.scheduler.add(state)
-
-    def _fail_job(self, lifecycle: JobLifecycle, running: Running, message: str) -> None:
-        lifecycle.fail(running, message)
-        R.add_event(self.redis, self.cfg.keys, running.job_id,
-                    {"type": "failed", "error": message})
-        log.info("job %s failed: %s", running.job_id, message)
+        running.pending = deque(i for i in range(n) if i not in done)
+        running.already_done = len(done)
+        log.info("job %s started: %s, %d items%s", running.job_id, running.payload.task,
+                 running.total, f" ({len(done)} already done, resuming)" if done else "")
+        self.scheduler.add(running)
 
     def _drop_taken_away(self, lifecycle: JobLifecycle) -> None:
-        """Stop work on jobs canceled or deleted meanwhile, within a stats tick (seconds),
-        rather than at the next heartbeat."""
-        handles = [s.handle for s in self.scheduler.jobs.values()]
-        self._drop(lifecycle, lifecycle.taken_away(handles))
+        """Stop work on jobs canceled, deleted or lost meanwhile, within a stats tick
+        (seconds), rather than at the next heartbeat."""
+        self._drop(lifecycle.lost(list(self.scheduler.jobs.values())))
 
-    def _drop(self, lifecycle: JobLifecycle, runnings: Iterable[Running]) -> None:
-        for running in runnings:
-            log.warning("job %s was canceled or deleted: dropping it", running.job_id)
-            self.scheduler.remove(running.job_id)
-            lifecycle.drop(running)
+    def _drop(self, lost: Iterable[tuple[Running, str]]) -> None:
+        for running, why in lost:
+            self._writer.drop(running, why)
 
     def _heartbeat(self, lifecycle: JobLifecycle) -> None:
-        """Keep every in-flight job alive in RQ; drop jobs deleted or past their timeout."""
+        """Keep every owned job alive in RQ; drop jobs lost or past their timeout."""
         states = list(self.scheduler.jobs.values())
-        gone = lifecycle.heartbeat(s.handle for s in states)
-        self._drop(lifecycle, gone)
+        self._drop(lifecycle.heartbeat(states))
         for state in states:
-            if state.job_id in self.scheduler.jobs and state.handle.timed_out():
-                self.scheduler.remove(state.job_id)
-                self._fail_job(lifecycle, state.handle,
-                               f"job timeout of {state.handle.job.timeout} s exceeded")
+            if state.job_id in self.scheduler.jobs and state.timed_out():
+                self._writer.fail(state, f"job timeout of {state.job.timeout} s exceeded")
         lifecycle.maintain()
 
     def _schedule(self, engine: Engine, preparer: Preparer) -> None:
@@ -400,98 +367,14 @@ class WorkerService:
 
     def _record(self, finished: Iterable[Finished],
                 failures: Iterable[tuple[str, int, str]]) -> None:
-        """Turn engine output and prep failures into results waiting to be written."""
-        results = self._unwritten
+        """Hand engine output and prep failures to the writer."""
         for f in finished:
             job_id, idx = cast(tuple[str, int], f.key)
             self._preparer.item_done(job_id, idx)
             prep_s = self._prep_time.pop((job_id, idx), 0.0)
-            state = self.scheduler.jobs.get(job_id)
-            if state is None:
-                continue  # the job was dropped (canceled, deleted, timed out) meanwhile
-            item = state.payload.items[idx]
-            timings = dict(f.timings)
-            timings["preprocess_s"] = round(prep_s, 4)
-            results.append((job_id, ItemResult(
-                index=idx, source=item.source, page=item.page,
-                text=None if f.error else f.text, finish_reason=f.finish_reason,
-                prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
-                vision_cache_hit=f.vision_cache_hit, error=f.error, timings=timings,
-                custom_id=item.custom_id)))
+            self._writer.record_finished(job_id, idx, f, prep_s)
         for job_id, idx, msg in failures:
-            state = self.scheduler.jobs.get(job_id)
-            if state is None:
-                continue
-            item = state.payload.items[idx]
-            results.append((job_id, ItemResult(
-                index=idx, source=item.source, page=item.page, text=None,
-                finish_reason="error", prompt_tokens=0, completion_tokens=0,
-                vision_cache_hit=False, error=msg, timings={}, custom_id=item.custom_id)))
-
-    def _flush(self) -> None:
-        """Write waiting results, one transaction per job: all of a job's new results and
-        events land together or not at all. Transient Redis errors propagate (the results
-        stay waiting); any other error fails only the job whose keys refused the write."""
-        if not self._unwritten:
-            return
-        by_job: dict[str, list[ItemResult]] = {}
-        for job_id, res in self._unwritten:
-            by_job.setdefault(job_id, []).append(res)
-        for job_id, results in by_job.items():
-            state = self.scheduler.jobs.get(job_id)
-            ttl = _result_ttl(state.handle) if state is not None else C.RESULT_TTL_S
-            pipe = self.redis.pipeline(transaction=True)
-            for res in results:
-                R.write_item(self.redis, self.cfg.keys, job_id, res, ttl_s=ttl, pipeline=pipe)
-            try:
-                pipe.execute()
-            except RedisError as exc:
-                if transient(exc):
-                    raise
-                self._unwritten = [(j, r) for j, r in self._unwritten if j != job_id]
-                if state is not None:
-                    self.scheduler.remove(job_id)
-                    self._fail_job(self._lifecycle, state.handle,
-                                   f"cannot write this job's results: {exc}")
-                continue
-            self._unwritten = [(j, r) for j, r in self._unwritten if j != job_id]
-            for res in results:
-                self.stats.count_item(res)
-                self.scheduler.finish_item(job_id, res.index)
-
-    def _whole_job_wall_s(self, state: JobState[Running]) -> float:
-        """From the job's first start on any worker: a resumed job's summary covers the
-        whole job, not only this worker's share (which is the fallback)."""
-        first = self.redis.hget(Keys.rq_job(state.job_id), C.FIRST_STARTED_FIELD)
-        wall = _wall_since(first)
-        return wall if wall is not None else round(time.monotonic() - state.started, 3)
-
-    def _finish_job(self, lifecycle: JobLifecycle, state: JobState[Running]) -> None:
-        if not lifecycle.is_ours(state.handle):
-            log.warning("job %s was deleted or canceled while running: not finishing it",
-                        state.job_id)
-            self.scheduler.remove(state.job_id)
-            lifecycle.drop(state.handle)
-            return
-        stored = [r for r in R.read_items(self.redis, self.cfg.keys, state.job_id)
-                  if r.index < state.total]
-        summary = JobSummary(
-            items=state.total,
-            ok=sum(1 for r in stored if r.ok),
-            failed=sum(1 for r in stored if not r.ok),
-            prompt_tokens=sum(r.prompt_tokens for r in stored),
-            completion_tokens=sum(r.completion_tokens for r in stored),
-            wall_s=self._whole_job_wall_s(state),
-            cache_hits=sum(1 for r in stored if r.vision_cache_hit),
-            labels=dict(state.payload.labels),
-        )
-        R.add_event(self.redis, self.cfg.keys, state.job_id,
-                    {"type": "finished", **summary.to_dict()})
-        lifecycle.succeed(state.handle, summary.to_dict())
-        self.scheduler.remove(state.job_id)
-        log.info("job %s finished: %d ok, %d failed, %d tokens, %.1f s, %d cache hits",
-                 state.job_id, summary.ok, summary.failed, summary.completion_tokens,
-                 summary.wall_s, summary.cache_hits)
+            self._writer.record_failure(job_id, idx, msg)
 
 
 def _wall_since(first_started: bytes | str | None) -> float | None:
@@ -512,12 +395,6 @@ def _drain(q: SimpleQueue[T]) -> list[T]:
             out.append(q.get_nowait())
         except Empty:
             return out
-
-
-def _result_ttl(running: Running) -> int:
-    """Item results live as long as the job's own result (RQ's result_ttl)."""
-    ttl = running.job.result_ttl
-    return ttl if ttl is not None and ttl > 0 else C.RESULT_TTL_S
 
 
 def run_worker(cfg: WorkerConfig) -> int:
