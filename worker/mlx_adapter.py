@@ -24,9 +24,55 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-# Families whose `get_input_embeddings` accepts `cached_image_features=` and
-# whose processor is the numpy Qwen-VL one (verified by tests/test_adapter.py).
-CACHEABLE_TYPES: frozenset[str] = frozenset({"qwen2_vl", "qwen2_5_vl"})
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """How vlmq drives one mlx-vlm model family: the only place families differ.
+
+    grid_prep: the processor's image processor is numpy and gives pixel_values plus
+        image_grid_thw, so items are prepared on CPU threads (ids expanded from the
+        grid) and the tower runs once per image, apart from the prompt.
+    rope_index: the family's `get_input_embeddings` keeps its M-RoPE positions on the
+        language model instead of returning them; each row's position_ids and
+        rope_deltas are then computed with `language_model.get_rope_index`, so rows
+        of one batch do not overwrite each other's positions.
+    cache_off: why cached tower output would change the text (None: cacheable, given
+        grid_prep).
+    batch_off: why BatchGenerator cannot batch it (None: it can); then max batch is 1.
+    tower: the model attribute that holds the vision tower.
+    """
+
+    grid_prep: bool
+    rope_index: bool = False
+    cache_off: str | None = None
+    batch_off: str | None = None
+    tower: str = "vision_tower"  # the model's attribute holding the vision tower
+
+    @property
+    def cacheable(self) -> bool:
+        return self.grid_prep and self.cache_off is None
+
+
+# Every row is pinned by tests/test_families.py (batched == sequential generate).
+FAMILIES: dict[str, FamilySpec] = {
+    "qwen2_vl": FamilySpec(grid_prep=True),
+    "qwen2_5_vl": FamilySpec(grid_prep=True),
+    "qwen3_vl": FamilySpec(
+        grid_prep=True,
+        cache_off="mlx-vlm's qwen3_vl get_input_embeddings drops the deepstack features "
+                  "when given cached_image_features",
+    ),
+    "glm_ocr": FamilySpec(grid_prep=True, rope_index=True),
+    "paddleocr_vl": FamilySpec(grid_prep=True, rope_index=True, tower="visual"),
+}
+UNKNOWN_FAMILY = FamilySpec(grid_prep=False, cache_off="model type not in vlmq's family table")
+# Kept for callers that only need the set.
+CACHEABLE_TYPES: frozenset[str] = frozenset(k for k, v in FAMILIES.items() if v.cacheable)
+
+
+def family_of(model_type: str) -> FamilySpec:
+    return FAMILIES.get(model_type.lower(), UNKNOWN_FAMILY)
+
 
 # HF fast tokenizers raise "Already borrowed" when one instance is used from
 # several threads at once; tokenizing is cheap, so serialise it.
@@ -46,6 +92,7 @@ class LoadedModel:
     cacheable: bool
     context_length: int
     fingerprint: str  # changes when the weights or configs change; part of cache keys
+    family: FamilySpec = UNKNOWN_FAMILY
 
 
 @dataclass(frozen=True)
@@ -91,9 +138,10 @@ def load_model(model_path: str) -> LoadedModel:
         processor=processor,
         model_id=model_path,
         model_type=model_type,
-        cacheable=model_type in CACHEABLE_TYPES,
+        cacheable=family_of(model_type).cacheable,
         context_length=_context_length(model.config),
         fingerprint=fingerprint(folder),
+        family=family_of(model_type),
     )
 
 
@@ -135,7 +183,7 @@ def format_prompt(processor: Any, config: Any, prompt: str, num_images: int) -> 
 def prepare(processor: Any, config: Any, image: Image.Image | None, prompt: str) -> Prepared:
     """CPU-only preparation of one item; creates no MLX arrays.
 
-    Qwen families: numpy pixels via the processor's own image processor, then
+    grid_prep families: numpy pixels via the processor's own image processor, then
     ids via the same expansion the processor does. Other families' processors
     return MLX arrays, so only the template is applied here and the rest runs
     on the MLX thread (`build_prompt_kwargs`).
@@ -143,7 +191,7 @@ def prepare(processor: Any, config: Any, image: Image.Image | None, prompt: str)
     text = format_prompt(processor, config, prompt, num_images=0 if image is None else 1)
     if image is None:
         return Prepared(text=text, input_ids=_tokenize(processor, text))
-    if str(config.model_type).lower() not in CACHEABLE_TYPES:
+    if not family_of(str(config.model_type)).grid_prep:
         return Prepared(text=text, input_ids=None, deferred_image=image.convert("RGB"))
     out = processor.image_processor(images=[image.convert("RGB")])
     pixel_values = np.asarray(out["pixel_values"])
@@ -200,10 +248,13 @@ def vision_features(model: Any, prepared: Prepared) -> Any:
 
     if prepared.pixel_values is None or prepared.image_grid_thw is None:
         raise ValueError("vision_features needs pixel_values and image_grid_thw")
-    dtype = model.vision_tower.patch_embed.proj.weight.dtype
+    from mlx.utils import tree_flatten
+
+    tower = getattr(model, family_of(str(model.config.model_type)).tower)
+    dtype = tree_flatten(tower.parameters())[0][1].dtype
     pixels = mx.array(prepared.pixel_values).astype(dtype)
     grid = mx.array(prepared.image_grid_thw)
-    feats = model.vision_tower(pixels, grid, output_hidden_states=False)
+    feats = tower(pixels, grid, output_hidden_states=False)
     mx.eval(feats)
     return feats
 
@@ -237,6 +288,10 @@ def build_prompt_kwargs(
     out = {k: v for k, v in embed.to_dict().items() if v is not None}
     if "image_grid_thw" in kwargs:
         out["image_grid_thw"] = kwargs["image_grid_thw"]
+    if family_of(str(model.config.model_type)).rope_index and "position_ids" not in out:
+        out["position_ids"], out["rope_deltas"] = model.language_model.get_rope_index(
+            ids, kwargs.get("image_grid_thw"), None, kwargs["mask"]
+        )
     mx.eval([v for v in out.values() if isinstance(v, mx.array)])
     return prepared.input_ids.tolist(), out
 

@@ -9,8 +9,10 @@ preprocessor config. Same arch + seed gives byte-identical files.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # The Qwen2 pre-tokenizer regex; transformers' Qwen2Tokenizer rebuilds the
@@ -73,55 +75,266 @@ _CORPUS: tuple[str, ...] = (
     "Page 7 of 12 -- Appendix B: configuration options, defaults and environment.",
 )
 
-# Sizes from the measured recipe (shared/notes/facts-mlx.md).
+# Text sizes shared by every family (the measured qwen recipe, facts-mlx.md).
 _TEXT: dict[str, Any] = {
     "hidden_size": 128,
     "intermediate_size": 256,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
+    "head_dim": 32,
     "rms_norm_eps": 1e-6,
     "rope_theta": 1000000.0,
-    "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]},
     # Small on purpose: lets tests hit the context limit cheaply.
     "max_position_embeddings": 4096,
     "tie_word_embeddings": False,
 }
-_VISION: dict[str, dict[str, Any]] = {
-    "qwen2_vl": {
-        "depth": 2,
-        "embed_dim": 64,
-        "hidden_size": 128,
-        "num_heads": 4,
-        "mlp_ratio": 2,
-        "patch_size": 14,
-        "spatial_patch_size": 14,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "in_chans": 3,
-        "in_channels": 3,
-    },
-    "qwen2_5_vl": {
-        "depth": 2,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "out_hidden_size": 128,
-        "num_heads": 4,
-        "patch_size": 14,
-        "spatial_patch_size": 14,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "window_size": 112,
-        "fullatt_block_indexes": [1],
-        "in_chans": 3,
-        "in_channels": 3,
-    },
-}
-ARCHS: tuple[str, ...] = tuple(_VISION)
+_MROPE = {"type": "mrope", "mrope_section": [4, 6, 6]}  # sums to head_dim / 2
 
 # 28 px per merged token: 4..64 image tokens keeps the vision tower cheap on CPU.
 MIN_PIXELS = 28 * 28 * 4
 MAX_PIXELS = 28 * 28 * 64
+_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+def _chat_template(*, bos: str = "", system: str = "", user: str, user_end: str,
+                   assistant: str, assistant_end: str, image: str) -> str:
+    """A chat template in the shape of the family's own: role markers around each turn,
+    the family's image placeholder where the message has an image."""
+    first = ("{% if loop.first and message['role'] != 'system' %}" + system + "{% endif %}"
+             if system else "")
+    return (
+        bos + "{% for message in messages %}" + first
+        + "{% if message['role'] == 'assistant' %}" + assistant + "{% else %}" + user
+        + "{% endif %}"
+        + "{% if message['content'] is string %}{{ message['content'] }}"
+        + "{% else %}{% for content in message['content'] %}"
+        + "{% if content['type'] == 'image' %}" + image
+        + "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+        + "{% endfor %}{% endif %}"
+        + "{% if message['role'] == 'assistant' %}" + assistant_end + "{% else %}" + user_end
+        + "{% endif %}{% endfor %}"
+        + "{% if add_generation_prompt %}" + assistant + "{% endif %}"
+    )
+
+
+@dataclass(frozen=True)
+class Family:
+    """What one mlx-vlm family needs on disk; everything else is shared.
+
+    In `config` and `tokenizer_extra`, a string "@<token>" becomes that token's id
+    and "@vocab" the vocabulary size once the tokenizer is trained.
+    """
+
+    specials: tuple[str, ...]  # appended after the learned vocab, in this order
+    chat_template: str
+    eos: str  # the tokenizer's eos_token (also the config's first eos id)
+    pad: str
+    config: dict[str, Any]
+    preprocessor: dict[str, Any]
+    tokenizer_class: str = "Qwen2Tokenizer"
+    bos: str | None = None
+    tokenizer_extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _qwen_pre(proc: str, patch: int, temporal: int = 2) -> dict[str, Any]:
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": proc,
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": _CLIP_MEAN,
+        "image_std": _CLIP_STD,
+        "rescale_factor": 1 / 255,
+        "patch_size": patch,
+        "temporal_patch_size": temporal,
+        "merge_size": 2,
+        "min_pixels": (patch * 2) ** 2 * 4,
+        "max_pixels": (patch * 2) ** 2 * 64,
+        "size": {"shortest_edge": (patch * 2) ** 2 * 4, "longest_edge": (patch * 2) ** 2 * 64},
+    }
+
+
+def _qwen_config(arch: str, hf_arch: str, vision: dict[str, Any],
+                 rope: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "architectures": [hf_arch],
+        "model_type": arch,
+        **_TEXT,
+        "rope_scaling": rope,
+        "vocab_size": "@vocab",
+        "vision_config": {"model_type": arch, **vision},
+        "image_token_id": "@<|image_pad|>",
+        "video_token_id": "@<|video_pad|>",
+        "vision_start_token_id": "@<|vision_start|>",
+        "vision_end_token_id": "@<|vision_end|>",
+        "vision_token_id": "@<|vision_pad|>",
+        "bos_token_id": "@<|endoftext|>",
+        "eos_token_id": ["@<|im_end|>", "@<|endoftext|>"],
+        "torch_dtype": "float32",
+    }
+
+
+_QWEN2_VISION: dict[str, Any] = {
+    "depth": 2, "embed_dim": 64, "hidden_size": 128, "num_heads": 4, "mlp_ratio": 2,
+    "patch_size": 14, "spatial_patch_size": 14, "spatial_merge_size": 2,
+    "temporal_patch_size": 2, "in_chans": 3, "in_channels": 3,
+}
+_QWEN25_VISION: dict[str, Any] = {
+    "depth": 2, "hidden_size": 64, "intermediate_size": 128, "out_hidden_size": 128,
+    "num_heads": 4, "patch_size": 14, "spatial_patch_size": 14, "spatial_merge_size": 2,
+    "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [1],
+    "in_chans": 3, "in_channels": 3,
+}
+# Real Qwen3-VL has deepstack layers; the tiny one keeps one so their effect is tested.
+_QWEN3_VISION: dict[str, Any] = {
+    "depth": 2, "hidden_size": 64, "intermediate_size": 128, "out_hidden_size": 128,
+    "num_heads": 4, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+    "num_position_embeddings": 64, "deepstack_visual_indexes": [0], "in_channels": 3,
+}
+
+FAMILIES: dict[str, Family] = {
+    "qwen2_vl": Family(
+        specials=SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE, eos="<|im_end|>",
+        pad="<|endoftext|>",
+        config=_qwen_config("qwen2_vl", "Qwen2VLForConditionalGeneration", _QWEN2_VISION,
+                            _MROPE),
+        preprocessor=_qwen_pre("Qwen2VLProcessor", 14),
+    ),
+    "qwen2_5_vl": Family(
+        specials=SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE, eos="<|im_end|>",
+        pad="<|endoftext|>",
+        config=_qwen_config("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration",
+                            _QWEN25_VISION, _MROPE),
+        preprocessor=_qwen_pre("Qwen2_5_VLProcessor", 14),
+    ),
+    "qwen3_vl": Family(
+        specials=SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE, eos="<|im_end|>",
+        pad="<|endoftext|>",
+        config={
+            **_qwen_config("qwen3_vl", "Qwen3VLForConditionalGeneration", _QWEN3_VISION,
+                           _MROPE),
+            "text_config": {"model_type": "qwen3_vl", **_TEXT, "vocab_size": "@vocab",
+                            "rope_scaling": {"rope_type": "default",
+                                             "mrope_section": [4, 6, 6],
+                                             "mrope_interleaved": True}},
+        },
+        preprocessor=_qwen_pre("Qwen3VLProcessor", 16),
+    ),
+    # GLM-OCR (zai-org/GLM-OCR): GLM-4 chat markers, <|image|> between begin/end markers.
+    "glm_ocr": Family(
+        specials=("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>",
+                  "<|assistant|>", "<|observation|>", "<|begin_of_image|>",
+                  "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>",
+                  "<|video|>"),
+        chat_template=_chat_template(
+            bos="[gMASK]<sop>", user="<|user|>\n", user_end="", assistant="<|assistant|>\n",
+            assistant_end="", image="<|begin_of_image|><|image|><|end_of_image|>"),
+        eos="<|endoftext|>", pad="<|endoftext|>",
+        tokenizer_extra={"image_token": "<|image|>", "video_token": "<|video|>"},
+        config={
+            "architectures": ["GlmOcrForConditionalGeneration"],
+            "model_type": "glm_ocr",
+            "vocab_size": "@vocab",
+            "hidden_size": 128,
+            "text_config": {
+                "model_type": "glm_ocr_text",
+                **{k: v for k, v in _TEXT.items() if k != "rope_theta"},
+                "vocab_size": "@vocab",
+                "eos_token_id": ["@<|endoftext|>", "@<|user|>"],
+                "pad_token_id": "@<|endoftext|>",
+                "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3],
+                                    "partial_rotary_factor": 0.5, "rope_theta": 10000},
+                "num_nextn_predict_layers": 0, "dtype": "float32",
+            },
+            "vision_config": {
+                "model_type": "glm_ocr_vision", "depth": 2, "hidden_size": 64,
+                "intermediate_size": 128, "num_heads": 4, "patch_size": 14,
+                "image_size": 112, "out_hidden_size": 128, "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+            },
+            "image_token_id": "@<|image|>",
+            "video_token_id": "@<|video|>",
+            "image_start_token_id": "@<|begin_of_image|>",
+            "image_end_token_id": "@<|end_of_image|>",
+            "video_start_token_id": "@<|begin_of_video|>",
+            "video_end_token_id": "@<|end_of_video|>",
+            "pad_token_id": "@<|endoftext|>",
+            "eos_token_id": ["@<|endoftext|>", "@<|user|>"],
+        },
+        preprocessor={**_qwen_pre("GlmOcrProcessor", 14),
+                      "image_processor_type": "Glm46VImageProcessor"},
+    ),
+    # PaddleOCR-VL (PaddlePaddle/PaddleOCR-VL): ERNIE markers, "User: ... Assistant: ".
+    "paddleocr_vl": Family(
+        specials=("</s>", "<|begin_of_sentence|>", "<|end_of_sentence|>",
+                  "<|IMAGE_PLACEHOLDER|>", "<|IMAGE_START|>", "<|IMAGE_END|>",
+                  "<|video_pad|>"),
+        chat_template=_chat_template(
+            bos="<|begin_of_sentence|>", user="User: ", user_end="\n",
+            assistant="Assistant: ", assistant_end="<|end_of_sentence|>",
+            image="<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>"),
+        eos="</s>", pad="</s>", bos="<|begin_of_sentence|>",
+        tokenizer_class="LlamaTokenizer",
+        config={
+            "architectures": ["PaddleOCRVLForConditionalGeneration"],
+            "model_type": "paddleocr_vl",
+            **_TEXT,
+            # mlx-vlm's projector hard-codes a 1024-wide output (paddleocr_vl/vision.py).
+            "hidden_size": 1024,
+            "vocab_size": "@vocab",
+            "use_bias": False,
+            "hidden_act": "silu",
+            "rope_scaling": {"rope_type": "default", "type": "default",
+                             "mrope_section": [4, 6, 6]},
+            "vision_config": {
+                "model_type": "paddleocr_vl", "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 112,
+                "patch_size": 14, "spatial_merge_size": 2,
+            },
+            "image_token_id": "@<|IMAGE_PLACEHOLDER|>",
+            "video_token_id": "@<|video_pad|>",
+            "vision_start_token_id": "@<|IMAGE_START|>",
+            "vision_end_token_id": "@<|IMAGE_END|>",
+            "pad_token_id": "@</s>",
+            "bos_token_id": "@<|begin_of_sentence|>",
+            "eos_token_id": "@</s>",
+        },
+        preprocessor={**_qwen_pre("PaddleOCRVLProcessor", 14, temporal=1),
+                      "image_processor_type": "PaddleOCRVLImageProcessor"},
+    ),
+    # dots.ocr (rednote-hilab/dots.ocr): Qwen2 LM, <|user|>/<|assistant|> turns, <|imgpad|>.
+    "dots_ocr": Family(
+        specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|img|>", "<|endofimg|>",
+                  "<|imgpad|>", "<|user|>", "<|endofuser|>", "<|assistant|>",
+                  "<|endofassistant|>", "<|video_pad|>"),
+        chat_template=_chat_template(
+            user="<|user|>", user_end="<|endofuser|>", assistant="<|assistant|>",
+            assistant_end="<|endofassistant|>", image="<|img|><|imgpad|><|endofimg|>"),
+        eos="<|endofassistant|>", pad="<|endoftext|>",
+        tokenizer_extra={"image_token": "<|imgpad|>", "video_token": "<|video_pad|>"},
+        config={
+            "architectures": ["DotsOCRForCausalLM"],
+            "model_type": "dots_ocr",
+            **_TEXT,
+            "vocab_size": "@vocab",
+            "attention_bias": True,
+            "vision_config": {
+                "model_type": "dots_vit", "embed_dim": 64, "hidden_size": 128,
+                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 1,
+            },
+            "image_token_id": "@<|imgpad|>",
+            "video_token_id": "@<|video_pad|>",
+            "eos_token_id": ["@<|endofassistant|>", "@<|endoftext|>"],
+        },
+        preprocessor={**_qwen_pre("DotsVLProcessor", 14, temporal=1)},
+    ),
+}
+ARCHS: tuple[str, ...] = tuple(FAMILIES)
 
 _WEIGHT_SCALE = 3.0  # default init ignores the image; scaled weights do not
 _STAMP = "vlmq-tiny.json"  # written last: marks a complete build
@@ -129,31 +342,45 @@ _STAMP = "vlmq-tiny.json"  # written last: marks a complete build
 
 def build_tiny_model(out_dir: Path, arch: str = "qwen2_vl", seed: int = 0) -> Path:
     """Write (or reuse) a tiny checkpoint in `out_dir` and return that folder."""
-    if arch not in _VISION:
+    family = FAMILIES.get(arch)
+    if family is None:
         raise ValueError(f"unknown tiny arch {arch!r}; choose one of {ARCHS}")
     out_dir = Path(out_dir)
-    stamp = {"arch": arch, "seed": seed, "version": 1}
+    # The recipe's digest: editing a family's row rebuilds its folder.
+    recipe = hashlib.sha256(json.dumps(asdict(family), sort_keys=True).encode()).hexdigest()
+    stamp = {"arch": arch, "seed": seed, "version": 2, "recipe": recipe[:16]}
     stamp_path = out_dir / _STAMP
     if stamp_path.is_file() and json.loads(stamp_path.read_text()) == stamp:
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp_path.unlink(missing_ok=True)
 
-    ids = _write_tokenizer(out_dir)
-    config = _model_config(arch, ids)
+    ids = _write_tokenizer(out_dir, family)
+    config = _fill(family.config, ids)
     _write_json(out_dir / "config.json", config)
-    _write_json(out_dir / "preprocessor_config.json", _preprocessor_config(arch))
+    _write_json(out_dir / "preprocessor_config.json", family.preprocessor)
     _write_weights(out_dir / "model.safetensors", config, seed)
     _write_json(stamp_path, stamp)
     return out_dir
+
+
+def _fill(value: Any, ids: dict[str, int]) -> Any:
+    """Replace "@<token>" / "@vocab" placeholders with the trained tokenizer's ids."""
+    if isinstance(value, dict):
+        return {k: _fill(v, ids) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill(v, ids) for v in value]
+    if isinstance(value, str) and value.startswith("@"):
+        return ids["__len__"] if value == "@vocab" else ids[value[1:]]
+    return value
 
 
 def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _write_tokenizer(out_dir: Path) -> dict[str, int]:
-    """Train the BPE, append Qwen specials, write all tokenizer files; return special ids."""
+def _write_tokenizer(out_dir: Path, family: Family) -> dict[str, int]:
+    """Train the BPE, append the family's specials, write all tokenizer files; return ids."""
     from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
     from tokenizers.models import BPE
 
@@ -172,11 +399,11 @@ def _write_tokenizer(out_dir: Path) -> dict[str, int]:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(list(_CORPUS) * 4, trainer=trainer)
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens(list(family.specials))
     tok.save(str(out_dir / "tokenizer.json"))
 
     ids: dict[str, int] = {}
-    for t in SPECIAL_TOKENS:
+    for t in family.specials:
         token_id = tok.token_to_id(t)
         if token_id is None:
             raise RuntimeError(f"special token {t} missing after training")
@@ -192,68 +419,28 @@ def _write_tokenizer(out_dir: Path) -> dict[str, int]:
         }
         for t, i in ids.items()
     }
+    named = {family.eos, family.pad, family.bos}
     _write_json(
         out_dir / "tokenizer_config.json",
         {
-            "tokenizer_class": "Qwen2Tokenizer",
+            "tokenizer_class": family.tokenizer_class,
             "added_tokens_decoder": added,
-            "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
-            "bos_token": None,
-            "eos_token": "<|im_end|>",
-            "pad_token": "<|endoftext|>",
+            "additional_special_tokens": [t for t in family.specials if t not in named],
+            "bos_token": family.bos,
+            "eos_token": family.eos,
+            "pad_token": family.pad,
             "unk_token": None,
             "errors": "replace",
             "clean_up_tokenization_spaces": False,
             "model_max_length": _TEXT["max_position_embeddings"],
             "split_special_tokens": False,
-            "chat_template": CHAT_TEMPLATE,
+            "chat_template": family.chat_template,
+            **family.tokenizer_extra,
         },
     )
-    _write_json(out_dir / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
+    _write_json(out_dir / "chat_template.json", {"chat_template": family.chat_template})
     ids["__len__"] = tok.get_vocab_size(with_added_tokens=True)
     return ids
-
-
-def _model_config(arch: str, ids: dict[str, int]) -> dict[str, Any]:
-    arch_name = "Qwen2VLForConditionalGeneration"
-    if arch == "qwen2_5_vl":
-        arch_name = "Qwen2_5_VLForConditionalGeneration"
-    return {
-        "architectures": [arch_name],
-        "model_type": arch,
-        **_TEXT,
-        "vocab_size": ids["__len__"],
-        "vision_config": {"model_type": arch, **_VISION[arch]},
-        "image_token_id": ids["<|image_pad|>"],
-        "video_token_id": ids["<|video_pad|>"],
-        "vision_start_token_id": ids["<|vision_start|>"],
-        "vision_end_token_id": ids["<|vision_end|>"],
-        "vision_token_id": ids["<|vision_pad|>"],
-        "bos_token_id": ids["<|endoftext|>"],
-        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
-        "torch_dtype": "float32",
-    }
-
-
-def _preprocessor_config(arch: str) -> dict[str, Any]:
-    proc = "Qwen2VLImageProcessor"
-    return {
-        "image_processor_type": proc,
-        "processor_class": "Qwen2_5_VLProcessor" if arch == "qwen2_5_vl" else "Qwen2VLProcessor",
-        "do_convert_rgb": True,
-        "do_normalize": True,
-        "do_rescale": True,
-        "do_resize": True,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "rescale_factor": 1 / 255,
-        "patch_size": 14,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "min_pixels": MIN_PIXELS,
-        "max_pixels": MAX_PIXELS,
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-    }
 
 
 def _write_weights(path: Path, config: dict[str, Any], seed: int) -> None:
