@@ -244,8 +244,20 @@ class Engine:
             self._ready.set()
             self._abort_all("model failed to load", pending=deque(), live={})
             return
+        self._apply_family_limits(self._loaded.family)
         self._ready.set()
         _Loop(self, self._loaded).run()
+
+    def _apply_family_limits(self, family: adapter.FamilySpec) -> None:
+        """Lower the batch sizes where mlx-vlm cannot batch this family exactly."""
+        if family.batch_off is not None and self.max_batch > 1:
+            log.warning("model type %s runs at max batch 1: %s",
+                        self._require_loaded().model_type, family.batch_off)
+            self.max_batch = self.prefill_batch = 1
+        elif family.prefill_one is not None and self.prefill_batch > 1:
+            log.warning("model type %s prefills one prompt at a time (decoding still "
+                        "batches): %s", self._require_loaded().model_type, family.prefill_one)
+            self.prefill_batch = 1
 
     def _abort_all(
         self, why: str, pending: deque[tuple[Request, float]], live: dict[int, _Live]

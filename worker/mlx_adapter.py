@@ -39,6 +39,7 @@ class FamilySpec:
     cache_off: why cached tower output would change the text (None: cacheable, given
         grid_prep).
     batch_off: why BatchGenerator cannot batch it (None: it can); then max batch is 1.
+    prefill_one: why prompts must be prefilled one at a time (decoding still batches).
     tower: the model attribute that holds the vision tower.
     """
 
@@ -46,6 +47,7 @@ class FamilySpec:
     rope_index: bool = False
     cache_off: str | None = None
     batch_off: str | None = None
+    prefill_one: str | None = None
     tower: str = "vision_tower"  # the model's attribute holding the vision tower
 
     @property
@@ -61,6 +63,9 @@ FAMILIES: dict[str, FamilySpec] = {
         grid_prep=True,
         cache_off="mlx-vlm's qwen3_vl get_input_embeddings drops the deepstack features "
                   "when given cached_image_features",
+        prefill_one="BatchGenerator pads deepstack_visual_embeds as if they were "
+                    "sequence-aligned, so prompts of different lengths prefilled together "
+                    "get the wrong deepstack features",
     ),
     "glm_ocr": FamilySpec(grid_prep=True, rope_index=True),
     "paddleocr_vl": FamilySpec(grid_prep=True, rope_index=True, tower="visual"),
