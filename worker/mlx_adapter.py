@@ -33,9 +33,11 @@ class FamilySpec:
         image_grid_thw, so items are prepared on CPU threads (ids expanded from the
         grid) and the tower runs once per image, apart from the prompt.
     rope_index: the family's `get_input_embeddings` keeps its M-RoPE positions on the
-        language model instead of returning them; each row's position_ids and
-        rope_deltas are then computed with `language_model.get_rope_index`, so rows
-        of one batch do not overwrite each other's positions.
+        language model instead of returning them, and a batch of one row decodes
+        with whatever was kept last. So each row's position_ids and rope_deltas are
+        computed with `language_model.get_rope_index` and passed in, and the kept
+        ones are cleared by a text-only `get_input_embeddings` call (that branch
+        resets them), so no row ever decodes with another row's positions.
     cache_off: why cached tower output would change the text (None: cacheable, given
         grid_prep).
     batch_off: why BatchGenerator cannot batch it (None: it can); then max batch is 1.
@@ -55,6 +57,9 @@ class FamilySpec:
         return self.grid_prep and self.cache_off is None
 
 
+_NO_GRID = ("vlmq caches tower output only for grid-based (Qwen-style) image processors, "
+            "and this family's processor is not one")
+
 # Every row is pinned by tests/test_families.py (batched == sequential generate).
 FAMILIES: dict[str, FamilySpec] = {
     "qwen2_vl": FamilySpec(grid_prep=True),
@@ -69,6 +74,9 @@ FAMILIES: dict[str, FamilySpec] = {
     ),
     "glm_ocr": FamilySpec(grid_prep=True, rope_index=True),
     "paddleocr_vl": FamilySpec(grid_prep=True, rope_index=True, tower="visual"),
+    "dots_ocr": FamilySpec(grid_prep=True),
+    "gemma3": FamilySpec(grid_prep=False, cache_off=_NO_GRID),
+    "idefics3": FamilySpec(grid_prep=False, cache_off=_NO_GRID),
 }
 UNKNOWN_FAMILY = FamilySpec(grid_prep=False, cache_off="model type not in vlmq's family table")
 # Kept for callers that only need the set.
@@ -297,6 +305,7 @@ def build_prompt_kwargs(
         out["position_ids"], out["rope_deltas"] = model.language_model.get_rope_index(
             ids, kwargs.get("image_grid_thw"), None, kwargs["mask"]
         )
+        model.get_input_embeddings(ids[:, :1], None, mask=kwargs["mask"][:, :1])
     mx.eval([v for v in out.values() if isinstance(v, mx.array)])
     return prepared.input_ids.tolist(), out
 

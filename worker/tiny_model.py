@@ -136,6 +136,12 @@ class Family:
     tokenizer_class: str = "Qwen2Tokenizer"
     bos: str | None = None
     tokenizer_extra: dict[str, Any] = field(default_factory=dict)
+    # Where the specials start, for processors that hard-code a token id (else: right
+    # after the learned vocab). The embedding then spans the gap.
+    specials_at: int | None = None
+    extra_files: dict[str, Any] = field(default_factory=dict)  # more JSON files, by name
+    weight_scale: float = 3.0  # default init ignores the image; scaled weights do not
+    embed_scale: float | None = None  # token embedding's own scale (None: weight_scale)
 
 
 def _qwen_pre(proc: str, patch: int, temporal: int = 2) -> dict[str, Any]:
@@ -316,10 +322,14 @@ FAMILIES: dict[str, Family] = {
             assistant_end="<|endofassistant|>", image="<|img|><|imgpad|><|endofimg|>"),
         eos="<|endofassistant|>", pad="<|endoftext|>",
         tokenizer_extra={"image_token": "<|imgpad|>", "video_token": "<|video_pad|>"},
+        # mlx-vlm's DotsVLProcessor hard-codes image_token_id 151665
+        # (dots_ocr/processing_dots_ocr.py), dots.ocr's real id for <|imgpad|>.
+        specials_at=151665 - 5,
         config={
             "architectures": ["DotsOCRForCausalLM"],
             "model_type": "dots_ocr",
             **_TEXT,
+            "tie_word_embeddings": True,  # halves the 151k-row embedding
             "vocab_size": "@vocab",
             "attention_bias": True,
             "vision_config": {
@@ -333,10 +343,95 @@ FAMILIES: dict[str, Family] = {
         },
         preprocessor={**_qwen_pre("DotsVLProcessor", 14, temporal=1)},
     ),
+    # Gemma 3 (google/gemma-3-4b-it): <start_of_turn> turns, <start_of_image> expanded by
+    # the processor to image_seq_length soft tokens; SigLIP tower, pooled to 16 tokens here.
+    "gemma3": Family(
+        specials=("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>",
+                  "<start_of_image>", "<end_of_image>", "<image_soft_token>"),
+        chat_template=_chat_template(
+            bos="<bos>", user="<start_of_turn>user\n", user_end="<end_of_turn>\n",
+            assistant="<start_of_turn>model\n", assistant_end="<end_of_turn>\n",
+            image="<start_of_image>"),
+        eos="<eos>", pad="<pad>", bos="<bos>",
+        tokenizer_class="PreTrainedTokenizerFast",
+        tokenizer_extra={"extra_special_tokens": {
+            "image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>"}},
+        config={
+            "architectures": ["Gemma3ForConditionalGeneration"],
+            "model_type": "gemma3",
+            "text_config": {
+                "model_type": "gemma3_text", **_TEXT, "vocab_size": "@vocab",
+                "query_pre_attn_scalar": 32, "sliding_window": 64,
+                "sliding_window_pattern": 2, "mm_tokens_per_image": 16,
+            },
+            "vision_config": {
+                "model_type": "siglip_vision_model", "num_hidden_layers": 2,
+                "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                "patch_size": 14, "image_size": 112,
+            },
+            "vocab_size": "@vocab",
+            "mm_tokens_per_image": 16,
+            "image_token_index": "@<image_soft_token>",
+            "boi_token_index": "@<start_of_image>",
+            "eoi_token_index": "@<end_of_image>",
+            "pad_token_id": "@<pad>",
+            "eos_token_id": ["@<eos>", "@<end_of_turn>"],
+        },
+        preprocessor={
+            "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+            "do_convert_rgb": True, "do_normalize": True, "do_rescale": True,
+            "do_resize": True, "do_pan_and_scan": False, "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5], "rescale_factor": 1 / 255, "resample": 2,
+            "size": {"height": 112, "width": 112},
+        },
+        # Tied embeddings: with them scaled too, every row echoes its last token.
+        embed_scale=1.0,
+        extra_files={"processor_config.json": {"image_seq_length": 16,
+                                               "processor_class": "Gemma3Processor"}},
+    ),
+    # Idefics3 (SmolDocling, granite-docling): "User:<image>...<end_of_utterance>" turns;
+    # the processor expands <image> to image_seq_len tokens between fake-token markers.
+    "idefics3": Family(
+        specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<fake_token_around_image>",
+                  "<image>", "<end_of_utterance>", "<global-img>"),
+        chat_template=_chat_template(
+            bos="<|im_start|>", user="User:", user_end="<end_of_utterance>\n",
+            assistant="Assistant:", assistant_end="<end_of_utterance>\n", image="<image>"),
+        eos="<end_of_utterance>", pad="<|endoftext|>",
+        tokenizer_class="PreTrainedTokenizerFast",
+        config={
+            "architectures": ["Idefics3ForConditionalGeneration"],
+            "model_type": "idefics3",
+            "text_config": {
+                "model_type": "llama", **_TEXT, "vocab_size": "@vocab", "rms_norm_eps": 1e-5,
+            },
+            "vision_config": {
+                "model_type": "idefics3_vision", "hidden_size": 64, "num_attention_heads": 4,
+                "patch_size": 14, "num_hidden_layers": 2, "intermediate_size": 128,
+                "image_size": 112,
+            },
+            "vocab_size": "@vocab",
+            "scale_factor": 2,
+            "image_token_id": "@<image>",
+            "eos_token_id": ["@<end_of_utterance>", "@<|endoftext|>"],
+        },
+        preprocessor={
+            "image_processor_type": "Idefics3ImageProcessor",
+            "processor_class": "Idefics3Processor",
+            "do_convert_rgb": True, "do_normalize": True, "do_rescale": True,
+            "do_resize": True, "do_pad": True, "do_image_splitting": False,
+            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+            "rescale_factor": 1 / 255, "resample": 1,
+            "size": {"longest_edge": 112}, "max_image_size": {"longest_edge": 112},
+        },
+        # (112 / 14)^2 patches, pixel-shuffled by scale_factor^2.
+        extra_files={"processor_config.json": {"image_seq_len": 16,
+                                               "processor_class": "Idefics3Processor"}},
+    ),
 }
 ARCHS: tuple[str, ...] = tuple(FAMILIES)
 
-_WEIGHT_SCALE = 3.0  # default init ignores the image; scaled weights do not
 _STAMP = "vlmq-tiny.json"  # written last: marks a complete build
 
 
@@ -359,7 +454,10 @@ def build_tiny_model(out_dir: Path, arch: str = "qwen2_vl", seed: int = 0) -> Pa
     config = _fill(family.config, ids)
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "preprocessor_config.json", family.preprocessor)
-    _write_weights(out_dir / "model.safetensors", config, seed)
+    for name, data in family.extra_files.items():
+        _write_json(out_dir / name, data)
+    _write_weights(out_dir / "model.safetensors", config, seed, family.weight_scale,
+                   family.embed_scale)
     _write_json(stamp_path, stamp)
     return out_dir
 
@@ -377,6 +475,17 @@ def _fill(value: Any, ids: dict[str, int]) -> Any:
 
 def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _move_specials(tok: Any, first_id: int) -> Any:
+    """The same tokenizer with its added tokens renumbered from `first_id` (a gap before)."""
+    from tokenizers import Tokenizer
+
+    data = json.loads(tok.to_str())
+    for k, entry in enumerate(data["added_tokens"]):
+        entry["id"] = first_id + k
+        data["model"]["vocab"][entry["content"]] = first_id + k  # else ids are reassigned
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def _write_tokenizer(out_dir: Path, family: Family) -> dict[str, int]:
@@ -400,6 +509,8 @@ def _write_tokenizer(out_dir: Path, family: Family) -> dict[str, int]:
     )
     tok.train_from_iterator(list(_CORPUS) * 4, trainer=trainer)
     tok.add_special_tokens(list(family.specials))
+    if family.specials_at is not None:
+        tok = _move_specials(tok, family.specials_at)
     tok.save(str(out_dir / "tokenizer.json"))
 
     ids: dict[str, int] = {}
@@ -443,7 +554,8 @@ def _write_tokenizer(out_dir: Path, family: Family) -> dict[str, int]:
     return ids
 
 
-def _write_weights(path: Path, config: dict[str, Any], seed: int) -> None:
+def _write_weights(path: Path, config: dict[str, Any], seed: int, scale: float,
+                   embed_scale: float | None) -> None:
     """Instantiate mlx-vlm's own class with seeded random init and save it MLX-style."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -458,6 +570,8 @@ def _write_weights(path: Path, config: dict[str, Any], seed: int) -> None:
     mx.random.seed(seed)
     model = module.Model(model_config)
     flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
-    weights = {k: (v * _WEIGHT_SCALE if v.ndim >= 2 else v) for k, v in flat}
+    embed = scale if embed_scale is None else embed_scale
+    weights = {k: (v * (embed if "embed_tokens" in k else scale) if v.ndim >= 2 else v)
+               for k, v in flat}
     mx.eval(weights)
     mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
