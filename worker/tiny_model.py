@@ -478,10 +478,17 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def _move_specials(tok: Any, first_id: int) -> Any:
-    """The same tokenizer with its added tokens renumbered from `first_id` (a gap before)."""
+    """The same tokenizer with its added tokens renumbered from `first_id`.
+
+    The gap is filled with unused tokens (no merge makes them), since mlx-vlm's
+    streaming detokenizer needs dense ids.
+    """
     from tokenizers import Tokenizer
 
     data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    learned = max(vocab.values()) + 1
+    vocab.update({f"<unused{i}>": i for i in range(learned, first_id)})
     for k, entry in enumerate(data["added_tokens"]):
         entry["id"] = first_id + k
         data["model"]["vocab"][entry["content"]] = first_id + k  # else ids are reassigned
