@@ -77,6 +77,7 @@ FAMILIES: dict[str, FamilySpec] = {
     "dots_ocr": FamilySpec(grid_prep=True),
     "gemma3": FamilySpec(grid_prep=False, cache_off=_NO_GRID),
     "idefics3": FamilySpec(grid_prep=False, cache_off=_NO_GRID),
+    "mistral3": FamilySpec(grid_prep=False, cache_off=_NO_GRID),
 }
 UNKNOWN_FAMILY = FamilySpec(grid_prep=False, cache_off="model type not in vlmq's family table")
 # Kept for callers that only need the set.

@@ -429,6 +429,44 @@ FAMILIES: dict[str, Family] = {
         extra_files={"processor_config.json": {"image_seq_len": 16,
                                                "processor_class": "Idefics3Processor"}},
     ),
+    # Mistral 3 / Pixtral (LightOnOCR): [INST] turns; the processor expands [IMG] into
+    # rows of image tokens ended by [IMG_BREAK] / [IMG_END].
+    "mistral3": Family(
+        specials=("<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]",
+                  "[IMG_END]"),
+        chat_template=_chat_template(
+            bos="<s>", user="[INST]", user_end="[/INST]", assistant="",
+            assistant_end="</s>", image="[IMG]"),
+        eos="</s>", pad="<pad>", bos="<s>",
+        tokenizer_class="PreTrainedTokenizerFast",
+        config={
+            "architectures": ["Mistral3ForConditionalGeneration"],
+            "model_type": "mistral3",
+            "text_config": {"model_type": "mistral", **_TEXT, "vocab_size": "@vocab"},
+            "vision_config": {
+                "model_type": "pixtral", "num_hidden_layers": 2, "hidden_size": 64,
+                "head_dim": 16, "intermediate_size": 128, "num_attention_heads": 4,
+                "image_size": 112, "patch_size": 14,
+            },
+            "vocab_size": "@vocab",
+            "spatial_merge_size": 2,
+            "image_token_index": "@[IMG]",
+            "multimodal_projector_bias": False,
+            "eos_token_id": ["@</s>"],
+        },
+        preprocessor={
+            "image_processor_type": "PixtralImageProcessor",
+            "processor_class": "Mistral3Processor",
+            "do_convert_rgb": True, "do_normalize": True, "do_rescale": True,
+            "do_resize": True, "image_mean": _CLIP_MEAN, "image_std": _CLIP_STD,
+            "rescale_factor": 1 / 255, "resample": 3,
+            "patch_size": {"height": 14, "width": 14}, "size": {"longest_edge": 112},
+        },
+        extra_files={"processor_config.json": {
+            "processor_class": "Mistral3Processor", "patch_size": 14,
+            "spatial_merge_size": 2, "image_token": "[IMG]",
+            "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}},
+    ),
 }
 ARCHS: tuple[str, ...] = tuple(FAMILIES)
 
