@@ -110,3 +110,34 @@ def test_family_batched_parity_and_vision_cache(
     results = list(again.results())
     assert all(r.vision_cache_hit for r in results)
     assert [r.text for r in results] == expected[:4]
+
+
+def test_deepseekocr_is_refused_at_start_with_the_reason(
+        redis_url: str, tmp_path: Path, procs: list) -> None:
+    folder = tmp_path / "deepseek-ocr"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "deepseekocr"}')
+    with pytest.raises(A.ModelLoadError, match="SAMViTConfig"):
+        A.load_model(str(folder))
+    proc = helpers.start_worker(redis_url, folder, tmp_path, "--burst")
+    procs.append(proc)
+    rc, out = finish(proc)
+    assert rc != 0
+    assert "model type deepseekocr is not supported" in out and "1024 px" in out
+
+
+def test_an_unverified_family_is_refused_before_its_weights_load(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "llava"}')
+    with pytest.raises(A.ModelLoadError, match="llava is not one vlmq has verified.*qwen2_vl"):
+        A.load_model(str(tmp_path))
+
+
+def test_make_tiny_offers_every_family(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from vlmq.worker.cli import TINY_ARCHS, model_group
+
+    assert TINY_ARCHS == ARCHS
+    out = CliRunner().invoke(model_group, ["make-tiny", str(tmp_path / "m"), "--arch", "glm_ocr"])
+    assert out.exit_code == 0, out.output
+    assert '"model_type": "glm_ocr"' in (tmp_path / "m" / "config.json").read_text()

@@ -16,6 +16,10 @@ from vlmq.shared import constants as C
 from vlmq.shared.keys import QUEUE_NAME_RE
 
 DEFAULT_QUEUES = tuple(C.DEFAULT_QUEUE[task] for task in C.TASKS)
+# Kept in step with vlmq.worker.tiny_model.ARCHS (tests/test_families.py checks it);
+# listed here so the CLI does not import the builder.
+TINY_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm_ocr", "paddleocr_vl", "dots_ocr",
+              "gemma3", "idefics3", "mistral3")
 
 
 def _split_queues(values: tuple[str, ...]) -> list[str]:
@@ -103,8 +107,8 @@ def model_group() -> None:
 
 @model_group.command("make-tiny")
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--arch", type=click.Choice(["qwen2_vl", "qwen2_5_vl"]), default="qwen2_vl",
-              show_default=True)
+@click.option("--arch", type=click.Choice(TINY_ARCHS), default="qwen2_vl",
+              show_default=True, help="mlx-vlm model family to build.")
 @click.option("--seed", type=int, default=0, show_default=True)
 def make_tiny_cmd(out_dir: Path, arch: str, seed: int) -> None:
     """Build a tiny random-weight model (real mlx-vlm format) for tests and offline demos."""

@@ -16,6 +16,7 @@ Two kinds of function live here, and the split matters:
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,11 +76,27 @@ FAMILIES: dict[str, FamilySpec] = {
     "glm_ocr": FamilySpec(grid_prep=True, rope_index=True),
     "paddleocr_vl": FamilySpec(grid_prep=True, rope_index=True, tower="visual"),
     "dots_ocr": FamilySpec(grid_prep=True),
-    "gemma3": FamilySpec(grid_prep=False, cache_off=_NO_GRID),
+    "gemma3": FamilySpec(
+        grid_prep=False, cache_off=_NO_GRID,
+        prefill_one="its get_input_embeddings returns a square (1, 1, L, L) attention mask "
+                    "that BatchGenerator concatenates unpadded, so prompts of different "
+                    "lengths cannot be prefilled together",
+    ),
     "idefics3": FamilySpec(grid_prep=False, cache_off=_NO_GRID),
     "mistral3": FamilySpec(grid_prep=False, cache_off=_NO_GRID),
 }
 UNKNOWN_FAMILY = FamilySpec(grid_prep=False, cache_off="model type not in vlmq's family table")
+
+# Families a worker refuses at start, and why (the missing piece and where it lives).
+REFUSED: dict[str, str] = {
+    "deepseekocr": (
+        "mlx-vlm 0.7.10 builds DeepSeek-OCR's SAM encoder from fixed defaults "
+        "(mlx_vlm/models/deepseekocr/deepseekocr.py: SAMEncoder(SAMViTConfig()), 768 wide, "
+        "12 layers, 1024 px) whatever config.json says, and its processor pads every image "
+        "to 1024 px, so no small offline build exists and vlmq has not verified that "
+        "batched output equals sequential generate for it"
+    ),
+}
 # Kept for callers that only need the set.
 CACHEABLE_TYPES: frozenset[str] = frozenset(k for k, v in FAMILIES.items() if v.cacheable)
 
@@ -143,6 +160,10 @@ def load_model(model_path: str) -> LoadedModel:
         raise ModelLoadError(f"model folder {local} does not exist")
     try:
         folder = get_model_path(target)  # a hub id downloads to its snapshot folder here
+    except Exception as exc:  # any loader failure becomes one clear error
+        raise ModelLoadError(f"cannot load model {model_path!r}: {exc}") from exc
+    check_family(folder, model_path)
+    try:
         model, processor = load(str(folder))
     except Exception as exc:  # any loader failure becomes one clear error
         raise ModelLoadError(f"cannot load model {model_path!r}: {exc}") from exc
@@ -157,6 +178,27 @@ def load_model(model_path: str) -> LoadedModel:
         fingerprint=fingerprint(folder),
         family=family_of(model_type),
     )
+
+
+def check_family(folder: Path, model_path: str) -> str:
+    """The folder's model type, or ModelLoadError when vlmq cannot serve it exactly.
+
+    Checked before the weights load: a family whose batched output is not verified
+    would risk wrong text, so the worker refuses it at start instead.
+    """
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+        model_type = str(config["model_type"]).lower()
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"cannot read model_type from {model_path!r}: {exc}") from exc
+    if model_type in REFUSED:
+        raise ModelLoadError(f"model type {model_type} is not supported: {REFUSED[model_type]}")
+    if model_type not in FAMILIES:
+        raise ModelLoadError(
+            f"model type {model_type} is not one vlmq has verified (batched output equal "
+            f"to sequential generate); verified: {', '.join(sorted(FAMILIES))}"
+        )
+    return model_type
 
 
 def fingerprint(folder: Path) -> str:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 # The Qwen2 pre-tokenizer regex; transformers' Qwen2Tokenizer rebuilds the
@@ -344,7 +344,7 @@ FAMILIES: dict[str, Family] = {
         preprocessor={**_qwen_pre("DotsVLProcessor", 14, temporal=1)},
     ),
     # Gemma 3 (google/gemma-3-4b-it): <start_of_turn> turns, <start_of_image> expanded by
-    # the processor to image_seq_length soft tokens; SigLIP tower, pooled to 16 tokens here.
+    # the processor to image_seq_length soft tokens; SigLIP tower (64 soft tokens here).
     "gemma3": Family(
         specials=("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>",
                   "<start_of_image>", "<end_of_image>", "<image_soft_token>"),
@@ -363,7 +363,7 @@ FAMILIES: dict[str, Family] = {
             "text_config": {
                 "model_type": "gemma3_text", **_TEXT, "vocab_size": "@vocab",
                 "query_pre_attn_scalar": 32, "sliding_window": 64,
-                "sliding_window_pattern": 2, "mm_tokens_per_image": 16,
+                "sliding_window_pattern": 2, "mm_tokens_per_image": 64,
             },
             "vision_config": {
                 "model_type": "siglip_vision_model", "num_hidden_layers": 2,
@@ -371,7 +371,7 @@ FAMILIES: dict[str, Family] = {
                 "patch_size": 14, "image_size": 112,
             },
             "vocab_size": "@vocab",
-            "mm_tokens_per_image": 16,
+            "mm_tokens_per_image": 64,
             "image_token_index": "@<image_soft_token>",
             "boi_token_index": "@<start_of_image>",
             "eoi_token_index": "@<end_of_image>",
@@ -386,8 +386,8 @@ FAMILIES: dict[str, Family] = {
             "size": {"height": 112, "width": 112},
         },
         # Tied embeddings: with them scaled too, every row echoes its last token.
-        embed_scale=1.0,
-        extra_files={"processor_config.json": {"image_seq_length": 16,
+        weight_scale=6.0, embed_scale=1.0,
+        extra_files={"processor_config.json": {"image_seq_length": 64,
                                                "processor_class": "Gemma3Processor"}},
     ),
     # Idefics3 (SmolDocling, granite-docling): "User:<image>...<end_of_utterance>" turns;
