@@ -128,7 +128,7 @@ def test_deepseekocr_is_refused_at_start_with_the_reason(
 
 def test_an_unverified_family_is_refused_before_its_weights_load(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "llava"}')
-    with pytest.raises(A.ModelLoadError, match="llava is not one vlmq has verified.*qwen2_vl"):
+    with pytest.raises(A.ModelLoadError, match=r"llava is not one vlmq has verified.*qwen2_vl"):
         A.load_model(str(tmp_path))
 
 

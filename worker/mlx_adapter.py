@@ -301,13 +301,13 @@ def _tokenize(processor: Any, text: str) -> np.ndarray:
 def vision_features(model: Any, prepared: Prepared) -> Any:
     """Run the vision tower for one prepared image: (n_image_tokens, hidden)."""
     import mlx.core as mx
+    from mlx.utils import tree_flatten
 
     if prepared.pixel_values is None or prepared.image_grid_thw is None:
         raise ValueError("vision_features needs pixel_values and image_grid_thw")
-    from mlx.utils import tree_flatten
-
     tower = getattr(model, family_of(str(model.config.model_type)).tower)
-    dtype = tree_flatten(tower.parameters())[0][1].dtype
+    leaves: list[tuple[str, Any]] = tree_flatten(tower.parameters())
+    dtype = leaves[0][1].dtype  # the tower's weight dtype
     pixels = mx.array(prepared.pixel_values).astype(dtype)
     grid = mx.array(prepared.image_grid_thw)
     feats = tower(pixels, grid, output_hidden_states=False)
