@@ -306,7 +306,7 @@ def vision_features(model: Any, prepared: Prepared) -> Any:
     if prepared.pixel_values is None or prepared.image_grid_thw is None:
         raise ValueError("vision_features needs pixel_values and image_grid_thw")
     tower = getattr(model, family_of(str(model.config.model_type)).tower)
-    leaves: list[tuple[str, Any]] = tree_flatten(tower.parameters())
+    leaves: list[tuple[str, Any]] = tree_flatten(tower.parameters())  # type: ignore[assignment]
     dtype = leaves[0][1].dtype  # the tower's weight dtype
     pixels = mx.array(prepared.pixel_values).astype(dtype)
     grid = mx.array(prepared.image_grid_thw)
