@@ -57,7 +57,7 @@ def _reference(model_dir: Path, images: list[Path], pdf: Path) -> list[str]:
     items += [(P.render_pdf_page(pdf_data, page, MAX_SIDE), "ocr") for page in (1, 2)]
     texts = []
     for image, task in items:
-        res = resolve(model_type, task, None, MAX_TOKENS, 0.0, None)
+        res = resolve(model_type, task, None, MAX_TOKENS, 0.0, None, model_id=str(model_dir))
         prompt = A.format_prompt(processor, model.config, res.prompt, num_images=1)
         *_, last = stream_generate(model, processor, prompt, image=[image],
                                    max_tokens=MAX_TOKENS, temperature=0.0)

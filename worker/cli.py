@@ -118,6 +118,33 @@ def make_tiny_cmd(out_dir: Path, arch: str, seed: int) -> None:
     click.echo(str(path))
 
 
+@model_group.command("check")
+@click.argument("model")
+@click.option("--max-tokens", type=click.IntRange(1, 4096), default=32, show_default=True,
+              help="New tokens per image.")
+@click.option("--max-batch", type=click.IntRange(2, 64), default=4, show_default=True,
+              help="Batch size for the batched speed figure.")
+def check_cmd(model: str, max_tokens: int, max_batch: int) -> None:
+    """Check a model before serving it: run this first on any new model.
+
+    Loads MODEL (hub id or folder), runs 2 images sequentially with mlx-vlm's own
+    generate and then batched through the worker's engine, and reports the family,
+    whether batched output is token-identical (exit 1 if not), whether vision
+    features can be cached, the preset jobs get, and tokens/s at batch 1 and batched.
+    """
+    from vlmq.worker.mlx_adapter import ModelLoadError
+    from vlmq.worker.model_check import check_model
+
+    try:
+        report = check_model(model, max_tokens=max_tokens, max_batch=max_batch)
+    except ModelLoadError as exc:
+        raise click.ClickException(str(exc)) from exc
+    for line in report.lines():
+        click.echo(line)
+    if not report.parity:
+        raise click.exceptions.Exit(1)
+
+
 @click.command("demo")
 @click.option("--model", default=None,
               help="Model to use (default: build the tiny random-weight model).")

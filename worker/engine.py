@@ -14,6 +14,7 @@ at the next step, up to `max_batch` sequences in flight.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # how long the MLX thread blocks on the inbox when it has nothing to run
 _CLEAR_CACHE_DELAY = 8  # steps between a removal and mx.clear_cache (Metal pitfall)
+IGNORE_LIMITS_ENV = "VLMQ_IGNORE_FAMILY_LIMITS"  # debug switch, see _apply_family_limits
 
 
 @dataclass
@@ -249,7 +251,16 @@ class Engine:
         _Loop(self, self._loaded).run()
 
     def _apply_family_limits(self, family: adapter.FamilySpec) -> None:
-        """Lower the batch sizes where mlx-vlm cannot batch this family exactly."""
+        """Lower the batch sizes where mlx-vlm cannot batch this family exactly.
+
+        VLMQ_IGNORE_FAMILY_LIMITS=1 skips this, to see why a limit exists: `vlmq model
+        check` then shows the parity failure the limit prevents.
+        """
+        if os.environ.get(IGNORE_LIMITS_ENV) == "1":
+            log.warning("%s=1: batching %s without its family limits; output may differ "
+                        "from sequential generate", IGNORE_LIMITS_ENV,
+                        self._require_loaded().model_type)
+            return
         if family.batch_off is not None and self.max_batch > 1:
             log.warning("model type %s runs at max batch 1: %s",
                         self._require_loaded().model_type, family.batch_off)

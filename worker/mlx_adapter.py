@@ -150,19 +150,9 @@ class Prepared:
 
 def load_model(model_path: str) -> LoadedModel:
     """Load through `mlx_vlm.load`: a local folder offline, else a hub id via its normal path."""
-    from mlx_vlm.utils import get_model_path, load
+    from mlx_vlm.utils import load
 
-    local = Path(model_path).expanduser()
-    target = str(local) if local.exists() else model_path
-    if local.exists() and not (local / "config.json").is_file():
-        raise ModelLoadError(f"model folder {local} has no config.json")
-    if not local.exists() and (local.is_absolute() or model_path.startswith((".", "~"))):
-        raise ModelLoadError(f"model folder {local} does not exist")
-    try:
-        folder = get_model_path(target)  # a hub id downloads to its snapshot folder here
-    except Exception as exc:  # any loader failure becomes one clear error
-        raise ModelLoadError(f"cannot load model {model_path!r}: {exc}") from exc
-    check_family(folder, model_path)
+    folder = model_folder(model_path)
     try:
         model, processor = load(str(folder))
     except Exception as exc:  # any loader failure becomes one clear error
@@ -178,6 +168,24 @@ def load_model(model_path: str) -> LoadedModel:
         fingerprint=fingerprint(folder),
         family=family_of(model_type),
     )
+
+
+def model_folder(model_path: str) -> Path:
+    """The local folder of a model (a hub id downloads here), once its family is accepted."""
+    from mlx_vlm.utils import get_model_path
+
+    local = Path(model_path).expanduser()
+    target = str(local) if local.exists() else model_path
+    if local.exists() and not (local / "config.json").is_file():
+        raise ModelLoadError(f"model folder {local} has no config.json")
+    if not local.exists() and (local.is_absolute() or model_path.startswith((".", "~"))):
+        raise ModelLoadError(f"model folder {local} does not exist")
+    try:
+        folder = get_model_path(target)  # a hub id downloads to its snapshot folder here
+    except Exception as exc:  # any loader failure becomes one clear error
+        raise ModelLoadError(f"cannot load model {model_path!r}: {exc}") from exc
+    check_family(folder, model_path)
+    return Path(folder)
 
 
 def check_family(folder: Path, model_path: str) -> str:
