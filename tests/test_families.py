@@ -20,6 +20,7 @@ from vlmq.producer.client import Client
 from vlmq.shared.keys import Keys
 from vlmq.worker import mlx_adapter as A
 from vlmq.worker import preprocess as P
+from vlmq.worker.model_check import check_model
 from vlmq.worker.model_defaults import resolve
 from vlmq.worker.tiny_model import ARCHS, build_tiny_model
 
@@ -93,6 +94,11 @@ def test_family_batched_parity_and_vision_cache(
     assert got == expected, out
     assert [r.page for r in ocr.results()] == [1, 2]
 
+    # `vlmq model check` agrees: parity holds, and it reports what the table says.
+    report = check_model(str(model), max_tokens=8)
+    assert report.parity, report.lines()
+    assert report.model_type == arch and set(report.tok_s) == {0, 1, 4}
+
     spec = A.family_of(arch)
     if spec.prefill_one:
         assert "prefills one prompt at a time" in out
@@ -141,3 +147,20 @@ def test_make_tiny_offers_every_family(tmp_path: Path) -> None:
     out = CliRunner().invoke(model_group, ["make-tiny", str(tmp_path / "m"), "--arch", "glm_ocr"])
     assert out.exit_code == 0, out.output
     assert '"model_type": "glm_ocr"' in (tmp_path / "m" / "config.json").read_text()
+
+
+def test_model_check_exits_non_zero_on_a_parity_failure(
+        tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """qwen3_vl batched without its prefill limit really differs (deepstack padding)."""
+    from click.testing import CliRunner
+
+    from vlmq.worker.cli import model_group
+    from vlmq.worker.engine import IGNORE_LIMITS_ENV
+
+    model = build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3_vl"), arch="qwen3_vl")
+    monkeypatch.setenv(IGNORE_LIMITS_ENV, "1")
+    out = CliRunner().invoke(model_group, ["check", str(model), "--max-tokens", "12"])
+    assert out.exit_code == 1, out.output
+    assert "batched parity:  FAIL" in out.output
+    assert "differs from sequential generate at token" in out.output
+    assert "vision cache:    no (mlx-vlm's qwen3_vl" in out.output
