@@ -94,6 +94,7 @@ class ItemResult:
     vision_cache_hit: bool
     error: str | None
     timings: dict[str, float] = field(default_factory=dict)
+    repetition: str | None = None  # what the repetition guard did (cut, retried), if anything
 
     @property
     def ok(self) -> bool:
@@ -115,6 +116,7 @@ class ItemResult:
             vision_cache_hit=bool(raw.get("vision_cache_hit")),
             error=raw.get("error"),
             timings={str(k): float(v) for k, v in (raw.get("timings") or {}).items()},
+            repetition=raw.get("repetition"),
         )
 
 

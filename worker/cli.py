@@ -55,18 +55,29 @@ def _split_queues(values: tuple[str, ...]) -> list[str]:
 @click.option("--heartbeat-ttl", type=click.IntRange(1), default=None,
               help="Seconds without a heartbeat after which this worker's jobs count as "
                    "abandoned and are requeued (default 90).")
+@click.option("--on-repetition", type=click.Choice(["stop", "retry"]), default="stop",
+              show_default=True,
+              help="A row whose tail loops is stopped (finish_reason 'repetition', text kept "
+                   "up to the first repeat), or retried once at temperature 0.7.")
+@click.option("--repetition-repeats", type=click.IntRange(0), default=8, show_default=True,
+              help="Repeats of a block that count as a loop (0: guard off). Blocks shorter "
+                   "than 4 tokens must also cover 32 tokens.")
+@click.option("--repetition-period", type=click.IntRange(1, 1024), default=64,
+              show_default=True, help="Longest repeating block, in tokens.")
 @click.pass_context
 def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...],
                extra_queues: tuple[str, ...], burst: bool, max_batch: int,
                cache_dir: Path | None, cache_mem_mb: int, cache_disk_gb: float,
                name: str | None, grace: float, prep_threads: int | None,
-               heartbeat_ttl: int | None) -> None:
+               heartbeat_ttl: int | None, on_repetition: str, repetition_repeats: int,
+               repetition_period: int) -> None:
     """Serve jobs with one loaded model and a continuous batcher.
 
     Items from every job in flight share one batch; each result is written the moment it
     is done. SIGTERM/SIGINT: stop taking jobs, finish in-flight items within --grace,
     requeue the rest (their finished items are kept), exit 0.
     """
+    from vlmq.worker.repetition import RepetitionGuard
     from vlmq.worker.service import WorkerConfig, run_worker
 
     queues = _split_queues(queues_opt + extra_queues) or list(DEFAULT_QUEUES)
@@ -88,6 +99,9 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...],
         grace_s=grace,
         prep_threads=prep_threads or min(4, os.cpu_count() or 2),
         heartbeat_ttl=heartbeat_ttl,
+        repetition=None if repetition_repeats == 0 else RepetitionGuard(
+            max_period=repetition_period, min_repeats=max(2, repetition_repeats),
+            on_repetition=on_repetition),
     )
     ctx.exit(run_worker(cfg))
 

@@ -3,8 +3,9 @@
 The first command to run on a new model. It runs synthetic images (2 sizes)
 sequentially through mlx-vlm's own `stream_generate` (the reference a user would
 trust), frees that copy, then runs them through the worker's engine, 2 together
-and then `max_batch` together, and compares token ids. It also reports what the family table says (vision cache,
-batching limits), the preset jobs will get, and tokens/s at batch 1 and batch 4.
+and then `max_batch` together, and compares token ids. It also reports what the
+family table says (vision cache, batching limits), the preset jobs will get, and
+tokens/s at batch 1 and batched.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -82,17 +84,19 @@ def _strip_eos(tokens: list[int], eos: frozenset[int]) -> list[int]:
 def reference_tokens(model_path: str, images: list[Image.Image],
                      max_tokens: int) -> tuple[list[list[int]], float, str]:
     """Sequential mlx_vlm.stream_generate per image: token ids, tokens/s, model type."""
-    import mlx.core as mx
-    from mlx_vlm import load, stream_generate
+    import importlib
 
-    model, processor = load(model_path)
+    import mlx.core as mx
+
+    vlm: Any = importlib.import_module("mlx_vlm")  # untyped entry points
+    model, processor = vlm.load(model_path)
     eos = A.eos_token_ids(processor)
     model_type = str(model.config.model_type)
     out, n_tokens, elapsed = [], 0, 0.0
     for image in images:
         text = A.format_prompt(processor, model.config, CHECK_PROMPT, num_images=1)
         t0 = time.perf_counter()
-        *_, last = stream_generate(model, processor, text, image=[image],
+        *_, last = vlm.stream_generate(model, processor, text, image=[image],
                                    max_tokens=max_tokens, temperature=0.0)
         elapsed += time.perf_counter() - t0
         tokens = list(last.token_ids)

@@ -41,6 +41,7 @@ from vlmq.shared.keys import Keys
 from vlmq.shared.schema import ItemResult, JobSummary
 from vlmq.worker.engine import Engine, EngineError, Finished, Request
 from vlmq.worker.prepare import Preparer, PrepError
+from vlmq.worker.repetition import RepetitionGuard
 from vlmq.worker.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
 from vlmq.worker.scheduler import JobState, Scheduler
 from vlmq.worker.stats import WorkerStats
@@ -86,6 +87,7 @@ class WorkerConfig:
     stats_s: float = 2.0
     heartbeat_ttl: int | None = None  # None: RQ's job monitoring interval + 60 s
     keys: Keys = field(default_factory=Keys.from_env)
+    repetition: RepetitionGuard | None = field(default_factory=RepetitionGuard)  # None: off
 
     @property
     def prep_window(self) -> int:
@@ -136,7 +138,7 @@ class WorkerService:
             log.error("%s", problem)
             return 1
         log.info("loading model %s", cfg.model)
-        engine = Engine(cfg.model, max_batch=cfg.max_batch)
+        engine = Engine(cfg.model, max_batch=cfg.max_batch, repetition=cfg.repetition)
         try:
             return self._serve(engine)
         except StartupError as exc:
@@ -416,7 +418,8 @@ class WorkerService:
                 index=idx, source=item.source, page=item.page,
                 text=None if f.error else f.text, finish_reason=f.finish_reason,
                 prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
-                vision_cache_hit=f.vision_cache_hit, error=f.error, timings=timings)))
+                vision_cache_hit=f.vision_cache_hit, error=f.error, timings=timings,
+                repetition=f.repetition)))
         for job_id, idx, msg in failures:
             state = self.scheduler.jobs.get(job_id)
             if state is None:
