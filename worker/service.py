@@ -40,6 +40,7 @@ from vlmq.shared import results as R
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import ItemResult, JobSummary
 from vlmq.worker.engine import Engine, EngineError, Finished, Request
+from vlmq.worker.mlx_adapter import family_of
 from vlmq.worker.prepare import Preparer, PrepError
 from vlmq.worker.repetition import RepetitionGuard
 from vlmq.worker.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
@@ -175,7 +176,8 @@ class WorkerService:
             raise StartupError(str(exc)) from exc
         if not info.cacheable:
             log.warning("vision features of model type %s cannot be cached: "
-                        "running every image uncached", info.model_type)
+                        "running every image uncached (%s)", info.model_type,
+                        family_of(info.model_type).cache_off)
         disk = cfg.cache_dir if info.cacheable and cfg.cache_disk_bytes > 0 else None
         try:
             cache = VisionCache(cfg.cache_mem_bytes, disk, cfg.cache_disk_bytes)
