@@ -257,7 +257,8 @@ class Engine:
         _Loop(self, self._loaded).run()
 
     def _apply_family_limits(self, family: adapter.FamilySpec) -> None:
-        """Lower the batch sizes where mlx-vlm cannot batch this family exactly.
+        """Prefill one prompt at a time where mlx-vlm cannot prefill this family's prompts
+        together exactly (every verified family decodes batched).
 
         VLMQ_IGNORE_FAMILY_LIMITS=1 skips this, to see why a limit exists: `vlmq model
         check` then shows the parity failure the limit prevents.
@@ -267,11 +268,7 @@ class Engine:
                         "from sequential generate", IGNORE_LIMITS_ENV,
                         self._require_loaded().model_type)
             return
-        if family.batch_off is not None and self.max_batch > 1:
-            log.warning("model type %s runs at max batch 1: %s",
-                        self._require_loaded().model_type, family.batch_off)
-            self.max_batch = self.prefill_batch = 1
-        elif family.prefill_one is not None and self.prefill_batch > 1:
+        if family.prefill_one is not None and self.prefill_batch > 1:
             log.warning("model type %s prefills one prompt at a time (decoding still "
                         "batches): %s", self._require_loaded().model_type, family.prefill_one)
             self.prefill_batch = 1

@@ -41,7 +41,6 @@ class FamilySpec:
         resets them), so no row ever decodes with another row's positions.
     cache_off: why cached tower output would change the text (None: cacheable, given
         grid_prep).
-    batch_off: why BatchGenerator cannot batch it (None: it can); then max batch is 1.
     prefill_one: why prompts must be prefilled one at a time (decoding still batches).
     tower: the model attribute that holds the vision tower.
     """
@@ -49,7 +48,6 @@ class FamilySpec:
     grid_prep: bool
     rope_index: bool = False
     cache_off: str | None = None
-    batch_off: str | None = None
     prefill_one: str | None = None
     tower: str = "vision_tower"  # the model's attribute holding the vision tower
 

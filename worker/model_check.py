@@ -40,9 +40,7 @@ class CheckReport:
     def lines(self) -> list[str]:
         fam = self.family
         cache = "yes" if fam.cacheable else f"no ({fam.cache_off})"
-        if fam.batch_off:
-            batching = f"max batch 1 ({fam.batch_off})"
-        elif fam.prefill_one:
+        if fam.prefill_one:
             batching = f"yes, prefill one prompt at a time ({fam.prefill_one})"
         else:
             batching = "yes"
