@@ -132,3 +132,36 @@ def test_retry_reruns_a_looping_item_once_hotter_and_says_so(
             assert fin.finish_reason in ("stop", "length", "repetition")
         else:
             assert fin.tokens == refs[i][1] and fin.repetition is None
+
+
+def test_worker_writes_the_repetition_outcome_into_item_results(
+        gemma: Path, redis_url: str, tmp_path: Path) -> None:
+    """Through Redis and a real worker: CLI flags reach the guard, results say what it did."""
+    from vlmq.producer.client import Client
+
+    from . import helpers
+
+    paths = []
+    for i in range(4):
+        path = tmp_path / f"img{i}.png"
+        Image.fromarray(np.random.default_rng(i).integers(0, 256, (112, 112, 3),
+                                                          dtype=np.uint8)).save(path)
+        paths.append(path)
+    job = Client(redis_url).generate(paths, PROMPT, max_tokens=MAX_TOKENS, temperature=0.0,
+                                     max_side=112)
+    proc = helpers.start_worker(redis_url, gemma, tmp_path, "--burst", "--max-batch", "4",
+                                "--repetition-repeats", "4", "--repetition-period", "8",
+                                "--repetition-min-span", "12")
+    try:
+        rc, out = helpers.finish(proc, timeout=240)
+    finally:
+        helpers.stop_all([proc])
+    assert rc == 0, out
+    results = list(job.results())
+    looped = [r for r in results if r.finish_reason == "repetition"]
+    assert looped, [r.finish_reason for r in results]
+    for r in results:
+        assert r.error is None
+        assert (r.repetition is not None) == (r.finish_reason == "repetition")
+        if r.repetition is not None:
+            assert "cut at token" in r.repetition and r.completion_tokens < MAX_TOKENS

@@ -60,8 +60,9 @@ def _split_queues(values: tuple[str, ...]) -> list[str]:
               help="A row whose tail loops is stopped (finish_reason 'repetition', text kept "
                    "up to the first repeat), or retried once at temperature 0.7.")
 @click.option("--repetition-repeats", type=click.IntRange(0), default=8, show_default=True,
-              help="Repeats of a block that count as a loop (0: guard off). Blocks shorter "
-                   "than 4 tokens must also cover 32 tokens.")
+              help="Repeats of a block that count as a loop (0: guard off).")
+@click.option("--repetition-min-span", type=click.IntRange(1), default=32, show_default=True,
+              help="Tokens a loop must cover, so short runs of one token are left alone.")
 @click.option("--repetition-period", type=click.IntRange(1, 1024), default=64,
               show_default=True, help="Longest repeating block, in tokens.")
 @click.pass_context
@@ -70,7 +71,7 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...],
                cache_dir: Path | None, cache_mem_mb: int, cache_disk_gb: float,
                name: str | None, grace: float, prep_threads: int | None,
                heartbeat_ttl: int | None, on_repetition: str, repetition_repeats: int,
-               repetition_period: int) -> None:
+               repetition_min_span: int, repetition_period: int) -> None:
     """Serve jobs with one loaded model and a continuous batcher.
 
     Items from every job in flight share one batch; each result is written the moment it
@@ -101,7 +102,7 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...],
         heartbeat_ttl=heartbeat_ttl,
         repetition=None if repetition_repeats == 0 else RepetitionGuard(
             max_period=repetition_period, min_repeats=max(2, repetition_repeats),
-            on_repetition=on_repetition),
+            min_span=repetition_min_span, on_repetition=on_repetition),
     )
     ctx.exit(run_worker(cfg))
 
