@@ -125,6 +125,12 @@ def test_deepseekocr_is_refused_at_start_with_the_reason(
     (folder / "config.json").write_text('{"model_type": "deepseekocr"}')
     with pytest.raises(A.ModelLoadError, match="SAMViTConfig"):
         A.load_model(str(folder))
+    from click.testing import CliRunner
+
+    from vlmq.worker.cli import model_group
+
+    checked = CliRunner().invoke(model_group, ["check", str(folder)])
+    assert checked.exit_code == 1 and "deepseekocr is not supported" in checked.output
     proc = helpers.start_worker(redis_url, folder, tmp_path, "--burst")
     procs.append(proc)
     rc, out = finish(proc)
