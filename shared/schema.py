@@ -99,6 +99,7 @@ class ItemResult:
     error: str | None
     timings: dict[str, float] = field(default_factory=dict)
     custom_id: str | None = None  # the item's custom_id, echoed back
+    repetition: str | None = None  # what the repetition guard did (cut, retried), if anything
 
     @property
     def ok(self) -> bool:
@@ -121,6 +122,7 @@ class ItemResult:
             error=raw.get("error"),
             timings={str(k): float(v) for k, v in (raw.get("timings") or {}).items()},
             custom_id=None if raw.get("custom_id") is None else str(raw["custom_id"]),
+            repetition=raw.get("repetition"),
         )
 
 

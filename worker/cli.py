@@ -24,6 +24,10 @@ __all__ = ["default_cache_dir", "register"]
 WORKER_MODULES = ("mlx", "mlx_vlm")
 
 DEFAULT_QUEUES = tuple(C.DEFAULT_QUEUE[task] for task in C.TASKS)
+# Kept in step with vlmq.worker.tiny_model.ARCHS (tests/test_families.py checks it);
+# listed here so the CLI does not import the builder.
+TINY_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm_ocr", "paddleocr_vl", "dots_ocr",
+              "gemma3", "idefics3", "mistral3")
 
 
 def require_worker_extra() -> None:
@@ -67,12 +71,23 @@ def _split_queues(values: tuple[str, ...]) -> list[str]:
 @click.option("--heartbeat-ttl", type=click.IntRange(1), default=None,
               help="Seconds without a heartbeat after which this worker's jobs count as "
                    "abandoned and are requeued (default 90).")
+@click.option("--on-repetition", type=click.Choice(["stop", "retry"]), default="stop",
+              show_default=True,
+              help="A row whose tail loops is stopped (finish_reason 'repetition', text kept "
+                   "up to the first repeat), or retried once at temperature 0.7.")
+@click.option("--repetition-repeats", type=click.IntRange(0), default=8, show_default=True,
+              help="Repeats of a block that count as a loop (0: guard off).")
+@click.option("--repetition-min-span", type=click.IntRange(1), default=32, show_default=True,
+              help="Tokens a loop must cover, so short runs of one token are left alone.")
+@click.option("--repetition-period", type=click.IntRange(1, 1024), default=64,
+              show_default=True, help="Longest repeating block, in tokens.")
 @click.pass_context
 def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burst: bool,
                max_batch: int,
                cache_dir: Path | None, cache_mem_mb: int, cache_disk_gb: float,
                name: str | None, grace: float, prep_threads: int | None,
-               heartbeat_ttl: int | None) -> None:
+               heartbeat_ttl: int | None, on_repetition: str, repetition_repeats: int,
+               repetition_min_span: int, repetition_period: int) -> None:
     """Serve jobs with one loaded model and a continuous batcher.
 
     Items from every job in flight share one batch; each result is written the moment it
@@ -80,6 +95,7 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burs
     requeue the rest (their finished items are kept), exit 0.
     """
     require_worker_extra()
+    from vlmq.worker.repetition import RepetitionGuard
     from vlmq.worker.service import WorkerConfig, run_worker
 
     queues = _split_queues(queues_opt) or list(DEFAULT_QUEUES)
@@ -101,6 +117,9 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burs
         grace_s=grace,
         prep_threads=prep_threads or min(4, os.cpu_count() or 2),
         heartbeat_ttl=heartbeat_ttl,
+        repetition=None if repetition_repeats == 0 else RepetitionGuard(
+            max_period=repetition_period, min_repeats=max(2, repetition_repeats),
+            min_span=repetition_min_span, on_repetition=on_repetition),
     )
     ctx.exit(run_worker(cfg))
 
@@ -112,8 +131,8 @@ def model_group() -> None:
 
 @model_group.command("make-tiny")
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--arch", type=click.Choice(["qwen2_vl", "qwen2_5_vl"]), default="qwen2_vl",
-              show_default=True)
+@click.option("--arch", type=click.Choice(TINY_ARCHS), default="qwen2_vl",
+              show_default=True, help="mlx-vlm model family to build.")
 @click.option("--seed", type=int, default=0, show_default=True)
 def make_tiny_cmd(out_dir: Path, arch: str, seed: int) -> None:
     """Build a tiny random-weight model (real mlx-vlm format) for tests and offline demos."""
@@ -122,6 +141,33 @@ def make_tiny_cmd(out_dir: Path, arch: str, seed: int) -> None:
 
     path = build_tiny_model(out_dir, arch=arch, seed=seed)
     click.echo(str(path))
+
+
+@model_group.command("check")
+@click.argument("model")
+@click.option("--max-tokens", type=click.IntRange(1, 4096), default=32, show_default=True,
+              help="New tokens per image.")
+@click.option("--max-batch", type=click.IntRange(2, 64), default=4, show_default=True,
+              help="Batch size for the batched speed figure.")
+def check_cmd(model: str, max_tokens: int, max_batch: int) -> None:
+    """Check a model before serving it: run this first on any new model.
+
+    Loads MODEL (hub id or folder), runs 2 images sequentially with mlx-vlm's own
+    generate and then batched through the worker's engine, and reports the family,
+    whether batched output is token-identical (exit 1 if not), whether vision
+    features can be cached, the preset jobs get, and tokens/s at batch 1 and batched.
+    """
+    from vlmq.worker.mlx_adapter import ModelLoadError
+    from vlmq.worker.model_check import check_model
+
+    try:
+        report = check_model(model, max_tokens=max_tokens, max_batch=max_batch)
+    except ModelLoadError as exc:
+        raise click.ClickException(str(exc)) from exc
+    for line in report.lines():
+        click.echo(line)
+    if not report.parity:
+        raise click.exceptions.Exit(1)
 
 
 @click.command("demo")

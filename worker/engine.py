@@ -14,23 +14,26 @@ at the next step, up to `max_batch` sequences in flight.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from vlmq.worker import mlx_adapter as adapter
 from vlmq.worker.mlx_adapter import LoadedModel, Prepared
+from vlmq.worker.repetition import RepetitionGuard
 
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # how long the MLX thread blocks on the inbox when it has nothing to run
 _CLEAR_CACHE_DELAY = 8  # steps between a removal and mx.clear_cache (Metal pitfall)
+IGNORE_LIMITS_ENV = "VLMQ_IGNORE_FAMILY_LIMITS"  # debug switch, see _apply_family_limits
 
 
 @dataclass
@@ -49,13 +52,14 @@ class Request:
 class Finished:
     key: Hashable
     text: str
-    finish_reason: str  # "stop" | "length" | "error"
+    finish_reason: str  # "stop" | "length" | "repetition" | "error"
     prompt_tokens: int
     completion_tokens: int
     vision_cache_hit: bool
     error: str | None
     timings: dict[str, float]  # queue_s, vision_s, embed_s, prefill_s, generate_s
     tokens: list[int] = field(default_factory=list)
+    repetition: str | None = None  # what the repetition guard did, if anything
 
 
 @dataclass(frozen=True)
@@ -107,11 +111,14 @@ class Engine:
     """Continuous-batching generator over one loaded model; see module docstring."""
 
     def __init__(
-        self, model_path: str, *, max_batch: int = 8, prefill_batch: int | None = None
+        self, model_path: str, *, max_batch: int = 8, prefill_batch: int | None = None,
+        repetition: RepetitionGuard | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         self.model_path = model_path
+        self.repetition = repetition  # None: rows are never cut for looping
+        self.repetitions = 0  # rows cut for looping (each attempt counts)
         self.max_batch = max_batch
         self.prefill_batch = max(1, min(prefill_batch or max_batch, max_batch))
         self._inbox: queue.SimpleQueue[tuple[Request, float] | None] = queue.SimpleQueue()
@@ -207,6 +214,7 @@ class Engine:
             "tokens_generated": self.tokens_generated,
             "finished": self.finished_count,
             "errors": self.error_count,
+            "repetitions": self.repetitions,
         }
 
     def close(self, timeout: float | None = None) -> None:
@@ -244,8 +252,26 @@ class Engine:
             self._ready.set()
             self._abort_all("model failed to load", pending=deque(), live={})
             return
+        self._apply_family_limits(self._loaded.family)
         self._ready.set()
         _Loop(self, self._loaded).run()
+
+    def _apply_family_limits(self, family: adapter.FamilySpec) -> None:
+        """Prefill one prompt at a time where mlx-vlm cannot prefill this family's prompts
+        together exactly (every verified family decodes batched).
+
+        VLMQ_IGNORE_FAMILY_LIMITS=1 skips this, to see why a limit exists: `vlmq model
+        check` then shows the parity failure the limit prevents.
+        """
+        if os.environ.get(IGNORE_LIMITS_ENV) == "1":
+            log.warning("%s=1: batching %s without its family limits; output may differ "
+                        "from sequential generate", IGNORE_LIMITS_ENV,
+                        self._require_loaded().model_type)
+            return
+        if family.prefill_one is not None and self.prefill_batch > 1:
+            log.warning("model type %s prefills one prompt at a time (decoding still "
+                        "batches): %s", self._require_loaded().model_type, family.prefill_one)
+            self.prefill_batch = 1
 
     def _abort_all(
         self, why: str, pending: deque[tuple[Request, float]], live: dict[int, _Live]
@@ -306,6 +332,7 @@ class _Loop:
         self.live: dict[int, _Live] = {}
         self.steps = 0
         self.clear_cache_at: int | None = None
+        self.retried: dict[Hashable, str] = {}  # key -> what its first attempt did
         self.gen = self._new_generator()
 
     def _new_generator(self) -> Any:
@@ -441,6 +468,8 @@ class _Loop:
         self.steps += 1
         now = time.perf_counter()
         stopped: list[tuple[_Live, int]] = []
+        looped: list[tuple[_Live, int, int]] = []  # row, period, tokens to keep
+        guard = self.e.repetition
         for r in responses:
             lv = self.live.get(r.uid)
             if lv is None:
@@ -451,20 +480,46 @@ class _Loop:
                 lv.first_token_at = now
             if r.finish_reason is not None:
                 self._finish(lv, r.finish_reason)
-            elif lv.stop_window:
-                cut = self._stop_cut(lv)
+            else:
+                cut = self._stop_cut(lv) if lv.stop_window else None
+                loop = guard.find(lv.tokens) if guard is not None and cut is None else None
                 if cut is not None:
                     stopped.append((lv, cut))
-        if stopped:
+                elif loop is not None:
+                    looped.append((lv, *loop))
+        if stopped or looped:
             mx.synchronize()  # Metal: settle in-flight work before the batch is filtered
-            for lv, _ in stopped:
+            for lv in [row for row, _ in stopped] + [row for row, _, _ in looped]:
                 self.gen.remove(lv.uid)
             for lv, cut in stopped:
                 self._finish(lv, "stop", cut=cut)
+            for lv, period, keep in looped:
+                self._looped(lv, period, keep)
             self.clear_cache_at = self.steps + _CLEAR_CACHE_DELAY
         if self.clear_cache_at is not None and self.steps >= self.clear_cache_at:
             mx.clear_cache()
             self.clear_cache_at = None
+
+    def _looped(self, lv: _Live, period: int, keep: int) -> None:
+        """A row's tail loops: retry it once, hotter, or end it keeping the first copy."""
+        guard = self.e.repetition
+        assert guard is not None
+        self.e.repetitions += 1
+        what = (f"loop of {period} token{'s' if period > 1 else ''} from token "
+                f"{keep - period} cut at token {len(lv.tokens)}")
+        first = self.retried.get(lv.req.key)
+        if guard.on_repetition == "retry" and first is None:
+            self.retried[lv.req.key] = what
+            del self.live[lv.uid]
+            req = replace(lv.req, temperature=max(lv.req.temperature, guard.retry_temperature))
+            self.pending.appendleft((req, time.perf_counter()))
+            with self.e._counts:
+                self.e._active -= 1
+                self.e._waiting += 1
+            return
+        note = what if first is None else (
+            f"{first}; retried at temperature {guard.retry_temperature}: {what} again")
+        self._finish(lv, "repetition", keep=keep, note=note)
 
     def _stop_cut(self, lv: _Live) -> int | None:
         """Index in the full text where the earliest stop string starts, if one has appeared."""
@@ -474,9 +529,14 @@ class _Loop:
         return _earliest(adapter.decode(self.m.processor, lv.tokens), lv.req.stop)
 
     def _finish(
-        self, lv: _Live, reason: str, *, cut: int | None = None, error: str | None = None
+        self, lv: _Live, reason: str, *, cut: int | None = None, error: str | None = None,
+        keep: int | None = None, note: str | None = None,
     ) -> None:
         del self.live[lv.uid]
+        earlier = self.retried.pop(lv.req.key, None)
+        if note is None and earlier is not None:
+            note = (f"{earlier}; retried at temperature {lv.req.temperature}: "
+                    f"ended with {reason}")
         now = time.perf_counter()
         first = lv.first_token_at or now
         timings = {**lv.timings, "prefill_s": first - lv.inserted_at, "generate_s": now - first}
@@ -485,7 +545,7 @@ class _Loop:
             fin.tokens = list(lv.tokens)
             self.e._emit(fin, active_delta=-1)
             return
-        body = lv.tokens
+        body = lv.tokens if keep is None else lv.tokens[:keep]
         if reason == "stop" and cut is None and body and body[-1] in self.eos:
             body = body[:-1]
         text = adapter.decode(self.m.processor, body)
@@ -504,6 +564,7 @@ class _Loop:
                 error=None,
                 timings=timings,
                 tokens=list(lv.tokens),
+                repetition=note,
             ),
             active_delta=-1,
         )

@@ -16,6 +16,7 @@ Two kinds of function live here, and the split matters:
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +25,83 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-# Families whose `get_input_embeddings` accepts `cached_image_features=` and
-# whose processor is the numpy Qwen-VL one (verified by tests/test_adapter.py).
-CACHEABLE_TYPES: frozenset[str] = frozenset({"qwen2_vl", "qwen2_5_vl"})
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """How vlmq drives one mlx-vlm model family: the only place families differ.
+
+    grid_prep: the processor's image processor is numpy and gives pixel_values plus
+        image_grid_thw, so items are prepared on CPU threads (ids expanded from the
+        grid) and the tower runs once per image, apart from the prompt.
+    rope_index: the family's `get_input_embeddings` keeps its M-RoPE positions on the
+        language model instead of returning them, and a batch of one row decodes
+        with whatever was kept last. So each row's position_ids and rope_deltas are
+        computed with `language_model.get_rope_index` and passed in, and the kept
+        ones are cleared by a text-only `get_input_embeddings` call (that branch
+        resets them), so no row ever decodes with another row's positions.
+    cache_off: why cached tower output would change the text (None: cacheable, given
+        grid_prep).
+    prefill_one: why prompts must be prefilled one at a time (decoding still batches).
+    tower: the model attribute that holds the vision tower.
+    """
+
+    grid_prep: bool
+    rope_index: bool = False
+    cache_off: str | None = None
+    prefill_one: str | None = None
+    tower: str = "vision_tower"  # the model's attribute holding the vision tower
+
+    @property
+    def cacheable(self) -> bool:
+        return self.grid_prep and self.cache_off is None
+
+
+_NO_GRID = ("vlmq caches tower output only for grid-based (Qwen-style) image processors, "
+            "and this family's processor is not one")
+
+# Every row is pinned by tests/test_families.py (batched == sequential generate).
+FAMILIES: dict[str, FamilySpec] = {
+    "qwen2_vl": FamilySpec(grid_prep=True),
+    "qwen2_5_vl": FamilySpec(grid_prep=True),
+    "qwen3_vl": FamilySpec(
+        grid_prep=True,
+        cache_off="mlx-vlm's qwen3_vl get_input_embeddings drops the deepstack features "
+                  "when given cached_image_features",
+        prefill_one="BatchGenerator pads deepstack_visual_embeds as if they were "
+                    "sequence-aligned, so prompts of different lengths prefilled together "
+                    "get the wrong deepstack features",
+    ),
+    "glm_ocr": FamilySpec(grid_prep=True, rope_index=True),
+    "paddleocr_vl": FamilySpec(grid_prep=True, rope_index=True, tower="visual"),
+    "dots_ocr": FamilySpec(grid_prep=True),
+    "gemma3": FamilySpec(
+        grid_prep=False, cache_off=_NO_GRID,
+        prefill_one="its get_input_embeddings returns a square (1, 1, L, L) attention mask "
+                    "that BatchGenerator concatenates unpadded, so prompts of different "
+                    "lengths cannot be prefilled together",
+    ),
+    "idefics3": FamilySpec(grid_prep=False, cache_off=_NO_GRID),
+    "mistral3": FamilySpec(grid_prep=False, cache_off=_NO_GRID),
+}
+UNKNOWN_FAMILY = FamilySpec(grid_prep=False, cache_off="model type not in vlmq's family table")
+
+# Families a worker refuses at start, and why (the missing piece and where it lives).
+REFUSED: dict[str, str] = {
+    "deepseekocr": (
+        "mlx-vlm 0.7.10 builds DeepSeek-OCR's SAM encoder from fixed defaults "
+        "(mlx_vlm/models/deepseekocr/deepseekocr.py: SAMEncoder(SAMViTConfig()), 768 wide, "
+        "12 layers, 1024 px) whatever config.json says, and its processor pads every image "
+        "to 1024 px, so no small offline build exists and vlmq has not verified that "
+        "batched output equals sequential generate for it"
+    ),
+}
+# Kept for callers that only need the set.
+CACHEABLE_TYPES: frozenset[str] = frozenset(k for k, v in FAMILIES.items() if v.cacheable)
+
+
+def family_of(model_type: str) -> FamilySpec:
+    return FAMILIES.get(model_type.lower(), UNKNOWN_FAMILY)
+
 
 # HF fast tokenizers raise "Already borrowed" when one instance is used from
 # several threads at once; tokenizing is cheap, so serialise it.
@@ -46,6 +121,7 @@ class LoadedModel:
     cacheable: bool
     context_length: int
     fingerprint: str  # changes when the weights or configs change; part of cache keys
+    family: FamilySpec = UNKNOWN_FAMILY
 
 
 @dataclass(frozen=True)
@@ -72,16 +148,10 @@ class Prepared:
 
 def load_model(model_path: str) -> LoadedModel:
     """Load through `mlx_vlm.load`: a local folder offline, else a hub id via its normal path."""
-    from mlx_vlm.utils import get_model_path, load
+    from mlx_vlm.utils import load
 
-    local = Path(model_path).expanduser()
-    target = str(local) if local.exists() else model_path
-    if local.exists() and not (local / "config.json").is_file():
-        raise ModelLoadError(f"model folder {local} has no config.json")
-    if not local.exists() and (local.is_absolute() or model_path.startswith((".", "~"))):
-        raise ModelLoadError(f"model folder {local} does not exist")
+    folder = model_folder(model_path)
     try:
-        folder = get_model_path(target)  # a hub id downloads to its snapshot folder here
         model, processor = load(str(folder))
     except Exception as exc:  # any loader failure becomes one clear error
         raise ModelLoadError(f"cannot load model {model_path!r}: {exc}") from exc
@@ -91,10 +161,50 @@ def load_model(model_path: str) -> LoadedModel:
         processor=processor,
         model_id=model_path,
         model_type=model_type,
-        cacheable=model_type in CACHEABLE_TYPES,
+        cacheable=family_of(model_type).cacheable,
         context_length=_context_length(model.config),
         fingerprint=fingerprint(folder),
+        family=family_of(model_type),
     )
+
+
+def model_folder(model_path: str) -> Path:
+    """The local folder of a model (a hub id downloads here), once its family is accepted."""
+    from mlx_vlm.utils import get_model_path
+
+    local = Path(model_path).expanduser()
+    target = str(local) if local.exists() else model_path
+    if local.exists() and not (local / "config.json").is_file():
+        raise ModelLoadError(f"model folder {local} has no config.json")
+    if not local.exists() and (local.is_absolute() or model_path.startswith((".", "~"))):
+        raise ModelLoadError(f"model folder {local} does not exist")
+    try:
+        folder = get_model_path(target)  # a hub id downloads to its snapshot folder here
+    except Exception as exc:  # any loader failure becomes one clear error
+        raise ModelLoadError(f"cannot load model {model_path!r}: {exc}") from exc
+    check_family(folder, model_path)
+    return Path(folder)
+
+
+def check_family(folder: Path, model_path: str) -> str:
+    """The folder's model type, or ModelLoadError when vlmq cannot serve it exactly.
+
+    Checked before the weights load: a family whose batched output is not verified
+    would risk wrong text, so the worker refuses it at start instead.
+    """
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+        model_type = str(config["model_type"]).lower()
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"cannot read model_type from {model_path!r}: {exc}") from exc
+    if model_type in REFUSED:
+        raise ModelLoadError(f"model type {model_type} is not supported: {REFUSED[model_type]}")
+    if model_type not in FAMILIES:
+        raise ModelLoadError(
+            f"model type {model_type} is not one vlmq has verified (batched output equal "
+            f"to sequential generate); verified: {', '.join(sorted(FAMILIES))}"
+        )
+    return model_type
 
 
 def fingerprint(folder: Path) -> str:
@@ -135,7 +245,7 @@ def format_prompt(processor: Any, config: Any, prompt: str, num_images: int) -> 
 def prepare(processor: Any, config: Any, image: Image.Image | None, prompt: str) -> Prepared:
     """CPU-only preparation of one item; creates no MLX arrays.
 
-    Qwen families: numpy pixels via the processor's own image processor, then
+    grid_prep families: numpy pixels via the processor's own image processor, then
     ids via the same expansion the processor does. Other families' processors
     return MLX arrays, so only the template is applied here and the rest runs
     on the MLX thread (`build_prompt_kwargs`).
@@ -143,7 +253,7 @@ def prepare(processor: Any, config: Any, image: Image.Image | None, prompt: str)
     text = format_prompt(processor, config, prompt, num_images=0 if image is None else 1)
     if image is None:
         return Prepared(text=text, input_ids=_tokenize(processor, text))
-    if str(config.model_type).lower() not in CACHEABLE_TYPES:
+    if not family_of(str(config.model_type)).grid_prep:
         return Prepared(text=text, input_ids=None, deferred_image=image.convert("RGB"))
     out = processor.image_processor(images=[image.convert("RGB")])
     pixel_values = np.asarray(out["pixel_values"])
@@ -197,13 +307,16 @@ def _tokenize(processor: Any, text: str) -> np.ndarray:
 def vision_features(model: Any, prepared: Prepared) -> Any:
     """Run the vision tower for one prepared image: (n_image_tokens, hidden)."""
     import mlx.core as mx
+    from mlx.utils import tree_flatten
 
     if prepared.pixel_values is None or prepared.image_grid_thw is None:
         raise ValueError("vision_features needs pixel_values and image_grid_thw")
-    dtype = model.vision_tower.patch_embed.proj.weight.dtype
+    tower = getattr(model, family_of(str(model.config.model_type)).tower)
+    leaves: list[tuple[str, Any]] = tree_flatten(tower.parameters())  # type: ignore[assignment]
+    dtype = leaves[0][1].dtype  # the tower's weight dtype
     pixels = mx.array(prepared.pixel_values).astype(dtype)
     grid = mx.array(prepared.image_grid_thw)
-    feats = model.vision_tower(pixels, grid, output_hidden_states=False)
+    feats = tower(pixels, grid, output_hidden_states=False)
     mx.eval(feats)
     return feats
 
@@ -237,6 +350,11 @@ def build_prompt_kwargs(
     out = {k: v for k, v in embed.to_dict().items() if v is not None}
     if "image_grid_thw" in kwargs:
         out["image_grid_thw"] = kwargs["image_grid_thw"]
+    if family_of(str(model.config.model_type)).rope_index and "position_ids" not in out:
+        out["position_ids"], out["rope_deltas"] = model.language_model.get_rope_index(
+            ids, kwargs.get("image_grid_thw"), None, kwargs["mask"]
+        )
+        model.get_input_embeddings(ids[:, :1], None, mask=kwargs["mask"][:, :1])
     mx.eval([v for v in out.values() if isinstance(v, mx.array)])
     return prepared.input_ids.tolist(), out
 

@@ -93,7 +93,7 @@ class Preparer:
         try:
             resolve(self.info.model_type, payload.task, payload.prompt,
                     payload.generation.max_tokens, payload.generation.temperature,
-                    payload.generation.stop)
+                    payload.generation.stop, model_id=self.info.model_id)
         except ValueError as exc:
             return str(exc)
         return None
@@ -123,7 +123,7 @@ class Preparer:
         item = payload.items[idx]
         gen = payload.generation
         res = resolve(self.info.model_type, payload.task, payload.prompt, gen.max_tokens,
-                      gen.temperature, gen.stop)
+                      gen.temperature, gen.stop, model_id=self.info.model_id)
         processor, config = self.engine.processor, self.engine.model_config
         common: dict[str, Any] = {"key": (job_id, idx), "max_tokens": res.max_tokens,
                                   "temperature": res.temperature, "stop": res.stop}

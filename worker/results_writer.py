@@ -60,7 +60,7 @@ def finished_result(state: Running, idx: int, f: Finished, prep_s: float) -> Ite
         text=None if f.error else f.text, finish_reason=f.finish_reason,
         prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
         vision_cache_hit=f.vision_cache_hit, error=f.error, timings=timings,
-        custom_id=item.custom_id)
+        custom_id=item.custom_id, repetition=f.repetition)
 
 
 def failed_result(state: Running, idx: int, message: str) -> ItemResult:

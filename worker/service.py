@@ -32,7 +32,9 @@ from vlmq.shared import results as R
 from vlmq.shared.connection import connect, transient
 from vlmq.shared.keys import Keys
 from vlmq.worker.engine import Engine, EngineError, Finished, Request
+from vlmq.worker.mlx_adapter import family_of
 from vlmq.worker.prepare import Preparer, PrepError
+from vlmq.worker.repetition import RepetitionGuard
 from vlmq.worker.results_writer import ResultWriter
 from vlmq.worker.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
 from vlmq.worker.scheduler import Scheduler
@@ -67,6 +69,7 @@ class WorkerConfig:
     stats_s: float = 2.0
     heartbeat_ttl: int | None = None  # None: RQ's job monitoring interval + 60 s
     keys: Keys = field(default_factory=Keys.from_env)
+    repetition: RepetitionGuard | None = field(default_factory=RepetitionGuard)  # None: off
 
     @property
     def prep_window(self) -> int:
@@ -116,7 +119,7 @@ class WorkerService:
             log.error("%s", problem)
             return 1
         log.info("loading model %s", cfg.model)
-        engine = Engine(cfg.model, max_batch=cfg.max_batch)
+        engine = Engine(cfg.model, max_batch=cfg.max_batch, repetition=cfg.repetition)
         try:
             return self._serve(engine)
         except StartupError as exc:
@@ -153,7 +156,8 @@ class WorkerService:
             raise StartupError(str(exc)) from exc
         if not info.cacheable:
             log.warning("vision features of model type %s cannot be cached: "
-                        "running every image uncached", info.model_type)
+                        "running every image uncached (%s)", info.model_type,
+                        family_of(info.model_type).cache_off)
         disk = cfg.cache_dir if info.cacheable and cfg.cache_disk_bytes > 0 else None
         try:
             cache = VisionCache(cfg.cache_mem_bytes, disk, cfg.cache_disk_bytes)
@@ -375,16 +379,6 @@ class WorkerService:
             self._writer.record_finished(job_id, idx, f, prep_s)
         for job_id, idx, msg in failures:
             self._writer.record_failure(job_id, idx, msg)
-
-
-def _wall_since(first_started: bytes | str | None) -> float | None:
-    """Seconds since the epoch time a job first started, or None if unreadable."""
-    try:
-        first = float(first_started.decode() if isinstance(first_started, bytes)
-                      else first_started or "")
-    except ValueError:
-        return None
-    return round(max(0.0, time.time() - first), 3)
 
 
 def _drain(q: SimpleQueue[T]) -> list[T]:
