@@ -67,12 +67,20 @@ def _split_queues(values: tuple[str, ...]) -> list[str]:
 @click.option("--heartbeat-ttl", type=click.IntRange(1), default=None,
               help="Seconds without a heartbeat after which this worker's jobs count as "
                    "abandoned and are requeued (default 90).")
+@click.option("--result-cache-ttl", type=click.IntRange(1), default=30 * 24 * 3600,
+              show_default=True, metavar="S",
+              help="Seconds a finished item's text stays in the shared result cache "
+                   "(in Redis, for every worker).")
+@click.option("--result-cache-mb", type=click.FloatRange(0), default=256.0, show_default=True,
+              help="Byte budget of the shared result cache; the oldest entries go first. "
+                   "0 turns it off for the items this worker runs.")
 @click.pass_context
 def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burst: bool,
                max_batch: int,
                cache_dir: Path | None, cache_mem_mb: int, cache_disk_gb: float,
                name: str | None, grace: float, prep_threads: int | None,
-               heartbeat_ttl: int | None) -> None:
+               heartbeat_ttl: int | None, result_cache_ttl: int,
+               result_cache_mb: float) -> None:
     """Serve jobs with one loaded model and a continuous batcher.
 
     Items from every job in flight share one batch; each result is written the moment it
@@ -101,6 +109,8 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burs
         grace_s=grace,
         prep_threads=prep_threads or min(4, os.cpu_count() or 2),
         heartbeat_ttl=heartbeat_ttl,
+        result_cache_ttl_s=result_cache_ttl,
+        result_cache_bytes=int(result_cache_mb * 1024 * 1024),
     )
     ctx.exit(run_worker(cfg))
 

@@ -41,6 +41,13 @@ from vlmq.shared.keys import Keys
 from vlmq.shared.schema import ItemResult, JobSummary
 from vlmq.worker.engine import Engine, EngineError, Finished, Request
 from vlmq.worker.prepare import Preparer, PrepError
+from vlmq.worker.result_cache import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_TTL_S,
+    ResultCache,
+    cached_results,
+    store_results,
+)
 from vlmq.worker.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
 from vlmq.worker.scheduler import JobState, Scheduler
 from vlmq.worker.stats import WorkerStats
@@ -85,6 +92,8 @@ class WorkerConfig:
     max_jobs: int | None = None    # jobs in flight; default max(4, max_batch)
     stats_s: float = 2.0
     heartbeat_ttl: int | None = None  # None: RQ's job monitoring interval + 60 s
+    result_cache_ttl_s: int = DEFAULT_TTL_S
+    result_cache_bytes: int = DEFAULT_MAX_BYTES  # 0 turns the shared result cache off
     keys: Keys = field(default_factory=Keys.from_env)
 
     @property
@@ -110,6 +119,7 @@ class WorkerService:
         self._prep_time: dict[tuple[str, int], float] = {}
         self._unwritten: list[tuple[str, ItemResult]] = []
         self._preparer: Preparer
+        self._results: ResultCache
         self._lifecycle: JobLifecycle
         self._queues_empty = False
         self._next_heartbeat = self._next_stats = 0.0
@@ -189,6 +199,9 @@ class WorkerService:
             raise StartupError(str(exc)) from exc
         pool = ThreadPoolExecutor(cfg.prep_threads, thread_name_prefix="vlmq-prep")
         preparer = self._preparer = Preparer(engine, info, cache, self.redis, cfg.keys, pool)
+        self._results = ResultCache(self.redis, cfg.keys, preparer.model_identity,
+                                    ttl_s=cfg.result_cache_ttl_s,
+                                    max_bytes=cfg.result_cache_bytes)
         self.stats.model = cfg.model
         log.info("worker %s ready: model %s (%s), queues %s, max batch %d, window %d",
                  cfg.name, cfg.model, info.model_type, ",".join(cfg.queues), cfg.max_batch,
@@ -320,8 +333,11 @@ class WorkerService:
         n = len(running.payload.items)
         done = {i for i in R.done_indexes(self.redis, self.cfg.keys, running.job_id) if i < n}
         todo = [i for i in range(n) if i not in done]
+        hits = cached_results(self._results, preparer, running.payload, todo)
         state = JobState(job_id=running.job_id, handle=running, payload=running.payload,
-                         pending=deque(todo), already_done=len(done))
+                         pending=deque(i for i in todo if i not in hits),
+                         already_done=len(done), outstanding=set(hits))
+        self._unwritten.extend((running.job_id, res) for res in hits.values())
         log.info("job %s started: %s, %d items%s", state.job_id, state.payload.task,
                  state.total, f" ({len(done)} already done, resuming)" if done else "")
         self.scheduler.add(state)
@@ -455,6 +471,9 @@ class WorkerService:
                                    f"cannot write this job's results: {exc}")
                 continue
             self._unwritten = [(j, r) for j, r in self._unwritten if j != job_id]
+            if state is not None:
+                self.stats.result_cache_stores += store_results(
+                    self._results, self._preparer, state.payload, results)
             for res in results:
                 self.stats.count_item(res)
                 self.scheduler.finish_item(job_id, res.index)
@@ -477,6 +496,7 @@ class WorkerService:
             wall_s=round(time.monotonic() - state.started, 3),
             cache_hits=sum(1 for r in stored if r.vision_cache_hit),
             labels=dict(state.payload.labels),
+            result_cache_hits=sum(1 for r in stored if r.result_cache_hit),
         )
         R.add_event(self.redis, self.cfg.keys, state.job_id,
                     {"type": "finished", **summary.to_dict()})
