@@ -279,7 +279,8 @@ def expand_sources(paths: Iterable[str | os.PathLike[str]], *, recursive: bool =
     results under these names, so they never point outside the folder given.
 
     Folders contribute every non-hidden regular file, so a stray non-image in a folder of
-    scans is reported rather than silently dropped. The same file named twice is kept once.
+    scans is reported rather than silently dropped; only vlmq's own sidecars are left out.
+    The same file named twice is kept once.
     """
     out: list[FoundFile] = []
     errors: list[InputError] = []
@@ -300,7 +301,8 @@ def expand_sources(paths: Iterable[str | os.PathLike[str]], *, recursive: bool =
                 errors.append(InputError(name, "folder has no files" if recursive else
                                          "folder has no files (pass --recursive to descend)"))
             for f in found:
-                add(f, Path(os.path.relpath(f, p)).as_posix(), name)
+                if not is_sidecar(f):
+                    add(f, Path(os.path.relpath(f, p)).as_posix(), name)
         elif p.exists() or not _GLOB_CHARS.search(name):
             add(name, *_own_name(name))  # a missing plain path is reported by check_file
         else:
@@ -310,8 +312,20 @@ def expand_sources(paths: Iterable[str | os.PathLike[str]], *, recursive: bool =
                 errors.append(InputError(name, "no files match this pattern"))
             base = _glob_base(name)
             for f in files:
-                add(f, Path(os.path.relpath(f, base)).as_posix(), base)
+                if not is_sidecar(f):
+                    add(f, Path(os.path.relpath(f, base)).as_posix(), base)
     return out, errors
+
+
+# What `vlmq export --sidecar` writes next to an input (photo.jpg.txt, doc.pdf.md).
+SIDECAR_SUFFIXES = (".txt", ".md", ".json")
+
+
+def is_sidecar(path: str) -> bool:
+    """vlmq's own output next to an input: skipped in folders and globs, so a folder
+    captioned with --sidecar can be enqueued (or scheduled) again as it is."""
+    base, ext = os.path.splitext(path)
+    return ext in SIDECAR_SUFFIXES and os.path.isfile(base)
 
 
 def _own_name(name: str) -> tuple[str, str]:

@@ -54,7 +54,6 @@ HISTORY = 50
 TICK_S = 0.5
 RUN_LOCK_S = 600  # a run that takes longer (reading a huge tree) lets another start
 NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
-SIDECAR_SUFFIXES = (".txt", ".md", ".json")
 
 # KEYS[1] schedule hash. ARGV: the next_due read, the next_due after this run.
 _CLAIM = """
@@ -162,12 +161,6 @@ def iso_time(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
 
 
-def _is_sidecar(path: str) -> bool:
-    """Our own output next to an input (photo.jpg.txt): never an input itself."""
-    base, ext = os.path.splitext(path)
-    return ext in SIDECAR_SUFFIXES and os.path.isfile(base)
-
-
 def scan(schedule: Schedule) -> tuple[list[FoundFile], list[str]]:
     """Every input file under the schedule's paths, and the paths that are gone."""
     found: list[FoundFile] = []
@@ -178,7 +171,7 @@ def scan(schedule: Schedule) -> tuple[list[FoundFile], list[str]]:
         if not files and not os.path.exists(path):  # a glob matching nothing too
             missing.append(path)
             continue
-        found.extend(f for f in files if not _is_sidecar(f.path))
+        found.extend(files)
     return found, missing
 
 
@@ -269,6 +262,9 @@ class ScheduleStore:
                 run = self._fire_if_due(name, time.time() if now is None else now)
             except ScheduleError:
                 continue  # removed meanwhile
+            except (VlmqError, OSError) as exc:  # one schedule's trouble stops no other
+                log.warning("schedule %s: %s", name, exc)
+                continue
             if run is not None:
                 fired.append(run)
         return fired
@@ -401,15 +397,21 @@ class ScheduleStore:
             sched = self.get(name)
         except ScheduleError:
             return
-        report = ExportReport()
-        if sched.export_dir is not None:
-            report = export_results(results, Path(sched.export_dir), sched.export_format)
-        elif sched.sidecar:
-            for root in sorted(set(roots)):
-                report.merge(export_results(
-                    [r for r in results if r.index < len(roots) and roots[r.index] == root],
-                    Path(root), "md"))
         if sched.export_dir is not None or sched.sidecar:
+            report = ExportReport()
+            try:
+                if sched.export_dir is not None:
+                    report = export_results(results, Path(sched.export_dir),
+                                            sched.export_format)
+                else:
+                    for root in sorted(set(roots)):
+                        report.merge(export_results(
+                            [r for r in results
+                             if r.index < len(roots) and roots[r.index] == root],
+                            Path(root), "md"))
+            except OSError as exc:  # a full disk, a read-only folder: say so in the run
+                update["export_error"] = f"{type(exc).__name__}: {exc}"
+                log.warning("schedule %s: export of job %s failed: %s", name, job_id, exc)
             update.update(exported=len(report.written),
                           refused=[s for s, _ in report.refused])
         self._update_run(name, job_id, update)

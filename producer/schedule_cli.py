@@ -148,8 +148,9 @@ def _run_line(run: dict[str, Any]) -> str:
         parts.append("missing: " + ", ".join(run["missing"]))
     if run.get("bad"):
         parts.append(f"{len(run['bad'])} bad file(s)")
-    if run.get("error"):
-        parts.append(run["error"])
+    if run.get("refused"):
+        parts.append(f"{len(run['refused'])} output(s) refused")
+    parts += [run[key] for key in ("error", "export_error") if run.get(key)]
     return " | ".join(parts)
 
 

@@ -14,17 +14,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
+from redis.exceptions import RedisError
 
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import Item, ItemResult, JobPayload
 from vlmq.worker.model_defaults import resolve
 from vlmq.worker.prepare import PREPROCESS_VERSION, Preparer
+
+log = logging.getLogger("vlmq.worker")
 
 DEFAULT_TTL_S = 30 * 24 * 3600
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
@@ -175,11 +179,20 @@ def cached_results(cache: ResultCache, preparer: Preparer, payload: JobPayload,
 
 def store_results(cache: ResultCache, preparer: Preparer, payload: JobPayload,
                   results: Sequence[ItemResult]) -> int:
-    """Keep the generated, successful ones among a job's written results; how many were new."""
+    """Keep the generated, successful ones among a job's written results; how many were new.
+
+    Best effort: the results are already written, so a Redis error here costs only the
+    cache entries (logged), never the job.
+    """
     fresh = [r for r in results if not r.result_cache_hit and r.text is not None
              and cacheable(r.finish_reason, r.error)]
     digests = _digests(cache, preparer, payload, [r.index for r in fresh])
     if not digests:
         return 0
-    return sum(cache.store(d, r.text or "", r.finish_reason)
-               for d, r in zip(digests, fresh, strict=True))
+    stored = 0
+    try:
+        for d, r in zip(digests, fresh, strict=True):
+            stored += cache.store(d, r.text or "", r.finish_reason)
+    except RedisError as exc:
+        log.warning("result cache: %d item(s) not stored: %s", len(fresh) - stored, exc)
+    return stored

@@ -471,12 +471,12 @@ class WorkerService:
                                    f"cannot write this job's results: {exc}")
                 continue
             self._unwritten = [(j, r) for j, r in self._unwritten if j != job_id]
-            if state is not None:
-                self.stats.result_cache_stores += store_results(
-                    self._results, self._preparer, state.payload, results)
             for res in results:
                 self.stats.count_item(res)
                 self.scheduler.finish_item(job_id, res.index)
+            if state is not None:  # best effort, after the results count as written
+                self.stats.result_cache_stores += store_results(
+                    self._results, self._preparer, state.payload, results)
 
     def _finish_job(self, lifecycle: JobLifecycle, state: JobState[Running]) -> None:
         if not lifecycle.is_ours(state.handle):
