@@ -36,7 +36,7 @@ from zoneinfo import ZoneInfo
 
 from croniter import croniter
 from redis import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import LockError, RedisError
 
 from vlmq.producer.client import TERMINAL, Client
 from vlmq.producer.errors import JobNotFound
@@ -197,11 +197,13 @@ class ScheduleStore:
         marks (a settings change makes the files due through the settings hash)."""
         key = self.keys.schedule(schedule.name)
         first = schedule.next_after(time.time())
-        pipe = self.redis.pipeline(transaction=True)
-        if not replace and self.redis.exists(key):
+        if replace:
+            self.redis.hset(key, "def", schedule.to_json())
+        elif not self.redis.hsetnx(key, "def", schedule.to_json()):  # two adds: one wins
             raise ScheduleError(f"a schedule named {schedule.name!r} exists; remove it first "
                                 "or pass --replace")
-        pipe.hset(key, mapping={"def": schedule.to_json(), "next_due": _ms(first)})
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(key, "next_due", _ms(first))
         pipe.sadd(self.keys.schedules, schedule.name)
         pipe.execute()
         return first
@@ -260,8 +262,6 @@ class ScheduleStore:
             try:
                 self.finish_pending(name)
                 run = self._fire_if_due(name, time.time() if now is None else now)
-            except ScheduleError:
-                continue  # removed meanwhile
             except (VlmqError, OSError) as exc:  # one schedule's trouble stops no other
                 log.warning("schedule %s: %s", name, exc)
                 continue
@@ -272,7 +272,7 @@ class ScheduleStore:
     def _fire_if_due(self, name: str, now: float) -> dict[str, Any] | None:
         key = self.keys.schedule(name)
         state = self.redis.hmget(key, "next_due", "paused", "def")
-        if state[0] is None or state[2] is None or state[1] == b"1":
+        if state[0] is None or state[2] is None or (state[1] and as_str(state[1]) == "1"):
             return None
         due = int(state[0]) / 1000
         if now < due:
@@ -308,7 +308,10 @@ class ScheduleStore:
             self._record(name, run)
             return run
         finally:
-            lock.release()
+            try:
+                lock.release()
+            except LockError:  # held past RUN_LOCK_S: another run may have started
+                log.warning("schedule %s: the run outlived its lock (%d s)", name, RUN_LOCK_S)
 
     def _enqueue_due(self, sched: Schedule) -> dict[str, Any]:
         found, missing = scan(sched)
