@@ -90,6 +90,10 @@ class Keys:
         """Hash: run id -> run record (due time, job id, items, skipped, status)."""
         return f"{self.prefix}:schedule:{name}:runs"
 
+    def schedule_files(self, name: str) -> str:
+        """Hash: path -> "size:mtime_ns:sha256:kind:pages" from a schedule's last run."""
+        return f"{self.prefix}:schedule:{name}:files"
+
     def schedule_lock(self, name: str) -> str:
         """Lock held while one run of a schedule reads its paths and enqueues."""
         return f"{self.prefix}:schedule:{name}:lock"

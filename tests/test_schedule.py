@@ -80,6 +80,9 @@ def test_two_schedulers_fire_each_due_time_once_and_runs_are_incremental(
     assert run["items"] == 3 and run["job_id"] is not None, run
     again = json.loads(_vlmq(redis_url, "schedule", "run", "pics", "--json").stdout)
     assert again == {"job_id": None, "items": 0, "skipped": 5, "missing": [], "bad": []}
+    # Unchanged files (size and mtime) are not read again: only the 3 new/edited were.
+    reads = [r["read"] for r in _runs(redis_url, "pics") if r["manual"]]
+    assert reads == [3, 0], reads
     assert redis.llen("rq:queue:caption") == 2
 
 
