@@ -107,6 +107,12 @@ def _job_options(*, prompt_help: str, prompt_required: bool = False) -> Callable
         click.option("--blob-ttl", type=ttl, metavar="S",
                      help=f"Keep the uploaded inputs S seconds "
                           f"(default {C.BLOB_TTL_S // 86400} days)."),
+        click.option("--no-result-cache", "result_cache", flag_value="off", default=None,
+                     help="Generate every item afresh, even if the workers' shared result "
+                          "cache holds its text."),
+        click.option("--result-cache-sampled", "result_cache", flag_value="sampled",
+                     help="Also cache (and reuse) items generated with temperature > 0; by "
+                          "default only deterministic (temperature 0) items are."),
         click.option("--json", "as_json", is_flag=True, help=JSON_HELP),
     ]
 
@@ -117,6 +123,7 @@ def _job_options(*, prompt_help: str, prompt_required: bool = False) -> Callable
             values["stop"] = values["stop"] or None
             values["labels"] = values["labels"] or None
             values["queue"] = kwargs.pop("queue")
+            values["result_cache"] = kwargs.pop("result_cache")
             try:
                 kwargs["options"] = JobOptions.build(**values)
             except PayloadError as exc:
@@ -479,11 +486,13 @@ def _result_lines(job: Job, results: Sequence[ItemResult], error: str | None, *,
 
 @click.command("result")
 @click.argument("job_ids", nargs=-1, required=True)
-@click.option("--format", "fmt", type=click.Choice(["jsonl", "json", "md"]), default="jsonl",
-              show_default=True,
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "json", "md", "txt"]),
+              default="jsonl", show_default=True,
               help="jsonl: one item result per line (with job_id and custom_id); json: one "
                    "object with the job's status and summary; md: a readable document, one "
-                   "section per page or image. json and md take one job.")
+                   "section per page or image; txt: the texts alone, in item order, a blank "
+                   "line apart (failed items left out, said on stderr). json and md take "
+                   "one job.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True),
               help="Write here instead of stdout.")
 @click.option("--errors", "errors_path", type=click.Path(dir_okay=False, writable=True),
@@ -497,8 +506,9 @@ def result_cmd(ctx: click.Context, job_ids: tuple[str, ...], fmt: str, output: s
     Exit 1 when a job failed; the results it has are still written, and the failure is
     said once on stderr (and in the json and md output).
     """
-    if fmt != "jsonl" and (len(job_ids) > 1 or errors_path):
-        raise click.UsageError("several job ids and --errors need --format jsonl")
+    if (fmt in ("json", "md") and len(job_ids) > 1) or (fmt != "jsonl" and errors_path):
+        raise click.UsageError("several job ids need --format jsonl or txt; --errors needs "
+                               "--format jsonl")
     ok_lines: list[dict[str, Any]] = []
     bad_lines: list[dict[str, Any]] = []
     notes: list[str] = []
@@ -528,6 +538,10 @@ def result_cmd(ctx: click.Context, job_ids: tuple[str, ...], fmt: str, output: s
                                    "items": [r.to_dict() for r in results]}, indent=2) + "\n"
             elif fmt == "md":
                 text = render_markdown(job, state, results, error)
+            elif fmt == "txt":
+                text += "".join((r.text or "").rstrip("\n") + "\n\n" for r in results if r.ok)
+                notes += [f"vlmq: job {job.id} item {r.index} ({r.source}) failed: {r.error}"
+                          for r in results if not r.ok]
             else:
                 ok, bad = _result_lines(job, results, error, missing=errors_path is not None)
                 ok_lines += ok

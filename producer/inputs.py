@@ -13,7 +13,7 @@ import os
 import re
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pypdfium2 as pdfium
@@ -254,20 +254,43 @@ def _check_in_range(page: int, page_count: int, source: str) -> None:
 
 def expand_paths(paths: Iterable[str | os.PathLike[str]], *,
                  recursive: bool = False) -> tuple[list[str], list[InputError]]:
-    """Files, folders and (quoted) globs -> file paths in a stable order, plus path errors.
+    """Files, folders and (quoted) globs -> file paths in a stable order, plus path errors."""
+    found, errors = expand_sources(paths, recursive=recursive)
+    return [f.path for f in found], errors
+
+
+@dataclass(frozen=True)
+class FoundFile:
+    """A file found from what was given: its path, its source name, and the folder the
+    source is relative to (the folder given, a glob's fixed part, or the file's own)."""
+
+    path: str
+    source: str
+    root: str
+
+
+def expand_sources(paths: Iterable[str | os.PathLike[str]], *, recursive: bool = False
+                   ) -> tuple[list[FoundFile], list[InputError]]:
+    """Like expand_paths, with each file's `source`: its path relative to what was given.
+
+    A file in a folder given as `photos/` is `trip/day1/img_003.jpg`, a glob match is
+    relative to the glob's fixed leading folders, a file named directly keeps the name
+    given unless that is absolute or climbs out (`..`), then its base name. Export writes
+    results under these names, so they never point outside the folder given.
 
     Folders contribute every non-hidden regular file, so a stray non-image in a folder of
-    scans is reported rather than silently dropped. The same file named twice is kept once.
+    scans is reported rather than silently dropped; only vlmq's own sidecars are left out.
+    The same file named twice is kept once.
     """
-    out: list[str] = []
+    out: list[FoundFile] = []
     errors: list[InputError] = []
     seen: set[str] = set()
 
-    def add(name: str) -> None:
+    def add(name: str, source: str, root: str) -> None:
         key = os.path.realpath(name)
         if key not in seen:
             seen.add(key)
-            out.append(name)
+            out.append(FoundFile(name, source, root))
 
     for raw in paths:
         name = os.fspath(raw)
@@ -278,17 +301,51 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]], *,
                 errors.append(InputError(name, "folder has no files" if recursive else
                                          "folder has no files (pass --recursive to descend)"))
             for f in found:
-                add(f)
+                if not is_sidecar(f):
+                    add(f, Path(os.path.relpath(f, p)).as_posix(), name)
         elif p.exists() or not _GLOB_CHARS.search(name):
-            add(name)  # a missing plain path is reported by check_file
+            add(name, *_own_name(name))  # a missing plain path is reported by check_file
         else:
             matches = sorted(glob.glob(name, recursive=recursive or "**" in name))
             files = [m for m in matches if Path(m).is_file()]
             if not files:
                 errors.append(InputError(name, "no files match this pattern"))
+            base = _glob_base(name)
             for f in files:
-                add(f)
+                if not is_sidecar(f):
+                    add(f, Path(os.path.relpath(f, base)).as_posix(), base)
     return out, errors
+
+
+# What `vlmq export --sidecar` writes next to an input (photo.jpg.txt, doc.pdf.md).
+SIDECAR_SUFFIXES = (".txt", ".md", ".json")
+
+
+def is_sidecar(path: str) -> bool:
+    """vlmq's own output next to an input: skipped in folders and globs, so a folder
+    captioned with --sidecar can be enqueued (or scheduled) again as it is."""
+    base, ext = os.path.splitext(path)
+    return ext in SIDECAR_SUFFIXES and os.path.isfile(base)
+
+
+def _own_name(name: str) -> tuple[str, str]:
+    """A file named directly: (source, root). The name as given, relative to the current
+    folder, unless absolute or climbing out: then its base name, under its own folder."""
+    p = Path(name)
+    if p.is_absolute() or ".." in p.parts:
+        return p.name, str(p.parent)
+    return p.as_posix(), "."
+
+
+def _glob_base(pattern: str) -> str:
+    """The folders of a glob before its first wildcard part."""
+    parts = Path(pattern).parts
+    fixed: list[str] = []
+    for part in parts[:-1]:
+        if _GLOB_CHARS.search(part):
+            break
+        fixed.append(part)
+    return os.path.join(*fixed) if fixed else "."
 
 
 def _walk(folder: Path, recursive: bool) -> list[str]:
@@ -314,11 +371,14 @@ def prepare(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
     item limit is enforced the moment it is passed: reading thousands more files only to
     refuse the set afterwards would waste minutes.
     """
-    names, errors = expand_paths(paths, recursive=recursive)
+    found, errors = expand_sources(paths, recursive=recursive)
+    names = [f.path for f in found]
     prepared = Prepared()
-    for done, name in enumerate(names, start=1):
+    for done, f in enumerate(found, start=1):
+        name = f.path
         try:
-            checked = check_file(name)
+            # Errors name the path as found; the item carries the relative source.
+            checked = replace(check_file(name), source=f.source)
             page_list: list[int | None] = (
                 list(parse_pages(pages, checked.pages, name)) if checked.kind == "pdf"
                 else [None])

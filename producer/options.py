@@ -35,6 +35,8 @@ class JobOptions:
     job_id: str | None = None
     result_ttl: int = C.RESULT_TTL_S
     blob_ttl: int = C.BLOB_TTL_S
+    # The workers' shared result cache: "on" (temperature 0 only), "off", or "sampled".
+    result_cache: str = "on"
 
     def __post_init__(self) -> None:
         # Accept any sequence/mapping from callers, keep immutable, comparable copies.
@@ -46,6 +48,9 @@ class JobOptions:
                     or not 1 <= value <= MAX_TTL_S:
                 raise PayloadError(name, f"must be whole seconds between 1 and {MAX_TTL_S}, "
                                          f"got {value!r}")
+        if self.result_cache not in ("on", "off", "sampled"):
+            raise PayloadError("result_cache", f'must be "on", "off" or "sampled", '
+                                               f"got {self.result_cache!r}")
         if self.queue is not None:
             check_queue_name(self.queue)
         if self.job_id is not None:
@@ -74,6 +79,7 @@ class JobOptions:
             model=self.model,
             max_side=self.max_side,
             labels=dict(self.labels),
+            result_cache=self.result_cache,
         )
         return parse_payload(draft.to_dict())
 
@@ -81,4 +87,4 @@ class JobOptions:
         """What must be equal for two requests to share one job (all but the inputs)."""
         return (self.prompt, self.model, self.max_side, self.max_tokens, self.temperature,
                 self.stop, tuple(sorted(self.labels.items())), self.queue, self.result_ttl,
-                self.blob_ttl)
+                self.blob_ttl, self.result_cache)

@@ -17,6 +17,7 @@ from redis.exceptions import ResponseError as RedisResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from vlmq.producer import cli as producer_cli
+from vlmq.producer import export_cli, schedule_cli
 from vlmq.producer.client import check_redis_url, redact_url
 from vlmq.producer.errors import JobNotFound
 from vlmq.shared import constants as C
@@ -73,4 +74,6 @@ def main(ctx: click.Context, redis_url: str) -> None:
 
 
 producer_cli.register(main)
+export_cli.register(main)
+schedule_cli.register(main)
 worker_cli.register(main)

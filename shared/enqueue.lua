@@ -83,7 +83,7 @@ local function is_int(x, lo, hi)
   return type(x) == 'number' and x == math.floor(x) and x >= lo and x <= hi
 end
 local top = {v = 1, task = 1, items = 1, prompt = 1, generation = 1, model = 1,
-             max_side = 1, labels = 1, created_at = 1}
+             max_side = 1, labels = 1, created_at = 1, result_cache = 1}
 for k in pairs(payload) do
   if type(k) ~= 'string' or not top[k] then
     return redis.error_reply('payload: unknown field ' .. tostring(k))
@@ -101,6 +101,10 @@ if payload.prompt ~= nil and payload.prompt ~= cjson.null and type(payload.promp
 end
 if payload.task == 'generate' and (type(payload.prompt) ~= 'string' or payload.prompt == '') then
   return redis.error_reply('prompt: is required for task generate')
+end
+local rc = payload.result_cache
+if rc ~= nil and rc ~= cjson.null and type(rc) ~= 'boolean' and rc ~= 'sampled' then
+  return redis.error_reply('result_cache: must be true, false or "sampled"')
 end
 local items = payload.items
 if not is_array(items) or #items == 0 then

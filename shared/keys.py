@@ -72,6 +72,50 @@ class Keys:
         """Set of worker names that have published stats."""
         return f"{self.prefix}:workers"
 
+    def result_cache(self, digest: str) -> str:
+        """String: one cached item text (JSON), keyed by the digest of everything that
+        decides it (model, input, page, prompt, settings); see worker/result_cache.py."""
+        return f"{self.prefix}:rcache:{digest}"
+
+    @property
+    def result_cache_index(self) -> str:
+        """Zset of cached entries ("<bytes>:<digest>") scored by store time, for eviction."""
+        return f"{self.prefix}:rcache-index"
+
+    @property
+    def result_cache_bytes(self) -> str:
+        """Counter: total bytes of the cached entries, kept under the byte budget."""
+        return f"{self.prefix}:rcache-bytes"
+
+    @property
+    def schedules(self) -> str:
+        """Set of schedule names."""
+        return f"{self.prefix}:schedules"
+
+    def schedule(self, name: str) -> str:
+        """Hash: a schedule's definition (def, JSON), next_due (epoch ms) and paused."""
+        return f"{self.prefix}:schedule:{name}"
+
+    def schedule_done(self, name: str) -> str:
+        """Set of the work units (settings, source, sha256, page) a schedule has done."""
+        return f"{self.prefix}:schedule:{name}:done"
+
+    def schedule_pending(self, name: str) -> str:
+        """Hash: job id -> the units (and roots) of a schedule's job not yet finished."""
+        return f"{self.prefix}:schedule:{name}:pending"
+
+    def schedule_runs(self, name: str) -> str:
+        """Hash: run id -> run record (due time, job id, items, skipped, status)."""
+        return f"{self.prefix}:schedule:{name}:runs"
+
+    def schedule_files(self, name: str) -> str:
+        """Hash: path -> "size:mtime_ns:sha256:kind:pages" from a schedule's last run."""
+        return f"{self.prefix}:schedule:{name}:files"
+
+    def schedule_lock(self, name: str) -> str:
+        """Lock held while one run of a schedule reads its paths and enqueues."""
+        return f"{self.prefix}:schedule:{name}:lock"
+
     @staticmethod
     def rq_job(job_id: str) -> str:
         return RQ_JOB.format(id=job_id)

@@ -65,6 +65,9 @@ class JobPayload:
     labels: Mapping[str, str] = field(default_factory=dict)
     created_at: str = field(default_factory=utc_now_iso)
     v: int = C.PROTOCOL_VERSION
+    # Worker result cache: "on" (deterministic items only), "off", or "sampled" (also
+    # items generated with temperature > 0). On the wire: absent/true, false, "sampled".
+    result_cache: str = "on"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -77,6 +80,9 @@ class JobPayload:
             "max_side": self.max_side,
             "labels": dict(self.labels),
             "created_at": self.created_at,
+            # Omitted when "on", so payloads without the option stay byte-identical.
+            **({} if self.result_cache == "on" else
+               {"result_cache": "sampled" if self.result_cache == "sampled" else False}),
         }
 
     @classmethod
@@ -100,6 +106,8 @@ class ItemResult:
     timings: dict[str, float] = field(default_factory=dict)
     custom_id: str | None = None  # the item's custom_id, echoed back
     repetition: str | None = None  # what the repetition guard did (cut, retried), if anything
+    # True when the text came from the shared result cache: nothing was generated.
+    result_cache_hit: bool = False
 
     @property
     def ok(self) -> bool:
@@ -123,6 +131,7 @@ class ItemResult:
             timings={str(k): float(v) for k, v in (raw.get("timings") or {}).items()},
             custom_id=None if raw.get("custom_id") is None else str(raw["custom_id"]),
             repetition=raw.get("repetition"),
+            result_cache_hit=bool(raw.get("result_cache_hit")),
         )
 
 
@@ -138,6 +147,7 @@ class JobSummary:
     wall_s: float
     cache_hits: int
     labels: Mapping[str, str] = field(default_factory=dict)  # the job's own, echoed back
+    result_cache_hits: int = 0  # items answered from the shared result cache
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -148,7 +158,7 @@ class JobSummary:
 # --- validation -------------------------------------------------------------------------
 
 _TOP_KEYS = {"v", "task", "items", "prompt", "generation", "model", "max_side", "labels",
-             "created_at"}
+             "created_at", "result_cache"}
 
 
 def _int(value: Any, path: str, lo: int, hi: int, *, optional: bool = False) -> int | None:
@@ -265,6 +275,7 @@ def parse_payload(raw: Any) -> JobPayload:
         if not isinstance(val, str):
             raise PayloadError(f"labels.{k}", "must be a string")
         labels[str(k)] = val
+    result_cache = _parse_result_cache(raw.get("result_cache"))
     created_at = _str(raw.get("created_at") or utc_now_iso(), "created_at", 64)
     assert created_at is not None
     return JobPayload(
@@ -276,4 +287,15 @@ def parse_payload(raw: Any) -> JobPayload:
         max_side=max_side,
         labels=labels,
         created_at=created_at,
+        result_cache=result_cache,
     )
+
+
+def _parse_result_cache(value: Any) -> str:
+    if value is None or value is True:
+        return "on"
+    if value is False:
+        return "off"
+    if value == "sampled":
+        return "sampled"
+    raise PayloadError("result_cache", f'must be true, false or "sampled", got {value!r}')

@@ -361,7 +361,7 @@ def test_result_markdown_pages_in_order(run, finished_doc: tuple[str, Path],
     res = run("result", job_id, "--format", "md")
     assert res.exit_code == 0
     md = res.stdout
-    h2, h3, h4 = (md.index(f"## {path} — page {n}") for n in (2, 3, 4))
+    h2, h3, h4 = (md.index(f"## {path.name} — page {n}") for n in (2, 3, 4))
     assert h2 < md.index("Page two text") < h3 < md.index("**Error:** render failed: x") < h4
     assert md.index("# Four\nlast page") > h4
     out = tmp_path / "out.md"
@@ -607,8 +607,8 @@ def test_result_of_a_failed_job_exits_1_and_says_why(run, failed_doc: str, doc: 
     assert res.exit_code == 1
     md = res.stdout
     assert md.startswith(f"> **This job failed:** {reason}\n")
-    assert md.index(f"## {doc} — page 1") < md.index("Page one text") < md.index(
-        f"## {doc} — page 2")
+    assert md.index(f"## {doc.name} — page 1") < md.index("Page one text") < md.index(
+        f"## {doc.name} — page 2")
     assert "not done yet" not in md
     assert md.count("the job failed before this item") == 2
 

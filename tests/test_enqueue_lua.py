@@ -90,6 +90,7 @@ PAYLOAD_CASES = [
      "items[1].custom_id: must be a string of at most 256"),
     ("unknown item field", mutated("items.0.dpi", 300), "items[0]: unknown field dpi"),
     ("unknown top-level field", mutated("priority", 5), "payload: unknown field priority"),
+    ("result_cache", mutated("result_cache", "yes"), 'result_cache: must be true, false or'),
     ("missing blob", mutated("items.1.blob", "ef" * 32),
      f"items[1].blob: no blob {PREFIX}:blob:{'ef' * 32}"),
 ]
@@ -99,6 +100,11 @@ PAYLOAD_CASES = [
                          ids=[c[0] for c in PAYLOAD_CASES])
 def test_payload_checks(blob: Redis, data: Any, needle: str) -> None:
     refused(blob, needle, data=data)
+
+
+@pytest.mark.parametrize("value", [True, False, "sampled"])
+def test_result_cache_values_are_accepted(blob: Redis, value: Any) -> None:
+    assert call(blob, data=mutated("result_cache", value)) == 1
 
 
 def test_custom_id_of_256_characters_is_accepted(blob: Redis) -> None:

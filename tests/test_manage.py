@@ -92,7 +92,7 @@ def test_jobs_group_status_retry_and_delete(redis_url: str, redis: Redis, tiny_m
     assert retry.items == 1 and retry.labels == {"batch": "nov", "retry_of": a.id}
     assert json.loads(run("retry", a.id, "--failed-only", "--json").stdout)["blobs"] == 1
     client.job(next(r.id for r in client.jobs(limit=1))).delete()  # that second copy
-    assert retry.payload().items[0].source == str(images[1])
+    assert retry.payload().items[0].source == images[1].name
     assert retry.payload().generation.max_tokens == 4 and retry.payload().max_side == 112
     full = a.retry()  # the client's name for it: every item
     assert full.items == 3 and full.labels["retry_of"] == a.id

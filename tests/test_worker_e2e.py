@@ -91,7 +91,8 @@ def test_restarted_worker_serves_every_item_from_the_disk_cache(
     assert int(cold["tower_calls"]) == 5 and int(cold["pdf_renders"]) == 3
     assert int(cold["cache_misses"]) == 5
 
-    second = client.ocr(inputs, max_side=112, max_tokens=8)
+    # result_cache off: this is about the vision cache, which the result cache would bypass.
+    second = client.ocr(inputs, max_side=112, max_tokens=8, result_cache="off")
     rc, out = finish(start_worker(redis_url, tiny_model, tmp_path, "--burst", name="warm"))
     assert rc == 0, out
     warm = stats(redis, "warm")
@@ -101,7 +102,7 @@ def test_restarted_worker_serves_every_item_from_the_disk_cache(
 
     # A partial hit: only the new image goes through decode and the tower.
     extra = make_images(tmp_path / "more", 3)[2]
-    third = client.ocr([*inputs, extra], max_side=112, max_tokens=8)
+    third = client.ocr([*inputs, extra], max_side=112, max_tokens=8, result_cache="off")
     rc, out = finish(start_worker(redis_url, tiny_model, tmp_path, "--burst", name="partial"))
     assert rc == 0, out
     partial = stats(redis, "partial")

@@ -81,13 +81,24 @@ def _split_queues(values: tuple[str, ...]) -> list[str]:
               help="Tokens a loop must cover, so short runs of one token are left alone.")
 @click.option("--repetition-period", type=click.IntRange(1, 1024), default=64,
               show_default=True, help="Longest repeating block, in tokens.")
+@click.option("--result-cache-ttl", type=click.IntRange(1), default=30 * 24 * 3600,
+              show_default=True, metavar="S",
+              help="Seconds a finished item's text stays in the shared result cache "
+                   "(in Redis, for every worker).")
+@click.option("--result-cache-mb", type=click.FloatRange(0), default=256.0, show_default=True,
+              help="Byte budget of the shared result cache; the oldest entries go first. "
+                   "0 turns it off for the items this worker runs.")
+@click.option("--with-scheduler", is_flag=True,
+              help="Also fire schedules (vlmq schedule) from this process, as `vlmq "
+                   "scheduler` does; any number of schedulers may run.")
 @click.pass_context
 def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burst: bool,
                max_batch: int,
                cache_dir: Path | None, cache_mem_mb: int, cache_disk_gb: float,
                name: str | None, grace: float, prep_threads: int | None,
                heartbeat_ttl: int | None, on_repetition: str, repetition_repeats: int,
-               repetition_min_span: int, repetition_period: int) -> None:
+               repetition_min_span: int, repetition_period: int,
+               result_cache_ttl: int, result_cache_mb: float, with_scheduler: bool) -> None:
     """Serve jobs with one loaded model and a continuous batcher.
 
     Items from every job in flight share one batch; each result is written the moment it
@@ -120,8 +131,20 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burs
         repetition=None if repetition_repeats == 0 else RepetitionGuard(
             max_period=repetition_period, min_repeats=max(2, repetition_repeats),
             min_span=repetition_min_span, on_repetition=on_repetition),
+        result_cache_ttl_s=result_cache_ttl,
+        result_cache_bytes=int(result_cache_mb * 1024 * 1024),
     )
-    ctx.exit(run_worker(cfg))
+    if not with_scheduler:
+        ctx.exit(run_worker(cfg))
+    from vlmq.producer.schedule import start_scheduler_thread
+
+    thread, stop = start_scheduler_thread(cfg.redis_url)
+    try:
+        rc = run_worker(cfg)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    ctx.exit(rc)
 
 
 @click.group("model")

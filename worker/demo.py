@@ -113,7 +113,10 @@ def run_demo(*, redis_url: str | None, model: str | None, max_batch: int) -> int
                 rc = run_worker(WorkerConfig(
                     redis_url=url, model=model, queues=DEMO_QUEUES, burst=True,
                     max_batch=max_batch, cache_dir=Path(cache_dir), name=worker_name(n),
-                    stats_s=1.0))
+                    stats_s=1.0,
+                    # The demo shows the vision cache: the result cache would answer the
+                    # warm round without it (and leave entries in the user's Redis).
+                    result_cache_bytes=0))
                 wall = time.monotonic() - t0
                 if rc != 0:
                     return rc

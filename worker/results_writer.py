@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable, Iterable
 
 from redis import Redis
 from redis.exceptions import RedisError
@@ -81,12 +82,14 @@ class ResultWriter:
     """Holds item results until they are stored, and ends jobs once every item is."""
 
     def __init__(self, redis: Redis, keys: Keys, lifecycle: JobLifecycle,
-                 scheduler: Scheduler[Running], stats: WorkerStats) -> None:
+                 scheduler: Scheduler[Running], stats: WorkerStats, *,
+                 on_stored: Callable[[Running, list[ItemResult]], None] | None = None) -> None:
         self.redis = redis
         self.keys = keys
         self.lifecycle = lifecycle
         self.scheduler = scheduler
         self.stats = stats
+        self.on_stored = on_stored  # runs after a job's results are stored (the result cache)
         self._unwritten: dict[str, dict[int, ItemResult]] = {}
         self._write_items = redis.register_script(WRITE_ITEMS_LUA)
 
@@ -110,6 +113,11 @@ class ResultWriter:
             return False
         self._unwritten.setdefault(job_id, {})[idx] = failed_result(state, idx, message)
         return True
+
+    def hold(self, job_id: str, results: Iterable[ItemResult]) -> None:
+        """Results ready without any work (result-cache hits): written like the others."""
+        for res in results:
+            self._unwritten.setdefault(job_id, {})[res.index] = res
 
     def drop(self, state: Running, why: str) -> None:
         """Stop running a job this worker no longer owns; write nothing more for it."""
@@ -153,6 +161,8 @@ class ResultWriter:
             for res in results.values():
                 self.stats.count_item(res)
             state.finished_here += len(results)
+            if self.on_stored is not None:
+                self.on_stored(state, list(results.values()))
 
     def _why_lost(self, state: Running) -> str:
         lost = self.lifecycle.lost([state])
@@ -193,6 +203,7 @@ class ResultWriter:
             wall_s=self._whole_job_wall_s(state),
             cache_hits=sum(1 for r in results if r.vision_cache_hit),
             labels=dict(state.payload.labels),
+            result_cache_hits=sum(1 for r in results if r.result_cache_hit),
         )
         why = self.lifecycle.succeed(state, summary.to_dict(), require_items=True)
         if why == INCOMPLETE:

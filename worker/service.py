@@ -31,10 +31,18 @@ from rq.serializers import JSONSerializer
 from vlmq.shared import results as R
 from vlmq.shared.connection import connect, transient
 from vlmq.shared.keys import Keys
+from vlmq.shared.schema import ItemResult
 from vlmq.worker.engine import Engine, EngineError, Finished, Request
 from vlmq.worker.mlx_adapter import family_of
 from vlmq.worker.prepare import Preparer, PrepError
 from vlmq.worker.repetition import RepetitionGuard
+from vlmq.worker.result_cache import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_TTL_S,
+    ResultCache,
+    cached_results,
+    store_results,
+)
 from vlmq.worker.results_writer import ResultWriter
 from vlmq.worker.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
 from vlmq.worker.scheduler import Scheduler
@@ -68,6 +76,8 @@ class WorkerConfig:
     max_jobs: int | None = None    # jobs in flight; default max(4, max_batch)
     stats_s: float = 2.0
     heartbeat_ttl: int | None = None  # None: RQ's job monitoring interval + 60 s
+    result_cache_ttl_s: int = DEFAULT_TTL_S
+    result_cache_bytes: int = DEFAULT_MAX_BYTES  # 0 turns the shared result cache off
     keys: Keys = field(default_factory=Keys.from_env)
     repetition: RepetitionGuard | None = field(default_factory=RepetitionGuard)  # None: off
 
@@ -94,6 +104,7 @@ class WorkerService:
         self._prep_time: dict[tuple[str, int], float] = {}
         self._preparer: Preparer
         self._writer: ResultWriter
+        self._results: ResultCache
         self._queues_empty = False
         self._next_heartbeat = self._next_stats = 0.0
         self.stats = WorkerStats(cfg.name, cfg.max_batch, cfg.prep_window)
@@ -167,13 +178,17 @@ class WorkerService:
         worker = BatchWorker(queues, connection=self.redis, name=cfg.name,
                              heartbeat_ttl=cfg.heartbeat_ttl)
         lifecycle = JobLifecycle(worker, queues, keys=cfg.keys)
-        self._writer = ResultWriter(self.redis, cfg.keys, lifecycle, self.scheduler, self.stats)
+        self._writer = ResultWriter(self.redis, cfg.keys, lifecycle, self.scheduler, self.stats,
+                                    on_stored=self._store_in_result_cache)
         try:
             lifecycle.register_birth()
         except ValueError as exc:  # RQ: "There exists an active worker named ..."
             raise StartupError(str(exc)) from exc
         pool = ThreadPoolExecutor(cfg.prep_threads, thread_name_prefix="vlmq-prep")
         preparer = self._preparer = Preparer(engine, info, cache, self.redis, cfg.keys, pool)
+        self._results = ResultCache(self.redis, cfg.keys, preparer.model_identity,
+                                    ttl_s=cfg.result_cache_ttl_s,
+                                    max_bytes=cfg.result_cache_bytes)
         self.stats.model = cfg.model
         log.info("worker %s ready: model %s (%s), queues %s, max batch %d, window %d",
                  cfg.name, cfg.model, info.model_type, ",".join(cfg.queues), cfg.max_batch,
@@ -303,11 +318,19 @@ class WorkerService:
         preparer.touch_blobs(running.payload)  # a long wait in the queue must not expire them
         n = len(running.payload.items)
         done = {i for i in R.done_indexes(self.redis, self.cfg.keys, running.job_id) if i < n}
-        running.pending = deque(i for i in range(n) if i not in done)
+        todo = [i for i in range(n) if i not in done]
+        hits = cached_results(self._results, preparer, running.payload, todo)
+        running.pending = deque(i for i in todo if i not in hits)
         running.already_done = len(done)
         log.info("job %s started: %s, %d items%s", running.job_id, running.payload.task,
                  running.total, f" ({len(done)} already done, resuming)" if done else "")
         self.scheduler.add(running)
+        self._writer.hold(running.job_id, hits.values())
+
+    def _store_in_result_cache(self, state: Running, results: list[ItemResult]) -> None:
+        """Best effort, once the results count as written."""
+        self.stats.result_cache_stores += store_results(
+            self._results, self._preparer, state.payload, results)
 
     def _drop_taken_away(self, lifecycle: JobLifecycle) -> None:
         """Stop work on jobs canceled, deleted or lost meanwhile, within a stats tick

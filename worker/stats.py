@@ -46,6 +46,8 @@ class WorkerStats:
         self.items_failed = 0
         self.tokens = 0
         self.peak_waiting = 0
+        self.result_cache_hits = 0
+        self.result_cache_stores = 0
         self._samples: deque[tuple[float, int, int]] = deque()
         # Preprocessing counters are process-wide; report this worker's share only.
         self._work_base = P.COUNTERS.snapshot()
@@ -56,6 +58,9 @@ class WorkerStats:
             self.items_ok += 1
         else:
             self.items_failed += 1
+        if result.result_cache_hit:
+            self.result_cache_hits += 1  # nothing was generated: no tokens to count
+            return
         self.tokens += result.completion_tokens
 
     def observe_waiting(self, n: int) -> None:
@@ -98,6 +103,8 @@ class WorkerStats:
             "cache_hit_rate": round(hit_rate, 3),
             "cache_mem_bytes": cs.get("mem_bytes", 0),
             "cache_disk_bytes": cs.get("disk_bytes", 0),
+            "result_cache_hits": self.result_cache_hits,
+            "result_cache_stores": self.result_cache_stores,
             "engine_peak_waiting": engine.peak_waiting,
             "tower_calls": engine.tower_calls,
             **{k: v - self._work_base.get(k, 0) for k, v in P.COUNTERS.snapshot().items()},

@@ -1,0 +1,222 @@
+"""`vlmq schedule add|list|run|remove|pause|resume` and `vlmq scheduler`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+import click
+
+from vlmq.producer.client import Client
+from vlmq.producer.export import FORMATS
+from vlmq.producer.schedule import (
+    TICK_S,
+    Schedule,
+    ScheduleError,
+    ScheduleStore,
+    iso_time,
+    run_scheduler,
+)
+from vlmq.shared import constants as C
+from vlmq.shared.clitools import EXIT_BAD_INPUT, EXIT_FAILED, fail
+from vlmq.shared.errors import PayloadError
+
+_GLOB = frozenset("*?[")
+
+
+def _store(ctx: click.Context) -> tuple[Client, ScheduleStore]:
+    client = Client(ctx.obj["redis_url"])
+    return client, ScheduleStore(client)
+
+
+def _labels(_ctx: click.Context, _param: click.Parameter,
+            values: tuple[str, ...]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for value in values:
+        key, sep, val = value.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{value!r} is not K=V")
+        out[key] = val
+    return out
+
+
+@click.group("schedule")
+def schedule_group() -> None:
+    """Scheduled, incremental caption/OCR runs over folders (stored in Redis; fired by
+    `vlmq scheduler` or `vlmq worker --with-scheduler`, each due time exactly once)."""
+
+
+@schedule_group.command("add")
+@click.argument("name")
+@click.argument("task", type=click.Choice(["caption", "ocr"]))
+@click.argument("paths", nargs=-1, required=True)
+@click.option("--cron", help='Cron expression, e.g. "0 3 * * *" (in --tz).')
+@click.option("--every", type=click.FloatRange(min=1), metavar="SECONDS",
+              help="Run every SECONDS, counted from now.")
+@click.option("--tz", default="UTC", show_default=True, help="Time zone of --cron.")
+@click.option("--recursive", "-r", is_flag=True, help="Descend into folders.")
+@click.option("--prompt", help="Prompt text (default: the model's own for the task).")
+@click.option("--max-tokens", type=click.IntRange(1, C.MAX_TOKENS_LIMIT))
+@click.option("--max-side", type=click.IntRange(*C.MAX_SIDE_RANGE), metavar="PX")
+@click.option("--model", help="Model id the worker should use (default: its own).")
+@click.option("--queue", metavar="NAME", help="Queue (default: the task's own).")
+@click.option("--label", "labels", multiple=True, callback=_labels, metavar="K=V",
+              help="Label on every job of this schedule (repeatable); schedule=NAME is "
+                   "always added.")
+@click.option("--export", "export_dir", type=click.Path(file_okay=False), metavar="DIR",
+              help="When a run's job ends, write its results under DIR (see vlmq export).")
+@click.option("--format", "export_format", type=click.Choice(FORMATS), default="md",
+              show_default=True, help="Format of --export.")
+@click.option("--sidecar", is_flag=True,
+              help="When a run's job ends, write each result next to its input "
+                   "(photo.jpg.txt).")
+@click.option("--replace", is_flag=True,
+              help="Replace a schedule of this name (its history and done marks stay; a "
+                   "changed prompt or setting makes every file due again).")
+@click.pass_context
+def add_cmd(ctx: click.Context, name: str, task: str, paths: tuple[str, ...],
+            cron: str | None, every: float | None, tz: str, recursive: bool,
+            prompt: str | None, max_tokens: int | None, max_side: int | None,
+            model: str | None, queue: str | None, labels: dict[str, str],
+            export_dir: str | None, export_format: str, sidecar: bool, replace: bool) -> None:
+    """Add a schedule NAME running TASK over PATHS (folders, files, quoted globs).
+
+    Paths are read by the scheduler, on its machine; workers get blobs only. Each run
+    enqueues only files (and PDF pages) not yet done under the current settings.
+    """
+    for path in paths:
+        if not os.path.exists(path) and not _GLOB & set(path):
+            fail(f"error: {path}: no such file or folder", EXIT_BAD_INPUT)
+    try:
+        sched = Schedule(
+            name=name, task=task, paths=tuple(os.path.abspath(p) for p in paths),
+            every=every, cron=cron, tz=tz, recursive=recursive, prompt=prompt,
+            max_tokens=max_tokens, max_side=max_side, model=model, queue=queue,
+            labels=labels, export_dir=os.path.abspath(export_dir) if export_dir else None,
+            export_format=export_format, sidecar=sidecar)
+    except (ScheduleError, PayloadError) as exc:
+        fail(f"error: {exc}", EXIT_BAD_INPUT)
+    client, store = _store(ctx)
+    with client:
+        try:
+            first = store.add(sched, replace=replace)
+        except ScheduleError as exc:
+            fail(f"error: {exc}", EXIT_BAD_INPUT)
+    click.echo(f"schedule {name} added; first run due {iso_time(first)}")
+
+
+@schedule_group.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--runs", type=click.IntRange(0), default=5, show_default=True,
+              help="Runs of history shown per schedule (text output).")
+@click.pass_context
+def list_cmd(ctx: click.Context, as_json: bool, runs: int) -> None:
+    """Every schedule with its next due time and its run history."""
+    client, store = _store(ctx)
+    with client:
+        described = [store.describe(n) for n in store.names()]
+    if as_json:
+        click.echo(json.dumps(described, indent=2))
+        return
+    if not described:
+        click.echo("no schedules")
+    for d in described:
+        state = "paused" if d["paused"] else f"next {d['next_due']}"
+        out = (f", export {d['export']}" if d["export"] else "") + \
+            (", sidecars" if d["sidecar"] else "")
+        click.echo(f"{d['name']}: {d['task']} {' '.join(d['paths'])}, {d['when']}, "
+                   f"{state}{out}")
+        for run in d["runs"][-runs:] if runs else []:
+            click.echo("  " + _run_line(run))
+
+
+def _run_line(run: dict[str, Any]) -> str:
+    parts = [run["due"] + (" (manual)" if run.get("manual") else ""),
+             f"job {run['job_id']}" if run.get("job_id") else "no job",
+             f"{run.get('items', 0)} items", f"{run.get('skipped', 0)} skipped",
+             run.get("status", "")]
+    if run.get("ok") is not None:
+        parts.append(f"{run['ok']} ok, {run.get('failed', 0)} failed")
+    if run.get("exported") is not None:
+        parts.append(f"{run['exported']} written")
+    if run.get("missing"):
+        parts.append("missing: " + ", ".join(run["missing"]))
+    if run.get("bad"):
+        parts.append(f"{len(run['bad'])} bad file(s)")
+    if run.get("refused"):
+        parts.append(f"{len(run['refused'])} output(s) refused")
+    parts += [run[key] for key in ("error", "export_error") if run.get(key)]
+    return " | ".join(parts)
+
+
+@schedule_group.command("run")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def run_cmd(ctx: click.Context, name: str, as_json: bool) -> None:
+    """Run a schedule now (its due times are unchanged): enqueue what is new."""
+    client, store = _store(ctx)
+    with client:
+        try:
+            run = store.run(name)
+        except ScheduleError as exc:
+            fail(f"error: {exc}", EXIT_FAILED)
+    summary = {"job_id": run.get("job_id"), "items": run.get("items", 0),
+               "skipped": run.get("skipped", 0), "missing": run.get("missing", []),
+               "bad": run.get("bad", [])}
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        click.echo(_run_line(run))
+    if run.get("status") == "error":
+        fail(f"error: {run.get('error')}", EXIT_FAILED)
+
+
+def _simple(command: str, doc: str, action: str) -> None:
+    @schedule_group.command(command, help=doc)
+    @click.argument("name")
+    @click.pass_context
+    def cmd(ctx: click.Context, name: str) -> None:
+        client, store = _store(ctx)
+        with client:
+            try:
+                if action == "remove":
+                    store.remove(name)
+                else:
+                    store.set_paused(name, action == "pause")
+            except ScheduleError as exc:
+                fail(f"error: {exc}", EXIT_FAILED)
+        click.echo(f"schedule {name}: {command}d")
+
+
+_simple("remove", "Delete a schedule with its history (jobs it enqueued stay).", "remove")
+_simple("pause", "Stop firing a schedule until `resume`.", "pause")
+_simple("resume", "Fire a paused schedule again (a missed due time runs once).", "resume")
+
+
+@click.command("scheduler")
+@click.option("--tick", type=click.FloatRange(0.05), default=TICK_S, show_default=True,
+              metavar="S", help="Seconds between looks at the schedules.")
+@click.pass_context
+def scheduler_cmd(ctx: click.Context, tick: float) -> None:
+    """Fire schedules when due (any number may run: each due time fires once), finish
+    their runs (done marks, exports, sidecars). SIGTERM/SIGINT: stop."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    stop = threading.Event()
+
+    def on_signal(_signum: int, _frame: FrameType | None) -> None:
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    run_scheduler(ctx.obj["redis_url"], stop, tick_s=tick)
+
+
+def register(group: click.Group) -> None:
+    group.add_command(schedule_group)
+    group.add_command(scheduler_cmd)
