@@ -1,0 +1,84 @@
+"""Screenshots of the dashboard, for the README: `python -m vlmq.producer.dashboard.screenshot`.
+
+Starts `vlmq dashboard` on a free local port against the given Redis, loads a job's page
+(and the overview) in headless Chromium, writes PNGs, and stops the dashboard again.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import click
+
+from vlmq.producer.dashboard import browser
+from vlmq.shared import constants as C
+
+START_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def running_dashboard(redis_url: str, *extra: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """A `vlmq dashboard` process on a free port; yields its base URL and the process."""
+    port = free_port()
+    cmd = [sys.executable, "-c", "from vlmq.shared.cli import main; main()", "dashboard",
+           "--redis-url", redis_url, "--port", str(port), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/jobs", timeout=5):
+                    break
+            except (urllib.error.URLError, OSError):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    out = proc.communicate()[0] if proc.poll() is not None else ""
+                    raise RuntimeError(f"vlmq dashboard did not start: {out}") from None
+                time.sleep(0.2)
+        yield base, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
+@click.command()
+@click.option("--redis-url", envvar="REDIS_URL", default=C.DEFAULT_REDIS_URL, show_default=True)
+@click.option("--job", "job_id", required=True, help="Job whose page to capture.")
+@click.option("--item", type=click.IntRange(0), default=0, show_default=True,
+              help="Item shown side by side.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("docs/dashboard-job.png"), show_default=True)
+@click.option("--overview-out", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="Also capture the overview page here.")
+def main(redis_url: str, job_id: str, item: int, out: Path, overview_out: Path | None) -> None:
+    with running_dashboard(redis_url) as (base, _proc):
+        shots = [(f"{base}/jobs/{job_id}?item={item}", out)]
+        if overview_out is not None:
+            shots.append((f"{base}/", overview_out))
+        for url, path in shots:
+            seen = browser.screenshot(url, path)
+            for line in seen.console:
+                click.echo(f"console: {line}", err=True)
+            click.echo(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
