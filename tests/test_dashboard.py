@@ -48,7 +48,7 @@ def test_overview_shows_queues_states_and_the_workers_stats(redis_url: str,
     for state in ("finished", "failed", "started", "queued"):
         assert re.search(rf"<b>1</b> {state}", page), state
     assert data.life.worker.name in page
-    for figure in ("tiny", "12.5", "openblas", "42.0 s"):
+    for figure in ("tiny", "12.5", "openblas", "<dd>42 s</dd>"):
         assert figure in page
     assert "Content-Security-Policy" in resp.headers
 

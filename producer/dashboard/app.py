@@ -63,6 +63,8 @@ def create_app(settings: Settings, *, history: data.History | None = None) -> Fl
         return {"allow_actions": settings.allow_actions, "csrf": csrf,
                 "host": urlsplit(settings.redis_url).hostname or "?"}
 
+    app.add_template_filter(duration, "duration")
+
     @app.after_request
     def _headers(resp: BaseResponse) -> BaseResponse:
         resp.headers["Content-Security-Policy"] = CSP
@@ -203,6 +205,19 @@ def create_app(settings: Settings, *, history: data.History | None = None) -> Fl
                                        "the details"), 500
 
     return app
+
+
+def duration(seconds: str) -> str:
+    """'3725.4' -> '1 h 02 min'; '-' for a missing or unreadable figure."""
+    try:
+        s = int(float(seconds))
+    except ValueError:
+        return "-"
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
 def _job(client: Client, job_id: str) -> Job:

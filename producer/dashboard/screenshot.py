@@ -2,6 +2,8 @@
 
 Starts `vlmq dashboard` on a free local port against the given Redis, loads a job's page
 (and the overview) in headless Chromium, writes PNGs, and stops the dashboard again.
+With --enqueue-sample it first OCRs the bundled sample PDF (a worker must be running)
+and captures that job, which is how docs/dashboard-job.png was made.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib import resources
 from pathlib import Path
 
 import click
@@ -61,14 +64,23 @@ def running_dashboard(redis_url: str, *extra: str) -> Iterator[tuple[str, subpro
 
 @click.command()
 @click.option("--redis-url", envvar="REDIS_URL", default=C.DEFAULT_REDIS_URL, show_default=True)
-@click.option("--job", "job_id", required=True, help="Job whose page to capture.")
+@click.option("--job", "job_id", default=None, help="Job whose page to capture.")
+@click.option("--enqueue-sample", is_flag=True,
+              help="OCR the bundled sample PDF first (needs a running worker), capture it.")
+@click.option("--wait", "wait_s", type=click.FloatRange(1), default=600.0, show_default=True,
+              help="How long --enqueue-sample waits for the job.")
 @click.option("--item", type=click.IntRange(0), default=0, show_default=True,
               help="Item shown side by side.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               default=Path("docs/dashboard-job.png"), show_default=True)
 @click.option("--overview-out", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Also capture the overview page here.")
-def main(redis_url: str, job_id: str, item: int, out: Path, overview_out: Path | None) -> None:
+def main(redis_url: str, job_id: str | None, enqueue_sample: bool, wait_s: float, item: int,
+         out: Path, overview_out: Path | None) -> None:
+    if enqueue_sample:
+        job_id = _sample_job(redis_url, wait_s)
+    if job_id is None:
+        raise click.UsageError("give --job ID or --enqueue-sample")
     with running_dashboard(redis_url) as (base, _proc):
         shots = [(f"{base}/jobs/{job_id}?item={item}", out)]
         if overview_out is not None:
@@ -78,6 +90,19 @@ def main(redis_url: str, job_id: str, item: int, out: Path, overview_out: Path |
             for line in seen.console:
                 click.echo(f"console: {line}", err=True)
             click.echo(f"wrote {path}")
+
+
+def _sample_job(redis_url: str, wait_s: float) -> str:
+    from vlmq.producer.client import Client
+
+    sample = Path(str(resources.files("vlmq.producer").joinpath("samples/document.pdf")))
+    with Client(redis_url) as client:
+        job = client.submit("ocr", [sample])
+        click.echo(f"enqueued {job.id}; waiting for a worker to finish it", err=True)
+        status = job.wait(timeout=wait_s)
+        if status != "finished":
+            raise click.ClickException(f"sample job {job.id} ended {status}")
+        return job.id
 
 
 if __name__ == "__main__":
