@@ -240,3 +240,31 @@ def test_renderer_refuses_garbage_and_gives_up_on_time(tmp_path: Path) -> None:
         render(b"\x89PNG\r\n\x1a\nbroken", "image", None)
     with pytest.raises(RenderError, match="longer than"):
         render(pdf_bytes(2), "pdf", 1, timeout_s=0.01)
+
+
+def test_a_giant_page_is_previewed_at_the_size_cap() -> None:
+    import io
+
+    import pypdfium2 as pdfium
+
+    doc = pdfium.PdfDocument.new()
+    doc.new_page(14400, 200)  # PDF's largest page: 200 inches wide
+    buf = io.BytesIO()
+    doc.save(buf)
+    doc.close()
+    png = render(buf.getvalue(), "pdf", 1)
+    assert max(png_size(png)) <= MAX_PX
+
+
+def test_a_long_jobs_item_table_is_paged(redis_url: str, redis: Redis, tmp_path: Path) -> None:
+    from vlmq.producer.dashboard.app import ITEMS_PER_PAGE
+
+    pdf = tmp_path / "long.pdf"
+    pdf.write_bytes(pdf_bytes(ITEMS_PER_PAGE + 5))
+    job = Client(redis_url).submit("ocr", [pdf])
+    client = web(redis_url)
+    first = text(client.get(f"/jobs/{job.id}"))
+    assert f'item={ITEMS_PER_PAGE - 1}">{ITEMS_PER_PAGE - 1}</a>' in first
+    assert f'>{ITEMS_PER_PAGE}</a>' not in first and f"items {ITEMS_PER_PAGE}-" in first
+    last = text(client.get(f"/jobs/{job.id}?item={ITEMS_PER_PAGE + 4}"))
+    assert f'>{ITEMS_PER_PAGE + 4}</a>' in last and '">0</a>' not in last

@@ -44,6 +44,11 @@ def visible_colors(png: Path) -> int:
     return len(colors)
 
 
+def test_the_console_check_sees_what_a_page_logs() -> None:
+    seen = browser.dump_dom("data:text/html,<p>x</p><script>console.error('boom')</script>")
+    assert any("boom" in line for line in seen.console), seen.console
+
+
 def test_job_page_and_overview_in_a_browser(redis_url: str, tiny_model: Path, tmp_path: Path,
                                             procs) -> None:
     client = Client(redis_url)

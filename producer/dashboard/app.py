@@ -37,6 +37,7 @@ log = logging.getLogger("vlmq.dashboard")
 
 REFRESH_S = 3
 JOBS_LIMIT = 200
+ITEMS_PER_PAGE = 100  # rows of a job's item table shown at once (a PDF may have thousands)
 # No script at all, nothing from elsewhere: a hostile model output cannot run or load.
 CSP = ("default-src 'none'; img-src 'self'; style-src 'self'; form-action 'self'; "
        "base-uri 'none'; frame-ancestors 'none'")
@@ -121,8 +122,11 @@ def create_app(settings: Settings, *, history: data.History | None = None) -> Fl
         rendered = None
         if isinstance(text, str) and text:
             rendered = markup.markdown(text) if payload.task == "ocr" else markup.plain(text)
+        first = i // ITEMS_PER_PAGE * ITEMS_PER_PAGE
+        rows = range(first, min(first + ITEMS_PER_PAGE, len(payload.items)))
         return render_template(
-            "job.html", job=job, state=state, payload=payload, results=results,
+            "job.html", job=job, state=state, payload=payload, results=results, rows=rows,
+            per_page=ITEMS_PER_PAGE,
             error=job.error() if state == "failed" else None, item=item, index=i,
             result=result, text=rendered, blob_live=bool(client.redis.exists(
                 client.keys.blob(item.blob))),

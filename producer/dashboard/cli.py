@@ -56,6 +56,9 @@ def dashboard_cmd(ctx: click.Context, redis_url: str | None, host: str, port: in
             except RedisError as exc:
                 click.echo(f"vlmq dashboard: sampling stats failed: {exc}", err=True)
 
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        click.echo(f"vlmq dashboard: warning: listening on {host}: anyone who can reach "
+                   "this port can read every job's inputs and results", err=True)
     threading.Thread(target=sample, name="stats-sampler", daemon=True).start()
     click.echo(f"vlmq dashboard on http://{host}:{port}/ "
                f"({'actions allowed' if allow_actions else 'read-only'}); Ctrl-C stops it",
