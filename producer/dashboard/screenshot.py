@@ -75,8 +75,11 @@ def running_dashboard(redis_url: str, *extra: str) -> Iterator[tuple[str, subpro
               default=Path("docs/dashboard-job.png"), show_default=True)
 @click.option("--overview-out", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Also capture the overview page here.")
+@click.option("--settle", "settle_s", type=click.FloatRange(0), default=0.0, show_default=True,
+              help="Seconds to let the dashboard sample worker stats before the overview "
+                   "shot (its throughput plot needs two samples, taken every 5 s).")
 def main(redis_url: str, job_id: str | None, enqueue_sample: bool, wait_s: float, item: int,
-         out: Path, overview_out: Path | None) -> None:
+         out: Path, overview_out: Path | None, settle_s: float) -> None:
     if enqueue_sample:
         job_id = _sample_job(redis_url, wait_s)
     if job_id is None:
@@ -86,6 +89,8 @@ def main(redis_url: str, job_id: str | None, enqueue_sample: bool, wait_s: float
         if overview_out is not None:
             shots.append((f"{base}/", overview_out))
         for url, path in shots:
+            if path is overview_out:
+                time.sleep(settle_s)
             seen = browser.screenshot(url, path)
             for line in seen.console:
                 click.echo(f"console: {line}", err=True)
