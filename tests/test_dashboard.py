@@ -268,3 +268,17 @@ def test_a_long_jobs_item_table_is_paged(redis_url: str, redis: Redis, tmp_path:
     assert f'>{ITEMS_PER_PAGE}</a>' not in first and f"items {ITEMS_PER_PAGE}-" in first
     last = text(client.get(f"/jobs/{job.id}?item={ITEMS_PER_PAGE + 4}"))
     assert f'>{ITEMS_PER_PAGE + 4}</a>' in last and '">0</a>' not in last
+
+
+def test_command_refuses_a_bad_url_and_an_unreachable_redis() -> None:
+    from click.testing import CliRunner
+
+    from vlmq.shared.cli import main
+
+    runner = CliRunner()
+    bad = runner.invoke(main, ["dashboard", "--redis-url", "nope"])
+    assert bad.exit_code == 2 and "invalid Redis URL 'nope'" in bad.stderr
+    down = runner.invoke(main, ["dashboard", "--redis-url", "redis://127.0.0.1:1/0"])
+    assert down.exit_code == 1
+    assert "cannot reach Redis at redis://127.0.0.1:1/0" in down.stderr
+    assert "Traceback" not in down.stderr

@@ -109,7 +109,7 @@ def create_app(settings: Settings, *, history: data.History | None = None) -> Fl
             return render_template("job.html", job=job, state=state, payload=None,
                                    error=job.error(), results={}, item=None, index=0,
                                    refresh=None, blob_live=False, text=None)
-        payload = job.payload()
+        payload = _payload(job)
         results = data.item_results(client.redis, client.keys, job.id)
         index = request.args.get("item", "0")
         if not index.isdigit() or int(index) >= len(payload.items):

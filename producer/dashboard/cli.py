@@ -11,8 +11,8 @@ import threading
 import click
 from redis.exceptions import RedisError
 
-from vlmq.producer.client import check_redis_url
-from vlmq.shared.clitools import EXIT_BAD_INPUT, fail
+from vlmq.producer.client import check_redis_url, redact_url
+from vlmq.shared.clitools import EXIT_BAD_INPUT, EXIT_FAILED, fail
 
 SAMPLE_EVERY_S = 5.0
 SERVER_THREADS = 8
@@ -45,7 +45,10 @@ def dashboard_cmd(ctx: click.Context, redis_url: str | None, host: str, port: in
     history = History()
     app = create_app(Settings(redis_url=url, allow_actions=allow_actions), history=history)
     client = app.extensions["vlmq"]["client"]
-    client.redis.ping()  # unreachable Redis: one line from the root group, not a server
+    try:
+        client.redis.ping()
+    except RedisError as exc:
+        fail(f"error: cannot reach Redis at {redact_url(url)}: {exc}", EXIT_FAILED)
     stop = threading.Event()
 
     def sample() -> None:
