@@ -5,7 +5,7 @@ can take minutes or gigabytes. The child gets a memory limit and is killed after
 RENDER_TIMEOUT_S, so the dashboard itself never hangs or grows. Results are cached in
 memory because the same page is usually looked at more than once.
 
-Run as `python -m vlmq.producer.dashboard.render KIND PAGE MAX_PX` with the blob on stdin;
+Run as `python render.py KIND PAGE MAX_PX` with the blob on stdin;
 writes a PNG to stdout, or a one-line reason to stderr and exits 2.
 """
 
@@ -56,8 +56,8 @@ class PreviewCache:
 def render(data: bytes, kind: str, page: int | None, max_px: int = MAX_PX, *,
            timeout_s: float = RENDER_TIMEOUT_S) -> bytes:
     """PNG preview of an image blob, or of one page (1-based) of a PDF blob."""
-    cmd = [sys.executable, "-m", "vlmq.producer.dashboard.render", kind, str(page or 0),
-           str(max_px)]
+    # The file itself, not `-m`: the child then imports no vlmq package (faster start).
+    cmd = [sys.executable, "-I", __file__, kind, str(page or 0), str(max_px)]
     try:
         done = subprocess.run(cmd, input=data, capture_output=True, timeout=timeout_s,
                               check=False)
