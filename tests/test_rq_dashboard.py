@@ -43,7 +43,7 @@ def test_compose_file_is_valid_and_safe() -> None:
     assert (shell, flag) == ("sh", "-c")
     subprocess.run(["sh", "-n", "-c", script], check=True)  # the old `>` block failed here
     assert "\n" not in script.strip()
-    for needed in ("six", "--json", "-c vlmq_rq_dashboard", "rq>=3.0,<3.1"):
+    for needed in ("six", "--json", "-c vlmq_rq_dashboard", "rq>=3.0,<3.1", "--disable-delete"):
         assert needed in script
     source, target = dash["volumes"][0].split(":")[:2]
     assert (ROOT / source).is_file()
@@ -122,10 +122,14 @@ def test_every_endpoint_answers_with_a_busy_worker(redis_url: str, data: Dataset
         statuses = {url: get(base + url) for url in urls}
         with urllib.request.urlopen(base + "/0/data/workers.json", timeout=30) as resp:
             workers = resp.read().decode()
+        delete = urllib.request.Request(f"{base}/job/{data.finished}/delete", method="POST")
+        with urllib.request.urlopen(delete, timeout=30) as resp:
+            assert b"DISABLED" in resp.read()
     finally:
         log = stop(proc)
     assert {u: s for u, s in statuses.items() if s != 200} == {}, log
     assert data.life.worker.name in workers and data.running in workers
+    assert Redis.from_url(redis_url).exists(f"rq:job:{data.finished}")
     assert "Traceback" not in log and "Error" not in log, log
 
 

@@ -32,6 +32,3 @@ class JSONWorker(Worker):
 
 _web.config.serializer = JSONSerializer  # what --json does, so the module works alone too
 _web.Worker = JSONWorker
-
-# Flask settings rq-dashboard reads from this module (upper-case names only).
-RQ_DASHBOARD_DISABLE_DELETE = True  # watching only; manage jobs with `vlmq` itself
