@@ -77,6 +77,19 @@ def server_binary() -> str | None:
     return path if out.returncode == 0 and path and Path(path).exists() else None
 
 
+CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+
+
+def ensure_chromium() -> None:
+    """Headless Chromium for the dashboard's in-browser tests (skipped without one)."""
+    if os.environ.get("VLMQ_CHROMIUM") or any(shutil.which(n) for n in CHROMIUM_NAMES):
+        return
+    if shutil.which("apt-get") and hasattr(os, "geteuid") and os.geteuid() == 0:
+        log("chromium is missing: installing it with apt-get (for the dashboard tests)")
+        subprocess.run(["apt-get", "update", "-qq"], check=False)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], check=False)
+
+
 def ensure_test_redis() -> None:
     if os.environ.get("VLMQ_TEST_REDIS"):
         return  # the caller chose a Redis for the tests; conftest reports if it is down
@@ -153,6 +166,7 @@ def cmd_test(args: list[str]) -> int:
     ensure_venv()
     ensure_test_redis()
     ensure_node()
+    ensure_chromium()
     log("ruff check")
     lint = subprocess.run([str(BIN / "ruff"), "check", "."], cwd=ROOT, check=False)
     if lint.returncode != 0:

@@ -19,6 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from vlmq.producer import cli as producer_cli
 from vlmq.producer import export_cli, schedule_cli
 from vlmq.producer.client import check_redis_url, redact_url
+from vlmq.producer.dashboard import cli as dashboard_cli
 from vlmq.producer.errors import JobNotFound
 from vlmq.shared import constants as C
 from vlmq.shared.clitools import EXIT_BAD_INPUT, EXIT_FAILED, fail, one_line
@@ -77,3 +78,4 @@ producer_cli.register(main)
 export_cli.register(main)
 schedule_cli.register(main)
 worker_cli.register(main)
+dashboard_cli.register(main)

@@ -23,7 +23,9 @@ def test_wheel_installs_the_vlmq_packages_only_and_runs_without_mlx(tmp_path: Pa
     tops = {n.split("/")[0] for n in names}
     assert tops == {"vlmq", next(t for t in tops if t.endswith(".dist-info"))}, tops
     for needed in ("vlmq/producer/cli.py", "vlmq/worker/service.py", "vlmq/shared/enqueue.lua",
-                   "vlmq/shared/schema.py", "vlmq/producer/samples/document.pdf"):
+                   "vlmq/shared/schema.py", "vlmq/producer/samples/document.pdf",
+                   "vlmq/producer/dashboard/templates/job.html",
+                   "vlmq/producer/dashboard/static/style.css"):
         assert needed in names
 
     env_dir = tmp_path / "venv"
@@ -34,7 +36,7 @@ def test_wheel_installs_the_vlmq_packages_only_and_runs_without_mlx(tmp_path: Pa
     helptext = subprocess.run([str(env_dir / "bin" / "vlmq"), "--help"], check=True,
                               capture_output=True, text=True).stdout
     for command in ("enqueue", "jobs", "status", "wait", "result", "cancel", "retry", "delete",
-                    "worker", "model", "demo"):
+                    "worker", "model", "demo", "dashboard"):
         assert command in helptext
     # The worker's commands are listed on a producer-only install, and say what is missing.
     worker = subprocess.run([str(env_dir / "bin" / "vlmq"), "worker", "--model", "m"],
@@ -42,11 +44,26 @@ def test_wheel_installs_the_vlmq_packages_only_and_runs_without_mlx(tmp_path: Pa
     assert worker.returncode == 1
     assert "needs the worker extra" in worker.stderr and "vlmq[worker]" in worker.stderr
     assert "Traceback" not in worker.stderr
+    dash = subprocess.run([str(env_dir / "bin" / "vlmq"), "dashboard"], capture_output=True,
+                          text=True, check=False)
+    assert dash.returncode == 2 and "needs the dashboard extra" in dash.stderr, dash.stderr
+    assert "vlmq[dashboard]" in dash.stderr and "Traceback" not in dash.stderr
     probe = ("import importlib.util, sys; import vlmq.producer, vlmq.producer.cli, "
              "vlmq.producer.client, vlmq.shared.jobs; "
              "assert importlib.util.find_spec('mlx') is None, 'mlx is installed'; "
              "assert not any(m.startswith(('mlx', 'numpy')) for m in sys.modules), "
              "sorted(m for m in sys.modules if m.startswith(('mlx', 'numpy'))); print('ok')")
+    out = subprocess.run([str(py), "-c", probe], check=True, capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert out.stdout.strip() == "ok"
+
+    # With the dashboard extra (still no MLX) the dashboard serves its packaged templates.
+    subprocess.run([str(py), "-m", "pip", "install", "-q", f"{wheel}[dashboard]"], check=True,
+                   capture_output=True)
+    probe = ("import sys; from vlmq.producer.dashboard.app import Settings, create_app; "
+             "r = create_app(Settings('redis://127.0.0.1:1/0')).test_client().get('/'); "
+             "assert r.status_code == 503 and b'Redis unreachable' in r.data, r.data; "
+             "assert not any(m.startswith('mlx') for m in sys.modules); print('ok')")
     out = subprocess.run([str(py), "-c", probe], check=True, capture_output=True, text=True,
                          cwd=tmp_path)
     assert out.stdout.strip() == "ok"

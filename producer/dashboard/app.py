@@ -1,0 +1,279 @@
+"""The dashboard's Flask application: pages over queues, workers and jobs' results.
+
+Read-only unless built with allow_actions: every view reads Redis, and only the two
+POST routes (cancel, retry failed items) write, through the same Client calls as the
+CLI, behind a per-process CSRF token. Job data is read as JSON only, never unpickled.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from flask import Flask, Response, abort, redirect, render_template, request, url_for
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from werkzeug.exceptions import HTTPException
+from werkzeug.wrappers import Response as BaseResponse
+
+from vlmq.producer import manage
+from vlmq.producer.cli import render_markdown
+from vlmq.producer.client import Client, Job
+from vlmq.producer.dashboard import data, markup
+from vlmq.producer.dashboard.render import PreviewCache, RenderError
+from vlmq.producer.errors import JobNotFound
+from vlmq.shared.blobs import BlobStore
+from vlmq.shared.errors import BlobError, PayloadError, VlmqError
+from vlmq.shared.keys import JOB_ID_RE, QUEUE_NAME_RE
+from vlmq.shared.schema import Item, JobPayload
+
+log = logging.getLogger("vlmq.dashboard")
+
+REFRESH_S = 3
+JOBS_LIMIT = 200
+ITEMS_PER_PAGE = 100  # rows of a job's item table shown at once (a PDF may have thousands)
+# No script at all, nothing from elsewhere: a hostile model output cannot run or load.
+CSP = ("default-src 'none'; img-src 'self'; style-src 'self'; form-action 'self'; "
+       "base-uri 'none'; frame-ancestors 'none'")
+DOWNLOADS = {"md": "text/markdown", "jsonl": "application/x-ndjson", "txt": "text/plain"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    redis_url: str
+    allow_actions: bool = False
+    prefix: str | None = None
+
+
+def create_app(settings: Settings, *, history: data.History | None = None) -> Flask:
+    app = Flask(__name__)
+    client = Client(settings.redis_url, prefix=settings.prefix)
+    previews = PreviewCache()
+    hist = history or data.History()
+    csrf = secrets.token_urlsafe(32)
+    app.extensions["vlmq"] = {"client": client, "history": hist}
+
+    @app.context_processor
+    def _globals() -> dict[str, Any]:
+        return {"allow_actions": settings.allow_actions, "csrf": csrf,
+                "host": urlsplit(settings.redis_url).hostname or "?"}
+
+    app.add_template_filter(duration, "duration")
+
+    @app.after_request
+    def _headers(resp: BaseResponse) -> BaseResponse:
+        resp.headers["Content-Security-Policy"] = CSP
+        resp.headers["X-Content-Type-Options"] = "nosniff"
+        resp.headers["Referrer-Policy"] = "no-referrer"
+        return resp
+
+    # --- pages --------------------------------------------------------------------------
+
+    @app.get("/")
+    def overview() -> str:
+        workers = data.workers(client.redis, client.keys)
+        hist.sample(workers)
+        plots = {w.name: _plots(hist.series(w.name)) for w in workers}
+        return render_template("overview.html", queues=data.queues(client.redis),
+                               states=data.jobs_by_state(client.redis), workers=workers,
+                               plots=plots, refresh=REFRESH_S)
+
+    @app.get("/jobs")
+    def jobs() -> str:
+        queue = request.args.get("queue") or None
+        state = request.args.get("state") or None
+        raw_labels = [x for x in request.args.getlist("label") if x]
+        if queue is not None and not QUEUE_NAME_RE.match(queue):
+            abort(400, f"not a valid queue name: {queue!r}")
+        try:
+            labels = data.parse_labels(raw_labels)
+        except ValueError as exc:
+            abort(400, str(exc))
+        rows = manage.list_jobs(client.redis, client.keys, queue=queue, status=state,
+                                labels=labels, limit=JOBS_LIMIT)
+        return render_template("jobs.html", rows=rows, queue=queue or "", state=state or "",
+                               label=" ".join(raw_labels), labels=raw_labels,
+                               limit=JOBS_LIMIT, refresh=REFRESH_S)
+
+    @app.get("/jobs/<job_id>")
+    def job_page(job_id: str) -> str:
+        job = _job(client, job_id)
+        state = job.status()
+        if job.problem is not None:
+            return render_template("job.html", job=job, state=state, payload=None,
+                                   error=job.error(), results={}, item=None, index=0,
+                                   refresh=None, blob_live=False, text=None)
+        payload = _payload(job)
+        results = data.item_results(client.redis, client.keys, job.id)
+        index = request.args.get("item", "0")
+        if not index.isdigit() or int(index) >= len(payload.items):
+            abort(404, f"job {job.id} has no item {index!r} "
+                       f"(it has {len(payload.items)}, numbered from 0)")
+        i = int(index)
+        item = payload.items[i]
+        result = results.get(i, {})
+        text = result.get("text")
+        rendered = None
+        if isinstance(text, str) and text:
+            rendered = markup.markdown(text) if payload.task == "ocr" else markup.plain(text)
+        first = i // ITEMS_PER_PAGE * ITEMS_PER_PAGE
+        rows = range(first, min(first + ITEMS_PER_PAGE, len(payload.items)))
+        return render_template(
+            "job.html", job=job, state=state, payload=payload, results=results, rows=rows,
+            per_page=ITEMS_PER_PAGE,
+            error=job.error() if state == "failed" else None, item=item, index=i,
+            result=result, text=rendered, blob_live=bool(client.redis.exists(
+                client.keys.blob(item.blob))),
+            summary=_summary(payload, results),
+            refresh=None if state in manage.ENDED else REFRESH_S)
+
+    @app.get("/jobs/<job_id>/items/<int:index>.png")
+    def preview(job_id: str, index: int) -> Response:
+        job = _job(client, job_id)
+        item = _item(_payload(job), job.id, index)
+        store_get = _blob_reader(client, item)
+        try:
+            png = previews.get(item.blob, store_get, item.kind, item.page)
+        except BlobError as exc:
+            abort(404, f"the input of item {index} is gone from Redis: {exc}")
+        except RenderError as exc:
+            abort(422, f"cannot preview item {index}: {exc}")
+        return Response(png, mimetype="image/png",
+                        headers={"Cache-Control": "private, max-age=300"})
+
+    @app.get("/jobs/<job_id>/download.<fmt>")
+    def download(job_id: str, fmt: str) -> Response:
+        if fmt not in DOWNLOADS:
+            abort(404, f"no download format {fmt!r} (md, jsonl or txt)")
+        job = _job(client, job_id)
+        _payload(job)  # a job that is not readable vlmq JSON has nothing to download
+        state = job.status()
+        results = list(job.results())
+        if fmt == "md":
+            body = render_markdown(job, state, results,
+                                   job.error() if state == "failed" else None)
+        elif fmt == "jsonl":
+            body = "".join(json.dumps({"job_id": job.id, **r.to_dict()}) + "\n"
+                           for r in results)
+        else:  # one page per item, separated by form feeds (as pdftotext does)
+            body = "\f".join((r.text or "").rstrip("\n") + "\n" for r in results)
+        return Response(body, mimetype=DOWNLOADS[fmt], headers={
+            "Content-Disposition": f'attachment; filename="{job.id}.{fmt}"'})
+
+    # --- actions (POST, only with allow_actions) --------------------------------------------
+
+    @app.post("/jobs/<job_id>/cancel")
+    def cancel(job_id: str) -> BaseResponse:
+        _check_action(settings, csrf)
+        job = _job(client, job_id)
+        try:
+            job.cancel()
+        except (manage.CannotCancel, PayloadError) as exc:
+            abort(409, str(exc))
+        return redirect(url_for("job_page", job_id=job.id), code=303)
+
+    @app.post("/jobs/<job_id>/retry-failed")
+    def retry_failed(job_id: str) -> BaseResponse:
+        _check_action(settings, csrf)
+        job = _job(client, job_id)
+        try:
+            new = job.retry(failed_only=True)
+        except PayloadError as exc:
+            abort(409, f"cannot retry {job.id}: {exc}")
+        return redirect(url_for("job_page", job_id=new.id), code=303)
+
+    # --- errors: a page that says what is wrong, never a traceback ---------------------------
+
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException) -> tuple[str, int]:
+        return render_template("error.html", code=exc.code, title=exc.name,
+                               message=exc.description), exc.code or 500
+
+    @app.errorhandler(RedisConnectionError)
+    @app.errorhandler(RedisTimeoutError)
+    def redis_down(exc: Exception) -> tuple[str, int]:
+        return render_template("error.html", code=503, title="Redis unreachable",
+                               message=f"cannot reach Redis: {exc}"), 503
+
+    @app.errorhandler(Exception)
+    def unexpected(exc: Exception) -> tuple[str, int]:
+        log.exception("dashboard error on %s", request.path)
+        return render_template("error.html", code=500, title="Internal error",
+                               message=f"{type(exc).__name__}: the dashboard's log has "
+                                       "the details"), 500
+
+    return app
+
+
+def duration(seconds: str) -> str:
+    """'3725.4' -> '1 h 02 min'; '-' for a missing or unreadable figure."""
+    try:
+        s = int(float(seconds))
+    except ValueError:
+        return "-"
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def _job(client: Client, job_id: str) -> Job:
+    if not JOB_ID_RE.match(job_id):
+        abort(400, "not a valid job id (letters, digits, '-' and '_', at most 128)")
+    try:
+        return client.job(job_id)
+    except JobNotFound:
+        abort(404, f"no job {job_id} (never enqueued, deleted, or expired)")
+
+
+def _payload(job: Job) -> JobPayload:
+    if job.problem is not None:
+        abort(409, f"job {job.id} is not a readable vlmq job: {job.problem}")
+    try:
+        return job.payload()
+    except VlmqError as exc:
+        abort(409, f"job {job.id} is not a readable vlmq job: {exc}")
+
+
+def _item(payload: JobPayload, job_id: str, index: int) -> Item:
+    if not 0 <= index < len(payload.items):
+        abort(404, f"job {job_id} has no item {index}")
+    return payload.items[index]
+
+
+def _blob_reader(client: Client, item: Item) -> Callable[[], bytes]:
+    store = BlobStore(client.redis, client.keys)
+    return lambda: store.get(item.blob)
+
+
+def _summary(payload: JobPayload, results: dict[int, dict[str, Any]]) -> dict[str, int]:
+    failed = sum(1 for r in results.values() if r.get("error") is not None)
+    return {"total": len(payload.items), "done": len(results), "failed": failed,
+            "tokens": sum(int(r.get("completion_tokens") or 0) for r in results.values()),
+            "cache_hits": sum(1 for r in results.values() if r.get("vision_cache_hit"))}
+
+
+def _plots(series: list[tuple[float, float, float]]) -> dict[str, str]:
+    return {"tokens": data.sparkline([(t, tok) for t, tok, _ in series]),
+            "items": data.sparkline([(t, it) for t, _, it in series])}
+
+
+def _check_action(settings: Settings, csrf: str) -> None:
+    """Actions need the flag, a same-origin request and this process's form token."""
+    if not settings.allow_actions:
+        abort(403, "actions are off: start the dashboard with --allow-actions")
+    if request.headers.get("Sec-Fetch-Site", "same-origin") not in ("same-origin", "none"):
+        abort(403, "cross-site request refused")
+    origin = request.headers.get("Origin")
+    if origin and urlsplit(origin).netloc != request.host:
+        abort(403, "cross-origin request refused")
+    token = request.form.get("csrf", "")
+    if not hmac.compare_digest(token.encode(), csrf.encode()):
+        abort(403, "missing or stale form token: reload the page and try again")
