@@ -22,7 +22,7 @@ from PIL import Image, UnidentifiedImageError
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import sha256_hex
 from vlmq.shared.errors import InputError
-from vlmq.shared.pdfium import PDFIUM_LOCK
+from vlmq.shared.pdfium import PDFIUM_LOCK, open_problem
 from vlmq.shared.schema import Item
 
 PDF_MAGIC = b"%PDF-"
@@ -153,7 +153,7 @@ def _pdf_page_count(data: bytes, source: str) -> int:
         try:
             doc = pdfium.PdfDocument(data)
         except pdfium.PdfiumError as exc:
-            raise InputError(source, f"is a corrupt or truncated PDF ({exc})") from exc
+            raise InputError(source, open_problem(exc)) from exc
         try:
             count = len(doc)
         finally:

@@ -51,12 +51,20 @@ def _split_queues(values: tuple[str, ...]) -> list[str]:
 @click.option("--heartbeat-ttl", type=click.IntRange(1), default=None,
               help="Seconds without a heartbeat after which this worker's jobs count as "
                    "abandoned and are requeued (default 90).")
+@click.option("--render-mem-mb", type=click.IntRange(64), default=1024, show_default=True,
+              help="Memory limit of each PDF render process; a page over it fails alone "
+                   "(\"too complex to render\").")
+@click.option("--render-timeout", type=click.FloatRange(0.1), default=60.0, show_default=True,
+              help="Seconds one PDF page may take to render before it fails alone.")
+@click.option("--render-procs", type=click.IntRange(1, 64), default=None,
+              help="PDF render processes (default: --prep-threads).")
 @click.pass_context
 def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...],
                extra_queues: tuple[str, ...], burst: bool, max_batch: int,
                cache_dir: Path | None, cache_mem_mb: int, cache_disk_gb: float,
                name: str | None, grace: float, prep_threads: int | None,
-               heartbeat_ttl: int | None) -> None:
+               heartbeat_ttl: int | None, render_mem_mb: int, render_timeout: float,
+               render_procs: int | None) -> None:
     """Serve jobs with one loaded model and a continuous batcher.
 
     Items from every job in flight share one batch; each result is written the moment it
@@ -84,6 +92,9 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...],
         grace_s=grace,
         prep_threads=prep_threads or min(4, os.cpu_count() or 2),
         heartbeat_ttl=heartbeat_ttl,
+        render_procs=render_procs,
+        render_mem_mb=render_mem_mb,
+        render_timeout_s=render_timeout,
     )
     ctx.exit(run_worker(cfg))
 

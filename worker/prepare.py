@@ -27,6 +27,7 @@ from vlmq.worker import mlx_adapter as A
 from vlmq.worker import preprocess as P
 from vlmq.worker.engine import Engine, EngineInfo, Request
 from vlmq.worker.model_defaults import resolve
+from vlmq.worker.render_pool import RenderPool
 from vlmq.worker.vision_cache import Entry, VisionCache, cache_key
 
 # olmOCR renders pages at 1288 px on the longest side; a sound default for OCR models.
@@ -56,8 +57,11 @@ def model_matches(requested: str, served: str) -> bool:
 
 class Preparer:
     def __init__(self, engine: Engine, info: EngineInfo, cache: VisionCache, redis: Redis,
-                 keys: Keys, pool: ThreadPoolExecutor) -> None:
+                 keys: Keys, pool: ThreadPoolExecutor, renderer: RenderPool | None = None) -> None:
+        """`renderer`: the worker's render processes; None renders in this process (tests
+        and benchmarks that construct a Preparer directly; a crafted PDF can then hurt)."""
         self.engine = engine
+        self.renderer = renderer
         self.info = info
         self.cache = cache
         self.blobs = BlobStore(redis, keys)
@@ -182,8 +186,10 @@ class Preparer:
         try:
             if item.kind == "pdf":
                 assert item.page is not None
-                return P.render_pdf_page(partial(P.fetch_blob, self.blobs, item.blob),
-                                         item.page, side, doc_key=item.blob)
+                fetch = partial(P.fetch_blob, self.blobs, item.blob)
+                if self.renderer is not None:
+                    return self.renderer.render(fetch, item.page, side, doc_key=item.blob)
+                return P.render_pdf_page(fetch, item.page, side, doc_key=item.blob)
             return P.decode_image(P.fetch_blob(self.blobs, item.blob), side)
         except VlmqError as exc:
             raise PrepError(str(exc)) from exc

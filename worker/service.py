@@ -41,6 +41,9 @@ from vlmq.shared.keys import Keys
 from vlmq.shared.schema import ItemResult, JobSummary
 from vlmq.worker.engine import Engine, EngineError, Finished, Request
 from vlmq.worker.prepare import Preparer, PrepError
+from vlmq.worker.render_pool import DEFAULT_MEM_MB as DEFAULT_RENDER_MEM_MB
+from vlmq.worker.render_pool import DEFAULT_TIMEOUT_S as DEFAULT_RENDER_TIMEOUT_S
+from vlmq.worker.render_pool import RenderPool
 from vlmq.worker.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
 from vlmq.worker.scheduler import JobState, Scheduler
 from vlmq.worker.stats import WorkerStats
@@ -85,6 +88,9 @@ class WorkerConfig:
     max_jobs: int | None = None    # jobs in flight; default max(4, max_batch)
     stats_s: float = 2.0
     heartbeat_ttl: int | None = None  # None: RQ's job monitoring interval + 60 s
+    render_procs: int | None = None  # PDF render processes; default prep_threads
+    render_mem_mb: int = DEFAULT_RENDER_MEM_MB
+    render_timeout_s: float = DEFAULT_RENDER_TIMEOUT_S
     keys: Keys = field(default_factory=Keys.from_env)
 
     @property
@@ -188,7 +194,10 @@ class WorkerService:
         except ValueError as exc:  # RQ: "There exists an active worker named ..."
             raise StartupError(str(exc)) from exc
         pool = ThreadPoolExecutor(cfg.prep_threads, thread_name_prefix="vlmq-prep")
-        preparer = self._preparer = Preparer(engine, info, cache, self.redis, cfg.keys, pool)
+        renderer = RenderPool(cfg.render_procs or cfg.prep_threads, mem_mb=cfg.render_mem_mb,
+                              timeout_s=cfg.render_timeout_s)
+        preparer = self._preparer = Preparer(engine, info, cache, self.redis, cfg.keys, pool,
+                                             renderer)
         self.stats.model = cfg.model
         log.info("worker %s ready: model %s (%s), queues %s, max batch %d, window %d",
                  cfg.name, cfg.model, info.model_type, ",".join(cfg.queues), cfg.max_batch,
@@ -200,6 +209,7 @@ class WorkerService:
             self._loop(engine, preparer, lifecycle, cache)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            renderer.close()
             self._shutdown(engine, lifecycle, cache)
         return 0
 
