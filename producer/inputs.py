@@ -29,7 +29,7 @@ PDF_MAGIC = b"%PDF-"
 # The PDF spec lets the header sit anywhere in the first 1024 bytes (PDFium agrees).
 PDF_HEADER_WINDOW = 1024
 _GLOB_CHARS = re.compile(r"[*?\[]")
-_RANGE_PART = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+_RANGE_PART = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?")
 
 PageSpec = str | Sequence[int] | None
 
@@ -219,7 +219,7 @@ def parse_pages(spec: PageSpec, page_count: int, source: str) -> list[int]:
         if not spec.strip():
             raise InputError(source, "empty page range")
         for part in spec.split(","):
-            m = _RANGE_PART.match(part)
+            m = _RANGE_PART.fullmatch(part)
             if not m:
                 raise InputError(source, f"bad page range {part.strip()!r} in {spec!r} "
                                          "(use e.g. 1-3,7)")

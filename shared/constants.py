@@ -34,3 +34,10 @@ MAX_SIDE_RANGE = (28, 8192)
 # that a typo (50 for 0.5) is refused rather than run as noise.
 MAX_TEMPERATURE = 5.0
 MAX_LABELS = 64
+
+# Hard bounds on what a worker reads from a job hash (shared/bounded.py): any compressed
+# field inflates to at most MAX_FIELD_BYTES, and JSON nests at most MAX_JSON_DEPTH deep.
+MAX_FIELD_BYTES = 16 * 1024 * 1024
+MAX_JSON_DEPTH = 32
+# The dead-letter list (<prefix>:dead) keeps this many newest entries.
+DEAD_LETTER_MAX = 10_000

@@ -6,10 +6,8 @@ producers in other languages, and tests pin that both paths read back identicall
 
 from __future__ import annotations
 
-import contextlib
 import json
 import uuid
-import zlib
 from importlib import resources
 from typing import Any
 
@@ -20,6 +18,7 @@ from rq.exceptions import DeserializationError, DuplicateJobError, TimeoutFormat
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from vlmq.shared import bounded
 from vlmq.shared import constants as C
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import JOB_ID_RE, QUEUE_NAME_RE, RQ_QUEUES, Keys
@@ -38,13 +37,13 @@ def describe(payload: JobPayload) -> str:
 
 
 def check_queue_name(queue: str) -> str:
-    if not QUEUE_NAME_RE.match(queue):
+    if not QUEUE_NAME_RE.fullmatch(queue):
         raise PayloadError("queue", f"invalid queue name {queue!r} (letters, digits, _ . -)")
     return queue
 
 
 def check_job_id(job_id: str) -> str:
-    if not JOB_ID_RE.match(job_id):
+    if not JOB_ID_RE.fullmatch(job_id):
         raise PayloadError("job_id", f"invalid job id {job_id!r} (must match "
                                      "[A-Za-z0-9_-]{1,128})")
     return job_id
@@ -116,6 +115,12 @@ def fetch_job(redis: Redis, job_id: str) -> Job:
     `created_at` = "yesterday"): RQ's own error is a bare ValueError that names neither
     the job nor the field, and callers should not have to know RQ's parsing internals.
     """
+    data = redis.hget(Keys.rq_job(job_id), "data")
+    if isinstance(data, bytes):
+        try:  # RQ inflates `data` unbounded inside Job.fetch: check the bound first
+            bounded.inflate(data, what="job data")
+        except bounded.BoundError as exc:
+            raise PayloadError("data", str(exc)) from exc
     try:
         return Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
     except UNREADABLE_HASH_ERRORS as exc:
@@ -136,17 +141,20 @@ def raw_exc_info(redis: Redis, job_id: str) -> str | None:
         return None
     if isinstance(raw, str):  # a connection made with decode_responses=True
         return raw
-    with contextlib.suppress(zlib.error):  # vlmq's worker writes it uncompressed
-        raw = zlib.decompress(raw)
+    try:  # vlmq's worker writes it uncompressed; RQ compresses it
+        raw = bounded.inflate(raw, what="exc_info")
+    except bounded.BoundError as exc:
+        return f"(unreadable failure text: {exc})"
     return raw.decode("utf-8", "replace")
 
 
 def is_json_data(raw: bytes) -> bool:
-    """True when an RQ job's `data` field is (zlib-compressed or plain) JSON, never pickle."""
-    with contextlib.suppress(zlib.error):  # RQ accepts plain JSON too
-        raw = zlib.decompress(raw)
+    """True when an RQ job's `data` field is (zlib-compressed or plain) JSON, never pickle.
+
+    Raises BoundError when it inflates or nests past the limits (shared/bounded.py).
+    """
     try:
-        json.loads(raw.decode("utf-8"))
+        bounded.loads(bounded.inflate(raw, what="job data"), what="job data")
     except (UnicodeDecodeError, json.JSONDecodeError):
         return False
     return True
@@ -156,7 +164,11 @@ def payload_of(job: Job) -> JobPayload:
     """Validated payload of a vlmq job (raises PayloadError naming the problem)."""
     # Checked before RQ touches `data`: a pickled job gets a clear refusal instead of
     # RQ's message-less DeserializationError, and is never handed to a deserializer.
-    if not is_json_data(job.data):
+    try:
+        is_json = is_json_data(job.data)
+    except bounded.BoundError as exc:
+        raise PayloadError("data", str(exc)) from exc
+    if not is_json:
         raise PayloadError("data", "job data is not JSON (a pickled job?): vlmq never "
                                    "unpickles; enqueue with RQ's JSONSerializer")
     try:

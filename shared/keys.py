@@ -19,9 +19,10 @@ RQ_QUEUE = "rq:queue:{name}"
 RQ_QUEUES = "rq:queues"
 RQ_RESULTS = "rq:results:{id}"
 
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
-SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# Whole-string patterns: use .fullmatch (`$` would accept a trailing newline).
+JOB_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
+QUEUE_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,12 @@ class Keys:
     def worker_stats(self, name: str) -> str:
         """Hash of one worker's live stats; expires when the worker stops refreshing it."""
         return f"{self.prefix}:worker:{name}:stats"
+
+    @property
+    def dead(self) -> str:
+        """List of queue entries no worker can run (undecodable, bad id, unreadable hash),
+        newest first, each a JSON object with the reason."""
+        return f"{self.prefix}:dead"
 
     @property
     def workers(self) -> str:

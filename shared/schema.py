@@ -173,7 +173,7 @@ def _parse_item(raw: Any, path: str) -> Item:
     if kind not in C.ITEM_KINDS:
         raise PayloadError(f"{path}.kind", f"must be one of {list(C.ITEM_KINDS)}, got {kind!r}")
     blob = raw.get("blob")
-    if not isinstance(blob, str) or not SHA256_RE.match(blob):
+    if not isinstance(blob, str) or not SHA256_RE.fullmatch(blob):
         raise PayloadError(f"{path}.blob", "must be a lowercase hex sha256 (64 characters)")
     source = _str(raw.get("source", blob[:12]), f"{path}.source", 4096)
     assert source is not None

@@ -74,7 +74,7 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...],
     from vlmq.worker.service import WorkerConfig, run_worker
 
     queues = _split_queues(queues_opt + extra_queues) or list(DEFAULT_QUEUES)
-    bad = [q for q in queues if not QUEUE_NAME_RE.match(q)]
+    bad = [q for q in queues if not QUEUE_NAME_RE.fullmatch(q)]
     if bad:
         raise click.BadParameter(f"{bad[0]!r} is not a queue name (letters, digits, _ . -)",
                                  param_hint="--queues")

@@ -188,7 +188,7 @@ class WorkerService:
         queues = [Queue(q, connection=self.redis, serializer=JSONSerializer) for q in cfg.queues]
         worker = BatchWorker(queues, connection=self.redis, name=cfg.name,
                              heartbeat_ttl=cfg.heartbeat_ttl)
-        lifecycle = self._lifecycle = JobLifecycle(worker, queues)
+        lifecycle = self._lifecycle = JobLifecycle(worker, queues, cfg.keys)
         try:
             lifecycle.register_birth()
         except ValueError as exc:  # RQ: "There exists an active worker named ..."
