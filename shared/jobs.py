@@ -30,6 +30,22 @@ UNREADABLE_HASH_ERRORS = (ValueError, TypeError, KeyError, AttributeError, Asser
                           TimeoutFormatError)
 
 
+def timeout_problem(raw: bytes | str | None) -> str | None:
+    """Why RQ cannot parse a job hash's `timeout` field, or None (RQ's own error for e.g.
+    "86400.0" is a bare AssertionError with no message)."""
+    if raw is None or raw in (b"", ""):
+        return None
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    try:
+        int(text)  # what RQ's parse_timeout tries first
+        return None
+    except ValueError:
+        if text[:-1].isascii() and text[:-1].isdigit() and text[-1:].lower() in ("d", "h", "m", "s"):
+            return None
+    return (f"job timeout {text[:40]!r} is not a whole number of seconds, nor digits with "
+            "a unit d/h/m/s (e.g. 86400 or 24h)")
+
+
 def describe(payload: JobPayload) -> str:
     sources = sorted({i.source for i in payload.items})
     head = ", ".join(sources[:3]) + (f" +{len(sources) - 3} more" if len(sources) > 3 else "")
@@ -115,7 +131,10 @@ def fetch_job(redis: Redis, job_id: str) -> Job:
     `created_at` = "yesterday"): RQ's own error is a bare ValueError that names neither
     the job nor the field, and callers should not have to know RQ's parsing internals.
     """
-    data = redis.hget(Keys.rq_job(job_id), "data")
+    data, timeout = redis.hmget(Keys.rq_job(job_id), ["data", "timeout"])
+    problem = timeout_problem(timeout)
+    if problem:
+        raise PayloadError("timeout", problem)
     if isinstance(data, bytes):
         try:  # RQ inflates `data` unbounded inside Job.fetch: check the bound first
             bounded.inflate(data, what="job data")

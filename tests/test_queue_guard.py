@@ -17,7 +17,8 @@ from vlmq.shared import bounded
 from vlmq.shared import constants as C
 from vlmq.shared.jobs import enqueue_lua, raw_exc_info
 from vlmq.shared.keys import Keys
-from vlmq.shared.schema import Item, JobPayload
+from vlmq.shared.errors import PayloadError
+from vlmq.shared.schema import Item, JobPayload, parse_payload
 from vlmq.worker.queue_guard import scrub_intermediate
 from vlmq.worker.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
 
@@ -84,6 +85,8 @@ CASES = {
     "unparseable date": (lambda r: poison_job(r, "created_at", b"yesterday"),
                          "RQ cannot read its hash (ValueError"),
     "bad status": (lambda r: poison_job(r, "status", b"bogus"), "RQ cannot read its hash"),
+    "float timeout": (lambda r: poison_job(r, "timeout", b"86400.0"),
+                      "job timeout '86400.0' is not a whole number of seconds"),
 }
 
 
@@ -153,3 +156,11 @@ def test_bounded_helpers() -> None:
         bounded.loads(deep_json(33))
     with pytest.raises(bounded.BoundError, match="deeper than 32"):
         bounded.loads(deep_json(1_000_000))
+
+
+def test_lone_surrogate_in_a_prompt_is_a_clear_payload_error() -> None:
+    raw = json.loads('{"v": 1, "task": "caption", "prompt": "caf\\ud800", "items": '
+                     '[{"kind": "image", "blob": "' + FAKE_SHA + '"}]}')
+    with pytest.raises(PayloadError, match=r"prompt: is not valid UTF-8 text \(a lone "
+                                           r"surrogate U\+D800 at character 3\)"):
+        parse_payload(raw)

@@ -26,6 +26,7 @@ from rq.utils import current_timestamp, now, utcformat
 
 from vlmq.shared import bounded
 from vlmq.shared import constants as C
+from vlmq.shared.jobs import timeout_problem
 from vlmq.shared.keys import JOB_ID_RE, Keys
 
 log = logging.getLogger(__name__)
@@ -79,12 +80,15 @@ def inspect(conn: Redis, raw: bytes | str) -> Verdict:
                                f"{MAX_HASH_BYTES // (1024 * 1024)} MiB limit", True)
     if not data_len:
         return Verdict(job_id, "job hash has no data field (not an RQ job)", True)
-    fields = ["data", *_JSON_FIELDS]
+    fields = ["data", "timeout", *_JSON_FIELDS]
     values: list[Any] = conn.hmget(key, fields)
+    problem = timeout_problem(values[1])
+    if problem:
+        return Verdict(job_id, problem, True)
     try:
         payload = bounded.inflate(values[0], what="job data")
         bounded.loads(payload, what="job data")
-        for name, value in zip(_JSON_FIELDS, values[1:], strict=True):
+        for name, value in zip(_JSON_FIELDS, values[2:], strict=True):
             if value:
                 bounded.loads(value, what=f"job {name}")
     except bounded.BoundError as exc:

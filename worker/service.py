@@ -39,6 +39,7 @@ from vlmq.shared import constants as C
 from vlmq.shared import results as R
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import ItemResult, JobSummary
+from vlmq.shared.urls import redact_url
 from vlmq.worker.engine import Engine, EngineError, Finished, Request
 from vlmq.worker.prepare import Preparer, PrepError
 from vlmq.worker.render_pool import DEFAULT_MEM_MB as DEFAULT_RENDER_MEM_MB
@@ -156,7 +157,7 @@ class WorkerService:
         try:
             self.redis.ping()
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            return f"cannot reach Redis at {self.cfg.redis_url}: {exc}"
+            return f"cannot reach Redis at {redact_url(self.cfg.redis_url)}: {exc}"
         key = f"rq:worker:{self.cfg.name}"
         if self.redis.exists(key) and not self.redis.hexists(key, "death"):
             return (f"a worker named {self.cfg.name!r} is already registered in Redis; pick "
@@ -362,8 +363,9 @@ class WorkerService:
         for state in states:
             if state.job_id in self.scheduler.jobs and state.handle.timed_out():
                 self.scheduler.remove(state.job_id)
-                self._fail_job(lifecycle, state.handle,
-                               f"job timeout of {state.handle.job.timeout} s exceeded")
+                done = state.already_done + state.finished_here
+                self._fail_job(lifecycle, state.handle, _timeout_message(state.handle, done,
+                                                                         state.total))
         lifecycle.maintain()
 
     def _schedule(self, engine: Engine, preparer: Preparer) -> None:
@@ -504,6 +506,13 @@ def _drain(q: SimpleQueue[T]) -> list[T]:
             out.append(q.get_nowait())
         except Empty:
             return out
+
+
+def _timeout_message(running: Running, done: int, total: int) -> str:
+    limit = running.job.timeout or Queue.DEFAULT_TIMEOUT
+    ran = time.monotonic() - running.started
+    return (f"job timeout exceeded: the job's limit is {limit} s and it ran {ran:.0f} s here, "
+            f"with {done}/{total} items done (their results are kept)")
 
 
 def _result_ttl(running: Running) -> int:
