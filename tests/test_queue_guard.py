@@ -15,9 +15,9 @@ from rq.job import Job, JobStatus
 
 from vlmq.shared import bounded
 from vlmq.shared import constants as C
+from vlmq.shared.errors import PayloadError
 from vlmq.shared.jobs import enqueue_lua, raw_exc_info
 from vlmq.shared.keys import Keys
-from vlmq.shared.errors import PayloadError
 from vlmq.shared.schema import Item, JobPayload, parse_payload
 from vlmq.worker.queue_guard import scrub_intermediate
 from vlmq.worker.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
