@@ -40,7 +40,8 @@ def timeout_problem(raw: bytes | str | None) -> str | None:
         int(text)  # what RQ's parse_timeout tries first
         return None
     except ValueError:
-        if text[:-1].isascii() and text[:-1].isdigit() and text[-1:].lower() in ("d", "h", "m", "s"):
+        digits, unit = text[:-1], text[-1:].lower()
+        if digits.isascii() and digits.isdigit() and unit in ("d", "h", "m", "s"):
             return None
     return (f"job timeout {text[:40]!r} is not a whole number of seconds, nor digits with "
             "a unit d/h/m/s (e.g. 86400 or 24h)")
