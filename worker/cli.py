@@ -58,13 +58,17 @@ def _split_queues(values: tuple[str, ...]) -> list[str]:
               help="Seconds one PDF page may take to render before it fails alone.")
 @click.option("--render-procs", type=click.IntRange(1, 64), default=None,
               help="PDF render processes (default: --prep-threads).")
+@click.option("--max-kv-tokens", type=click.IntRange(1), default=None,
+              help="Admit a sequence only while the sum of (prompt + max_tokens) in flight "
+                   "stays under this (default: from the model's KV size and the machine's "
+                   "memory); a longer request runs alone.")
 @click.pass_context
 def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...],
                extra_queues: tuple[str, ...], burst: bool, max_batch: int,
                cache_dir: Path | None, cache_mem_mb: int, cache_disk_gb: float,
                name: str | None, grace: float, prep_threads: int | None,
                heartbeat_ttl: int | None, render_mem_mb: int, render_timeout: float,
-               render_procs: int | None) -> None:
+               render_procs: int | None, max_kv_tokens: int | None) -> None:
     """Serve jobs with one loaded model and a continuous batcher.
 
     Items from every job in flight share one batch; each result is written the moment it
@@ -95,6 +99,7 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...],
         render_procs=render_procs,
         render_mem_mb=render_mem_mb,
         render_timeout_s=render_timeout,
+        max_kv_tokens=max_kv_tokens,
     )
     ctx.exit(run_worker(cfg))
 

@@ -92,6 +92,7 @@ class WorkerConfig:
     render_procs: int | None = None  # PDF render processes; default prep_threads
     render_mem_mb: int = DEFAULT_RENDER_MEM_MB
     render_timeout_s: float = DEFAULT_RENDER_TIMEOUT_S
+    max_kv_tokens: int | None = None  # None: derived from the model and machine memory
     keys: Keys = field(default_factory=Keys.from_env)
 
     @property
@@ -143,7 +144,7 @@ class WorkerService:
             log.error("%s", problem)
             return 1
         log.info("loading model %s", cfg.model)
-        engine = Engine(cfg.model, max_batch=cfg.max_batch)
+        engine = Engine(cfg.model, max_batch=cfg.max_batch, max_kv_tokens=cfg.max_kv_tokens)
         try:
             return self._serve(engine)
         except StartupError as exc:
