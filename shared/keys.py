@@ -46,6 +46,15 @@ class Keys:
         """Stream of progress events for one job (item done, job finished/failed)."""
         return f"{self.prefix}:job:{job_id}:events"
 
+    def job_risk(self, job_id: str) -> str:
+        """Hash: item index -> "<worker>|<step>|<unix time>" while that item is in a step
+        that could kill its worker (worker/poison.py); left behind if it did."""
+        return f"{self.prefix}:job:{job_id}:risk"
+
+    def job_kills(self, job_id: str) -> str:
+        """Hash: how many workers died while one of this job's items was in risky work."""
+        return f"{self.prefix}:job:{job_id}:kills"
+
     def worker_stats(self, name: str) -> str:
         """Hash of one worker's live stats; expires when the worker stops refreshing it."""
         return f"{self.prefix}:worker:{name}:stats"

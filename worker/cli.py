@@ -62,13 +62,17 @@ def _split_queues(values: tuple[str, ...]) -> list[str]:
               help="Admit a sequence only while the sum of (prompt + max_tokens) in flight "
                    "stays under this (default: from the model's KV size and the machine's "
                    "memory); a longer request runs alone.")
+@click.option("--poison-kills", type=click.IntRange(1), default=2, show_default=True,
+              help="A job whose item was being processed when this many workers died is "
+                   "failed, naming the item (other jobs of a dead worker keep their retries).")
 @click.pass_context
 def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...],
                extra_queues: tuple[str, ...], burst: bool, max_batch: int,
                cache_dir: Path | None, cache_mem_mb: int, cache_disk_gb: float,
                name: str | None, grace: float, prep_threads: int | None,
                heartbeat_ttl: int | None, render_mem_mb: int, render_timeout: float,
-               render_procs: int | None, max_kv_tokens: int | None) -> None:
+               render_procs: int | None, max_kv_tokens: int | None,
+               poison_kills: int) -> None:
     """Serve jobs with one loaded model and a continuous batcher.
 
     Items from every job in flight share one batch; each result is written the moment it
@@ -100,6 +104,7 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...],
         render_mem_mb=render_mem_mb,
         render_timeout_s=render_timeout,
         max_kv_tokens=max_kv_tokens,
+        poison_kills=poison_kills,
     )
     ctx.exit(run_worker(cfg))
 

@@ -19,6 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,9 @@ class Request:
     stop: tuple[str, ...]  # stop strings, in addition to the tokenizer's EOS
     # Called on the MLX thread after a tower run, so the caller can cache the features.
     on_features: Callable[[np.ndarray, str], None] | None = None
+    # Wraps this request's own steps (tower, embedding) on the MLX thread, so that a crash
+    # there is charged to it (worker/poison.py). Called with the step's name.
+    risky: Callable[[str], AbstractContextManager[None]] | None = None
 
 
 @dataclass
@@ -383,7 +387,9 @@ class _Loop:
                             cost, self.kv_budget)
             self.pending.popleft()
             self.warned_over_budget.discard(req.key)
-            self._insert(req, submitted_at)
+            risky = req.risky("vision tower") if req.risky is not None else nullcontext()
+            with risky:  # a crash in here is charged to this request's job
+                self._insert(req, submitted_at)
             admitted += 1
 
     def _kv_cost(self, req: Request) -> int:

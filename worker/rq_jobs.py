@@ -34,6 +34,7 @@ from vlmq.shared.jobs import UNREADABLE_HASH_ERRORS, payload_of
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import JobPayload
 from vlmq.shared.text import as_str
+from vlmq.worker import poison
 from vlmq.worker import queue_guard as guard
 
 log = logging.getLogger(__name__)
@@ -126,9 +127,13 @@ class JobLifecycle:
     """
 
     def __init__(self, worker: BatchWorker, queues: Sequence[Queue] | None = None,
-                 keys: Keys | None = None) -> None:
+                 keys: Keys | None = None, *,
+                 poison_kills: int = poison.DEFAULT_POISON_KILLS) -> None:
+        if poison_kills < 1:
+            raise ValueError(f"poison_kills must be at least 1, got {poison_kills}")
         self.worker = worker
         self.keys = keys if keys is not None else Keys.from_env()
+        self.poison_kills = poison_kills
         self.connection = worker.connection
         # Priority order: take() drains the first queue before looking at the next.
         self.queues: list[Queue] = list(queues) if queues is not None else list(worker.queues)
@@ -175,6 +180,8 @@ class JobLifecycle:
             return
         for queue in self.queues:
             guard.scrub_intermediate(self.connection, self.keys, queue, self.worker.name)
+            # Dead workers' jobs: charge the one in risky work, spare the others' retries.
+            poison.reclaim(self.connection, self.keys, queue, poison_kills=self.poison_kills)
         try:
             self.worker.run_maintenance_tasks()  # type: ignore[no-untyped-call]
         except (*UNREADABLE_HASH_ERRORS, NoSuchJobError, RecursionError):

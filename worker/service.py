@@ -41,6 +41,7 @@ from vlmq.shared.keys import Keys
 from vlmq.shared.schema import ItemResult, JobSummary
 from vlmq.shared.urls import redact_url
 from vlmq.worker.engine import Engine, EngineError, Finished, Request
+from vlmq.worker.poison import DEFAULT_POISON_KILLS, RiskLog
 from vlmq.worker.prepare import Preparer, PrepError
 from vlmq.worker.render_pool import DEFAULT_MEM_MB as DEFAULT_RENDER_MEM_MB
 from vlmq.worker.render_pool import DEFAULT_TIMEOUT_S as DEFAULT_RENDER_TIMEOUT_S
@@ -93,6 +94,7 @@ class WorkerConfig:
     render_mem_mb: int = DEFAULT_RENDER_MEM_MB
     render_timeout_s: float = DEFAULT_RENDER_TIMEOUT_S
     max_kv_tokens: int | None = None  # None: derived from the model and machine memory
+    poison_kills: int = DEFAULT_POISON_KILLS  # worker deaths a job may cause before it fails
     keys: Keys = field(default_factory=Keys.from_env)
 
     @property
@@ -190,7 +192,8 @@ class WorkerService:
         queues = [Queue(q, connection=self.redis, serializer=JSONSerializer) for q in cfg.queues]
         worker = BatchWorker(queues, connection=self.redis, name=cfg.name,
                              heartbeat_ttl=cfg.heartbeat_ttl)
-        lifecycle = self._lifecycle = JobLifecycle(worker, queues, cfg.keys)
+        lifecycle = self._lifecycle = JobLifecycle(worker, queues, cfg.keys,
+                                                   poison_kills=cfg.poison_kills)
         try:
             lifecycle.register_birth()
         except ValueError as exc:  # RQ: "There exists an active worker named ..."
@@ -199,7 +202,7 @@ class WorkerService:
         renderer = RenderPool(cfg.render_procs or cfg.prep_threads, mem_mb=cfg.render_mem_mb,
                               timeout_s=cfg.render_timeout_s)
         preparer = self._preparer = Preparer(engine, info, cache, self.redis, cfg.keys, pool,
-                                             renderer)
+                                             renderer, RiskLog(self.redis, cfg.keys, cfg.name))
         self.stats.model = cfg.model
         log.info("worker %s ready: model %s (%s), queues %s, max batch %d, window %d",
                  cfg.name, cfg.model, info.model_type, ",".join(cfg.queues), cfg.max_batch,
