@@ -153,7 +153,7 @@ def _pdf_page_count(data: bytes, source: str) -> int:
         try:
             doc = pdfium.PdfDocument(data)
         except pdfium.PdfiumError as exc:
-            raise InputError(source, open_problem(exc)) from exc
+            raise InputError(source, open_problem(exc, data)) from exc
         try:
             count = len(doc)
         finally:

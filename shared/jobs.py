@@ -133,6 +133,8 @@ def fetch_job(redis: Redis, job_id: str) -> Job:
     the job nor the field, and callers should not have to know RQ's parsing internals.
     """
     data, timeout = redis.hmget(Keys.rq_job(job_id), ["data", "timeout"])
+    if data is None and redis.exists(Keys.rq_job(job_id)):
+        raise PayloadError("data", "job hash has no data field (not an RQ job)")
     problem = timeout_problem(timeout)
     if problem:
         raise PayloadError("timeout", problem)

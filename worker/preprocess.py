@@ -199,7 +199,7 @@ def _load_pdf(data: bytes) -> pdfium.PdfDocument:
     try:
         pdf = pdfium.PdfDocument(data)
     except pdfium.PdfiumError as exc:
-        raise PreprocessError(f"not a readable PDF: the blob {open_problem(exc)}") from exc
+        raise PreprocessError(f"not a readable PDF: the blob {open_problem(exc, data)}") from exc
     if len(pdf) < 1:
         pdf.close()
         raise PreprocessError("not a readable PDF: the blob is a PDF with no pages")

@@ -47,7 +47,13 @@ class Verdict:
 
     @property
     def label(self) -> str:
-        return self.job_id if self.job_id is not None else "<undecodable>"
+        """The id for log lines and Refused: bounded, since an entry can be megabytes."""
+        if self.job_id is None:
+            return "<undecodable>"
+        if JOB_ID_RE.fullmatch(self.job_id):
+            return self.job_id
+        shown = repr(self.job_id)  # a newline or control character stays visible
+        return shown if len(shown) <= 80 else f"{shown[:77]}..."
 
 
 def decode_entry(raw: bytes | str) -> str | None:

@@ -218,7 +218,8 @@ class JobLifecycle:
         verdict = guard.inspect(self.connection, raw)
         if verdict.reason is None and verdict.hash_exists:
             try:
-                job = self.worker.job_class.fetch(verdict.label, connection=self.connection,
+                assert verdict.job_id is not None  # a valid id: inspect checked it
+                job = self.worker.job_class.fetch(verdict.job_id, connection=self.connection,
                                                   serializer=JSONSerializer)
             except NoSuchJobError:
                 verdict = guard.Verdict(verdict.job_id, None, hash_exists=False)
