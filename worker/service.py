@@ -386,11 +386,13 @@ class WorkerService:
                 self._in_prep += 1
             fut = preparer.submit(state.job_id, state.payload, idx)
             fut.add_done_callback(partial(self._prepared, engine, state.job_id, idx))
-        self.stats.observe_waiting(self._in_prep + engine.waiting)
+        with self._prep_lock:
+            self.stats.observe_waiting(self._in_prep + engine.waiting)
 
     def _prepared(self, engine: Engine, job_id: str, idx: int,
                   fut: Future[tuple[Request, float]]) -> None:
         """Pool callback: hand the request to the engine at once, so MLX never waits on us."""
+        moved = False
         try:
             if fut.cancelled():
                 return  # shutting down: the item stays unwritten and is redone on resume
@@ -398,7 +400,10 @@ class WorkerService:
             if exc is None:
                 req, prep_s = fut.result()
                 self._prep_time[(job_id, idx)] = prep_s
-                engine.submit(req)
+                with self._prep_lock:  # from in-prep to waiting in one step, for readers
+                    engine.submit(req)
+                    self._in_prep -= 1
+                    moved = True
             elif isinstance(exc, RedisError) and transient(exc):
                 self._prep_retry.put((job_id, idx))  # not the item's fault: prepare it again
             elif isinstance(exc, PrepError):
@@ -409,8 +414,9 @@ class WorkerService:
         except EngineError:
             log.debug("engine closed before job %s item %d was submitted", job_id, idx)
         finally:
-            with self._prep_lock:
-                self._in_prep -= 1
+            if not moved:
+                with self._prep_lock:
+                    self._in_prep -= 1
 
     # --- results -------------------------------------------------------------------------
 
