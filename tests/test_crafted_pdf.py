@@ -70,6 +70,7 @@ def test_drawing_bomb_fails_its_item_and_nothing_else(
     assert worker.poll() is None, "the worker died"
     peak_kb = _status_kb(worker.pid, "VmHWM")
     assert peak_kb < rss_ready_kb + RENDER_MB * 1024, (rss_ready_kb, peak_kb)
+    print(f"worker VmHWM: {rss_ready_kb // 1024} MB when ready, {peak_kb // 1024} MB at the end")
     worker.terminate()
     out, _ = worker.communicate(timeout=60)
     assert out.count("ready: model") == 1, out  # the worker process never restarted
