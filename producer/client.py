@@ -13,7 +13,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import click
 from redis import ConnectionPool
@@ -42,6 +41,7 @@ from vlmq.shared.keys import Keys
 from vlmq.shared.results import count_done, read_items
 from vlmq.shared.schema import ItemResult, JobPayload
 from vlmq.shared.text import as_str
+from vlmq.shared.urls import redact_url
 
 __all__ = ["DEFAULT_REDIS_URL", "Client", "Job", "JobFailed", "JobNotFound", "WaitTimeout",
            "check_redis_url", "redact_url", "wait_all"]
@@ -495,12 +495,3 @@ def check_redis_url(url: str) -> str:
     except ValueError as exc:
         raise ValueError(f"invalid Redis URL {redact_url(url)!r}: {exc}") from exc
     return url
-
-
-def redact_url(url: str) -> str:
-    """The URL with its password masked, for messages: stderr ends up in CI logs."""
-    parts = urlsplit(url)
-    if not parts.password:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))

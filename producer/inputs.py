@@ -22,14 +22,14 @@ from PIL import Image, UnidentifiedImageError
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import sha256_hex
 from vlmq.shared.errors import InputError
-from vlmq.shared.pdfium import PDFIUM_LOCK
+from vlmq.shared.pdfium import PDFIUM_LOCK, open_problem
 from vlmq.shared.schema import Item
 
 PDF_MAGIC = b"%PDF-"
 # The PDF spec lets the header sit anywhere in the first 1024 bytes (PDFium agrees).
 PDF_HEADER_WINDOW = 1024
 _GLOB_CHARS = re.compile(r"[*?\[]")
-_RANGE_PART = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+_RANGE_PART = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?")
 
 PageSpec = str | Sequence[int] | None
 
@@ -154,7 +154,7 @@ def _pdf_page_count(data: bytes, source: str) -> int:
         try:
             doc = pdfium.PdfDocument(data)
         except pdfium.PdfiumError as exc:
-            raise InputError(source, f"is a corrupt or truncated PDF ({exc})") from exc
+            raise InputError(source, open_problem(exc, data)) from exc
         try:
             count = len(doc)
         finally:
@@ -220,7 +220,7 @@ def parse_pages(spec: PageSpec, page_count: int, source: str) -> list[int]:
         if not spec.strip():
             raise InputError(source, "empty page range")
         for part in spec.split(","):
-            m = _RANGE_PART.match(part)
+            m = _RANGE_PART.fullmatch(part)
             if not m:
                 raise InputError(source, f"bad page range {part.strip()!r} in {spec!r} "
                                          "(use e.g. 1-3,7)")

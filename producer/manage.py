@@ -224,7 +224,8 @@ def delete(redis: Redis, keys: Keys, job_id: str) -> frozenset[str]:
     elif row.queue:
         pipe.lrem(Keys.rq_queue(row.queue), 0, job_id)
     pipe.delete(Keys.rq_job(job_id), RQ_RESULTS.format(id=job_id), keys.job_items(job_id),
-                keys.job_events(job_id), keys.job_owner(job_id))
+                keys.job_events(job_id), keys.job_owner(job_id), keys.job_risk(job_id),
+                keys.job_kills(job_id))
     pipe.execute()
     return row.blobs
 

@@ -68,7 +68,7 @@ class BlobStore:
 
     def get(self, sha: str) -> bytes:
         """Fetch a blob and check its content against its name."""
-        if not SHA256_RE.match(sha):
+        if not SHA256_RE.fullmatch(sha):
             raise BlobError(f"malformed blob id {sha!r}")
         data = self.redis.get(self.keys.blob(sha))
         if data is None:

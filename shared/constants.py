@@ -39,3 +39,10 @@ MAX_CUSTOM_ID_CHARS = 256
 # Field of the RQ job hash (rq:job:<id>) holding the epoch seconds of the job's first start
 # on any worker (HSETNX): a resumed job's summary wall_s covers the whole job.
 FIRST_STARTED_FIELD = "vlmq_first_started"
+
+# Hard bounds on what a worker reads from a job hash (shared/bounded.py): any compressed
+# field inflates to at most MAX_FIELD_BYTES, and JSON nests at most MAX_JSON_DEPTH deep.
+MAX_FIELD_BYTES = 16 * 1024 * 1024
+MAX_JSON_DEPTH = 32
+# The dead-letter list (<prefix>:dead) keeps this many newest entries.
+DEAD_LETTER_MAX = 10_000

@@ -6,10 +6,8 @@ producers in other languages, and tests pin that both paths read back identicall
 
 from __future__ import annotations
 
-import contextlib
 import json
 import uuid
-import zlib
 from importlib import resources
 from typing import Any
 
@@ -20,6 +18,7 @@ from rq.exceptions import DeserializationError, DuplicateJobError, TimeoutFormat
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from vlmq.shared import bounded
 from vlmq.shared import constants as C
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import JOB_ID_RE, QUEUE_NAME_RE, RQ_QUEUES, Keys
@@ -31,6 +30,23 @@ UNREADABLE_HASH_ERRORS = (ValueError, TypeError, KeyError, AttributeError, Asser
                           TimeoutFormatError)
 
 
+def timeout_problem(raw: bytes | str | None) -> str | None:
+    """Why RQ cannot parse a job hash's `timeout` field, or None (RQ's own error for e.g.
+    "86400.0" is a bare AssertionError with no message)."""
+    if raw is None or raw in (b"", ""):
+        return None
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    try:
+        int(text)  # what RQ's parse_timeout tries first
+        return None
+    except ValueError:
+        digits, unit = text[:-1], text[-1:].lower()
+        if digits.isascii() and digits.isdigit() and unit in ("d", "h", "m", "s"):
+            return None
+    return (f"job timeout {text[:40]!r} is not a whole number of seconds, nor digits with "
+            "a unit d/h/m/s (e.g. 86400 or 24h)")
+
+
 def describe(payload: JobPayload) -> str:
     sources = sorted({i.source for i in payload.items})
     head = ", ".join(sources[:3]) + (f" +{len(sources) - 3} more" if len(sources) > 3 else "")
@@ -38,13 +54,13 @@ def describe(payload: JobPayload) -> str:
 
 
 def check_queue_name(queue: str) -> str:
-    if not QUEUE_NAME_RE.match(queue):
+    if not QUEUE_NAME_RE.fullmatch(queue):
         raise PayloadError("queue", f"invalid queue name {queue!r} (letters, digits, _ . -)")
     return queue
 
 
 def check_job_id(job_id: str) -> str:
-    if not JOB_ID_RE.match(job_id):
+    if not JOB_ID_RE.fullmatch(job_id):
         raise PayloadError("job_id", f"invalid job id {job_id!r} (must match "
                                      "[A-Za-z0-9_-]{1,128})")
     return job_id
@@ -116,6 +132,17 @@ def fetch_job(redis: Redis, job_id: str) -> Job:
     `created_at` = "yesterday"): RQ's own error is a bare ValueError that names neither
     the job nor the field, and callers should not have to know RQ's parsing internals.
     """
+    data, timeout = redis.hmget(Keys.rq_job(job_id), ["data", "timeout"])
+    if data is None and redis.exists(Keys.rq_job(job_id)):
+        raise PayloadError("data", "job hash has no data field (not an RQ job)")
+    problem = timeout_problem(timeout)
+    if problem:
+        raise PayloadError("timeout", problem)
+    if isinstance(data, bytes):
+        try:  # RQ inflates `data` unbounded inside Job.fetch: check the bound first
+            bounded.inflate(data, what="job data")
+        except bounded.BoundError as exc:
+            raise PayloadError("data", str(exc)) from exc
     try:
         return Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
     except UNREADABLE_HASH_ERRORS as exc:
@@ -136,26 +163,28 @@ def raw_exc_info(redis: Redis, job_id: str) -> str | None:
         return None
     if isinstance(raw, str):  # a connection made with decode_responses=True
         return raw
-    with contextlib.suppress(zlib.error):  # vlmq's worker writes it uncompressed
-        raw = zlib.decompress(raw)
+    try:  # vlmq's worker writes it uncompressed; RQ compresses it
+        raw = bounded.inflate(raw, what="exc_info")
+    except bounded.BoundError as exc:
+        return f"(unreadable failure text: {exc})"
     return raw.decode("utf-8", "replace")
 
 
 def data_problem(raw: bytes) -> str | None:
     """Why an RQ job's `data` field is not readable JSON, or None when it is.
 
-    Plain or zlib-compressed JSON is accepted; pickle is never deserialized, and JSON
-    nested deeper than the parser's recursion limit is refused rather than raised.
+    Plain or zlib-compressed JSON is accepted, inflated and parsed within the bounds of
+    shared/bounded.py; pickle is never deserialized.
     """
-    with contextlib.suppress(zlib.error):  # RQ accepts plain JSON too
-        raw = zlib.decompress(raw)
     try:
-        json.loads(raw.decode("utf-8"))
+        bounded.loads(bounded.inflate(raw, what="job data"), what="job data")
     except (UnicodeDecodeError, json.JSONDecodeError):
         return ("job data is not JSON (a pickled job?): vlmq never unpickles; enqueue "
                 "with RQ's JSONSerializer")
     except RecursionError:
         return "job data is JSON nested too deeply to read"
+    except bounded.BoundError as exc:
+        return str(exc)
     return None
 
 

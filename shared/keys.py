@@ -19,9 +19,10 @@ RQ_QUEUE = "rq:queue:{name}"
 RQ_QUEUES = "rq:queues"
 RQ_RESULTS = "rq:results:{id}"
 
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
-SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# Whole-string patterns: use .fullmatch (`$` would accept a trailing newline).
+JOB_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
+QUEUE_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,24 @@ class Keys:
         """Pub/sub channel: the same message, for jobs of one queue only."""
         return f"{self.prefix}:done:{queue}"
 
+    def job_risk(self, job_id: str) -> str:
+        """Hash: item index -> "<worker>|<step>|<unix time>" while that item is in a step
+        that could kill its worker (worker/poison.py); left behind if it did."""
+        return f"{self.prefix}:job:{job_id}:risk"
+
+    def job_kills(self, job_id: str) -> str:
+        """Hash: how many workers died while one of this job's items was in risky work."""
+        return f"{self.prefix}:job:{job_id}:kills"
+
     def worker_stats(self, name: str) -> str:
         """Hash of one worker's live stats; expires when the worker stops refreshing it."""
         return f"{self.prefix}:worker:{name}:stats"
+
+    @property
+    def dead(self) -> str:
+        """List of queue entries no worker can run (undecodable, bad id, unreadable hash),
+        newest first, each a JSON object with the reason."""
+        return f"{self.prefix}:dead"
 
     @property
     def workers(self) -> str:

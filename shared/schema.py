@@ -178,7 +178,18 @@ def _str(value: Any, path: str, max_len: int, *, optional: bool = False) -> str 
         raise PayloadError(path, f"must be a string, got {type(value).__name__}")
     if len(value) > max_len:
         raise PayloadError(path, f"is longer than {max_len} characters")
+    _check_text(value, path)
     return value
+
+
+def _check_text(value: str, path: str) -> None:
+    """JSON may carry lone surrogates (\\ud800) that no tokenizer or UTF-8 writer accepts."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = value[exc.start]
+        raise PayloadError(path, f"is not valid UTF-8 text (a lone surrogate U+{ord(bad):04X} "
+                                 f"at character {exc.start})") from None
 
 
 def _parse_item(raw: Any, path: str) -> Item:
@@ -191,7 +202,7 @@ def _parse_item(raw: Any, path: str) -> Item:
     if kind not in C.ITEM_KINDS:
         raise PayloadError(f"{path}.kind", f"must be one of {list(C.ITEM_KINDS)}, got {kind!r}")
     blob = raw.get("blob")
-    if not isinstance(blob, str) or not SHA256_RE.match(blob):
+    if not isinstance(blob, str) or not SHA256_RE.fullmatch(blob):
         raise PayloadError(f"{path}.blob", "must be a lowercase hex sha256 (64 characters)")
     source = _str(raw.get("source", blob[:12]), f"{path}.source", 4096)
     assert source is not None
@@ -274,6 +285,8 @@ def parse_payload(raw: Any) -> JobPayload:
     for k, val in labels_raw.items():
         if not isinstance(val, str):
             raise PayloadError(f"labels.{k}", "must be a string")
+        _check_text(str(k), "labels")
+        _check_text(val, f"labels.{k}")
         labels[str(k)] = val
     result_cache = _parse_result_cache(raw.get("result_cache"))
     created_at = _str(raw.get("created_at") or utc_now_iso(), "created_at", 64)

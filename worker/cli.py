@@ -91,6 +91,20 @@ def _split_queues(values: tuple[str, ...]) -> list[str]:
 @click.option("--with-scheduler", is_flag=True,
               help="Also fire schedules (vlmq schedule) from this process, as `vlmq "
                    "scheduler` does; any number of schedulers may run.")
+@click.option("--render-mem-mb", type=click.IntRange(64), default=1024, show_default=True,
+              help="Memory limit of each PDF render process; a page over it fails alone "
+                   "(\"too complex to render\").")
+@click.option("--render-timeout", type=click.FloatRange(0.1), default=60.0, show_default=True,
+              help="Seconds one PDF page may take to render before it fails alone.")
+@click.option("--render-procs", type=click.IntRange(1, 64), default=None,
+              help="PDF render processes (default: --prep-threads).")
+@click.option("--max-kv-tokens", type=click.IntRange(1), default=None,
+              help="Admit a sequence only while the sum of (prompt + max_tokens) in flight "
+                   "stays under this (default: from the model's KV size and the machine's "
+                   "memory); a longer request runs alone.")
+@click.option("--poison-kills", type=click.IntRange(1), default=2, show_default=True,
+              help="A job whose item was being processed when this many workers died is "
+                   "failed, naming the item (other jobs of a dead worker keep their retries).")
 @click.pass_context
 def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burst: bool,
                max_batch: int,
@@ -98,7 +112,9 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burs
                name: str | None, grace: float, prep_threads: int | None,
                heartbeat_ttl: int | None, on_repetition: str, repetition_repeats: int,
                repetition_min_span: int, repetition_period: int,
-               result_cache_ttl: int, result_cache_mb: float, with_scheduler: bool) -> None:
+               result_cache_ttl: int, result_cache_mb: float, with_scheduler: bool,
+               render_mem_mb: int, render_timeout: float, render_procs: int | None,
+               max_kv_tokens: int | None, poison_kills: int) -> None:
     """Serve jobs with one loaded model and a continuous batcher.
 
     Items from every job in flight share one batch; each result is written the moment it
@@ -110,7 +126,7 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burs
     from vlmq.worker.service import WorkerConfig, run_worker
 
     queues = _split_queues(queues_opt) or list(DEFAULT_QUEUES)
-    bad = [q for q in queues if not QUEUE_NAME_RE.match(q)]
+    bad = [q for q in queues if not QUEUE_NAME_RE.fullmatch(q)]
     if bad:
         raise click.BadParameter(f"{bad[0]!r} is not a queue name (letters, digits, _ . -)",
                                  param_hint="--queues")
@@ -133,6 +149,11 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burs
             min_span=repetition_min_span, on_repetition=on_repetition),
         result_cache_ttl_s=result_cache_ttl,
         result_cache_bytes=int(result_cache_mb * 1024 * 1024),
+        render_procs=render_procs,
+        render_mem_mb=render_mem_mb,
+        render_timeout_s=render_timeout,
+        max_kv_tokens=max_kv_tokens,
+        poison_kills=poison_kills,
     )
     if not with_scheduler:
         ctx.exit(run_worker(cfg))

@@ -20,6 +20,7 @@ from rq.serializers import JSONSerializer
 from vlmq.producer.client import Client, Job
 from vlmq.shared import constants as C
 from vlmq.shared.text import as_str
+from vlmq.shared.urls import redact_url
 from vlmq.worker.paths import default_cache_dir
 from vlmq.worker.redis_server import PrivateRedis, answers, start_private
 from vlmq.worker.service import WorkerConfig, run_worker
@@ -88,7 +89,7 @@ def run_demo(*, redis_url: str | None, model: str | None, max_batch: int) -> int
     private: PrivateRedis | None = None
     if not answers(url):
         private = start_private()
-        click.echo(f"no Redis at {url}: started a private {Path(private.binary).name} "
+        click.echo(f"no Redis at {redact_url(url)}: started a private {Path(private.binary).name} "
                    f"at {private.url} for this demo")
         url = private.url
     try:

@@ -20,11 +20,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from vlmq.worker import kv_budget
 from vlmq.worker import mlx_adapter as adapter
 from vlmq.worker.mlx_adapter import LoadedModel, Prepared
 from vlmq.worker.repetition import RepetitionGuard
@@ -46,6 +48,9 @@ class Request:
     stop: tuple[str, ...]  # stop strings, in addition to the tokenizer's EOS
     # Called on the MLX thread after a tower run, so the caller can cache the features.
     on_features: Callable[[np.ndarray, str], None] | None = None
+    # Wraps this request's own steps (tower, embedding) on the MLX thread, so that a crash
+    # there is charged to it (worker/poison.py). Called with the step's name.
+    risky: Callable[[str], AbstractContextManager[None]] | None = None
 
 
 @dataclass
@@ -105,6 +110,7 @@ class _Live:
     tokens: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     stop_window: int = 0  # tokens to re-decode when looking for a stop string
+    kv_cost: int = 0  # prompt + max new tokens: the KV cache this row can grow to
 
 
 class Engine:
@@ -113,12 +119,20 @@ class Engine:
     def __init__(
         self, model_path: str, *, max_batch: int = 8, prefill_batch: int | None = None,
         repetition: RepetitionGuard | None = None,
+        max_kv_tokens: int | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
+        if max_kv_tokens is not None and max_kv_tokens < 1:
+            raise ValueError("max_kv_tokens must be at least 1")
         self.model_path = model_path
         self.repetition = repetition  # None: rows are never cut for looping
         self.repetitions = 0  # rows cut for looping (each attempt counts)
+        # Admission budget: sum of (prompt + max_tokens) in flight; None: derived from the
+        # model and the machine's memory once loaded (worker/kv_budget.py).
+        self.max_kv_tokens = max_kv_tokens
+        self.kv_in_flight = 0  # MLX thread writes; others read for stats
+        self.peak_kv_in_flight = 0
         self.max_batch = max_batch
         self.prefill_batch = max(1, min(prefill_batch or max_batch, max_batch))
         self._inbox: queue.SimpleQueue[tuple[Request, float] | None] = queue.SimpleQueue()
@@ -290,6 +304,7 @@ class Engine:
         for lv in live.values():
             self._emit(_error(lv.req, why, lv.prompt_tokens, lv.hit, lv.timings), active_delta=-1)
         live.clear()
+        self.kv_in_flight = 0
 
     def _emit(self, fin: Finished, *, waiting_delta: int = 0, active_delta: int = 0) -> None:
         # Outbox first: a reader that sees the counts drop to zero finds the result there.
@@ -334,6 +349,13 @@ class _Loop:
         self.clear_cache_at: int | None = None
         self.retried: dict[Hashable, str] = {}  # key -> what its first attempt did
         self.gen = self._new_generator()
+        if engine.max_kv_tokens is None:
+            budget, per_token, weights = kv_budget.model_budget(loaded.model)
+            engine.max_kv_tokens = budget
+            log.info("engine: KV admission budget %d tokens (%d bytes/token, weights %.0f MB; "
+                     "--max-kv-tokens overrides)", budget, per_token, weights / 1e6)
+        self.kv_budget: int = engine.max_kv_tokens
+        self.warned_over_budget: set[Hashable] = set()
 
     def _new_generator(self) -> Any:
         from mlx_vlm.generate import BatchGenerator
@@ -371,14 +393,35 @@ class _Loop:
             return
 
     def _admit(self) -> None:
-        """Embed and insert pending requests while there are free rows."""
+        """Embed and insert pending requests while there are free rows and KV budget.
+
+        Admission is in order: a request that does not fit waits at the head (later ones
+        wait behind it, so a long one is never starved). One over the whole budget runs
+        alone, once nothing else is in flight.
+        """
         admitted = 0
         while (
             self.pending and len(self.live) < self.e.max_batch and admitted < self.e.prefill_batch
         ):
-            req, submitted_at = self.pending.popleft()
-            self._insert(req, submitted_at)
+            req, submitted_at = self.pending[0]
+            cost = self._kv_cost(req)
+            if self.live and self.e.kv_in_flight + cost > self.kv_budget:
+                return
+            if cost > self.kv_budget and req.key not in self.warned_over_budget:
+                self.warned_over_budget.add(req.key)
+                log.warning("engine: request %r needs %d KV tokens (prompt + max_tokens), over "
+                            "the --max-kv-tokens budget of %d: running it alone", req.key,
+                            cost, self.kv_budget)
+            self.pending.popleft()
+            self.warned_over_budget.discard(req.key)
+            risky = req.risky("vision tower") if req.risky is not None else nullcontext()
+            with risky:  # a crash in here is charged to this request's job
+                self._insert(req, submitted_at)
             admitted += 1
+
+    def _kv_cost(self, req: Request) -> int:
+        prompt = req.prepared.prompt_tokens or 0
+        return prompt + max(0, min(req.max_tokens, self.m.context_length - prompt))
 
     def _insert(self, req: Request, submitted_at: float) -> None:
         import mlx.core as mx
@@ -421,6 +464,9 @@ class _Loop:
             )
             return
         window = max((len(s.encode("utf-8")) for s in req.stop), default=0)
+        cost = prompt_tokens + max_tokens
+        e.kv_in_flight += cost
+        e.peak_kv_in_flight = max(e.peak_kv_in_flight, e.kv_in_flight)
         self.live[uid] = _Live(
             req=req,
             uid=uid,
@@ -429,6 +475,7 @@ class _Loop:
             timings=timings,
             inserted_at=time.perf_counter(),
             stop_window=window + 2 if window else 0,
+            kv_cost=cost,
         )
         with e._counts:
             e._waiting -= 1
@@ -511,6 +558,7 @@ class _Loop:
         if guard.on_repetition == "retry" and first is None:
             self.retried[lv.req.key] = what
             del self.live[lv.uid]
+            self.e.kv_in_flight -= lv.kv_cost
             req = replace(lv.req, temperature=max(lv.req.temperature, guard.retry_temperature))
             self.pending.appendleft((req, time.perf_counter()))
             with self.e._counts:
@@ -537,6 +585,7 @@ class _Loop:
         if note is None and earlier is not None:
             note = (f"{earlier}; retried at temperature {lv.req.temperature}: "
                     f"ended with {reason}")
+        self.e.kv_in_flight -= lv.kv_cost
         now = time.perf_counter()
         first = lv.first_token_at or now
         timings = {**lv.timings, "prefill_s": first - lv.inserted_at, "generate_s": now - first}

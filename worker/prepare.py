@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from vlmq.worker import mlx_adapter as A
 from vlmq.worker import preprocess as P
 from vlmq.worker.engine import Engine, EngineInfo, Request
 from vlmq.worker.model_defaults import resolve
+from vlmq.worker.poison import RiskLog
+from vlmq.worker.render_pool import RenderPool
 from vlmq.worker.vision_cache import Entry, VisionCache, cache_key
 
 # olmOCR renders pages at 1288 px on the longest side; a sound default for OCR models.
@@ -56,8 +59,13 @@ def model_matches(requested: str, served: str) -> bool:
 
 class Preparer:
     def __init__(self, engine: Engine, info: EngineInfo, cache: VisionCache, redis: Redis,
-                 keys: Keys, pool: ThreadPoolExecutor) -> None:
+                 keys: Keys, pool: ThreadPoolExecutor, renderer: RenderPool | None = None,
+                 risk: RiskLog | None = None) -> None:
+        """`renderer`: the worker's render processes; None renders in this process (tests
+        and benchmarks that construct a Preparer directly; a crafted PDF can then hurt)."""
         self.engine = engine
+        self.renderer = renderer
+        self.risk = risk  # marks the steps a crash would be charged for (worker/poison.py)
         self.info = info
         self.cache = cache
         self.blobs = BlobStore(redis, keys)
@@ -127,6 +135,8 @@ class Preparer:
         processor, config = self.engine.processor, self.engine.model_config
         common: dict[str, Any] = {"key": (job_id, idx), "max_tokens": res.max_tokens,
                                   "temperature": res.temperature, "stop": res.stop}
+        if self.risk is not None:
+            common["risky"] = partial(self.risk.step, job_id, idx)
         key = self.key_for(payload, item) if self.info.cacheable else None
         entry = self._lookup(key, (job_id, idx)) if key is not None else None
         if entry is not None:
@@ -134,12 +144,17 @@ class Preparer:
             req = Request(prepared=prepared, cached_features=(entry.features, entry.dtype_name),
                           **common)
             return req, time.perf_counter() - t0
+        # PDF pages render in child processes; an image decodes here, at this job's risk.
+        risky: AbstractContextManager[None] = nullcontext()
+        if self.risk is not None and item.kind == "image":
+            risky = self.risk.step(job_id, idx, "image decode")
         try:
-            image = self._load_image(payload, item)
-            try:
-                prepared = A.prepare(processor, config, image, res.prompt)
-            except (ValueError, TypeError) as exc:
-                raise PrepError(f"processor rejected the image: {exc}") from exc
+            with risky:
+                image = self._load_image(payload, item)
+                try:
+                    prepared = A.prepare(processor, config, image, res.prompt)
+                except (ValueError, TypeError) as exc:
+                    raise PrepError(f"processor rejected the image: {exc}") from exc
         except BaseException:
             self.item_done(job_id, idx)  # let anyone waiting on these features go on
             raise
@@ -182,8 +197,10 @@ class Preparer:
         try:
             if item.kind == "pdf":
                 assert item.page is not None
-                return P.render_pdf_page(partial(P.fetch_blob, self.blobs, item.blob),
-                                         item.page, side, doc_key=item.blob)
+                fetch = partial(P.fetch_blob, self.blobs, item.blob)
+                if self.renderer is not None:
+                    return self.renderer.render(fetch, item.page, side, doc_key=item.blob)
+                return P.render_pdf_page(fetch, item.page, side, doc_key=item.blob)
             return P.decode_image(P.fetch_blob(self.blobs, item.blob), side)
         except VlmqError as exc:
             raise PrepError(str(exc)) from exc

@@ -20,7 +20,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.errors import VlmqError
-from vlmq.shared.pdfium import PDFIUM_LOCK
+from vlmq.shared.pdfium import PDFIUM_LOCK, open_problem
 
 # Every pypdfium2 call holds the process-wide PDFIUM_LOCK (see vlmq.shared.pdfium).
 
@@ -180,6 +180,12 @@ def render_pdf_page(data: bytes | Callable[[], bytes], page: int, max_side: int,
                 pdf.close()
 
 
+def has_open_pdf(doc_key: str) -> bool:
+    """True when this process has the document open (its bytes need not be sent again)."""
+    with PDFIUM_LOCK:
+        return doc_key in _DOCS
+
+
 def clear_pdf_cache() -> None:
     """Close every cached document (e.g. when the worker shuts down)."""
     with PDFIUM_LOCK:
@@ -191,11 +197,13 @@ def clear_pdf_cache() -> None:
 def _load_pdf(data: bytes) -> pdfium.PdfDocument:
     COUNTERS.incr("pdf_opens")
     try:
-        return pdfium.PdfDocument(data)
+        pdf = pdfium.PdfDocument(data)
     except pdfium.PdfiumError as exc:
-        if "password" in str(exc).lower():
-            raise PreprocessError("PDF is password-protected") from exc
-        raise PreprocessError(f"not a readable PDF ({exc})") from exc
+        raise PreprocessError(f"not a readable PDF: the blob {open_problem(exc, data)}") from exc
+    if len(pdf) < 1:
+        pdf.close()
+        raise PreprocessError("not a readable PDF: the blob is a PDF with no pages")
+    return pdf
 
 
 def _open_pdf(data: bytes, doc_key: str | None) -> tuple[pdfium.PdfDocument, bool]:

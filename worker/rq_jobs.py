@@ -22,11 +22,12 @@ from typing import Any
 from redis.client import Pipeline
 from redis.exceptions import WatchError
 from rq import Queue
+from rq.exceptions import NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer, resolve_serializer
-from rq.utils import current_timestamp, now, utcformat
+from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 
 from vlmq.shared import constants as C
@@ -35,6 +36,8 @@ from vlmq.shared.errors import PayloadError
 from vlmq.shared.jobs import UNREADABLE_HASH_ERRORS, payload_of
 from vlmq.shared.keys import Keys
 from vlmq.shared.text import as_str
+from vlmq.worker import poison
+from vlmq.worker import queue_guard as guard
 from vlmq.worker.scheduler import JobState
 
 log = logging.getLogger(__name__)
@@ -128,11 +131,15 @@ class JobLifecycle:
     can leave its execution hash behind until heartbeat_ttl expires it, nothing worse.
     """
 
-    def __init__(self, worker: BatchWorker, queues: Sequence[Queue] | None = None, *,
-                 keys: Keys | None = None) -> None:
+    def __init__(self, worker: BatchWorker, queues: Sequence[Queue] | None = None,
+                 keys: Keys | None = None, *,
+                 poison_kills: int = poison.DEFAULT_POISON_KILLS) -> None:
+        if poison_kills < 1:
+            raise ValueError(f"poison_kills must be at least 1, got {poison_kills}")
         self.worker = worker
-        self.connection = worker.connection
         self.keys = keys if keys is not None else Keys.from_env()
+        self.poison_kills = poison_kills
+        self.connection = worker.connection
         # Priority order: take() drains the first queue before looking at the next.
         self.queues: list[Queue] = list(queues) if queues is not None else list(worker.queues)
         for q in self.queues:
@@ -171,16 +178,24 @@ class JobLifecycle:
 
         The batch loop never enters Worker.work(), so without this no one fails or retries
         the jobs of dead workers, or rescues jobs stuck in a queue's intermediate list.
+        Poison in the intermediate lists is dead-lettered first (RQ's cleanup would fail on
+        it); if the cleanup still fails, its locks are released so the next run can try.
         """
         if not self.worker.should_run_maintenance_tasks:
             return
         expired = {q.name: q.started_job_registry.get_expired_job_ids() for q in self.queues}
+        for queue in self.queues:
+            guard.scrub_intermediate(self.connection, self.keys, queue, self.worker.name)
+            # Dead workers' jobs: charge the one in risky work, spare the others' retries.
+            poison.reclaim(self.connection, self.keys, queue, poison_kills=self.poison_kills)
         try:
             self.worker.run_maintenance_tasks()  # type: ignore[no-untyped-call]
-        except UNREADABLE_HASH_ERRORS:
+        except (*UNREADABLE_HASH_ERRORS, NoSuchJobError, RecursionError):
             # RQ's cleanup fetches every job it finds; one unreadable hash (e.g. a timeout
             # of "86400.0" from a hand-written producer) must not stop this worker.
             log.exception("RQ registry maintenance failed on an unreadable job; skipped")
+            for queue in self.queues:
+                queue.release_maintenance_lock()  # type: ignore[no-untyped-call]
             self.worker.last_cleaned_at = now()  # type: ignore[assignment]  # retry next interval
         self._end_abandoned(expired)
 
@@ -205,28 +220,42 @@ class JobLifecycle:
     def take(self) -> Running | Refused | None:
         """Start the next job, non-blocking; None when every queue is empty.
 
-        Each queue is dequeued on its own so RQ uses LMOVE into the queue's intermediate
-        list (it only does so for a single queue; several get a plain LPOP): a crash
-        between the pop and the start leaves the job where RQ's maintenance finds it and
-        fails it after a minute ("stuck in intermediate queue") instead of losing it (rq#580).
+        Each entry is LMOVEd into the queue's intermediate list, as RQ does for one queue:
+        a crash between the pop and the start leaves the job where maintenance finds it
+        instead of losing it (rq#580). The entry and its hash are then checked with bounded
+        raw reads (queue_guard) before RQ loads anything: poison is dead-lettered and its
+        job failed, never raised into this loop.
         """
         for queue in self.queues:
-            try:
-                dequeued = self.worker.queue_class.dequeue_any(
-                    [queue], None, connection=self.connection,
-                    job_class=self.worker.job_class, serializer=JSONSerializer)
-            except UNREADABLE_HASH_ERRORS as exc:
-                job_id = getattr(exc, "job_id", None)  # RQ attaches it on a failed fetch
-                if job_id is None:
-                    raise
-                return _quarantine_unreadable(self.connection, self.keys, queue, str(job_id),
-                                              exc)
-            if dequeued is not None:
-                started = self._start(dequeued[0], queue)
-                if started is not None:
-                    return started
-                return self.take()  # a stale entry was skipped: look again
+            while True:
+                raw = self.connection.lmove(queue.key, queue.intermediate_queue_key)
+                if raw is None:
+                    break
+                taken = self._take_entry(queue, raw)
+                if taken is not None:
+                    return taken
         return None
+
+    def _take_entry(self, queue: Queue, raw: bytes | str) -> Running | Refused | None:
+        """Start one popped entry; None when it was stale (look at the next)."""
+        verdict = guard.inspect(self.connection, raw)
+        if verdict.reason is None and verdict.hash_exists:
+            try:
+                assert verdict.job_id is not None  # a valid id: inspect checked it
+                job = self.worker.job_class.fetch(verdict.job_id, connection=self.connection,
+                                                  serializer=JSONSerializer)
+            except NoSuchJobError:
+                verdict = guard.Verdict(verdict.job_id, None, hash_exists=False)
+            except Exception as exc:  # noqa: BLE001  # whatever RQ raises on a hash it cannot load
+                verdict = guard.Verdict(verdict.job_id, f"RQ cannot read its hash "
+                                        f"({type(exc).__name__}: {exc})", hash_exists=True)
+            else:
+                return self._start(job, queue)
+        if verdict.reason is None:  # deleted since it was pushed: nothing to run or fail
+            self.connection.lrem(queue.intermediate_queue_key, 1, raw)  # type: ignore[arg-type]
+            return None
+        guard.refuse(self.connection, self.keys, queue, raw, verdict, self.worker.name)
+        return Refused(verdict.label, queue.name, verdict.reason)
 
     def _start(self, job: Job, queue: Queue) -> Running | Refused | None:
         execution = self._mark_started(job, queue)
@@ -581,29 +610,3 @@ def _int_or_none(raw: Any) -> int | None:
         return int(as_str(raw)) if raw is not None and as_str(raw) else None
     except ValueError:
         return None
-
-
-def _quarantine_unreadable(connection: Any, keys: Keys, queue: Queue, job_id: str,
-                           exc: BaseException) -> Refused:
-    """Fail a job whose hash RQ cannot even load (e.g. a non-Python producer wrote a bad date).
-
-    RAW RQ KEYS: no Job object exists, so handle_job_failure cannot be used. Writing
-    status=failed and a FailedJobRegistry entry by hand keeps the worker alive, takes the
-    job out of the intermediate list (whose cleanup would crash on it every minute) and
-    lets producers see the failure via Job(id).get_status().
-    Pinned by tests/test_rq_jobs.py::test_unreadable_job_hash_is_failed_without_crashing.
-    """
-    reason = f"vlmq refused job {job_id}: RQ cannot read its hash ({type(exc).__name__}: {exc})"
-    log.error("%s", reason)
-    key = Job.key_for(job_id)
-    pipe: Pipeline
-    with connection.pipeline() as pipe:
-        pipe.lrem(queue.intermediate_queue_key, 1, job_id)
-        pipe.hset(key, mapping={"status": JobStatus.FAILED.value, "ended_at": utcformat(now()),
-                                "exc_info": reason})
-        pipe.expire(key, C.FAILURE_TTL_S)
-        pipe.zadd(queue.failed_job_registry.key, {job_id: current_timestamp() + C.FAILURE_TTL_S})
-        R.end_job_event(connection, keys, job_id, "failed", queue=queue.name,
-                        ttl_s=C.FAILURE_TTL_S, fields={"error": reason}, pipeline=pipe)
-        pipe.execute()
-    return Refused(job_id, queue.name, reason)

@@ -32,9 +32,14 @@ from vlmq.shared import results as R
 from vlmq.shared.connection import connect, transient
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import ItemResult
+from vlmq.shared.urls import redact_url
 from vlmq.worker.engine import Engine, EngineError, Finished, Request
 from vlmq.worker.mlx_adapter import family_of
+from vlmq.worker.poison import DEFAULT_POISON_KILLS, RiskLog
 from vlmq.worker.prepare import Preparer, PrepError
+from vlmq.worker.render_pool import DEFAULT_MEM_MB as DEFAULT_RENDER_MEM_MB
+from vlmq.worker.render_pool import DEFAULT_TIMEOUT_S as DEFAULT_RENDER_TIMEOUT_S
+from vlmq.worker.render_pool import RenderPool
 from vlmq.worker.repetition import RepetitionGuard
 from vlmq.worker.result_cache import (
     DEFAULT_MAX_BYTES,
@@ -78,6 +83,11 @@ class WorkerConfig:
     heartbeat_ttl: int | None = None  # None: RQ's job monitoring interval + 60 s
     result_cache_ttl_s: int = DEFAULT_TTL_S
     result_cache_bytes: int = DEFAULT_MAX_BYTES  # 0 turns the shared result cache off
+    render_procs: int | None = None  # PDF render processes; default prep_threads
+    render_mem_mb: int = DEFAULT_RENDER_MEM_MB
+    render_timeout_s: float = DEFAULT_RENDER_TIMEOUT_S
+    max_kv_tokens: int | None = None  # None: derived from the model and machine memory
+    poison_kills: int = DEFAULT_POISON_KILLS  # worker deaths a job may cause before it fails
     keys: Keys = field(default_factory=Keys.from_env)
     repetition: RepetitionGuard | None = field(default_factory=RepetitionGuard)  # None: off
 
@@ -130,7 +140,8 @@ class WorkerService:
             log.error("%s", problem)
             return 1
         log.info("loading model %s", cfg.model)
-        engine = Engine(cfg.model, max_batch=cfg.max_batch, repetition=cfg.repetition)
+        engine = Engine(cfg.model, max_batch=cfg.max_batch, repetition=cfg.repetition,
+                        max_kv_tokens=cfg.max_kv_tokens)
         try:
             return self._serve(engine)
         except StartupError as exc:
@@ -144,7 +155,7 @@ class WorkerService:
         try:
             self.redis.ping()
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            return f"cannot reach Redis at {self.cfg.redis_url}: {exc}"
+            return f"cannot reach Redis at {redact_url(self.cfg.redis_url)}: {exc}"
         key = f"rq:worker:{self.cfg.name}"
         if self.redis.exists(key) and not self.redis.hexists(key, "death"):
             return (f"a worker named {self.cfg.name!r} is already registered in Redis; pick "
@@ -177,7 +188,7 @@ class WorkerService:
         queues = [Queue(q, connection=self.redis, serializer=JSONSerializer) for q in cfg.queues]
         worker = BatchWorker(queues, connection=self.redis, name=cfg.name,
                              heartbeat_ttl=cfg.heartbeat_ttl)
-        lifecycle = JobLifecycle(worker, queues, keys=cfg.keys)
+        lifecycle = JobLifecycle(worker, queues, cfg.keys, poison_kills=cfg.poison_kills)
         self._writer = ResultWriter(self.redis, cfg.keys, lifecycle, self.scheduler, self.stats,
                                     on_stored=self._store_in_result_cache)
         try:
@@ -185,7 +196,10 @@ class WorkerService:
         except ValueError as exc:  # RQ: "There exists an active worker named ..."
             raise StartupError(str(exc)) from exc
         pool = ThreadPoolExecutor(cfg.prep_threads, thread_name_prefix="vlmq-prep")
-        preparer = self._preparer = Preparer(engine, info, cache, self.redis, cfg.keys, pool)
+        renderer = RenderPool(cfg.render_procs or cfg.prep_threads, mem_mb=cfg.render_mem_mb,
+                              timeout_s=cfg.render_timeout_s)
+        preparer = self._preparer = Preparer(engine, info, cache, self.redis, cfg.keys, pool,
+                                             renderer, RiskLog(self.redis, cfg.keys, cfg.name))
         self._results = ResultCache(self.redis, cfg.keys, preparer.model_identity,
                                     ttl_s=cfg.result_cache_ttl_s,
                                     max_bytes=cfg.result_cache_bytes)
@@ -200,6 +214,7 @@ class WorkerService:
             self._loop(engine, preparer, lifecycle, cache)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            renderer.close()
             self._shutdown(engine, lifecycle, cache)
         return 0
 
@@ -347,7 +362,8 @@ class WorkerService:
         self._drop(lifecycle.heartbeat(states))
         for state in states:
             if state.job_id in self.scheduler.jobs and state.timed_out():
-                self._writer.fail(state, f"job timeout of {state.job.timeout} s exceeded")
+                done = state.already_done + state.finished_here
+                self._writer.fail(state, _timeout_message(state, done, state.total))
         lifecycle.maintain()
 
     def _schedule(self, engine: Engine, preparer: Preparer) -> None:
@@ -364,11 +380,13 @@ class WorkerService:
                 self._in_prep += 1
             fut = preparer.submit(state.job_id, state.payload, idx)
             fut.add_done_callback(partial(self._prepared, engine, state.job_id, idx))
-        self.stats.observe_waiting(self._in_prep + engine.waiting)
+        with self._prep_lock:
+            self.stats.observe_waiting(self._in_prep + engine.waiting)
 
     def _prepared(self, engine: Engine, job_id: str, idx: int,
                   fut: Future[tuple[Request, float]]) -> None:
         """Pool callback: hand the request to the engine at once, so MLX never waits on us."""
+        moved = False
         try:
             if fut.cancelled():
                 return  # shutting down: the item stays unwritten and is redone on resume
@@ -376,7 +394,10 @@ class WorkerService:
             if exc is None:
                 req, prep_s = fut.result()
                 self._prep_time[(job_id, idx)] = prep_s
-                engine.submit(req)
+                with self._prep_lock:  # from in-prep to waiting in one step, for readers
+                    engine.submit(req)
+                    self._in_prep -= 1
+                    moved = True
             elif isinstance(exc, RedisError) and transient(exc):
                 self._prep_retry.put((job_id, idx))  # not the item's fault: prepare it again
             elif isinstance(exc, PrepError):
@@ -387,8 +408,9 @@ class WorkerService:
         except EngineError:
             log.debug("engine closed before job %s item %d was submitted", job_id, idx)
         finally:
-            with self._prep_lock:
-                self._in_prep -= 1
+            if not moved:
+                with self._prep_lock:
+                    self._in_prep -= 1
 
     # --- results -------------------------------------------------------------------------
 
@@ -412,6 +434,13 @@ def _drain(q: SimpleQueue[T]) -> list[T]:
             out.append(q.get_nowait())
         except Empty:
             return out
+
+
+def _timeout_message(running: Running, done: int, total: int) -> str:
+    limit = running.job.timeout or Queue.DEFAULT_TIMEOUT
+    ran = time.monotonic() - running.started
+    return (f"job timeout exceeded: the job's limit is {limit} s and it ran {ran:.0f} s here, "
+            f"with {done}/{total} items done (their results are kept)")
 
 
 def run_worker(cfg: WorkerConfig) -> int:

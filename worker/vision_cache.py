@@ -45,7 +45,7 @@ TMP_SUFFIX = ".tmp"
 # Temp files older than this at start are leftovers of a crash; younger ones may belong to
 # another process writing into the same dir right now.
 STALE_TMP_S = 600.0
-_KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_KEY_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 MetaValue = str | int
 
@@ -378,7 +378,7 @@ class VisionCache:
                         path.unlink(missing_ok=True)
                     continue
                 key = name[:-len(SUFFIX)]
-                if not (name.endswith(SUFFIX) and _KEY_RE.match(key) and path.is_file()):
+                if not (name.endswith(SUFFIX) and _KEY_RE.fullmatch(key) and path.is_file()):
                     continue
                 with safe_open(str(path), framework="np") as f:
                     _check_metadata(key, f.metadata())
@@ -398,5 +398,5 @@ class VisionCache:
 
 def _check_key(key: str) -> None:
     # Keys become file names, so keep them to a safe alphabet.
-    if not _KEY_RE.match(key):
+    if not _KEY_RE.fullmatch(key):
         raise ValueError(f"invalid cache key {key!r} (use cache_key())")

@@ -1,0 +1,125 @@
+"""Poison attribution: when a worker dies, charge the job whose item was in risky work.
+
+RQ treats every job of a dead worker alike: each spends a retry, and after three deaths
+an innocent job that merely shared a batch with a poison item is failed with only
+"AbandonedJobError". vlmq records, before each step that could take the process down on
+one item's input (decoding its image, running the vision tower and prefill on it), a
+field `<index>` = "<worker>|<step>" in `<prefix>:job:<id>:risk`, deleted when the step
+ends. A worker that dies leaves the field behind.
+
+The reclaiming side (registry maintenance, under RQ's own per-queue maintenance lock and
+before RQ's cleanup of abandoned jobs) reads it:
+- a job with a risk record is charged: its kill count goes up; at `poison_kills` it is
+  failed naming the item, otherwise RQ retries it as usual (spending a retry);
+- every other abandoned job is requeued without spending a retry (its retries_left is
+  raised by one before RQ's cleanup lowers it), and resumes at item level.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from redis import Redis
+from redis.exceptions import RedisError
+from rq.job import Job, JobStatus
+from rq.job_lifecycle import record_job_failure
+from rq.queue import Queue
+from rq.serializers import JSONSerializer
+from rq.utils import current_timestamp
+
+from vlmq.shared import constants as C
+from vlmq.shared import results as R
+from vlmq.shared.keys import Keys
+from vlmq.shared.text import as_str
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POISON_KILLS = 2
+RISK_TTL_S = C.FAILURE_TTL_S  # outlives any reclaim; deleted as soon as the step ends
+
+
+class RiskLog:
+    """Marks item steps that could kill this process (thread-safe: one Redis per call)."""
+
+    def __init__(self, redis: Redis, keys: Keys, worker: str) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.worker = worker
+
+    @contextmanager
+    def step(self, job_id: str, index: int, what: str) -> Iterator[None]:
+        key = self.keys.job_risk(job_id)
+        try:
+            with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hset(key, str(index), f"{self.worker}|{what}|{time.time():.0f}")
+                pipe.expire(key, RISK_TTL_S)
+                pipe.execute()
+        except RedisError as exc:  # Redis down: the work goes on, unattributed if it kills
+            log.debug("job %s item %d: risk record not written (%s)", job_id, index, exc)
+        try:
+            yield
+        finally:
+            try:
+                self.redis.hdel(key, str(index))
+            except RedisError as exc:  # the record outlives us: at worst a job is charged
+                log.warning("job %s item %d: risk record not cleared (%s)", job_id, index, exc)
+
+
+def reclaim(redis: Redis, keys: Keys, queue: Queue, *, poison_kills: int) -> None:
+    """Attribute the abandoned jobs of `queue` before RQ's cleanup handles them.
+
+    Runs under the queue's maintenance lock (taken here; skipped when another worker holds
+    it), so two workers never reclaim the same job.
+    """
+    if not queue.acquire_maintenance_lock():
+        return
+    try:
+        registry = queue.started_job_registry
+        for job_id in registry.get_expired_job_ids(current_timestamp()):
+            _attribute(redis, keys, str(job_id), poison_kills)
+    finally:
+        queue.release_maintenance_lock()  # type: ignore[no-untyped-call]
+
+
+def _attribute(redis: Redis, keys: Keys, job_id: str, poison_kills: int) -> None:
+    status = redis.hget(Job.key_for(job_id), "status")
+    if status is None or as_str(status) != JobStatus.STARTED.value:
+        return
+    risk_key = keys.job_risk(job_id)
+    risks = {as_str(k): as_str(v) for k, v in redis.hgetall(risk_key).items()}
+    if not risks:
+        # Innocent: it only shared a process with whatever died. RQ's cleanup lowers
+        # retries_left by one when it requeues; give that one back first.
+        redis.hincrby(Job.key_for(job_id), "retries_left", 1)
+        log.warning("job %s: its worker died while none of its items was in risky work; "
+                    "requeued without spending a retry", job_id)
+        return
+    index, record = min(risks.items())
+    worker, _, rest = record.partition("|")
+    step = rest.partition("|")[0]
+    kills = int(redis.hincrby(keys.job_kills(job_id), "count", 1))
+    redis.expire(keys.job_kills(job_id), C.FAILURE_TTL_S)
+    redis.delete(risk_key)
+    message = (f"item {index} killed {kills} worker(s) (last: {worker}, during {step}); "
+               f"failed after --poison-kills {poison_kills}")
+    if kills < poison_kills:
+        log.warning("job %s: item %s was in %s when worker %s died (%d/%d kills); RQ retries "
+                    "the job", job_id, index, step, worker, kills, poison_kills)
+        return
+    try:
+        job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
+    except Exception as exc:  # noqa: BLE001  # RQ's cleanup deals with an unreadable hash
+        log.warning("job %s: cannot load it to fail it (%s)", job_id, exc)
+        return
+    log.error("job %s failed: %s", job_id, message)
+    # RQ's worker-less failure path (the one its abandoned-job cleanup uses); the job is
+    # FAILED before that cleanup looks, so it neither retries nor fails it again.
+    with redis.pipeline() as pipe:
+        record_job_failure(job, message, pipe)
+        R.end_job_event(redis, keys, job_id, "failed", queue=job.origin,
+                        ttl_s=R.ended_ttl(job.failure_ttl, C.FAILURE_TTL_S),
+                        fields={"error": message}, pipeline=pipe)
+        pipe.execute()

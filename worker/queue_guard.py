@@ -1,0 +1,165 @@
+"""Queue entries and job hashes are checked before RQ reads them; poison goes to `<prefix>:dead`.
+
+Anything can be pushed onto an RQ queue list: bytes that are not UTF-8 (RQ's dequeue
+raises UnicodeDecodeError and the worker dies), an id RQ splits at ':' into another job's
+id, a hash without `data` (RQ skips it and the job stays queued forever), `data` that
+inflates to a gigabyte (RQ inflates it unbounded inside Job.fetch), JSON nested past the
+parser's recursion limit. `inspect` finds each of these from raw Redis reads, with every
+read bounded; the worker then dead-letters the entry with its reason, fails the job where
+a hash exists, logs one line, and goes on. `scrub_intermediate` does the same for RQ's
+intermediate list, whose maintenance would otherwise fail on such an entry every minute
+and leave its lock held for 899 s.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from redis import Redis
+from redis.client import Pipeline
+from rq.job import Job, JobStatus
+from rq.queue import Queue
+from rq.utils import current_timestamp, now, utcformat
+
+from vlmq.shared import bounded
+from vlmq.shared import constants as C
+from vlmq.shared import results as R
+from vlmq.shared.jobs import timeout_problem
+from vlmq.shared.keys import JOB_ID_RE, Keys
+
+log = logging.getLogger(__name__)
+
+# Fields of an RQ job hash that RQ parses as JSON (JSONSerializer) when it loads the job.
+_JSON_FIELDS = ("meta", "result", "webhooks", "dependency_ids")
+# A real job hash is a few KB plus its data; anything far past the data cap is hostile.
+MAX_HASH_BYTES = 2 * C.MAX_FIELD_BYTES + 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a raw queue entry is: a job id RQ may load, or a reason it must not."""
+
+    job_id: str | None  # None when the entry is not even text
+    reason: str | None  # None: safe to hand to RQ
+    hash_exists: bool = False
+
+    @property
+    def label(self) -> str:
+        """The id for log lines and Refused: bounded, since an entry can be megabytes."""
+        if self.job_id is None:
+            return "<undecodable>"
+        if JOB_ID_RE.fullmatch(self.job_id):
+            return self.job_id
+        shown = repr(self.job_id)  # a newline or control character stays visible
+        return shown if len(shown) <= 80 else f"{shown[:77]}..."
+
+
+def decode_entry(raw: bytes | str) -> str | None:
+    if isinstance(raw, str):
+        return raw
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def inspect(conn: Redis, raw: bytes | str) -> Verdict:
+    """Check one queue entry and its job hash with bounded reads; see module docstring."""
+    job_id = decode_entry(raw)
+    if job_id is None:
+        return Verdict(None, f"queue entry {raw!r:.80} is not UTF-8 text")
+    key = Job.key_for(job_id)
+    if not JOB_ID_RE.fullmatch(job_id):
+        return Verdict(job_id, f"queue entry {job_id!r:.80} is not a valid job id (must match "
+                               "[A-Za-z0-9_-]{1,128})", hash_exists=bool(conn.exists(key)))
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.exists(key)
+        pipe.memory_usage(key, samples=0)
+        pipe.hstrlen(key, "data")
+        exists, size, data_len = pipe.execute()
+    if not exists:
+        return Verdict(job_id, None)  # deleted meanwhile: RQ skips it, and so do we
+    if size is not None and int(size) > MAX_HASH_BYTES:
+        return Verdict(job_id, f"job hash is {size} bytes, over the "
+                               f"{MAX_HASH_BYTES // (1024 * 1024)} MiB limit", True)
+    if not data_len:
+        return Verdict(job_id, "job hash has no data field (not an RQ job)", True)
+    fields = ["data", "timeout", *_JSON_FIELDS]
+    values: list[Any] = conn.hmget(key, fields)
+    problem = timeout_problem(values[1])
+    if problem:
+        return Verdict(job_id, problem, True)
+    try:
+        payload = bounded.inflate(values[0], what="job data")
+        bounded.loads(payload, what="job data")
+        for name, value in zip(_JSON_FIELDS, values[2:], strict=True):
+            if value:
+                bounded.loads(value, what=f"job {name}")
+    except bounded.BoundError as exc:
+        return Verdict(job_id, f"refused: {exc}", True)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        pass  # not JSON: a clear refusal follows in payload_of, with the job failed by RQ
+    return Verdict(job_id, None, True)
+
+
+def dead_letter(conn: Redis, keys: Keys, queue: str, raw: bytes | str, reason: str,
+                worker: str, *, pipeline: Pipeline | None = None) -> None:
+    """Keep the entry and why it was refused, newest first, bounded."""
+    entry = raw.decode("utf-8", "backslashreplace") if isinstance(raw, bytes) else raw
+    record = json.dumps({"queue": queue, "entry": entry[:512], "reason": reason,
+                         "worker": worker, "at": utcformat(now())})
+    target: Any = pipeline if pipeline is not None else conn.pipeline(transaction=False)
+    target.lpush(keys.dead, record)
+    target.ltrim(keys.dead, 0, C.DEAD_LETTER_MAX - 1)
+    if pipeline is None:
+        target.execute()
+
+
+def fail_raw(pipe: Pipeline, keys: Keys, queue: Queue, job_id: str, reason: str) -> None:
+    """Mark a job hash failed without loading it.
+
+    RAW RQ KEYS: RQ cannot build a Job from such a hash, so handle_job_failure cannot be
+    used. status=failed, exc_info and a FailedJobRegistry entry let producers see the
+    failure via Job(id).get_status() and vlmq's raw_exc_info.
+    """
+    key = Job.key_for(job_id)
+    pipe.hset(key, mapping={"status": JobStatus.FAILED.value, "ended_at": utcformat(now()),
+                            "exc_info": reason})
+    pipe.expire(key, C.FAILURE_TTL_S)
+    pipe.zadd(queue.failed_job_registry.key, {job_id: current_timestamp() + C.FAILURE_TTL_S})
+    R.end_job_event(pipe, keys, job_id, "failed", queue=queue.name, ttl_s=C.FAILURE_TTL_S,
+                    fields={"error": reason}, pipeline=pipe)
+
+
+def refuse(conn: Redis, keys: Keys, queue: Queue, raw: bytes | str, verdict: Verdict,
+           worker: str) -> bool:
+    """Take the entry out of the intermediate list, dead-letter it and fail its job.
+
+    The LREM is the claim: when two workers find the same entry, only the one that removed
+    it records it. Returns whether this call did.
+    """
+    reason = verdict.reason or "refused"
+    if not conn.lrem(queue.intermediate_queue_key, 1, raw):  # type: ignore[arg-type]  # bytes ok
+        return False
+    with conn.pipeline() as pipe:
+        dead_letter(conn, keys, queue.name, raw, reason, worker, pipeline=pipe)
+        if verdict.hash_exists and verdict.job_id is not None:
+            fail_raw(pipe, keys, queue, verdict.job_id, f"vlmq refused job {verdict.job_id}: "
+                                                  f"{reason}")
+        pipe.execute()
+    log.error("queue %s: entry %s dead-lettered: %s", queue.name, verdict.label, reason)
+    return True
+
+
+def scrub_intermediate(conn: Redis, keys: Keys, queue: Queue, worker: str) -> int:
+    """Dead-letter poison entries of `queue`'s intermediate list before RQ's maintenance
+    reads it. Healthy entries (another worker between its pop and its start) are left."""
+    refused = 0
+    for raw in conn.lrange(queue.intermediate_queue_key, 0, -1):
+        verdict = inspect(conn, raw)
+        if verdict.reason is not None and refuse(conn, keys, queue, raw, verdict, worker):
+            refused += 1
+    return refused

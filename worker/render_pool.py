@@ -1,0 +1,259 @@
+"""A small pool of PDF render processes owned by the worker.
+
+Why processes: PDFium is not thread-safe (one lock would make every page of every PDF
+wait), and a crafted page can take gigabytes or abort the process that renders it. Each
+child (worker/render_child.py) keeps its own open documents, has an address-space and RSS
+budget (`mem_mb`), and gets `timeout_s` per page. A page that runs out of either, or
+crashes its child, becomes that item's PreprocessError; the child is replaced on the next
+request and the worker, and every other job, go on.
+
+Pages of one PDF prefer the child that already has that document open (no re-send, no
+re-parse); pages of different PDFs render in parallel in different children.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from PIL import Image
+
+from vlmq.worker import preprocess as P
+from vlmq.worker.render_wire import (
+    EXIT_OVER_MEMORY,
+    PREFIX_SIZE,
+    WireError,
+    parse_header,
+    parse_prefix,
+    write_msg,
+)
+
+DEFAULT_MEM_MB = 1024
+DEFAULT_TIMEOUT_S = 60.0
+_STOP_WAIT_S = 2.0
+# A child's start (interpreter, imports) is not part of any page's time limit.
+_START_TIMEOUT_S = 60.0
+
+
+class _Died(Exception):
+    """The child ended (crash, memory watchdog) before answering."""
+
+
+class _Slot:
+    """One child process, used by one thread at a time (the pool hands slots out)."""
+
+    def __init__(self, mem_mb: int) -> None:
+        self.mem_mb = mem_mb
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.docs: OrderedDict[str, None] = OrderedDict()  # what the child probably has open
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        # One BLAS thread: the child never multiplies matrices, and idle BLAS threads
+        # would reserve address space against its budget.
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vlmq.worker.render_child", str(self.mem_mb)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.docs.clear()
+        assert self.proc.stdout is not None
+        try:
+            fd = self.proc.stdout.fileno()
+            deadline = time.monotonic() + _START_TIMEOUT_S
+            head_len, _ = parse_prefix(_read(fd, PREFIX_SIZE, deadline))
+            parse_header(_read(fd, head_len, deadline))
+        except TimeoutError:
+            self.stop(kill=True)
+            raise RuntimeError(
+                f"a PDF render process did not start in {_START_TIMEOUT_S:g} s") from None
+        except (EOFError, WireError, OSError) as exc:
+            raise RuntimeError(f"a PDF render process failed to start: {self._death()}") from exc
+        return self.proc
+
+    def render(self, data: bytes | Callable[[], bytes], key: str, page: int, side: int,
+               timeout_s: float) -> tuple[Image.Image, bool]:
+        proc = self.proc if self.proc is not None and self.proc.poll() is None else self._start()
+        deadline = time.monotonic() + timeout_s
+        header: dict[str, Any] = {"key": key, "page": page, "max_side": side}
+        body = b"" if key in self.docs else _bytes(data)
+        try:
+            reply, pixels = self._ask(proc, header, body, deadline)
+            if reply.get("need") == "data":
+                reply, pixels = self._ask(proc, header, _bytes(data), deadline)
+        except TimeoutError:
+            self.stop(kill=True)
+            raise P.PreprocessError(f"page {page} too complex to render: over the "
+                                    f"{timeout_s:g} s render time limit") from None
+        except _Died as exc:
+            raise P.PreprocessError(f"page {page} too complex to render: {exc}") from None
+        self.docs[key] = None
+        self.docs.move_to_end(key)
+        while len(self.docs) > P.PDF_DOC_CACHE_SIZE:
+            self.docs.popitem(last=False)
+        if "error" in reply:
+            raise P.PreprocessError(str(reply["error"]))
+        size = (int(reply["w"]), int(reply["h"]))
+        return Image.frombytes("RGB", size, pixels), bool(reply.get("opened"))
+
+    def _ask(self, proc: subprocess.Popen[bytes], header: dict[str, Any], body: bytes,
+             deadline: float) -> tuple[dict[str, Any], bytes]:
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            write_msg(proc.stdin, header, body)
+            fd = proc.stdout.fileno()
+            head_len, body_len = parse_prefix(_read(fd, PREFIX_SIZE, deadline))
+            reply = parse_header(_read(fd, head_len, deadline))
+            return reply, _read(fd, body_len, deadline) if body_len else b""
+        except (BrokenPipeError, EOFError, WireError, ValueError, OSError) as exc:
+            if isinstance(exc, TimeoutError):
+                raise
+            raise _Died(self._death()) from exc
+
+    def _death(self) -> str:
+        """Reap the dead child and say how it ended, for the item's error."""
+        proc, self.proc = self.proc, None
+        self.docs.clear()
+        if proc is None:
+            return "its render process is gone"
+        try:
+            rc = proc.wait(_STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        _close_pipes(proc)
+        if rc == EXIT_OVER_MEMORY:
+            return f"over the {self.mem_mb} MB render memory limit"
+        if rc < 0:
+            name = signal.Signals(-rc).name
+            return (f"its render process died ({name}), most likely over the {self.mem_mb} MB "
+                    "render memory limit")
+        return f"its render process exited with code {rc}"
+
+    def stop(self, *, kill: bool = False) -> None:
+        proc, self.proc = self.proc, None
+        self.docs.clear()
+        if proc is None:
+            return
+        if kill:
+            proc.kill()
+        else:
+            try:
+                assert proc.stdin is not None
+                proc.stdin.close()  # the child exits at end of input
+            except OSError:
+                proc.kill()
+        try:
+            proc.wait(_STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        _close_pipes(proc)
+
+
+def _close_pipes(proc: subprocess.Popen[bytes]) -> None:
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            try:
+                pipe.close()
+            except OSError:  # a broken pipe's buffered bytes cannot be flushed: nothing lost
+                continue
+
+
+def _bytes(data: bytes | Callable[[], bytes]) -> bytes:
+    return data() if callable(data) else data
+
+
+def _read(fd: int, n: int, deadline: float) -> bytes:
+    """Exactly n bytes from fd before the deadline (TimeoutError) or EOFError."""
+    chunks: list[bytes] = []
+    left = n
+    while left > 0:
+        wait = deadline - time.monotonic()
+        if wait <= 0:
+            raise TimeoutError
+        ready, _, _ = select.select([fd], [], [], wait)
+        if not ready:
+            raise TimeoutError
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+class RenderPool:
+    """Render PDF pages in `size` child processes; see module docstring. Thread-safe."""
+
+    def __init__(self, size: int, *, mem_mb: int = DEFAULT_MEM_MB,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if size < 1:
+            raise ValueError(f"render pool size must be at least 1, got {size}")
+        if mem_mb < 16:
+            raise ValueError(f"render memory limit must be at least 16 MB, got {mem_mb}")
+        if timeout_s <= 0:
+            raise ValueError(f"render timeout must be positive, got {timeout_s}")
+        self.mem_mb = mem_mb
+        self.timeout_s = timeout_s
+        self._free = [_Slot(mem_mb) for _ in range(size)]
+        self._all = list(self._free)
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def render(self, data: bytes | Callable[[], bytes], page: int, max_side: int, *,
+               doc_key: str) -> Image.Image:
+        """Same contract as preprocess.render_pdf_page, out of process; `data` (or the
+        function that fetches it) is used only when no child has the document open."""
+        if max_side < 1:
+            raise ValueError(f"max_side must be >= 1, got {max_side}")
+        if page < 1:
+            raise P.PreprocessError(f"page {page} is out of range (pages are numbered from 1)")
+        P.COUNTERS.incr("pdf_renders")
+        slot = self._acquire(doc_key)
+        try:
+            img, opened = slot.render(data, doc_key, page, max_side, self.timeout_s)
+        finally:
+            self._release(slot)
+        if opened:
+            P.COUNTERS.incr("pdf_opens")
+        return img
+
+    def _acquire(self, doc_key: str) -> _Slot:
+        with self._cond:
+            while not self._free:
+                if self._closed:
+                    raise RuntimeError("render pool is closed")
+                self._cond.wait()
+            if self._closed:
+                raise RuntimeError("render pool is closed")
+            # Prefer the child that has this document open, then a running one.
+            best = max(self._free, key=lambda s: (doc_key in s.docs, s.proc is not None))
+            self._free.remove(best)
+            return best
+
+    def _release(self, slot: _Slot) -> None:
+        with self._cond:
+            self._free.append(slot)
+            self._cond.notify()
+
+    @property
+    def pids(self) -> list[int]:
+        """Running children (for tests and stats)."""
+        return [s.proc.pid for s in self._all if s.proc is not None and s.proc.poll() is None]
+
+    def close(self) -> None:
+        """Stop every child; renders in progress finish or fail first."""
+        with self._cond:
+            self._closed = True
+            while len(self._free) < len(self._all):
+                self._cond.wait()
+            self._cond.notify_all()
+        for slot in self._all:
+            slot.stop()
