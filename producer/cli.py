@@ -321,6 +321,8 @@ def _overview(client: Client, as_json: bool) -> None:
         if w.queues:
             head += f"  [{', '.join(w.queues)}]"
         click.echo(head)
+        if w.stats.get("blas"):
+            click.echo(f"    blas: {w.stats['blas']}")
         if w.stats:
             click.echo("    " + "  ".join(f"{k}={v}" for k, v in sorted(w.stats.items())))
 

@@ -51,12 +51,16 @@ def _split_queues(values: tuple[str, ...]) -> list[str]:
 @click.option("--heartbeat-ttl", type=click.IntRange(1), default=None,
               help="Seconds without a heartbeat after which this worker's jobs count as "
                    "abandoned and are requeued (default 90).")
+@click.option("--blas", "blas_choice", default=None, metavar="auto|reference|PATH",
+              help="BLAS for MLX's CPU matmuls on Linux: auto (system OpenBLAS, else the "
+                   "wheel copy), reference (the slow one mlx[cpu] links) or a library path "
+                   "(default: $VLMQ_BLAS, else auto).")
 @click.pass_context
 def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...],
                extra_queues: tuple[str, ...], burst: bool, max_batch: int,
                cache_dir: Path | None, cache_mem_mb: int, cache_disk_gb: float,
                name: str | None, grace: float, prep_threads: int | None,
-               heartbeat_ttl: int | None) -> None:
+               heartbeat_ttl: int | None, blas_choice: str | None) -> None:
     """Serve jobs with one loaded model and a continuous batcher.
 
     Items from every job in flight share one batch; each result is written the moment it
@@ -84,6 +88,7 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...],
         grace_s=grace,
         prep_threads=prep_threads or min(4, os.cpu_count() or 2),
         heartbeat_ttl=heartbeat_ttl,
+        blas=blas_choice,
     )
     ctx.exit(run_worker(cfg))
 
@@ -106,11 +111,13 @@ def model_group() -> None:
 @click.option("--arch", type=click.Choice(["qwen2_vl", "qwen2_5_vl"]), default="qwen2_vl",
               show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-def make_tiny_cmd(out_dir: Path, arch: str, seed: int) -> None:
+@click.option("--size", type=click.Choice(["tiny", "bench"]), default="tiny", show_default=True,
+              help="tiny: 0.8 M parameters, for tests; bench: ~20 M, for benchmarks/run.py.")
+def make_tiny_cmd(out_dir: Path, arch: str, seed: int, size: str) -> None:
     """Build a tiny random-weight model (real mlx-vlm format) for tests and offline demos."""
     from vlmq.worker.tiny_model import build_tiny_model
 
-    path = build_tiny_model(out_dir, arch=arch, seed=seed)
+    path = build_tiny_model(out_dir, arch=arch, seed=seed, size=size)
     click.echo(str(path))
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from vlmq.worker import blas
 from vlmq.worker import mlx_adapter as adapter
 from vlmq.worker.mlx_adapter import LoadedModel, Prepared
 
@@ -111,6 +112,7 @@ class Engine:
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
+        blas.select()  # before MLX loads in the engine thread; no-op when already chosen
         self.model_path = model_path
         self.max_batch = max_batch
         self.prefill_batch = max(1, min(prefill_batch or max_batch, max_batch))

@@ -39,6 +39,7 @@ from vlmq.shared import constants as C
 from vlmq.shared import results as R
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import ItemResult, JobSummary
+from vlmq.worker import blas
 from vlmq.worker.engine import Engine, EngineError, Finished, Request
 from vlmq.worker.prepare import Preparer, PrepError
 from vlmq.worker.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
@@ -85,6 +86,7 @@ class WorkerConfig:
     max_jobs: int | None = None    # jobs in flight; default max(4, max_batch)
     stats_s: float = 2.0
     heartbeat_ttl: int | None = None  # None: RQ's job monitoring interval + 60 s
+    blas: str | None = None  # auto | reference | a library path; None: $VLMQ_BLAS, else auto
     keys: Keys = field(default_factory=Keys.from_env)
 
     @property
@@ -131,6 +133,14 @@ class WorkerService:
 
     def run(self) -> int:
         cfg = self.cfg
+        try:
+            chosen = blas.select(cfg.blas)
+        except blas.BlasError as exc:
+            log.error("%s", exc)
+            return 1
+        log.info("BLAS: %s", chosen.describe())
+        self.stats.blas = chosen.describe()
+        self.stats.blas_library = chosen.path or ""
         problem = self._preflight()
         if problem:
             log.error("%s", problem)

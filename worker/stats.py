@@ -41,6 +41,8 @@ class WorkerStats:
         self.max_batch = max_batch
         self.window = window
         self.model = ""
+        self.blas = ""          # what serves MLX's matmuls, as logged at start
+        self.blas_library = ""  # the library file vlmq loaded for it; "" when none
         self.started = time.monotonic()
         self.items_ok = 0
         self.items_failed = 0
@@ -81,6 +83,8 @@ class WorkerStats:
         hit_rate = cs.get("hits", 0) / lookups if lookups else 0.0
         fields = {
             "model": self.model,
+            "blas": self.blas,
+            "blas_library": self.blas_library,
             "jobs_in_flight": jobs,
             "in_flight": engine.active + engine.waiting + in_prep,
             "batch_active": engine.active,

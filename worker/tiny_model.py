@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from vlmq.worker import blas
+
 # The Qwen2 pre-tokenizer regex; transformers' Qwen2Tokenizer rebuilds the
 # pipeline from it, so ours must be identical or encodings drift.
 _QWEN2_REGEX = (
@@ -124,15 +126,37 @@ MIN_PIXELS = 28 * 28 * 4
 MAX_PIXELS = 28 * 28 * 64
 
 _WEIGHT_SCALE = 3.0  # default init ignores the image; scaled weights do not
+
+# Size presets: "bench" is the ~20 M-parameter model of benchmarks/run.py, big enough
+# that matmuls (and so the BLAS and batching) dominate, as in real models.
+# (text overrides, vision overrides per arch, weight scale)
+SIZES: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]], float]] = {
+    "tiny": ({}, {}, _WEIGHT_SCALE),
+    "bench": (
+        {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 6,
+         "num_attention_heads": 8, "num_key_value_heads": 2,
+         "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]}},
+        {"qwen2_vl": {"depth": 4, "embed_dim": 256, "hidden_size": 512, "num_heads": 4,
+                      "mlp_ratio": 4},
+         "qwen2_5_vl": {"depth": 4, "hidden_size": 256, "intermediate_size": 1024,
+                        "out_hidden_size": 512, "num_heads": 4}},
+        1.5,
+    ),
+}
 _STAMP = "vlmq-tiny.json"  # written last: marks a complete build
 
 
-def build_tiny_model(out_dir: Path, arch: str = "qwen2_vl", seed: int = 0) -> Path:
+def build_tiny_model(out_dir: Path, arch: str = "qwen2_vl", seed: int = 0,
+                     size: str = "tiny") -> Path:
     """Write (or reuse) a tiny checkpoint in `out_dir` and return that folder."""
     if arch not in _VISION:
         raise ValueError(f"unknown tiny arch {arch!r}; choose one of {ARCHS}")
+    if size not in SIZES or (size != "tiny" and arch not in SIZES[size][1]):
+        raise ValueError(f"no {size!r} size for arch {arch!r}")
     out_dir = Path(out_dir)
-    stamp = {"arch": arch, "seed": seed, "version": 1}
+    stamp: dict[str, Any] = {"arch": arch, "seed": seed, "version": 1}
+    if size != "tiny":
+        stamp["size"] = size
     stamp_path = out_dir / _STAMP
     if stamp_path.is_file() and json.loads(stamp_path.read_text()) == stamp:
         return out_dir
@@ -140,10 +164,13 @@ def build_tiny_model(out_dir: Path, arch: str = "qwen2_vl", seed: int = 0) -> Pa
     stamp_path.unlink(missing_ok=True)
 
     ids = _write_tokenizer(out_dir)
+    text, vision, scale = SIZES[size]
     config = _model_config(arch, ids)
+    config.update(text)
+    config["vision_config"].update(vision.get(arch, {}))
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "preprocessor_config.json", _preprocessor_config(arch))
-    _write_weights(out_dir / "model.safetensors", config, seed)
+    _write_weights(out_dir / "model.safetensors", config, seed, scale)
     _write_json(stamp_path, stamp)
     return out_dir
 
@@ -256,8 +283,9 @@ def _preprocessor_config(arch: str) -> dict[str, Any]:
     }
 
 
-def _write_weights(path: Path, config: dict[str, Any], seed: int) -> None:
+def _write_weights(path: Path, config: dict[str, Any], seed: int, scale: float) -> None:
     """Instantiate mlx-vlm's own class with seeded random init and save it MLX-style."""
+    blas.select()  # before MLX loads
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_vlm.utils import get_model_and_args, update_module_configs
@@ -271,6 +299,6 @@ def _write_weights(path: Path, config: dict[str, Any], seed: int) -> None:
     mx.random.seed(seed)
     model = module.Model(model_config)
     flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
-    weights = {k: (v * _WEIGHT_SCALE if v.ndim >= 2 else v) for k, v in flat}
+    weights = {k: (v * scale if v.ndim >= 2 else v) for k, v in flat}
     mx.eval(weights)
     mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
