@@ -124,6 +124,7 @@ class Engine:
         self.peak_active = 0
         self.peak_waiting = 0  # most requests ever submitted but not yet in the batch
         self.tower_calls = 0
+        self.busy_s = 0.0  # MLX thread time in model work (tower, embed, prefill, decode)
         self.tokens_generated = 0
         self.finished_count = 0
         self.error_count = 0
@@ -328,9 +329,11 @@ class _Loop:
         e = self.e
         while not e._closing.is_set():
             self._intake(block=not self.live and not self.pending)
+            t0 = time.perf_counter()
             self._admit()
             if self.live:
                 self._step()
+            e.busy_s += time.perf_counter() - t0
         e._abort_all("engine closed", self.pending, self.live)
         self.gen.close()
 

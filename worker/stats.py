@@ -29,6 +29,8 @@ class _EngineView(Protocol):
     def tower_calls(self) -> int: ...
     @property
     def peak_waiting(self) -> int: ...
+    @property
+    def busy_s(self) -> float: ...
 
 
 class _CacheView(Protocol):
@@ -104,6 +106,7 @@ class WorkerStats:
             "cache_disk_bytes": cs.get("disk_bytes", 0),
             "engine_peak_waiting": engine.peak_waiting,
             "tower_calls": engine.tower_calls,
+            "mlx_busy_s": round(engine.busy_s, 3),
             **{k: v - self._work_base.get(k, 0) for k, v in P.COUNTERS.snapshot().items()},
             "uptime_s": round(now - self.started, 1),
         }
