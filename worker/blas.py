@@ -179,6 +179,18 @@ def selected() -> BlasInfo | None:
     return _selected
 
 
+def mlx_backends() -> list[str]:
+    """Installed MLX backend wheels. More than one is a broken install: each writes
+    mlx/lib/libmlx.so, and the one unpacked last is the backend MLX runs on."""
+    out = []
+    for name in ("mlx-cpu", "mlx-cuda-12", "mlx-cuda-13", "mlx-cuda", "mlx-metal"):
+        try:
+            out.append(f"{name} {md.version(name)}")
+        except md.PackageNotFoundError:
+            continue
+    return out
+
+
 def mapped_libraries(pid: int | str = "self") -> set[str]:
     """Paths of the shared libraries mapped into a process (Linux /proc)."""
     out: set[str] = set()

@@ -139,6 +139,11 @@ class WorkerService:
             log.error("%s", exc)
             return 1
         log.info("BLAS: %s", chosen.describe())
+        backends = blas.mlx_backends()
+        if len(backends) > 1:
+            log.warning("several MLX backends are installed (%s): they overwrite each other's "
+                        "libmlx.so; keep one (pip uninstall mlx-cpu for CUDA, then pip "
+                        "install --force-reinstall --no-deps mlx-cuda-12)", ", ".join(backends))
         self.stats.blas = chosen.describe()
         self.stats.blas_library = chosen.path or ""
         problem = self._preflight()
