@@ -101,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--redis-url", default=C.DEFAULT_REDIS_URL,
                    help=f"Redis db to use; it is FLUSHED first (default {C.DEFAULT_REDIS_URL})")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="new tokens per item (default 24 with --quick, else 64)")
+                   help="new tokens per item (default 16 with --quick, else 64)")
     p.add_argument("--max-batch", type=int, default=16, help="rows for C and D (default 16)")
     p.add_argument("--prep-threads", type=int, default=None,
                    help="D's --prep-threads and C's pool (default: the worker's default)")
@@ -114,6 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--side", type=int, default=224, help="longest side in px (default 224)")
     p.add_argument("--workdir", type=Path, default=None,
                    help="where inputs and caches go (default: a fresh temp dir)")
+    p.add_argument("--blas-threads", type=int, default=None,
+                   help="OpenBLAS threads for every system (default: what a worker picks, "
+                        "cores minus prep threads, at least 1)")
     p.add_argument("--no-flush", action="store_true",
                    help="use the db as it is, unflushed (any db; the test suite passes its own)")
     p.add_argument("--no-enqueue-bench", action="store_true",
@@ -389,14 +392,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from vlmq.worker import blas
 
+    prep_threads = args.prep_threads or min(4, os.cpu_count() or 2)
+    # One thread count for all systems (the D workers inherit the environment).
+    threads = args.blas_threads or blas.worker_threads(prep_threads)
+    os.environ[blas.ENV_THREADS] = str(threads)
     chosen = blas.select()  # this process runs A, B and C: before MLX loads
     systems = {s.strip() for s in args.systems.split(",") if s.strip()}
     if args.model != "bench":
         systems.discard("D_ref")
-    max_tokens = args.max_tokens or (24 if args.quick else 64)
+    max_tokens = args.max_tokens or (16 if args.quick else 64)
     spacing = args.spacing if args.spacing is not None else (0.25 if args.quick else 0.5)
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else list(JOB_SIZES)
-    prep_threads = args.prep_threads or min(4, os.cpu_count() or 2)
     model_path = resolve_model(args.model)
     if (systems & {"D", "D_ref"} or not args.no_enqueue_bench) and not args.no_flush:
         C.connect(args.redis_url).close()
@@ -475,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         "enqueue_items_per_s": round(enq, 1) if enq is not None else None,
         "peak_rss_mb": d.extra["peak_rss_mb"] if d else None,
         "model": args.model, "quick": args.quick, "max_tokens": max_tokens,
+        "blas_threads": threads, "prep_threads": prep_threads,
         "machine": C.machine(), "harness_s": round(total, 1),
         "raw": {k: r.figures() for k, r in runs.items()},
     }

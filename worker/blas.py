@@ -91,18 +91,22 @@ def wheel_candidates() -> list[tuple[str, Path]]:
     return out
 
 
-def default_threads() -> int:
-    """OpenBLAS threads when the user set none: every core this process may use.
-
-    The MLX thread is the only caller of BLAS and it waits for each matmul, so BLAS
-    threads replace it rather than add to it; the prep pool mostly runs while the MLX
-    thread is busy elsewhere (tower, sampling). benchmarks/run.py measures 1 against
-    all cores.
-    """
+def cores() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - not Linux
         return max(1, os.cpu_count() or 1)
+
+
+def worker_threads(prep_threads: int) -> int:
+    """OpenBLAS threads for a worker: the cores its prep pool leaves, at least 1.
+
+    The MLX thread is the only BLAS caller and it waits on each call, so it counts as
+    one of the OpenBLAS threads. OpenBLAS threads spin and meet at a barrier on every
+    call: one descheduled by a busy prep thread stalls the whole matmul, which costs far
+    more than the second core gains on the small decode matmuls (benchmarks/README.md).
+    """
+    return max(1, cores() - prep_threads)
 
 
 def _mlx_loaded() -> bool:
@@ -110,7 +114,8 @@ def _mlx_loaded() -> bool:
 
 
 def _load(path: Path, kind: str, source: str, threads: int | None) -> BlasInfo:
-    n = threads or int(os.environ.get(ENV_THREADS) or 0) or default_threads()
+    # An explicit OPENBLAS_NUM_THREADS wins, then the caller's count, then every core.
+    n = int(os.environ.get(ENV_THREADS) or 0) or threads or cores()
     # OpenBLAS reads this once, when it loads; set_num_threads below also covers a
     # library that was already in the process.
     os.environ[ENV_THREADS] = str(n)
@@ -146,6 +151,8 @@ def _auto(threads: int | None) -> BlasInfo:
 def select(choice: str | None = None, threads: int | None = None) -> BlasInfo:
     """Load the BLAS for `choice` (auto, reference or a library path) once per process.
 
+    `threads`: OpenBLAS threads unless $OPENBLAS_NUM_THREADS says otherwise (default:
+    every core this process may use).
     `choice` None means $VLMQ_BLAS, else auto. A second call returns the first answer,
     as does any call once MLX has loaded (it is too late then to change).
     """

@@ -134,7 +134,7 @@ class WorkerService:
     def run(self) -> int:
         cfg = self.cfg
         try:
-            chosen = blas.select(cfg.blas)
+            chosen = blas.select(cfg.blas, threads=blas.worker_threads(cfg.prep_threads))
         except blas.BlasError as exc:
             log.error("%s", exc)
             return 1
