@@ -268,7 +268,8 @@ def test_status_overview_queues_and_workers(run, redis: Redis, keys: Keys, doc: 
     redis.sadd(keys.workers, "mac-1")
     redis.hset(keys.worker_stats("mac-1"), mapping={
         "model": "olmOCR-7B", "in_flight": "12", "batch_occupancy": "0.75",
-        "tokens_per_s": "220.1", "items_per_s": "1.3", "cache_hit_rate": "0.4"})
+        "tokens_per_s": "220.1", "items_per_s": "1.3", "cache_hit_rate": "0.4",
+        "blas": "openblas /usr/lib/libopenblas.so.0 (system, 1 threads)"})
     res = run("status")
     assert res.exit_code == 0
     lines = res.stdout.splitlines()
@@ -278,6 +279,7 @@ def test_status_overview_queues_and_workers(run, redis: Redis, keys: Keys, doc: 
     for field in ("model=olmOCR-7B", "in_flight=12", "batch_occupancy=0.75",
                   "tokens_per_s=220.1", "items_per_s=1.3", "cache_hit_rate=0.4"):
         assert field in res.stdout
+    assert "    blas: openblas /usr/lib/libopenblas.so.0 (system, 1 threads)" in lines
     out = json.loads(run("status", "--json").stdout)
     assert out["queues"]["ocr"]["queued"] == 1
     assert out["workers"][0]["stats"]["model"] == "olmOCR-7B"
