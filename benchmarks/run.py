@@ -229,10 +229,11 @@ def run_c(model_path: str, prompt: str, stop: tuple[str, ...], jobs: Sequence[Jo
     engine.wait_ready(timeout=300)
     processor, config = engine.processor, engine.model_config
 
-    def submit(key: tuple[int, int], img: Image.Image) -> None:
+    def submit(key: tuple[int, int], img: Image.Image, priority: int = 0) -> None:
         prepared = A.prepare(processor, config, img, prompt)
         engine.submit(Request(key=key, prepared=prepared, cached_features=None,
-                              max_tokens=max_tokens, temperature=0.0, stop=stop))
+                              max_tokens=max_tokens, temperature=0.0, stop=stop,
+                              priority=priority))
 
     try:
         submit((-1, 0), jobs[0].images[0])  # warm-up, untimed
@@ -249,8 +250,8 @@ def run_c(model_path: str, prompt: str, stop: tuple[str, ...], jobs: Sequence[Jo
                 wait = _arrivals(jobs, t0)
                 for j, job in enumerate(jobs):
                     wait(job)
-                    for k, img in enumerate(job.images):
-                        pool.submit(submit, (j, k), img)
+                    for k, img in enumerate(job.images):  # as the worker: items left
+                        pool.submit(submit, (j, k), img, job.size - k)
 
             feeder = threading.Thread(target=feed)
             feeder.start()

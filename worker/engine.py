@@ -44,6 +44,9 @@ class Request:
     stop: tuple[str, ...]  # stop strings, in addition to the tokenizer's EOS
     # Called on the MLX thread after a tower run, so the caller can cache the features.
     on_features: Callable[[np.ndarray, str], None] | None = None
+    # Lower is admitted first when rows free up, FIFO among equals. The worker passes its
+    # job's items left, so a small job's items overtake a big job's queued ones.
+    priority: int = 0
 
 
 @dataclass
@@ -349,12 +352,15 @@ class _Loop:
             return
 
     def _admit(self) -> None:
-        """Embed and insert pending requests while there are free rows."""
+        """Embed and insert pending requests while there are free rows, by priority."""
         admitted = 0
         while (
             self.pending and len(self.live) < self.e.max_batch and admitted < self.e.prefill_batch
         ):
-            req, submitted_at = self.pending.popleft()
+            pending = self.pending
+            first = min(range(len(pending)), key=lambda k: pending[k][0].priority)
+            req, submitted_at = pending[first]
+            del pending[first]
             self._insert(req, submitted_at)
             admitted += 1
 

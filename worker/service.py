@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from queue import Empty, SimpleQueue
@@ -384,10 +384,11 @@ class WorkerService:
             with self._prep_lock:
                 self._in_prep += 1
             fut = preparer.submit(state.job_id, state.payload, idx)
-            fut.add_done_callback(partial(self._prepared, engine, state.job_id, idx))
+            left = len(state.pending) + len(state.outstanding)  # the engine's priority
+            fut.add_done_callback(partial(self._prepared, engine, state.job_id, idx, left))
         self.stats.observe_waiting(self._in_prep + engine.waiting)
 
-    def _prepared(self, engine: Engine, job_id: str, idx: int,
+    def _prepared(self, engine: Engine, job_id: str, idx: int, left: int,
                   fut: Future[tuple[Request, float]]) -> None:
         """Pool callback: hand the request to the engine at once, so MLX never waits on us."""
         try:
@@ -397,7 +398,7 @@ class WorkerService:
             if exc is None:
                 req, prep_s = fut.result()
                 self._prep_time[(job_id, idx)] = prep_s
-                engine.submit(req)
+                engine.submit(replace(req, priority=left))
             elif isinstance(exc, RedisError) and transient(exc):
                 self._prep_retry.put((job_id, idx))  # not the item's fault: prepare it again
             elif isinstance(exc, PrepError):
