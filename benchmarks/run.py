@@ -251,7 +251,7 @@ def run_c(model_path: str, prompt: str, stop: tuple[str, ...], jobs: Sequence[Jo
                 for j, job in enumerate(jobs):
                     wait(job)
                     for k, img in enumerate(job.images):  # as the worker: items left
-                        pool.submit(submit, (j, k), img, job.size - k)
+                        pool.submit(submit, (j, k), img, job.size)
 
             feeder = threading.Thread(target=feed)
             feeder.start()
