@@ -47,6 +47,7 @@ NO_MESSAGE = "failed (no exception recorded)"
 # RQ statuses after which nothing more will happen to a job without someone acting.
 TERMINAL = frozenset({"finished", "failed", "stopped", "canceled"})
 POLL_S = 0.5
+UPLOAD_CHUNK = 256  # blobs per pipelined round trip when enqueueing
 
 
 class JobNotFound(VlmqError):
@@ -196,11 +197,21 @@ class Client:
         if job_id is not None:
             self._refuse_taken_id(job_id)
         uploaded = 0
-        for source in prepared.blobs.values():
-            if self.blobs.touch(source.sha256):
-                continue  # already stored (TTL now refreshed): nothing to read or send
-            _, fresh = self.blobs.put(source.read_verified())
-            uploaded += fresh
+        sources = list(prepared.blobs.values())
+        # Two pipelined round trips per chunk instead of two or three per blob: 5,000
+        # small files went from ~350 to thousands of items/s (benchmarks/run.py).
+        for at in range(0, len(sources), UPLOAD_CHUNK):
+            chunk = sources[at:at + UPLOAD_CHUNK]
+            pipe = self.redis.pipeline(transaction=False)
+            for source in chunk:
+                self.blobs.touch(source.sha256, pipeline=pipe)
+            present = pipe.execute()
+            pipe = self.redis.pipeline(transaction=False)
+            # Already stored (TTL now refreshed): nothing to read or send.
+            missing = [src for src, hit in zip(chunk, present, strict=True) if not hit]
+            for source in missing:
+                self.blobs.add(source.read_verified(), pipeline=pipe)
+            uploaded += sum(bool(created) for created in pipe.execute()) if missing else 0
         jid = enqueue(self.redis, payload, queue=queue, job_id=job_id)
         return Job(self, jid, queue=queue, items=len(payload.items),
                    rejected=list(prepared.rejected), uploaded=uploaded,
