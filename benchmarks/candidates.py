@@ -54,6 +54,25 @@ def main(argv: list[str] | None = None) -> int:
     from vlmq.worker.engine import Engine, Request
     from vlmq.worker.model_defaults import resolve
 
+    print(f"0. float32 (b x 512) @ (512 x 1408), GFLOP/s, OpenBLAS threads 1 vs {blas.cores()}:")
+    w = mx.random.normal((512, 1408))
+    for threads in sorted({1, blas.cores()}):
+        if not blas.set_threads(threads):
+            print("   (no OpenBLAS loaded)")
+            break
+        row = []
+        for b in (1, 8, 32):
+            x = mx.random.normal((b, 512))
+            mx.eval(x @ w)
+            reps = 0
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 1.0:
+                mx.eval(x @ w)
+                reps += 1
+            row.append(f"b={b}: {2 * b * 512 * 1408 * reps / (time.perf_counter() - t0) / 1e9:.1f}")
+        print(f"   {threads} thread(s): " + ", ".join(row))
+    blas.set_threads(chosen.threads or blas.cores())
+
     model_path = R.resolve_model(args.model)
     print(f"machine: {C.machine()}\nBLAS: {chosen.describe()}\nmodel: {model_path}")
     loaded = A.load_model(model_path)

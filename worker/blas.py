@@ -27,6 +27,7 @@ import platform
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("vlmq.worker")
 
@@ -63,6 +64,7 @@ class BlasInfo:
 
 
 _selected: BlasInfo | None = None
+_set_threads: Any = None  # openblas_set_num_threads of the library loaded, if any
 
 
 def system_candidates() -> list[Path]:
@@ -122,12 +124,22 @@ def _load(path: Path, kind: str, source: str, threads: int | None) -> BlasInfo:
     lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     if not hasattr(lib, "cblas_sgemm"):
         raise OSError(f"{path} exports no cblas_sgemm")
+    global _set_threads
     setter = getattr(lib, "openblas_set_num_threads", None)
     if setter is not None:
         setter.argtypes = [ctypes.c_int]
         setter(n)
+        _set_threads = setter
         kind = "openblas"
     return BlasInfo(kind, str(path), source, n if setter is not None else None)
+
+
+def set_threads(n: int) -> bool:
+    """Change the loaded OpenBLAS's thread count now; False when none was loaded."""
+    if _set_threads is None:
+        return False
+    _set_threads(max(1, n))
+    return True
 
 
 def _auto(threads: int | None) -> BlasInfo:
