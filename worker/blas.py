@@ -59,7 +59,9 @@ class BlasInfo:
     def describe(self) -> str:
         if self.path is None:
             return f"{self.kind} ({self.source})"
-        threads = f", {self.threads} threads" if self.threads else ""
+        threads = ""
+        if self.threads:
+            threads = f", {self.threads} thread{'s' if self.threads > 1 else ''}"
         return f"{self.kind} {self.path} ({self.source}{threads})"
 
 
@@ -117,7 +119,8 @@ def _mlx_loaded() -> bool:
 
 def _load(path: Path, kind: str, source: str, threads: int | None) -> BlasInfo:
     # An explicit OPENBLAS_NUM_THREADS wins, then the caller's count, then every core.
-    n = int(os.environ.get(ENV_THREADS) or 0) or threads or cores()
+    env = os.environ.get(ENV_THREADS, "")
+    n = (int(env) if env.isdigit() else 0) or threads or cores()
     # OpenBLAS reads this once, when it loads; set_num_threads below also covers a
     # library that was already in the process.
     os.environ[ENV_THREADS] = str(n)
