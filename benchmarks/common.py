@@ -60,6 +60,9 @@ def print_header(model: str, items: int, side: int, detail: str) -> None:
 
 def machine() -> str:
     """One line saying what ran the benchmark; figures mean nothing without it."""
+    from vlmq.worker import blas
+
+    blas.select()  # no-op when the script chose already; MLX loads next
     import mlx.core as mx
 
     try:

@@ -403,6 +403,9 @@ def _overview(client: Client, as_json: bool) -> None:
          _stat(w.stats, "cache_hit_rate", "{:.0f}%", 100),
          _age(float(w.stats["uptime_s"])) if "uptime_s" in w.stats else "-")
         for w in workers])
+    for w in workers:
+        if w.stats.get("blas"):
+            click.echo(f"{w.name} blas: {w.stats['blas']}")
 
 
 # --- wait / result -----------------------------------------------------------------------------

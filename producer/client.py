@@ -52,6 +52,7 @@ NO_MESSAGE = "failed (no exception recorded)"
 TERMINAL = frozenset({"finished", "failed", "stopped", "canceled"})
 POLL_S = 0.5
 Inputs = Iterable[str | os.PathLike[str]] | str | os.PathLike[str]
+UPLOAD_CHUNK = 256  # blobs per pipelined round trip when enqueueing
 
 
 class JobFailed(VlmqError):
@@ -160,11 +161,23 @@ class Client:
             self._refuse_taken_id(opts.job_id)
         blobs = BlobStore(self.redis, self.keys, ttl_s=opts.blob_ttl)
         uploaded = 0
-        for source in prepared.blobs.values():
-            if blobs.touch(source.sha256):
-                continue  # already stored (TTL now refreshed): nothing to read or send
-            _, fresh = blobs.put(source.read_verified())
-            uploaded += fresh
+        sources = list(prepared.blobs.values())
+        # Two pipelined round trips per chunk instead of two or three per blob: 5,000
+        # small files went from ~350 to thousands of items/s (benchmarks/run.py).
+        for at in range(0, len(sources), UPLOAD_CHUNK):
+            chunk = sources[at:at + UPLOAD_CHUNK]
+            pipe = self.redis.pipeline(transaction=False)
+            for source in chunk:
+                blobs.touch(source.sha256, pipeline=pipe)
+            present = pipe.execute()
+            # Already stored (TTL now refreshed): nothing to read or send.
+            missing = [src for src, hit in zip(chunk, present, strict=True) if not hit]
+            if not missing:
+                continue
+            pipe = self.redis.pipeline(transaction=False)
+            for source in missing:
+                blobs.add(source.read_verified(), pipeline=pipe)
+            uploaded += sum(bool(created) for created in pipe.execute())
         jid = enqueue(self.redis, payload, queue=queue, job_id=opts.job_id,
                       result_ttl=opts.result_ttl)
         return Job(self, jid, queue=queue, items=len(payload.items),

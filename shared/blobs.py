@@ -45,16 +45,27 @@ class BlobStore:
         An existing blob gets its TTL refreshed so that a re-enqueued job never finds its
         input expired midway. The EXISTS check avoids sending bytes Redis already holds.
         """
-        if not data:
-            raise BlobError("refusing to store an empty blob")
-        if len(data) > self.max_bytes:
-            raise BlobError(f"blob of {len(data)} bytes is over the {self.max_bytes}-byte limit")
+        self._check(data)
         sha = sha256_hex(data)
         key = self.keys.blob(sha)
         if self.touch(sha):
             return sha, False
         created = self.redis.set(key, data, nx=True, ex=self.ttl_s)
         return sha, bool(created)
+
+    def add(self, data: bytes, *, pipeline: Pipeline) -> str:
+        """Queue a SET NX of `data` on `pipeline` (its reply: True when this call stored
+        it); for blobs a `touch` just found missing, so no EXISTS round trip is spent."""
+        self._check(data)
+        sha = sha256_hex(data)
+        pipeline.set(self.keys.blob(sha), data, nx=True, ex=self.ttl_s)
+        return sha
+
+    def _check(self, data: bytes) -> None:
+        if not data:
+            raise BlobError("refusing to store an empty blob")
+        if len(data) > self.max_bytes:
+            raise BlobError(f"blob of {len(data)} bytes is over the {self.max_bytes}-byte limit")
 
     def touch(self, sha: str, *, pipeline: Pipeline | None = None) -> Any:
         """Make the blob live at least ttl_s more seconds; truthy when it exists.

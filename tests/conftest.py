@@ -13,6 +13,10 @@ import pytest
 from redis import Redis
 
 from vlmq.shared.keys import Keys
+from vlmq.worker import blas
+
+# Before any test imports MLX: the same BLAS a default worker picks ($VLMQ_BLAS, else auto).
+blas.select()
 
 REDIS_BASE = os.environ.get("VLMQ_TEST_REDIS", "redis://127.0.0.1:6379")
 # Tests own these db indexes: a test claims a free one (so two test runs on one Redis

@@ -269,7 +269,8 @@ def test_status_overview_queues_and_workers(run, redis: Redis, keys: Keys, doc: 
     redis.hset(keys.worker_stats("mac-1"), mapping={
         "model": "olmOCR-7B", "in_flight": "12", "batch_occupancy": "0.75",
         "tokens_per_s": "220.1", "items_per_s": "1.3", "cache_hit_rate": "0.4",
-        "uptime_s": "7500"})
+        "uptime_s": "7500",
+        "blas": "openblas /usr/lib/libopenblas.so.0 (system, 1 threads)"})
     res = run("status")
     assert res.exit_code == 0
     lines = res.stdout.splitlines()
@@ -281,6 +282,7 @@ def test_status_overview_queues_and_workers(run, redis: Redis, keys: Keys, doc: 
     row = next(ln.split() for ln in lines if ln.startswith("mac-1"))
     assert row[2:] == ["olmOCR-7B", "ocr,rush", "75%", "220.1", "1.30", "40%", "2h"]
     assert "in_flight" not in res.stdout
+    assert "mac-1 blas: openblas /usr/lib/libopenblas.so.0 (system, 1 threads)" in lines
     out = json.loads(run("status", "--json").stdout)
     assert out["queues"]["ocr"]["queued"] == 1
     assert out["workers"][0]["stats"]["model"] == "olmOCR-7B"

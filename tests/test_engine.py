@@ -186,3 +186,25 @@ def test_missing_model_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(EngineError, match="no model"):
         eng.submit(_req("x", A.Prepared(text="", input_ids=np.zeros(1, np.int32)), 1))
     eng.close(timeout=5)
+
+
+def test_lower_priority_number_is_admitted_first(tiny_model: Path, refs: dict) -> None:
+    """Queued requests wait for a free row by priority (the worker's items-left), not FIFO.
+
+    Submitted before the model has loaded, all four wait together; with one row they run
+    one at a time, so the finish order is the admission order.
+    """
+    eng = Engine(str(tiny_model), max_batch=1)
+    try:
+        (job, seed, _, _) = ITEMS[0]
+        prep = refs[(job, seed)].prepared
+        for key, priority in (("big-1", 24), ("big-2", 24), ("small", 1), ("mid", 3)):
+            eng.submit(_req(key, prep, 2, priority=priority))
+        eng.wait_ready(timeout=60)
+        order: list = []
+        deadline = time.monotonic() + 60
+        while len(order) < 4 and time.monotonic() < deadline:
+            order += [f.key for f in eng.get_finished(timeout=0.2)]
+    finally:
+        eng.close(timeout=10)
+    assert order == ["small", "mid", "big-1", "big-2"]

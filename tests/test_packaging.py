@@ -67,3 +67,29 @@ def test_wheel_installs_the_vlmq_packages_only_and_runs_without_mlx(tmp_path: Pa
     out = subprocess.run([str(py), "-c", probe], check=True, capture_output=True, text=True,
                          cwd=tmp_path)
     assert out.stdout.strip() == "ok"
+
+def test_cuda_extra_brings_the_cuda_backend_and_not_the_cpu_one() -> None:
+    """mlx-cpu and mlx-cuda-12 both install mlx/lib/libmlx.so: an extra must bring one."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    reqs = [Requirement(r) for r in requires("vlmq") or []]
+
+    def wanted(extra: str, seen: frozenset[str] = frozenset()) -> set[str]:
+        out: set[str] = set()
+        for r in reqs:
+            if r.marker is None or not r.marker.evaluate({"extra": extra,
+                                                          "sys_platform": "linux"}):
+                continue
+            if r.name == "vlmq":
+                for sub in r.extras - seen:
+                    out |= wanted(sub, seen | {extra})
+            else:
+                out |= {f"{r.name}[{e}]" for e in r.extras} or {r.name}
+        return out
+
+    cuda, cpu = wanted("cuda"), wanted("worker")
+    assert "mlx[cuda12]" in cuda and "mlx[cpu]" not in cuda, cuda
+    assert "mlx[cpu]" in cpu and "mlx[cuda12]" not in cpu, cpu
+    assert {"mlx-vlm", "opencv-python"} <= cuda & cpu

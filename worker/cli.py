@@ -105,6 +105,10 @@ def _split_queues(values: tuple[str, ...]) -> list[str]:
 @click.option("--poison-kills", type=click.IntRange(1), default=2, show_default=True,
               help="A job whose item was being processed when this many workers died is "
                    "failed, naming the item (other jobs of a dead worker keep their retries).")
+@click.option("--blas", "blas_choice", default=None, metavar="auto|reference|PATH",
+              help="BLAS for MLX's CPU matmuls on Linux: auto (system OpenBLAS, else the "
+                   "wheel copy), reference (the slow one mlx[cpu] links) or a library path "
+                   "(default: $VLMQ_BLAS, else auto).")
 @click.pass_context
 def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burst: bool,
                max_batch: int,
@@ -114,7 +118,8 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burs
                repetition_min_span: int, repetition_period: int,
                result_cache_ttl: int, result_cache_mb: float, with_scheduler: bool,
                render_mem_mb: int, render_timeout: float, render_procs: int | None,
-               max_kv_tokens: int | None, poison_kills: int) -> None:
+               max_kv_tokens: int | None, poison_kills: int,
+               blas_choice: str | None) -> None:
     """Serve jobs with one loaded model and a continuous batcher.
 
     Items from every job in flight share one batch; each result is written the moment it
@@ -154,6 +159,7 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burs
         render_timeout_s=render_timeout,
         max_kv_tokens=max_kv_tokens,
         poison_kills=poison_kills,
+        blas=blas_choice,
     )
     if not with_scheduler:
         ctx.exit(run_worker(cfg))
@@ -178,12 +184,14 @@ def model_group() -> None:
 @click.option("--arch", type=click.Choice(TINY_ARCHS), default="qwen2_vl",
               show_default=True, help="mlx-vlm model family to build.")
 @click.option("--seed", type=int, default=0, show_default=True)
-def make_tiny_cmd(out_dir: Path, arch: str, seed: int) -> None:
+@click.option("--size", type=click.Choice(["tiny", "bench"]), default="tiny", show_default=True,
+              help="tiny: 0.8 M parameters, for tests; bench: ~20 M, for benchmarks/run.py.")
+def make_tiny_cmd(out_dir: Path, arch: str, seed: int, size: str) -> None:
     """Build a tiny random-weight model (real mlx-vlm format) for tests and offline demos."""
     require_worker_extra()
     from vlmq.worker.tiny_model import build_tiny_model
 
-    path = build_tiny_model(out_dir, arch=arch, seed=seed)
+    path = build_tiny_model(out_dir, arch=arch, seed=seed, size=size)
     click.echo(str(path))
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from vlmq.worker import kv_budget
+from vlmq.worker import blas, kv_budget
 from vlmq.worker import mlx_adapter as adapter
 from vlmq.worker.mlx_adapter import LoadedModel, Prepared
 from vlmq.worker.repetition import RepetitionGuard
@@ -51,6 +51,9 @@ class Request:
     # Wraps this request's own steps (tower, embedding) on the MLX thread, so that a crash
     # there is charged to it (worker/poison.py). Called with the step's name.
     risky: Callable[[str], AbstractContextManager[None]] | None = None
+    # Lower is admitted first when rows free up, FIFO among equals. The worker passes its
+    # job's items left, so a small job's items overtake a big job's queued ones.
+    priority: int = 0
 
 
 @dataclass
@@ -123,6 +126,7 @@ class Engine:
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
+        blas.select()  # before MLX loads in the engine thread; no-op when already chosen
         if max_kv_tokens is not None and max_kv_tokens < 1:
             raise ValueError("max_kv_tokens must be at least 1")
         self.model_path = model_path
@@ -143,6 +147,7 @@ class Engine:
         self.peak_active = 0
         self.peak_waiting = 0  # most requests ever submitted but not yet in the batch
         self.tower_calls = 0
+        self.busy_s = 0.0  # MLX thread time in model work (tower, embed, prefill, decode)
         self.tokens_generated = 0
         self.finished_count = 0
         self.error_count = 0
@@ -375,9 +380,11 @@ class _Loop:
         e = self.e
         while not e._closing.is_set():
             self._intake(block=not self.live and not self.pending)
+            t0 = time.perf_counter()
             self._admit()
             if self.live:
                 self._step()
+            e.busy_s += time.perf_counter() - t0
         e._abort_all("engine closed", self.pending, self.live)
         self.gen.close()
 
@@ -395,15 +402,18 @@ class _Loop:
     def _admit(self) -> None:
         """Embed and insert pending requests while there are free rows and KV budget.
 
-        Admission is in order: a request that does not fit waits at the head (later ones
-        wait behind it, so a long one is never starved). One over the whole budget runs
-        alone, once nothing else is in flight.
+        The next request is the one with the best priority (its job's items left; FIFO
+        among equals). If it does not fit the KV budget it waits (later ones wait behind
+        it, so a long one is never starved); one over the whole budget runs alone, once
+        nothing else is in flight.
         """
         admitted = 0
         while (
             self.pending and len(self.live) < self.e.max_batch and admitted < self.e.prefill_batch
         ):
-            req, submitted_at = self.pending[0]
+            pending = self.pending
+            first = min(range(len(pending)), key=lambda k: pending[k][0].priority)
+            req, submitted_at = pending[first]
             cost = self._kv_cost(req)
             if self.live and self.e.kv_in_flight + cost > self.kv_budget:
                 return
@@ -412,7 +422,7 @@ class _Loop:
                 log.warning("engine: request %r needs %d KV tokens (prompt + max_tokens), over "
                             "the --max-kv-tokens budget of %d: running it alone", req.key,
                             cost, self.kv_budget)
-            self.pending.popleft()
+            del pending[first]
             self.warned_over_budget.discard(req.key)
             risky = req.risky("vision tower") if req.risky is not None else nullcontext()
             with risky:  # a crash in here is charged to this request's job

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from queue import Empty, SimpleQueue
@@ -33,6 +33,7 @@ from vlmq.shared.connection import connect, transient
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import ItemResult
 from vlmq.shared.urls import redact_url
+from vlmq.worker import blas
 from vlmq.worker.engine import Engine, EngineError, Finished, Request
 from vlmq.worker.mlx_adapter import family_of
 from vlmq.worker.poison import DEFAULT_POISON_KILLS, RiskLog
@@ -88,6 +89,7 @@ class WorkerConfig:
     render_timeout_s: float = DEFAULT_RENDER_TIMEOUT_S
     max_kv_tokens: int | None = None  # None: derived from the model and machine memory
     poison_kills: int = DEFAULT_POISON_KILLS  # worker deaths a job may cause before it fails
+    blas: str | None = None  # auto | reference | a library path; None: $VLMQ_BLAS, else auto
     keys: Keys = field(default_factory=Keys.from_env)
     repetition: RepetitionGuard | None = field(default_factory=RepetitionGuard)  # None: off
 
@@ -135,6 +137,19 @@ class WorkerService:
 
     def run(self) -> int:
         cfg = self.cfg
+        try:
+            chosen = blas.select(cfg.blas, threads=blas.worker_threads(cfg.prep_threads))
+        except blas.BlasError as exc:
+            log.error("%s", exc)
+            return 1
+        log.info("BLAS: %s", chosen.describe())
+        backends = blas.mlx_backends()
+        if len(backends) > 1:
+            log.warning("several MLX backends are installed (%s): they overwrite each other's "
+                        "libmlx.so; keep one (pip uninstall mlx-cpu for CUDA, then pip "
+                        "install --force-reinstall --no-deps mlx-cuda-12)", ", ".join(backends))
+        self.stats.blas = chosen.describe()
+        self.stats.blas_library = chosen.path or ""
         problem = self._preflight()
         if problem:
             log.error("%s", problem)
@@ -379,11 +394,12 @@ class WorkerService:
             with self._prep_lock:
                 self._in_prep += 1
             fut = preparer.submit(state.job_id, state.payload, idx)
-            fut.add_done_callback(partial(self._prepared, engine, state.job_id, idx))
+            left = len(state.pending) + len(state.outstanding)  # the engine's priority
+            fut.add_done_callback(partial(self._prepared, engine, state.job_id, idx, left))
         with self._prep_lock:
             self.stats.observe_waiting(self._in_prep + engine.waiting)
 
-    def _prepared(self, engine: Engine, job_id: str, idx: int,
+    def _prepared(self, engine: Engine, job_id: str, idx: int, left: int,
                   fut: Future[tuple[Request, float]]) -> None:
         """Pool callback: hand the request to the engine at once, so MLX never waits on us."""
         moved = False
@@ -395,7 +411,7 @@ class WorkerService:
                 req, prep_s = fut.result()
                 self._prep_time[(job_id, idx)] = prep_s
                 with self._prep_lock:  # from in-prep to waiting in one step, for readers
-                    engine.submit(req)
+                    engine.submit(replace(req, priority=left))
                     self._in_prep -= 1
                     moved = True
             elif isinstance(exc, RedisError) and transient(exc):

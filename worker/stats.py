@@ -29,6 +29,8 @@ class _EngineView(Protocol):
     def tower_calls(self) -> int: ...
     @property
     def peak_waiting(self) -> int: ...
+    @property
+    def busy_s(self) -> float: ...
 
 
 class _CacheView(Protocol):
@@ -41,6 +43,8 @@ class WorkerStats:
         self.max_batch = max_batch
         self.window = window
         self.model = ""
+        self.blas = ""          # what serves MLX's matmuls, as logged at start
+        self.blas_library = ""  # the library file vlmq loaded for it; "" when none
         self.started = time.monotonic()
         self.items_ok = 0
         self.items_failed = 0
@@ -86,6 +90,8 @@ class WorkerStats:
         hit_rate = cs.get("hits", 0) / lookups if lookups else 0.0
         fields = {
             "model": self.model,
+            "blas": self.blas,
+            "blas_library": self.blas_library,
             "jobs_in_flight": jobs,
             "in_flight": engine.active + engine.waiting + in_prep,
             "batch_active": engine.active,
@@ -107,6 +113,7 @@ class WorkerStats:
             "result_cache_stores": self.result_cache_stores,
             "engine_peak_waiting": engine.peak_waiting,
             "tower_calls": engine.tower_calls,
+            "mlx_busy_s": round(engine.busy_s, 3),
             **{k: v - self._work_base.get(k, 0) for k, v in P.COUNTERS.snapshot().items()},
             "uptime_s": round(now - self.started, 1),
         }

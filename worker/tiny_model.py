@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlmq.worker import blas
+
 # The Qwen2 pre-tokenizer regex; transformers' Qwen2Tokenizer rebuilds the
 # pipeline from it, so ours must be identical or encodings drift.
 _QWEN2_REGEX = (
@@ -470,18 +472,39 @@ FAMILIES: dict[str, Family] = {
 }
 ARCHS: tuple[str, ...] = tuple(FAMILIES)
 
+# Size presets: "bench" is the ~20 M-parameter model of benchmarks/run.py, big enough
+# that matmuls (and so the BLAS and batching) dominate, as in real models.
+# (text overrides, vision overrides per arch, weight scale; None: the family's own)
+SIZES: dict[str, tuple[dict[str, Any], dict[str, dict[str, Any]], float | None]] = {
+    "tiny": ({}, {}, None),
+    "bench": (
+        {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 6,
+         "num_attention_heads": 8, "num_key_value_heads": 2,
+         "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]}},
+        {"qwen2_vl": {"depth": 4, "embed_dim": 256, "hidden_size": 512, "num_heads": 4,
+                      "mlp_ratio": 4},
+         "qwen2_5_vl": {"depth": 4, "hidden_size": 256, "intermediate_size": 1024,
+                        "out_hidden_size": 512, "num_heads": 4}},
+        1.5,
+    ),
+}
 _STAMP = "vlmq-tiny.json"  # written last: marks a complete build
 
 
-def build_tiny_model(out_dir: Path, arch: str = "qwen2_vl", seed: int = 0) -> Path:
+def build_tiny_model(out_dir: Path, arch: str = "qwen2_vl", seed: int = 0,
+                     size: str = "tiny") -> Path:
     """Write (or reuse) a tiny checkpoint in `out_dir` and return that folder."""
     family = FAMILIES.get(arch)
     if family is None:
         raise ValueError(f"unknown tiny arch {arch!r}; choose one of {ARCHS}")
+    if size not in SIZES or (size != "tiny" and arch not in SIZES[size][1]):
+        raise ValueError(f"no {size!r} size for arch {arch!r}")
     out_dir = Path(out_dir)
     # The recipe's digest: editing a family's row rebuilds its folder.
     recipe = hashlib.sha256(json.dumps(asdict(family), sort_keys=True).encode()).hexdigest()
     stamp = {"arch": arch, "seed": seed, "version": 2, "recipe": recipe[:16]}
+    if size != "tiny":
+        stamp["size"] = size
     stamp_path = out_dir / _STAMP
     if stamp_path.is_file() and json.loads(stamp_path.read_text()) == stamp:
         return out_dir
@@ -489,12 +512,16 @@ def build_tiny_model(out_dir: Path, arch: str = "qwen2_vl", seed: int = 0) -> Pa
     stamp_path.unlink(missing_ok=True)
 
     ids = _write_tokenizer(out_dir, family)
-    config = _fill(family.config, ids)
+    text, vision, size_scale = SIZES[size]
+    config = {**_fill(family.config, ids), **text}
+    if arch in vision:
+        config["vision_config"] = {**config["vision_config"], **vision[arch]}
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "preprocessor_config.json", family.preprocessor)
     for name, data in family.extra_files.items():
         _write_json(out_dir / name, data)
-    _write_weights(out_dir / "model.safetensors", config, seed, family.weight_scale,
+    _write_weights(out_dir / "model.safetensors", config, seed,
+                   family.weight_scale if size_scale is None else size_scale,
                    family.embed_scale)
     _write_json(stamp_path, stamp)
     return out_dir
@@ -602,6 +629,7 @@ def _write_tokenizer(out_dir: Path, family: Family) -> dict[str, int]:
 def _write_weights(path: Path, config: dict[str, Any], seed: int, scale: float,
                    embed_scale: float | None) -> None:
     """Instantiate mlx-vlm's own class with seeded random init and save it MLX-style."""
+    blas.select()  # before MLX loads
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_vlm.utils import get_model_and_args, update_module_configs

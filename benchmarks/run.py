@@ -1,0 +1,497 @@
+"""vlmq against the ways OCR/caption services are built today, on the workload they see.
+
+Eight jobs of 1, 2, 3, 4, 6, 8, 12 and 24 items arrive at fixed offsets (the biggest
+first, as when one producer drops a batch and others trickle in). Items mix PDF pages and
+photos of three sizes. Every system gets the same items, arrivals, prompt, max_tokens,
+and greedy decoding, in this one run:
+
+  A  a plain RQ service: one job at a time, `mlx_vlm.generate` per item, model loaded once;
+  B  per-job batching: one `mlx_vlm.batch_generate` call per job, in arrival order;
+  C  the vlmq Engine fed the same arrivals in-process (no Redis);
+  D  vlmq end to end: client enqueue, real Redis, one `vlmq worker` process;
+  D_ref  D with `--blas reference` (bench model only): what Linux users got before.
+
+    python benchmarks/run.py --quick --model bench
+    python benchmarks/run.py --model tiny --json-out out.json
+
+Prints a table, then one JSON line. Nothing here is asserted: ratios measured side by
+side in one run say which path is faster on this machine, not how fast another is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFilter
+from redis import Redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C
+
+JOB_SIZES = (24, 1, 12, 2, 8, 3, 6, 4)  # in arrival order
+SMALL = 4  # the 4 smallest jobs: what a latency-sensitive producer sends
+PHOTO_SIZES = ((224, 168), (126, 224), (112, 112))  # landscape, portrait, square
+ENQUEUE_ITEMS = 5000
+
+
+@dataclass
+class Job:
+    size: int
+    offset: float
+    paths: list[Path]
+    images: list[Image.Image] = field(default_factory=list)
+
+
+@dataclass
+class SystemRun:
+    name: str
+    wall_s: float
+    items: int
+    tokens: int
+    latencies: list[float]  # per job, arrival -> last item, in arrival order
+    sizes: list[int]        # items per job, same order
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall_s
+
+    @property
+    def items_s(self) -> float:
+        return self.items / self.wall_s
+
+    def p(self, q: float, small: bool = False) -> float:
+        lat = self.latencies
+        if small:
+            order = sorted(range(len(self.sizes)), key=lambda i: self.sizes[i])[:SMALL]
+            lat = [lat[i] for i in order]
+        return float(np.percentile(lat, q))
+
+    def figures(self) -> dict[str, Any]:
+        return {"wall_s": round(self.wall_s, 3), "items": self.items, "tokens": self.tokens,
+                "tok_s": round(self.tok_s, 2), "items_s": round(self.items_s, 3),
+                "p50_s": round(self.p(50), 3), "p95_s": round(self.p(95), 3),
+                "small_p50_s": round(self.p(50, True), 3),
+                "small_p95_s": round(self.p(95, True), 3),
+                "latencies_s": [round(x, 3) for x in self.latencies], **self.extra}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true",
+                   help="fewer new tokens and tighter arrivals (a few minutes on 2 cores)")
+    p.add_argument("--model", default="tiny",
+                   help="tiny, bench (random-weight models built offline) or a model folder")
+    p.add_argument("--json-out", type=Path, default=None, help="also write the JSON here")
+    p.add_argument("--redis-url", default=C.DEFAULT_REDIS_URL,
+                   help=f"Redis db to use; it is FLUSHED first (default {C.DEFAULT_REDIS_URL})")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="new tokens per item (default 16 with --quick, else 64)")
+    p.add_argument("--max-batch", type=int, default=16, help="rows for C and D (default 16)")
+    p.add_argument("--prep-threads", type=int, default=None,
+                   help="D's --prep-threads and C's pool (default: the worker's default)")
+    p.add_argument("--spacing", type=float, default=None,
+                   help="seconds between arrivals (default 0.25 with --quick, else 0.5)")
+    p.add_argument("--systems", default="A,B,C,D,D_ref",
+                   help="which systems to run (comma-separated; default all)")
+    p.add_argument("--sizes", default=None,
+                   help="job sizes in arrival order instead of 24,1,12,2,8,3,6,4 (for tests)")
+    p.add_argument("--side", type=int, default=224, help="longest side in px (default 224)")
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="where inputs and caches go (default: a fresh temp dir)")
+    p.add_argument("--blas-threads", type=int, default=None,
+                   help="OpenBLAS threads for every system (default: what a worker picks, "
+                        "cores minus prep threads, at least 1)")
+    p.add_argument("--no-flush", action="store_true",
+                   help="use the db as it is, unflushed (any db; the test suite passes its own)")
+    p.add_argument("--no-enqueue-bench", action="store_true",
+                   help=f"skip the {ENQUEUE_ITEMS}-item enqueue throughput figure")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def _photo(i: int, size: tuple[int, int]) -> Image.Image:
+    """A photo-like picture: smooth noise plus shapes, distinct for every i."""
+    rng = np.random.default_rng(1000 + i)
+    w, h = size
+    small = rng.integers(0, 256, (max(2, h // 16), max(2, w // 16), 3), dtype=np.uint8)
+    img = Image.fromarray(small).resize(size, Image.Resampling.BILINEAR)
+    draw = ImageDraw.Draw(img)
+    for _ in range(3):
+        x0, y0 = int(rng.integers(0, w // 2)), int(rng.integers(0, h // 2))
+        draw.ellipse([x0, y0, x0 + w // 3, y0 + h // 3],
+                     fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+    return img.filter(ImageFilter.SMOOTH)
+
+
+def make_jobs(folder: Path, sizes: Sequence[int], spacing: float, side: int) -> list[Job]:
+    """Each job: its half of PDF pages (one PDF per job), the rest photos of 3 sizes."""
+    from PIL import Image as PILImage
+
+    folder.mkdir(parents=True, exist_ok=True)
+    jobs: list[Job] = []
+    counter = 0
+    for j, n in enumerate(sizes):
+        paths: list[Path] = []
+        n_pages = n // 2
+        if n_pages:
+            pages = [C._page(counter + k, C.PAGE_PT) for k in range(n_pages)]
+            pdf = folder / f"job{j}.pdf"
+            pages[0].save(pdf, "PDF", save_all=True, append_images=pages[1:], resolution=72.0)
+            paths.append(pdf)
+            counter += n_pages
+        for k in range(n - n_pages):
+            photo = _photo(counter, PHOTO_SIZES[(j + k) % len(PHOTO_SIZES)])
+            path = folder / f"job{j}-photo{k}.jpg"
+            photo.save(path, quality=90)
+            paths.append(path)
+            counter += 1
+        jobs.append(Job(n, j * spacing, paths))
+    for job in jobs:  # the exact pixels a worker hands its processor
+        job.images = C.item_images(job.paths, side)
+        assert len(job.images) == job.size
+        assert all(isinstance(im, PILImage.Image) for im in job.images)
+    return jobs
+
+
+# ---------------------------------------------------------------- A, B, C (in-process)
+
+
+def _arrivals(jobs: Sequence[Job], t0: float) -> Callable[[Job], None]:
+    def wait(job: Job) -> None:
+        delay = t0 + job.offset - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+    return wait
+
+
+def run_a(model: Any, processor: Any, prompt_text: str, jobs: Sequence[Job],
+          max_tokens: int) -> SystemRun:
+    """A plain RQ service: FIFO jobs, one `generate` per item."""
+    from mlx_vlm import generate
+
+    t0 = time.perf_counter()
+    wait = _arrivals(jobs, t0)
+    tokens, lat = 0, []
+    for job in jobs:
+        wait(job)
+        for img in job.images:
+            r = generate(model, processor, prompt_text, image=[img], max_tokens=max_tokens,
+                         temperature=0.0)
+            tokens += len(r.token_ids or [])
+        lat.append(time.perf_counter() - (t0 + job.offset))
+    return SystemRun("A plain RQ (generate per item)", time.perf_counter() - t0,
+                     sum(j.size for j in jobs), tokens, lat, [j.size for j in jobs])
+
+
+def run_b(model: Any, processor: Any, prompt: str, jobs: Sequence[Job],
+          max_tokens: int) -> SystemRun:
+    """Per-job batching: one `batch_generate` per job, FIFO."""
+    from mlx_vlm import batch_generate
+
+    t0 = time.perf_counter()
+    wait = _arrivals(jobs, t0)
+    tokens, lat = 0, []
+    for job in jobs:
+        wait(job)
+        out = batch_generate(model, processor, images=list(job.images),
+                             prompts=[prompt] * job.size, max_tokens=max_tokens)
+        tokens += int(out.stats.generation_tokens)
+        lat.append(time.perf_counter() - (t0 + job.offset))
+    return SystemRun("B per-job batch_generate", time.perf_counter() - t0,
+                     sum(j.size for j in jobs), tokens, lat, [j.size for j in jobs])
+
+
+def run_c(model_path: str, prompt: str, stop: tuple[str, ...], jobs: Sequence[Job],
+          max_tokens: int, max_batch: int, prep_threads: int) -> SystemRun:
+    """The vlmq Engine in-process, fed at the arrival times, prep on a thread pool."""
+    from vlmq.worker import mlx_adapter as A
+    from vlmq.worker.engine import Engine, Request
+
+    engine = Engine(model_path, max_batch=max_batch)
+    engine.wait_ready(timeout=300)
+    processor, config = engine.processor, engine.model_config
+
+    def submit(key: tuple[int, int], img: Image.Image, priority: int = 0) -> None:
+        prepared = A.prepare(processor, config, img, prompt)
+        engine.submit(Request(key=key, prepared=prepared, cached_features=None,
+                              max_tokens=max_tokens, temperature=0.0, stop=stop,
+                              priority=priority))
+
+    try:
+        submit((-1, 0), jobs[0].images[0])  # warm-up, untimed
+        while not engine.get_finished(timeout=1.0):
+            pass
+        left = {j: job.size for j, job in enumerate(jobs)}
+        done_at: dict[int, float] = {}
+        tokens = 0
+        with ThreadPoolExecutor(prep_threads) as pool:
+            t0 = time.perf_counter()
+            busy0 = engine.busy_s
+
+            def feed() -> None:
+                wait = _arrivals(jobs, t0)
+                for j, job in enumerate(jobs):
+                    wait(job)
+                    for k, img in enumerate(job.images):  # as the worker: items left
+                        pool.submit(submit, (j, k), img, job.size)
+
+            feeder = threading.Thread(target=feed)
+            feeder.start()
+            while left:
+                for f in engine.get_finished(timeout=1.0):
+                    if f.error:
+                        raise RuntimeError(f"engine item {f.key} failed: {f.error}")
+                    j = f.key[0]  # type: ignore[index]
+                    tokens += f.completion_tokens
+                    left[j] -= 1
+                    if not left[j]:
+                        del left[j]
+                        done_at[j] = time.perf_counter()
+            feeder.join()
+            wall = max(done_at.values()) - t0
+            busy = (engine.busy_s - busy0) / wall
+    finally:
+        engine.close(timeout=30)
+    lat = [done_at[j] - (t0 + job.offset) for j, job in enumerate(jobs)]
+    return SystemRun("C vlmq Engine in-process", wall, sum(j.size for j in jobs), tokens, lat,
+                     [j.size for j in jobs], {"busy": round(busy, 3)})
+
+
+# ---------------------------------------------------------------- D (Redis + worker)
+
+
+def _vm_hwm_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status", encoding="utf-8") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _stats_after(redis: Any, name: str, cond: Callable[[dict[str, str]], bool],
+                 timeout: float, proc: subprocess.Popen[str]) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = C.read_stats(redis, name)
+        if stats and cond(stats):
+            return stats
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise RuntimeError(f"worker exited {proc.returncode}:\n{out[-4000:]}")
+        time.sleep(0.1)
+    raise TimeoutError(f"worker {name}: stats not as expected after {timeout} s")
+
+
+def run_d(args: argparse.Namespace, model_path: str, jobs: Sequence[Job], workdir: Path,
+          max_tokens: int, blas_choice: str, label: str) -> SystemRun:
+    """Client enqueue at the arrival times, real Redis, one long-lived worker process."""
+    from vlmq.producer.client import Client
+
+    tag = f"{label.lower()}-{uuid.uuid4().hex[:6]}"
+    queue = f"bench-{tag}"
+    cache = workdir / f"cache-{tag}"
+    cmd = C.worker_cmd(args.redis_url, model_path, queue, max_batch=args.max_batch,
+                       cache_dir=cache / "vision", name=tag, burst=False)
+    cmd += ["--blas", blas_choice]
+    if args.prep_threads:
+        cmd += ["--prep-threads", str(args.prep_threads)]
+    proc = subprocess.Popen(cmd, env=C.worker_env(cache), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    redis = Redis.from_url(args.redis_url)
+    client = Client(args.redis_url)
+    kw = {"queue": queue, "max_side": args.side, "max_tokens": max_tokens,
+          "temperature": 0.0}
+    try:
+        # Warm-up (untimed): one photo the timed jobs do not contain.
+        warm = workdir / f"warm-{tag}.jpg"
+        _photo(10_000, PHOTO_SIZES[0]).save(warm)
+        client.ocr([warm], **kw).wait(timeout=600)
+        stats0 = _stats_after(redis, tag, lambda s: int(s.get("items_ok", "0")) >= 1, 60, proc)
+        arrivals: list[float] = []
+        handles = []
+        t0 = time.time()
+        for job in jobs:
+            delay = t0 + job.offset - time.time()
+            if delay > 0:
+                time.sleep(delay)
+            arrivals.append(time.time())
+            handles.append(client.ocr(job.paths, **kw))
+        for h in handles:
+            h.wait(timeout=1800)
+        runs = [C.job_run(args.redis_url, h.id) for h in handles]
+        rss = _vm_hwm_mb(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        stats1 = C.read_stats(redis, tag)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        client.close()
+        redis.close()
+    first = arrivals[0]
+    wall = max(r.last_item_at for r in runs) - first
+    lat = [r.last_item_at - a for r, a in zip(runs, arrivals, strict=True)]
+    busy = (float(stats1["mlx_busy_s"]) - float(stats0["mlx_busy_s"])) / wall
+    blas_line = next((ln.split("BLAS: ", 1)[1] for ln in out.splitlines() if "BLAS: " in ln),
+                     stats1.get("blas", "?"))
+    name = "D vlmq worker via Redis" if label == "D" else "D_ref same, --blas reference"
+    return SystemRun(name, wall, sum(r.items for r in runs), sum(r.tokens for r in runs),
+                     lat, [j.size for j in jobs],
+                     {"busy": round(busy, 3), "peak_rss_mb": round(rss, 1),
+                           "blas": blas_line, "failed": sum(r.items - r.ok for r in runs)})
+
+
+def enqueue_throughput(redis_url: str, folder: Path, n: int) -> float:
+    """Items/s for one caption job of `n` tiny distinct images (files to enqueued job)."""
+    from vlmq.producer.client import Client
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        p = folder / f"t{i:05d}.png"
+        Image.new("RGB", (8, 8), (i % 256, (i // 256) % 256, 7)).save(p)
+        paths.append(p)
+    with Client(redis_url) as client:
+        t0 = time.perf_counter()
+        client.caption(paths, queue=f"bench-enqueue-{uuid.uuid4().hex[:6]}")
+        return n / (time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------- main
+
+
+def resolve_model(name: str) -> str:
+    from vlmq.worker.cli import default_cache_dir
+    from vlmq.worker.tiny_model import build_tiny_model
+
+    if name in ("tiny", "bench"):
+        folder = default_cache_dir() / "models" / f"{name}-qwen2_vl"
+        return str(build_tiny_model(folder, arch="qwen2_vl", seed=0, size=name))
+    return name
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from vlmq.worker import blas
+
+    prep_threads = args.prep_threads or min(4, os.cpu_count() or 2)
+    # One thread count for all systems (the D workers inherit the environment).
+    threads = args.blas_threads or blas.worker_threads(prep_threads)
+    os.environ[blas.ENV_THREADS] = str(threads)
+    chosen = blas.select()  # this process runs A, B and C: before MLX loads
+    systems = {s.strip() for s in args.systems.split(",") if s.strip()}
+    if args.model != "bench":
+        systems.discard("D_ref")
+    max_tokens = args.max_tokens or (16 if args.quick else 64)
+    spacing = args.spacing if args.spacing is not None else (0.25 if args.quick else 0.5)
+    sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else list(JOB_SIZES)
+    model_path = resolve_model(args.model)
+    if (systems & {"D", "D_ref"} or not args.no_enqueue_bench) and not args.no_flush:
+        C.connect(args.redis_url).close()
+
+    from vlmq.worker import mlx_adapter as A
+    from vlmq.worker.model_defaults import resolve
+
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="vlmq-bench-run-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        jobs = make_jobs(workdir / "inputs", sizes, spacing, args.side)
+        print(f"machine: {C.machine()}")
+        print(f"BLAS (A, B, C): {chosen.describe()}")
+        items = sum(sizes)
+        print(f"model: {model_path}; {len(jobs)} jobs of {','.join(map(str, sizes))} items "
+              f"({items} in all: PDF pages + photos {PHOTO_SIZES}), arrivals every "
+              f"{spacing} s, max {max_tokens} new tokens, greedy, max batch {args.max_batch}, "
+              f"prep threads {prep_threads}", flush=True)
+        runs: dict[str, SystemRun] = {}
+        loaded = A.load_model(model_path)
+        spec = resolve(loaded.model_type, "ocr", None, max_tokens, 0.0, ())
+        prompt_text = A.format_prompt(loaded.processor, loaded.model.config, spec.prompt,
+                                      num_images=1)
+        if systems & {"A", "B"}:
+            from mlx_vlm import generate
+
+            generate(loaded.model, loaded.processor, prompt_text, image=[jobs[0].images[0]],
+                     max_tokens=4, temperature=0.0)  # warm-up, untimed
+        if "A" in systems:
+            runs["A"] = run_a(loaded.model, loaded.processor, prompt_text, jobs, max_tokens)
+            print(f"  A: {runs['A'].wall_s:.1f} s", flush=True)
+        if "B" in systems:
+            runs["B"] = run_b(loaded.model, loaded.processor, spec.prompt, jobs, max_tokens)
+            print(f"  B: {runs['B'].wall_s:.1f} s", flush=True)
+        del loaded
+        if "C" in systems:
+            runs["C"] = run_c(model_path, spec.prompt, tuple(spec.stop), jobs, max_tokens,
+                              args.max_batch, prep_threads)
+            print(f"  C: {runs['C'].wall_s:.1f} s", flush=True)
+        for label, choice in (("D", "auto"), ("D_ref", "reference")):
+            if label in systems:
+                runs[label] = run_d(args, model_path, jobs, workdir, max_tokens,
+                                    os.environ.get("VLMQ_BLAS", "auto") if label == "D"
+                                    else choice, label)
+                print(f"  {label}: {runs[label].wall_s:.1f} s", flush=True)
+        enq = None
+        if not args.no_enqueue_bench:
+            enq = enqueue_throughput(args.redis_url, workdir / "enqueue", ENQUEUE_ITEMS)
+    total = time.perf_counter() - t_start
+
+    print()
+    print(C.table(
+        ["system", "s", "items", "tokens", "tok/s", "items/s", "p50 s", "p95 s",
+         "small p50 s", "small p95 s", "busy", "peak RSS MB"],
+        [[r.name, r.wall_s, r.items, r.tokens, r.tok_s, r.items_s, r.p(50), r.p(95),
+          r.p(50, True), r.p(95, True), r.extra.get("busy", ""), r.extra.get("peak_rss_mb", "")]
+         for r in runs.values()]))
+    if enq is not None:
+        print(f"enqueue: {ENQUEUE_ITEMS} tiny items in one caption job: {enq:.0f} items/s")
+    print(f"harness wall time: {total:.0f} s")
+
+    def ratio(a: str, b: str) -> float | None:
+        if a in runs and b in runs:
+            return round(runs[a].tok_s / runs[b].tok_s, 3)
+        return None
+
+    d = runs.get("D")
+    summary = {
+        "D_over_A": ratio("D", "A"),
+        "D_over_B": ratio("D", "B"),
+        "D_over_C": ratio("D", "C"),
+        "D_over_D_ref": ratio("D", "D_ref"),
+        "small_job_p95_D_over_B": (round(d.p(95, True) / runs["B"].p(95, True), 3)
+                                   if d and "B" in runs else None),
+        "busy": d.extra["busy"] if d else None,
+        "enqueue_items_per_s": round(enq, 1) if enq is not None else None,
+        "peak_rss_mb": d.extra["peak_rss_mb"] if d else None,
+        "model": args.model, "quick": args.quick, "max_tokens": max_tokens,
+        "blas_threads": threads, "prep_threads": prep_threads,
+        "machine": C.machine(), "harness_s": round(total, 1),
+        "raw": {k: r.figures() for k, r in runs.items()},
+    }
+    line = json.dumps(summary)
+    if args.json_out:
+        args.json_out.write_text(line + "\n")
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
