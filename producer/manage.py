@@ -100,7 +100,7 @@ def _row(job_id: str, fields: list[Any]) -> JobRow:
     labels = ({str(k): str(v) for k, v in labels_raw.items()}
               if isinstance(labels_raw, Mapping) else {})
     blobs = frozenset(str(i["blob"]) for i in items
-                      if isinstance(i, Mapping) and SHA256_RE.match(str(i.get("blob", ""))))
+                      if isinstance(i, Mapping) and SHA256_RE.fullmatch(str(i.get("blob", ""))))
     task = payload.get("task")
     return JobRow(id=job_id, queue=as_str(origin or b""), task=task if isinstance(task, str)
                   else "?", status=as_str(status or b"?"), created_at=as_str(created or b""),

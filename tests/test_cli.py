@@ -441,8 +441,8 @@ def _deeply_nested_job(redis: Redis, tmp_path: Path) -> str:
 
 UNREADABLE = {
     "pickled": (_pickled_job, "data: job data is not JSON", "not JSON"),
-    "100k-deep JSON": (_deeply_nested_job, "data: job data is JSON nested too deeply",
-                       "nested too deeply"),
+    "100k-deep JSON": (_deeply_nested_job, "data: job data nests JSON deeper than 32 levels",
+                       "nests JSON deeper than 32 levels"),
     "bad payload": (_bad_payload_job, "items[0].page: must be between 1 and",
                     "items[0].page"),
     "hash RQ cannot parse": (_unparseable_hash_job, "RQ cannot read the job's hash (ValueError",

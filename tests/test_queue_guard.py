@@ -30,6 +30,11 @@ def payload() -> dict[str, object]:
                       ).to_dict()
 
 
+def _enqueue(redis: Redis, payload: dict[str, object], **kw: str) -> str:
+    redis.set(Keys().blob(FAKE_SHA), b"x")  # enqueue.lua checks that every blob exists
+    return enqueue_lua(redis, payload, **kw)
+
+
 @pytest.fixture
 def life(redis: Redis) -> Iterator[JobLifecycle]:
     worker = BatchWorker(["q"], connection=redis, name=f"guard-{uuid.uuid4().hex[:8]}")
@@ -59,7 +64,7 @@ def deep_json(depth: int) -> bytes:
 
 
 def poison_job(redis: Redis, field: str, value: bytes | None) -> str:
-    job_id = enqueue_lua(redis, payload(), queue="q")
+    job_id = _enqueue(redis, payload(), queue="q")
     if value is None:
         redis.hdel(Keys.rq_job(job_id), field)
     else:
@@ -95,7 +100,7 @@ def test_poison_entry_is_dead_lettered_and_the_next_job_runs(redis: Redis, life:
                                                              case: str) -> None:
     make, reason = CASES[case]
     bad_id = make(redis)
-    good_id = enqueue_lua(redis, payload(), queue="q")
+    good_id = _enqueue(redis, payload(), queue="q")
 
     refused = life.take()
     assert isinstance(refused, Refused), refused
@@ -123,7 +128,7 @@ def test_bomb_is_refused_without_inflating_it(redis: Redis, life: JobLifecycle) 
 
 
 def test_id_x_colon_y_fails_its_own_hash_not_job_x(redis: Redis, life: JobLifecycle) -> None:
-    x = enqueue_lua(redis, payload(), queue="other", job_id="x")
+    x = _enqueue(redis, payload(), queue="other", job_id="x")
     redis.hset("rq:job:x:y", mapping={"status": "queued", "data": b"[]"})
     redis.rpush("rq:queue:q", "x:y")
     assert isinstance(life.take(), Refused)
@@ -135,7 +140,7 @@ def test_maintenance_survives_poison_in_the_intermediate_list(redis: Redis,
                                                               life: JobLifecycle) -> None:
     queue = Queue("q", connection=redis)
     redis.rpush(queue.intermediate_queue_key, b"\xff\xfe", "x:y")
-    healthy = enqueue_lua(redis, payload(), queue="q")
+    healthy = _enqueue(redis, payload(), queue="q")
     redis.lmove("rq:queue:q", queue.intermediate_queue_key)  # another worker mid-take
     life.worker.last_cleaned_at = None  # due now
     life.maintain()

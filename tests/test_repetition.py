@@ -54,18 +54,28 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def refs(gemma: Path) -> list[tuple[A.Prepared, list[int]]]:
+    """Six items, some looping and some not, with their sequential tokens.
+
+    Which random image loops depends on the BLAS's rounding, so candidates are drawn until
+    both kinds are present (a random tiny model loops on most of them).
+    """
     from mlx_vlm import load, stream_generate
 
     model, processor = load(str(gemma))
-    out = []
-    for i in range(6):
+    looping: list[tuple[A.Prepared, list[int]]] = []
+    plain: list[tuple[A.Prepared, list[int]]] = []
+    for i in range(32):
         image = Image.fromarray(
             np.random.default_rng(i).integers(0, 256, (112, 112, 3), dtype=np.uint8))
         prep = A.prepare(processor, model.config, image, PROMPT)
         *_, last = stream_generate(model, processor, prep.text, image=[image],
                                    max_tokens=MAX_TOKENS, temperature=0.0)
-        out.append((prep, list(last.token_ids)))
-    return out
+        (looping if _first_loop(list(last.token_ids)) else plain).append(
+            (prep, list(last.token_ids)))
+        if plain and len(plain) + len(looping) >= 6 and looping:
+            break
+    picked = plain[:2] + looping[:6 - len(plain[:2])]
+    return [picked[k] for k in (1, 0, 2, 3, 4, 5) if k < len(picked)]
 
 
 def _run(model: Path, refs: list[tuple[A.Prepared, list[int]]],

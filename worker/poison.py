@@ -78,21 +78,38 @@ def reclaim(redis: Redis, keys: Keys, queue: Queue, *, poison_kills: int) -> Non
         return
     try:
         registry = queue.started_job_registry
-        for job_id in registry.get_expired_job_ids(current_timestamp()):
-            _attribute(redis, keys, str(job_id), poison_kills)
+        expired = [str(j) for j in registry.get_expired_job_ids(current_timestamp())]
+        culprits = _culprit_workers(redis, keys, expired)
+        for job_id in expired:
+            _attribute(redis, keys, job_id, poison_kills, culprits)
     finally:
         queue.release_maintenance_lock()  # type: ignore[no-untyped-call]
 
 
-def _attribute(redis: Redis, keys: Keys, job_id: str, poison_kills: int) -> None:
-    status = redis.hget(Job.key_for(job_id), "status")
+def _culprit_workers(redis: Redis, keys: Keys, job_ids: list[str]) -> set[str]:
+    """Workers that died with some item in risky work: the deaths someone is charged for."""
+    workers: set[str] = set()
+    for job_id in job_ids:
+        for record in redis.hvals(keys.job_risk(job_id)):
+            workers.add(as_str(record).partition("|")[0])
+    return workers
+
+
+def _attribute(redis: Redis, keys: Keys, job_id: str, poison_kills: int,
+               culprits: set[str]) -> None:
+    status, worker_name = redis.hmget(Job.key_for(job_id), ["status", "worker_name"])
     if status is None or as_str(status) != JobStatus.STARTED.value:
         return
     risk_key = keys.job_risk(job_id)
     risks = {as_str(k): as_str(v) for k, v in redis.hgetall(risk_key).items()}
     if not risks:
-        # Innocent: it only shared a process with whatever died. RQ's cleanup lowers
-        # retries_left by one when it requeues; give that one back first.
+        if worker_name is None or as_str(worker_name) not in culprits:
+            # Nobody is charged for this death (no item of any job was in risky work):
+            # RQ's own accounting applies, so a job that kills workers in a step we do not
+            # watch still runs out of retries instead of looping forever.
+            return
+        # Innocent: it only shared a process with the job charged for the death. RQ's
+        # cleanup lowers retries_left by one when it requeues; give that one back first.
         redis.hincrby(Job.key_for(job_id), "retries_left", 1)
         log.warning("job %s: its worker died while none of its items was in risky work; "
                     "requeued without spending a retry", job_id)

@@ -89,7 +89,7 @@ def create_app(settings: Settings, *, history: data.History | None = None) -> Fl
         queue = request.args.get("queue") or None
         state = request.args.get("state") or None
         raw_labels = [x for x in request.args.getlist("label") if x]
-        if queue is not None and not QUEUE_NAME_RE.match(queue):
+        if queue is not None and not QUEUE_NAME_RE.fullmatch(queue):
             abort(400, f"not a valid queue name: {queue!r}")
         try:
             labels = data.parse_labels(raw_labels)
@@ -225,7 +225,7 @@ def duration(seconds: str) -> str:
 
 
 def _job(client: Client, job_id: str) -> Job:
-    if not JOB_ID_RE.match(job_id):
+    if not JOB_ID_RE.fullmatch(job_id):
         abort(400, "not a valid job id (letters, digits, '-' and '_', at most 128)")
     try:
         return client.job(job_id)
