@@ -92,6 +92,22 @@ def test_only_the_job_in_risky_work_is_charged_and_fails_at_poison_kills(redis: 
     assert events[-1][1][b"type"] == b"failed"
 
 
+def test_a_death_nobody_is_charged_for_spends_one_retry_of_each_job(redis: Redis) -> None:
+    """No item was in risky work (an operator's kill -9, or a crash in an unwatched step):
+    RQ's own accounting applies, so a job that keeps killing workers there still runs out
+    of retries instead of being requeued forever."""
+    ids = [enqueue(redis, payload(), queue="q") for _ in range(2)]
+    life = lifecycle(redis, 1)
+    while life.take() is not None:
+        pass
+    time.sleep(2.2)  # its executions expire without a heartbeat
+    reclaim(redis)
+    for job in (fetch_job(redis, j) for j in ids):
+        assert job.get_status() == JobStatus.QUEUED
+        assert job.retries_left == C.CRASH_RETRIES - 1
+        assert not redis.exists(Keys().job_kills(job.id))
+
+
 def test_risk_records_are_cleared_when_the_step_ends(redis: Redis) -> None:
     risk = RiskLog(redis, Keys(), "w")
     with risk.step("j1", 4, "image decode"):
