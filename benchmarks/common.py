@@ -210,7 +210,9 @@ def enqueue_job(redis_url: str, inputs: Sequence[Path], *, queue: str, max_token
     from vlmq.producer.client import Client
 
     with Client(redis_url) as client:
-        return client.ocr(list(inputs), queue=queue, max_side=side, max_tokens=max_tokens).id
+        # Result cache off: repeated runs measure generation (and the vision cache).
+        return client.ocr(list(inputs), queue=queue, max_side=side, max_tokens=max_tokens,
+                          result_cache="off").id
 
 
 def job_run(redis_url: str, job_id: str) -> JobRun:

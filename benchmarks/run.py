@@ -317,8 +317,10 @@ def run_d(args: argparse.Namespace, model_path: str, jobs: Sequence[Job], workdi
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     redis = Redis.from_url(args.redis_url)
     client = Client(args.redis_url)
+    # The result cache off: D_ref runs the very items D just ran, and every system must
+    # generate what it is timed on.
     kw = {"queue": queue, "max_side": args.side, "max_tokens": max_tokens,
-          "temperature": 0.0}
+          "temperature": 0.0, "result_cache": "off"}
     try:
         # Warm-up (untimed): one photo the timed jobs do not contain.
         warm = workdir / f"warm-{tag}.jpg"
