@@ -26,6 +26,7 @@ from vlmq.shared.clitools import (
     EXIT_FAILED_ITEMS,
     EXIT_TIMEOUT,
     fail,
+    parse_labels,
 )
 from vlmq.shared.errors import InputError, PayloadError
 from vlmq.shared.schema import ItemResult
@@ -55,19 +56,8 @@ def _client(ctx: click.Context) -> Client:
     return Client(ctx.find_root().obj["redis_url"])
 
 
-def _parse_labels(_ctx: click.Context, _param: click.Parameter,
-                  values: Sequence[str]) -> dict[str, str]:
-    labels: dict[str, str] = {}
-    for raw in values:
-        key, sep, value = raw.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{raw!r} is not key=value")
-        labels[key] = value
-    return labels
-
-
 def _label_filter(func: F) -> F:
-    return click.option("--label", "labels", multiple=True, callback=_parse_labels,
+    return click.option("--label", "labels", multiple=True, callback=parse_labels,
                         metavar="K=V", help="Only jobs carrying this label (repeatable; "
                                             "all must match).")(func)
 
@@ -96,7 +86,7 @@ def _job_options(*, prompt_help: str, prompt_required: bool = False) -> Callable
         click.option("--temperature", type=click.FloatRange(0.0, C.MAX_TEMPERATURE),
                      help="Sampling temperature, 0 = greedy (default: the model's own)."),
         click.option("--stop", multiple=True, help="Extra stop string (repeatable)."),
-        click.option("--label", "labels", multiple=True, callback=_parse_labels,
+        click.option("--label", "labels", multiple=True, callback=parse_labels,
                      metavar="K=V", help="Label stored with the job (repeatable)."),
         click.option("--job-id", metavar="ID",
                      help="Use this job id ([A-Za-z0-9_-]); refused if a job with it exists, "
@@ -183,7 +173,7 @@ def _report(client: Client, job: Job, as_json: bool) -> None:
               help="With --manifest: one queue for every job (default: each task's own).")
 @click.option("--skip-bad", is_flag=True,
               help="With --manifest: enqueue the good lines and list the bad ones.")
-@click.option("--label", "labels", multiple=True, callback=_parse_labels, metavar="K=V",
+@click.option("--label", "labels", multiple=True, callback=parse_labels, metavar="K=V",
               help="With --manifest: label every job (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 @click.pass_context

@@ -23,7 +23,7 @@ from vlmq.producer.schedule import (
     run_scheduler,
 )
 from vlmq.shared import constants as C
-from vlmq.shared.clitools import EXIT_BAD_INPUT, EXIT_FAILED, fail
+from vlmq.shared.clitools import EXIT_BAD_INPUT, EXIT_FAILED, fail, parse_labels
 from vlmq.shared.errors import PayloadError
 
 _GLOB = frozenset("*?[")
@@ -32,17 +32,6 @@ _GLOB = frozenset("*?[")
 def _store(ctx: click.Context) -> tuple[Client, ScheduleStore]:
     client = Client(ctx.obj["redis_url"])
     return client, ScheduleStore(client)
-
-
-def _labels(_ctx: click.Context, _param: click.Parameter,
-            values: tuple[str, ...]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for value in values:
-        key, sep, val = value.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{value!r} is not K=V")
-        out[key] = val
-    return out
 
 
 @click.group("schedule")
@@ -65,7 +54,7 @@ def schedule_group() -> None:
 @click.option("--max-side", type=click.IntRange(*C.MAX_SIDE_RANGE), metavar="PX")
 @click.option("--model", help="Model id the worker should use (default: its own).")
 @click.option("--queue", metavar="NAME", help="Queue (default: the task's own).")
-@click.option("--label", "labels", multiple=True, callback=_labels, metavar="K=V",
+@click.option("--label", "labels", multiple=True, callback=parse_labels, metavar="K=V",
               help="Label on every job of this schedule (repeatable); schedule=NAME is "
                    "always added.")
 @click.option("--export", "export_dir", type=click.Path(file_okay=False), metavar="DIR",

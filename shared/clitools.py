@@ -10,6 +10,7 @@ failed; 124 `wait` timed out.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import NoReturn
 
 import click
@@ -23,6 +24,18 @@ EXIT_TIMEOUT = 124
 def fail(message: str, code: int) -> NoReturn:
     click.echo(f"vlmq: {message}", err=True)
     sys.exit(code)
+
+
+def parse_labels(_ctx: click.Context, _param: click.Parameter,
+                 values: Sequence[str]) -> dict[str, str]:
+    """Click callback for repeatable `--label K=V` options."""
+    labels: dict[str, str] = {}
+    for raw in values:
+        key, sep, value = raw.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{raw!r} is not key=value")
+        labels[key] = value
+    return labels
 
 
 def one_line(text: str) -> str:
