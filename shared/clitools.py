@@ -26,16 +26,24 @@ def fail(message: str, code: int) -> NoReturn:
     sys.exit(code)
 
 
-def parse_labels(_ctx: click.Context, _param: click.Parameter,
-                 values: Sequence[str]) -> dict[str, str]:
-    """Click callback for repeatable `--label K=V` options."""
+def split_labels(values: Sequence[str]) -> dict[str, str]:
+    """`key=value` strings as a dict; ValueError names the first one without a key or '='."""
     labels: dict[str, str] = {}
     for raw in values:
         key, sep, value = raw.partition("=")
         if not sep or not key:
-            raise click.BadParameter(f"{raw!r} is not key=value")
+            raise ValueError(f"label {raw!r} is not key=value")
         labels[key] = value
     return labels
+
+
+def parse_labels(_ctx: click.Context, _param: click.Parameter,
+                 values: Sequence[str]) -> dict[str, str]:
+    """Click callback for repeatable `--label K=V` options."""
+    try:
+        return split_labels(values)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
 
 
 def one_line(text: str) -> str:

@@ -29,6 +29,7 @@ from vlmq.producer.dashboard import data, markup
 from vlmq.producer.dashboard.render import PreviewCache, RenderError
 from vlmq.producer.errors import JobNotFound
 from vlmq.shared.blobs import BlobStore
+from vlmq.shared.clitools import split_labels
 from vlmq.shared.errors import BlobError, PayloadError, VlmqError
 from vlmq.shared.keys import JOB_ID_RE, QUEUE_NAME_RE
 from vlmq.shared.schema import Item, JobPayload
@@ -92,7 +93,7 @@ def create_app(settings: Settings, *, history: data.History | None = None) -> Fl
         if queue is not None and not QUEUE_NAME_RE.fullmatch(queue):
             abort(400, f"not a valid queue name: {queue!r}")
         try:
-            labels = data.parse_labels(raw_labels)
+            labels = split_labels(raw_labels)
         except ValueError as exc:
             abort(400, str(exc))
         rows = manage.list_jobs(client.redis, client.keys, queue=queue, status=state,

@@ -94,17 +94,6 @@ def jobs_by_state(redis: Redis) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def parse_labels(raw: list[str]) -> dict[str, str]:
-    """`key=value` filters; a filter without '=' is refused by the caller (ValueError)."""
-    out = {}
-    for text in raw:
-        key, sep, value = text.partition("=")
-        if not sep or not key:
-            raise ValueError(f"label filter {text!r} is not KEY=VALUE")
-        out[key] = value
-    return out
-
-
 def item_results(redis: Redis, keys: Keys, job_id: str) -> dict[int, dict[str, Any]]:
     """Item results by index, read leniently: one unreadable entry is shown, not fatal."""
     out: dict[int, dict[str, Any]] = {}
