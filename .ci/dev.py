@@ -146,19 +146,19 @@ def ensure_node() -> None:
 
 
 def typecheck() -> int:
-    """mypy --strict over the three packages under their import names.
+    """mypy --strict over the four packages under their import names.
 
     The folders map to vlmq.* only through setuptools' package-dir, which mypy cannot
     follow, so a tree of links under build/ gives it the installed layout.
     """
     tree = ROOT / "build" / "typecheck" / "vlmq"
     tree.mkdir(parents=True, exist_ok=True)
-    for name in ("producer", "worker", "shared"):
+    for name in ("cli", "producer", "worker", "shared"):
         link = tree / name
         if not link.is_symlink():
             link.symlink_to(ROOT / name, target_is_directory=True)
     cmd = [str(BIN / "mypy"), "--config-file", str(ROOT / "pyproject.toml"),
-           "-p", "vlmq.producer", "-p", "vlmq.worker", "-p", "vlmq.shared"]
+           "-p", "vlmq.cli", "-p", "vlmq.producer", "-p", "vlmq.worker", "-p", "vlmq.shared"]
     return subprocess.run(cmd, cwd=tree.parent, check=False).returncode
 
 

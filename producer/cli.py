@@ -1,6 +1,6 @@
 """The producer's commands: enqueue, jobs, status, wait, result, cancel, retry, delete.
 
-They register on the root group (vlmq.shared.cli), which also carries the worker's
+They register on the root group (vlmq.cli.main), which also carries the worker's
 commands; this module imports nothing from the worker. Exit codes: vlmq.shared.clitools.
 """
 
@@ -14,22 +14,21 @@ from typing import Any, TypeVar
 
 import click
 
-from vlmq.producer.client import Client, Job, WaitTimeout, wait_all
+from vlmq.producer.client import Client, Job
 from vlmq.producer.inputs import PagesWithoutPdf
 from vlmq.producer.manage import CannotCancel
 from vlmq.producer.manifest import read_manifest
-from vlmq.producer.options import MAX_TTL_S, JobOptions
+from vlmq.producer.options import JobOptions, job_options
+from vlmq.producer.results_cli import result_cmd, wait_cmd
 from vlmq.shared import constants as C
+from vlmq.shared import settings as S
 from vlmq.shared.clitools import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
-    EXIT_FAILED_ITEMS,
-    EXIT_TIMEOUT,
     fail,
     parse_labels,
 )
 from vlmq.shared.errors import InputError, PayloadError
-from vlmq.shared.schema import ItemResult
 
 F = TypeVar("F", bound=Callable[..., Any])
 JSON_HELP = "Print JSON instead of text."
@@ -66,76 +65,6 @@ def _json_option(func: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help=JSON_HELP)(func)
 
 
-# Each job option once: (click flag, JobOptions field). The commands hand the collected
-# values to JobOptions.build, the same object the Python client builds.
-_OPTION_FIELDS = ("prompt", "model", "max_tokens", "max_side", "temperature", "stop",
-                  "labels", "job_id", "result_ttl", "blob_ttl")
-
-
-def _job_options(*, prompt_help: str, prompt_required: bool = False) -> Callable[[F], F]:
-    """Add the job options to a command and pass them on as one `options` argument."""
-    ttl = click.IntRange(1, MAX_TTL_S)
-    options = [
-        click.option("--prompt", required=prompt_required, help=prompt_help),
-        click.option("--model", help="Model id the worker should use (default: its own)."),
-        click.option("--max-tokens", type=click.IntRange(1, C.MAX_TOKENS_LIMIT),
-                     help="Most tokens to generate per item."),
-        click.option("--max-side", type=click.IntRange(*C.MAX_SIDE_RANGE), metavar="PX",
-                     help="Resize so the longer side is at most PX pixels "
-                          "(default: the model's own)."),
-        click.option("--temperature", type=click.FloatRange(0.0, C.MAX_TEMPERATURE),
-                     help="Sampling temperature, 0 = greedy (default: the model's own)."),
-        click.option("--stop", multiple=True, help="Extra stop string (repeatable)."),
-        click.option("--label", "labels", multiple=True, callback=parse_labels,
-                     metavar="K=V", help="Label stored with the job (repeatable)."),
-        click.option("--job-id", metavar="ID",
-                     help="Use this job id ([A-Za-z0-9_-]); refused if a job with it exists, "
-                          "so a re-run script cannot enqueue the same work twice."),
-        click.option("--result-ttl", type=ttl, metavar="S",
-                     help=f"Keep the results S seconds after the job ends "
-                          f"(default {C.RESULT_TTL_S // 86400} days)."),
-        click.option("--blob-ttl", type=ttl, metavar="S",
-                     help=f"Keep the uploaded inputs S seconds "
-                          f"(default {C.BLOB_TTL_S // 86400} days)."),
-        click.option("--no-result-cache", "result_cache", flag_value="off", default=None,
-                     help="Generate every item afresh, even if the workers' shared result "
-                          "cache holds its text."),
-        click.option("--result-cache-sampled", "result_cache", flag_value="sampled",
-                     help="Also cache (and reuse) items generated with temperature > 0; by "
-                          "default only deterministic (temperature 0) items are."),
-        click.option("--json", "as_json", is_flag=True, help=JSON_HELP),
-    ]
-
-    def decorate(func: F) -> F:
-        @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            values = {name: kwargs.pop(name) for name in _OPTION_FIELDS}
-            values["stop"] = values["stop"] or None
-            values["labels"] = values["labels"] or None
-            values["queue"] = kwargs.pop("queue")
-            values["result_cache"] = kwargs.pop("result_cache")
-            try:
-                kwargs["options"] = JobOptions.build(**values)
-            except PayloadError as exc:
-                fail(f"error: {exc}\nnothing was enqueued", EXIT_BAD_INPUT)
-            return func(*args, **kwargs)
-
-        out: Any = wrapper
-        for option in reversed(options):
-            out = option(out)
-        return out  # type: ignore[no-any-return]
-
-    return decorate
-
-
-def _queue_option(default: str | None) -> Callable[[F], F]:
-    return click.option("--queue", default=default, show_default=default is not None,
-                        metavar="NAME",
-                        help="Queue to put the job on; workers take jobs from the queues "
-                             "they are started with" + ("" if default else
-                                                        " (default: the task's own)") + ".")
-
-
 def _job_json(job: Job) -> dict[str, Any]:
     return {"id": job.id, "queue": job.queue, "task": job.task, "items": job.items,
             "blobs": job.blobs, "uploaded": job.uploaded,
@@ -166,9 +95,10 @@ def _report(client: Client, job: Job, as_json: bool) -> None:
 @click.group(invoke_without_command=True)
 @click.option("--manifest", type=click.Path(dir_okay=False), metavar="FILE.jsonl",
               help='Enqueue a batch manifest: one JSON request per line, {"custom_id", '
-                   '"task", "file", "pages"?, "prompt"?, "max_tokens"?}; files are relative '
-                   "to the manifest's folder. Lines with the same task and settings share "
-                   "a job.")
+                   '"task", "file", "pages"?} plus any of ' + ", ".join(
+                       f'"{s.name}"?' for s in S.rows("manifest"))
+                   + "; files are relative to the manifest's folder. Lines with the same "
+                     "task and settings share a job.")
 @click.option("--queue", metavar="NAME",
               help="With --manifest: one queue for every job (default: each task's own).")
 @click.option("--skip-bad", is_flag=True,
@@ -215,8 +145,9 @@ def _set_command(task: str) -> Callable[..., None]:
     @click.option("--recursive", "-r", is_flag=True, help="Descend into folders.")
     @click.option("--skip-bad", is_flag=True,
                   help="Enqueue the good files and report the bad ones (default: reject all).")
-    @_queue_option(C.DEFAULT_QUEUE[task])
-    @_job_options(prompt_help=prompt_help, prompt_required=task == "generate")
+    @_json_option
+    @job_options(prompt={"help": prompt_help, "required": task == "generate"},
+                 queue={"default": C.DEFAULT_QUEUE[task], "show_default": True})
     @click.pass_context
     @_handle_errors
     def command(ctx: click.Context, paths: tuple[str, ...], pages: str | None,
@@ -350,11 +281,6 @@ def _job_status(job: Job, as_json: bool) -> None:
         click.echo(f"error: {error.strip()}")
 
 
-def _last_line(text: str) -> str:
-    lines = text.strip().splitlines()
-    return lines[-1] if lines else text
-
-
 def _stat(stats: dict[str, str], key: str, fmt: str = "{}", scale: float = 1.0) -> str:
     raw = stats.get(key)
     if raw is None:
@@ -396,160 +322,6 @@ def _overview(client: Client, as_json: bool) -> None:
     for w in workers:
         if w.stats.get("blas"):
             click.echo(f"{w.name} blas: {w.stats['blas']}")
-
-
-# --- wait / result -----------------------------------------------------------------------------
-
-
-@click.command("wait")
-@click.argument("job_ids", nargs=-1, required=True)
-@click.option("--timeout", type=click.FloatRange(min=0), metavar="S",
-              help="Give up after S seconds (exit 124).")
-@click.option("--strict", is_flag=True,
-              help="Also fail (exit 3) when a job finished with failed items.")
-@_json_option
-@click.pass_context
-def wait_cmd(ctx: click.Context, job_ids: tuple[str, ...], timeout: float | None,
-             strict: bool, as_json: bool) -> None:
-    """Wait for jobs with progress (a bar on a terminal, else a line every 10 % or 10 s).
-
-    Exit codes: 0 every job finished; 1 a job failed, was canceled or is not found;
-    3 (--strict only) every job finished but some items failed; 124 timed out.
-    """
-    with _client(ctx) as client:
-        jobs = [client.job(j) for j in job_ids]
-        try:
-            statuses = wait_all(jobs, timeout=timeout, progress=True)
-        except WaitTimeout as exc:
-            unserved = sorted({j.queue for j in jobs if exc.statuses.get(j.id) == "queued"
-                               and client.serving(j.queue) == 0})
-            hint = (f"\nno live worker serves queue(s) {', '.join(unserved)}: start one with "
-                    f"vlmq worker --model M --queues {' '.join(unserved)}" if unserved else "")
-            fail(f"{exc}{hint}", EXIT_TIMEOUT)
-        out = []
-        for job in jobs:
-            state = statuses[job.id]
-            error = job.error() if state != "finished" else None
-            failed = (job.summary() or {}).get("failed", 0) if state == "finished" else 0
-            out.append({"id": job.id, "status": state, "failed_items": failed,
-                        "error": _last_line(error) if error else None})
-    if as_json:
-        click.echo(json.dumps(out))
-    else:
-        for row in out:
-            click.echo(f"{row['id']}: {row['status']}"
-                       + (f": {row['error']}" if row["error"] else "")
-                       + (f" ({row['failed_items']} item(s) failed)"
-                          if row["failed_items"] else ""))
-    if any(row["status"] != "finished" for row in out):
-        sys.exit(EXIT_FAILED)
-    if strict and any(row["failed_items"] for row in out):
-        sys.exit(EXIT_FAILED_ITEMS)
-
-
-def _write(path: str | None, text: str) -> None:
-    if path is None:
-        click.echo(text, nl=False)
-        return
-    try:
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(text)
-    except OSError as exc:
-        fail(f"error: cannot write {path}: {exc.strerror or exc}", EXIT_BAD_INPUT)
-
-
-def _result_lines(job: Job, results: Sequence[ItemResult], error: str | None, *,
-                  missing: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(successes, failures), one dict per item; a failed job's unfinished items count as
-    failures, so the errors file names every item that has no text."""
-    ok: list[dict[str, Any]] = []
-    bad: list[dict[str, Any]] = []
-    for r in results:
-        (ok if r.ok else bad).append({"job_id": job.id, **r.to_dict()})
-    if error is not None and missing:
-        done = {r.index for r in results}
-        for index, item in enumerate(job.payload().items):
-            if index not in done:
-                bad.append({"job_id": job.id, "index": index, "source": item.source,
-                            "page": item.page, "custom_id": item.custom_id, "text": None,
-                            "error": f"no result: the job failed: {_last_line(error)}"})
-        bad.sort(key=lambda d: int(d["index"]))
-    return ok, bad
-
-
-@click.command("result")
-@click.argument("job_ids", nargs=-1, required=True)
-@click.option("--format", "fmt", type=click.Choice(["jsonl", "json", "md", "txt"]),
-              default="jsonl", show_default=True,
-              help="jsonl: one item result per line (with job_id and custom_id); json: one "
-                   "object with the job's status and summary; md: a readable document, one "
-                   "section per page or image; txt: the texts alone, in item order, a blank "
-                   "line apart (failed items left out, said on stderr). json and md take "
-                   "one job.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True),
-              help="Write here instead of stdout.")
-@click.option("--errors", "errors_path", type=click.Path(dir_okay=False, writable=True),
-              help="jsonl: write failed items here, successes to -o/stdout (the OpenAI "
-                   "Batch convention).")
-@click.pass_context
-def result_cmd(ctx: click.Context, job_ids: tuple[str, ...], fmt: str, output: str | None,
-               errors_path: str | None) -> None:
-    """Print jobs' results in item order (partial while they run).
-
-    Exit 1 when a job failed; the results it has are still written, and the failure is
-    said once on stderr (and in the json and md output).
-    """
-    if (fmt in ("json", "md") and len(job_ids) > 1) or (fmt != "jsonl" and errors_path):
-        raise click.UsageError("several job ids need --format jsonl or txt; --errors needs "
-                               "--format jsonl")
-    ok_lines: list[dict[str, Any]] = []
-    bad_lines: list[dict[str, Any]] = []
-    notes: list[str] = []
-    failed = False
-    text = ""
-    with _client(ctx) as client:
-        for job in [client.job(j) for j in job_ids]:
-            state = job.status()
-            if job.problem is not None:
-                error = job.error()
-                detail = f"\nerror: {error.strip()}" if error else ""
-                fail(f"error: job {job.id} is not a readable vlmq job: {job.problem}\n"
-                     f"status: {state}{detail}", EXIT_FAILED)
-            results = list(job.results())
-            error = job.error() if state == "failed" else None
-            if error is not None:
-                failed = True
-                notes.append(f"vlmq: job {job.id} failed ({len(results)}/{job.items} items "
-                             f"have results): {_last_line(error)}")
-            elif len(results) < job.items:
-                notes.append(f"vlmq: job {job.id} is {state}: {len(results)}/{job.items} "
-                             "items done; results are partial")
-            if fmt == "json":
-                text = json.dumps({"id": job.id, "status": state, "labels": job.labels,
-                                   "summary": job.summary() if state == "finished" else None,
-                                   "error": error,
-                                   "items": [r.to_dict() for r in results]}, indent=2) + "\n"
-            elif fmt == "md":
-                text = render_markdown(job, state, results, error)
-            elif fmt == "txt":
-                text += "".join((r.text or "").rstrip("\n") + "\n\n" for r in results if r.ok)
-                notes += [f"vlmq: job {job.id} item {r.index} ({r.source}) failed: {r.error}"
-                          for r in results if not r.ok]
-            else:
-                ok, bad = _result_lines(job, results, error, missing=errors_path is not None)
-                ok_lines += ok
-                bad_lines += bad
-    if fmt == "jsonl":
-        main_lines = ok_lines if errors_path else sorted(
-            ok_lines + bad_lines, key=lambda d: (job_ids.index(d["job_id"]), d["index"]))
-        text = "".join(json.dumps(d) + "\n" for d in main_lines)
-        if errors_path:
-            _write(errors_path, "".join(json.dumps(d) + "\n" for d in bad_lines))
-    _write(output, text)
-    for note in notes:
-        click.echo(note, err=True)
-    if failed:
-        sys.exit(EXIT_FAILED)
 
 
 # --- cancel / retry / delete -------------------------------------------------------------------
@@ -623,37 +395,4 @@ def register(group: click.Group) -> None:
     for command in (enqueue, jobs_cmd, status_cmd, wait_cmd, result_cmd, cancel_cmd,
                     retry_cmd, delete_cmd):
         group.add_command(command)
-
-
-def render_markdown(job: Job, state: str, results: Sequence[ItemResult],
-                    error: str | None = None) -> str:
-    """The document's pages in item order, one heading each; errors and gaps made visible.
-
-    A failed job's document opens with why it failed (`error`), before any page.
-    """
-    by_index = {r.index: r for r in results}
-    parts: list[str] = []
-    if error is not None:
-        parts.append(f"> **This job failed:** {_last_line(error)}\n")
-        if len(error.strip().splitlines()) > 1:
-            parts.append("```text\n" + error.strip() + "\n```\n")
-    parts.append(f"<!-- vlmq job {job.id}: {state}, {len(results)}/{job.items} items -->\n")
-    for index, item in enumerate(job.payload().items):
-        heading = item.source if item.page is None else f"{item.source} — page {item.page}"
-        if item.custom_id is not None:
-            heading += f" ({item.custom_id})"
-        parts.append(f"## {heading}\n")
-        r = by_index.get(index)
-        if r is None and error is not None:
-            parts.append("> _no result: the job failed before this item (see the top)_\n")
-        elif r is None:
-            parts.append(f"> _not done yet (job {state})_\n")
-        elif r.error is not None:
-            parts.append(f"> **Error:** {r.error}\n")
-        elif not r.text:
-            parts.append("_(no text)_\n")
-        else:
-            parts.append(r.text.rstrip("\n") + "\n")
-    return "\n".join(parts)
-
 

@@ -24,7 +24,7 @@ from rq.serializers import JSONSerializer
 from vlmq.producer import manage
 from vlmq.producer.errors import JobNotFound
 from vlmq.producer.inputs import PageSpec, Prepared, prepare
-from vlmq.producer.options import JobOptions
+from vlmq.producer.options import JOB_FIELDS, JobOptions
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.connection import connect
@@ -155,7 +155,7 @@ class Client:
         prepared = inputs if isinstance(inputs, Prepared) else prepare(
             _as_list(inputs), pages=pages, recursive=recursive, skip_bad=skip_bad)
         # The worker will run exactly this check; failing here keeps Redis untouched.
-        payload = opts.payload(task, prepared.items)
+        wire, payload = opts.payload(task, prepared.items)
         queue = opts.queue_for(task)
         if opts.job_id is not None:
             self._refuse_taken_id(opts.job_id)
@@ -179,7 +179,7 @@ class Client:
                 blobs.add(source.read_verified(), pipeline=pipe)
             uploaded += sum(bool(created) for created in pipe.execute())
         jid = enqueue(self.redis, payload, queue=queue, job_id=opts.job_id,
-                      result_ttl=opts.result_ttl)
+                      result_ttl=opts.result_ttl, wire=wire)
         return Job(self, jid, queue=queue, items=len(payload.items),
                    rejected=list(prepared.rejected), uploaded=uploaded,
                    blobs=len({i.blob for i in payload.items}), labels=payload.labels,
@@ -187,7 +187,7 @@ class Client:
 
     def serving(self, queue: str) -> int:
         """How many live RQ workers listen on `queue` (0: a job there waits for one)."""
-        return int(self.redis.scard(f"rq:workers:{queue}"))
+        return int(self.redis.scard(Keys.rq_queue_workers(queue)))
 
     def _refuse_taken_id(self, job_id: str) -> None:
         """Refuse a taken id before uploading anything for a job that cannot be enqueued.
@@ -351,13 +351,11 @@ class Job:
         if not items:
             raise PayloadError("items", f"job {self.id} has no failed or missing items "
                                         "to retry")
-        ttl = self.client.redis.hget(Keys.rq_job(self.id), "result_ttl")
-        opts = JobOptions.build(
-            prompt=payload.prompt, model=payload.model, max_side=payload.max_side,
-            max_tokens=payload.generation.max_tokens,
-            temperature=payload.generation.temperature, stop=payload.generation.stop,
-            labels={**payload.labels, "retry_of": self.id}, queue=self.queue,
-            result_ttl=_positive_int(ttl))
+        raw = self.client.redis.hmget(Keys.rq_job(self.id), list(JOB_FIELDS))
+        opts = JobOptions.of_job(payload, {
+            name: as_str(value) for name, value in zip(JOB_FIELDS, raw, strict=True)
+            if value is not None})
+        opts = opts.with_(labels={**payload.labels, "retry_of": self.id})
         blobs = BlobStore(self.client.redis, self.client.keys, ttl_s=opts.blob_ttl)
         for item in items:
             if not blobs.touch(item.blob):
@@ -422,26 +420,20 @@ def wait_all(jobs: Sequence[Job], *, timeout: float | None = None,
     if not jobs:
         return {}
     client = jobs[0].client
-    redis = client.redis
     total = sum(j.items for j in jobs)
     deadline = None if timeout is None else time.monotonic() + timeout
     cursors: dict[Any, Any] = {client.keys.job_events(j.id): "0-0" for j in jobs}
-    statuses: dict[str, str] = {}
-    shown = 0
-    lines = _ProgressLines(total) if progress and not sys.stderr.isatty() else None
     with ExitStack() as stack:
-        bar: Any = (stack.enter_context(click.progressbar(
-            length=total, label="items", file=sys.stderr, show_pos=True, show_eta=True))
-            if progress and lines is None else None)
+        shown: _ProgressBar | _ProgressLines | None = None
+        if progress:
+            shown = _ProgressBar(stack, total) if sys.stderr.isatty() else _ProgressLines(total)
         while True:
             statuses = {j.id: j.status() for j in jobs}
             done = sum(j.progress()[0] for j in jobs)
-            if bar is not None and done > shown:
-                bar.update(done - shown)
-                shown = done
-            if lines is not None:
-                lines.update(done, final=all(s in TERMINAL for s in statuses.values()))
-            if all(s in TERMINAL for s in statuses.values()):
+            ended = all(s in TERMINAL for s in statuses.values())
+            if shown is not None:
+                shown.update(done, final=ended)
+            if ended:
                 return statuses
             wait_s = poll_s
             if deadline is not None:
@@ -449,10 +441,30 @@ def wait_all(jobs: Sequence[Job], *, timeout: float | None = None,
                 if remaining <= 0:
                     raise WaitTimeout(statuses, done, total, timeout or 0.0)
                 wait_s = min(wait_s, remaining)
-            reply: Any = redis.xread(cursors, count=1000, block=max(1, int(wait_s * 1000)))
-            for stream, entries in reply or []:
-                if entries:
-                    cursors[as_str(stream)] = as_str(entries[-1][0])
+            _follow_events(client, cursors, wait_s)
+
+
+def _follow_events(client: Client, cursors: dict[Any, Any], wait_s: float) -> None:
+    """Block until an event lands on one of the streams or `wait_s` passes; each stream's
+    cursor moves past what came."""
+    reply: Any = client.redis.xread(cursors, count=1000, block=max(1, int(wait_s * 1000)))
+    for stream, entries in reply or []:
+        if entries:
+            cursors[as_str(stream)] = as_str(entries[-1][0])
+
+
+class _ProgressBar:
+    """Progress on a terminal: click's bar, moved on to each new count."""
+
+    def __init__(self, stack: ExitStack, total: int) -> None:
+        self.bar = stack.enter_context(click.progressbar(
+            length=total, label="items", file=sys.stderr, show_pos=True, show_eta=True))
+        self.shown = 0
+
+    def update(self, done: int, *, final: bool = False) -> None:
+        if done > self.shown:
+            self.bar.update(done - self.shown)
+            self.shown = done
 
 
 class _ProgressLines:
@@ -477,14 +489,6 @@ class _ProgressLines:
             click.echo(f"items {done}/{self.total} ({pct:.0f}%) after "
                        f"{now - self.started:.0f}s", err=True)
             self.last_step, self.last_t = step, now
-
-
-def _positive_int(raw: bytes | str | None) -> int | None:
-    try:
-        value = int(as_str(raw or b""))
-    except ValueError:
-        return None
-    return value if value > 0 else None
 
 
 def _options(options: JobOptions | None, values: Mapping[str, Any]) -> JobOptions:

@@ -8,17 +8,18 @@ absolute paths, `..` parts and symlinked folders pointing out are refused.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
+from vlmq.producer import formats
 from vlmq.shared.errors import VlmqError
 from vlmq.shared.schema import ItemResult
 
-FORMATS = ("md", "txt", "json")
+# The formats that say how one source's results become a file (formats.Format.file).
+FORMATS = tuple(name for name, f in formats.FORMATS.items() if f.file is not None)
 
 
 class UnsafeSource(VlmqError):
@@ -74,27 +75,16 @@ def _write(path: Path, text: str) -> None:
         raise
 
 
-def _document(pages: Sequence[ItemResult], fmt: str) -> str:
-    """A PDF's pages in page order, each after a marker naming it (errors shown in place)."""
-    parts: list[str] = []
-    for r in sorted(pages, key=lambda r: (r.page or 0, r.index)):
-        body = r.text.rstrip("\n") if r.ok and r.text else (
-            f"[error: {r.error}]" if r.error else "")
-        marker = f"<!-- page {r.page} -->" if fmt == "md" else f"--- page {r.page} ---"
-        parts.append(f"{marker}\n\n{body}\n")
-    return "\n".join(parts)
-
-
 def export_results(results: Iterable[ItemResult], root: Path, fmt: str = "md") -> ExportReport:
     """Write one job's results under root; later writes of the same source replace earlier.
 
-    md: a PDF becomes `<source>.md` (pages with markers), an image `<source>.txt`.
-    txt: the same, with plain-text page markers and `.txt` for PDFs too.
-    json: every source becomes `<source>.json` with all item fields (a list for a PDF).
-    Failed images are not written (reported in `failed`); a PDF page that failed shows
-    its error in place, so the document keeps its page order.
+    A PDF becomes `<source>.<fmt>`, an image `<source>.txt` (`<source>.json` in json);
+    what a file holds is the format's own (vlmq.producer.formats, Format.file). Failed
+    images are not written (reported in `failed`); a failed PDF page is reported too and
+    keeps its place in the document.
     """
-    if fmt not in FORMATS:
+    render = formats.FORMATS[fmt].file if fmt in formats.FORMATS else None
+    if render is None:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
     report = ExportReport()
     docs: dict[str, list[ItemResult]] = {}
@@ -108,18 +98,11 @@ def export_results(results: Iterable[ItemResult], root: Path, fmt: str = "md") -
         if not r.ok:
             report.failed.append((r.source, r.error or "failed"))
             continue
-        text = (json.dumps(r.to_dict(), indent=2) + "\n" if fmt == "json"
-                else (r.text or "").rstrip("\n") + "\n")
-        _emit(report, root, r.source, ".json" if fmt == "json" else ".txt", text)
+        _emit(report, root, r.source, ".json" if fmt == "json" else ".txt", render([r]))
     for source, pages in docs.items():
         report.failed += [(f"{source} page {p.page}", p.error or "failed")
                           for p in pages if not p.ok]
-        if fmt == "json":
-            text = json.dumps([p.to_dict() for p in sorted(pages, key=lambda p: p.page or 0)],
-                              indent=2) + "\n"
-        else:
-            text = _document(pages, fmt)
-        _emit(report, root, source, f".{fmt}", text)
+        _emit(report, root, source, f".{fmt}", render(pages))
     return report
 
 

@@ -25,14 +25,11 @@ from vlmq.producer.errors import JobNotFound
 from vlmq.shared import constants as C
 from vlmq.shared.errors import PayloadError, VlmqError
 from vlmq.shared.jobs import UNREADABLE_HASH_ERRORS
-from vlmq.shared.keys import RQ_RESULTS, SHA256_RE, Keys
+from vlmq.shared.keys import SHA256_RE, Keys
 from vlmq.shared.results import end_job_event, ended_ttl
 from vlmq.shared.text import as_str
 
-JOB_KEY_GLOB = "rq:job:*"
 SCAN_COUNT = 1000
-# RQ keeps more than the job hash under rq:job:<id>:...; only the hash itself is a job.
-_JOB_PREFIX = "rq:job:"
 ENDED = frozenset({"finished", "failed", "stopped", "canceled"})
 
 
@@ -110,10 +107,9 @@ def _row(job_id: str, fields: list[Any]) -> JobRow:
 def scan_jobs(redis: Redis) -> Iterator[JobRow]:
     """Every RQ job hash in this db, read in pipelined batches."""
     batch: list[str] = []
-    for raw in redis.scan_iter(match=JOB_KEY_GLOB, count=SCAN_COUNT, _type="HASH"):
-        key = as_str(raw)
-        job_id = key[len(_JOB_PREFIX):]
-        if ":" in job_id:
+    for raw in redis.scan_iter(match=Keys.rq_job_glob(), count=SCAN_COUNT, _type="HASH"):
+        job_id = Keys.rq_job_id(as_str(raw))
+        if job_id is None:
             continue
         batch.append(job_id)
         if len(batch) >= SCAN_COUNT:
@@ -223,7 +219,7 @@ def delete(redis: Redis, keys: Keys, job_id: str) -> frozenset[str]:
         job.delete(pipeline=pipe)
     elif row.queue:
         pipe.lrem(Keys.rq_queue(row.queue), 0, job_id)
-    pipe.delete(Keys.rq_job(job_id), RQ_RESULTS.format(id=job_id), keys.job_items(job_id),
+    pipe.delete(Keys.rq_job(job_id), Keys.rq_results(job_id), keys.job_items(job_id),
                 keys.job_events(job_id), keys.job_owner(job_id), keys.job_risk(job_id),
                 keys.job_kills(job_id))
     pipe.execute()

@@ -1,6 +1,7 @@
 """Batch manifests: a JSONL file of requests, the way batch APIs take them.
 
-Each line is one request: {"custom_id", "task", "file", "pages"?, "prompt"?, "max_tokens"?}.
+Each line is one request: {"custom_id", "task", "file", "pages"?} and any of the settings
+a manifest may carry ("prompt", "max_tokens", "max_side", ...: see shared/settings.py).
 Every line is checked before anything is written; errors name the line and the field.
 Lines with the same task and settings become one job, so a manifest's items share
 batches on the worker; every item carries its line's custom_id into its result.
@@ -17,9 +18,12 @@ from typing import Any
 from vlmq.producer.inputs import Prepared, check_file, parse_pages
 from vlmq.producer.options import JobOptions
 from vlmq.shared import constants as C
+from vlmq.shared import settings as S
 from vlmq.shared.errors import InputError, PayloadError
 
-FIELDS = ("custom_id", "task", "file", "pages", "prompt", "max_tokens")
+# The request's own fields; every setting a manifest may carry (shared/settings.py) too.
+OWN_FIELDS = ("custom_id", "task", "file", "pages")
+FIELDS = (*OWN_FIELDS, *(s.name for s in S.rows("manifest")))
 REQUIRED = ("custom_id", "task", "file")
 
 
@@ -42,8 +46,7 @@ class Request:
     task: str
     file: Path
     pages: str | None
-    prompt: str | None
-    max_tokens: int | None
+    settings: dict[str, Any]  # the line's own settings, checked, by name
 
 
 @dataclass
@@ -55,53 +58,52 @@ class Group:
     prepared: Prepared
 
 
-def _field_error(name: str, problem: str) -> PayloadError:
-    return PayloadError(name, problem)
-
-
-def parse_line(number: int, text: str, base: Path) -> Request:
+def _object(text: str) -> dict[str, Any]:
     try:
         raw: Any = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as exc:
-        raise _field_error("(line)", f"is not JSON: {exc}") from None
+        raise PayloadError("(line)", f"is not JSON: {exc}") from None
     if not isinstance(raw, dict):
-        raise _field_error("(line)", f"must be a JSON object, got {type(raw).__name__}")
+        raise PayloadError("(line)", f"must be a JSON object, got {type(raw).__name__}")
     unknown = sorted(set(raw) - set(FIELDS))
     if unknown:
-        raise _field_error(unknown[0], f"unknown field (allowed: {', '.join(FIELDS)})")
+        raise PayloadError(unknown[0], f"unknown field (allowed: {', '.join(FIELDS)})")
     for name in REQUIRED:
         if name not in raw:
-            raise _field_error(name, "is required")
+            raise PayloadError(name, "is required")
+    return raw
+
+
+def _own_fields(raw: dict[str, Any]) -> tuple[str, str, str, str | None]:
     custom_id = raw["custom_id"]
     if not isinstance(custom_id, str) or not custom_id \
             or len(custom_id) > C.MAX_CUSTOM_ID_CHARS:
-        raise _field_error("custom_id", f"must be a string of 1 to {C.MAX_CUSTOM_ID_CHARS} "
+        raise PayloadError("custom_id", f"must be a string of 1 to {C.MAX_CUSTOM_ID_CHARS} "
                                         "characters")
     task = raw["task"]
     if task not in C.TASKS:
-        raise _field_error("task", f"must be one of {', '.join(C.TASKS)}, got {task!r}")
+        raise PayloadError("task", f"must be one of {', '.join(C.TASKS)}, got {task!r}")
     file = raw["file"]
     if not isinstance(file, str) or not file:
-        raise _field_error("file", "must be a path (relative to the manifest's folder)")
+        raise PayloadError("file", "must be a path (relative to the manifest's folder)")
     pages = raw.get("pages")
     if pages is not None and (not isinstance(pages, str) or not pages.strip()):
-        raise _field_error("pages", 'must be a page range string such as "1-3,7"')
-    prompt = raw.get("prompt")
-    if prompt is not None and (not isinstance(prompt, str) or not prompt
-                               or len(prompt) > C.MAX_PROMPT_CHARS):
-        raise _field_error("prompt", f"must be a string of 1 to {C.MAX_PROMPT_CHARS} "
-                                     "characters")
-    if task == "generate" and prompt is None:
-        raise _field_error("prompt", "is required for task generate")
-    max_tokens = raw.get("max_tokens")
-    if max_tokens is not None and (isinstance(max_tokens, bool)
-                                   or not isinstance(max_tokens, int)
-                                   or not 1 <= max_tokens <= C.MAX_TOKENS_LIMIT):
-        raise _field_error("max_tokens", f"must be an integer from 1 to {C.MAX_TOKENS_LIMIT}")
+        raise PayloadError("pages", 'must be a page range string such as "1-3,7"')
+    return custom_id, task, file, pages
+
+
+def parse_line(number: int, text: str, base: Path) -> Request:
+    raw = _object(text)
+    custom_id, task, file, pages = _own_fields(raw)
+    settings = {s.name: s.check(raw[s.name]) for s in S.rows("manifest") if s.name in raw}
+    if raw.get("prompt") is not None and not settings.get("prompt"):
+        raise PayloadError("prompt", "must not be empty")
+    if task == "generate" and not settings.get("prompt"):
+        raise PayloadError("prompt", "is required for task generate")
     path = Path(file).expanduser()
     return Request(line=number, custom_id=custom_id, task=task,
                    file=path if path.is_absolute() else base / path, pages=pages,
-                   prompt=prompt, max_tokens=max_tokens)
+                   settings={k: v for k, v in settings.items() if v is not None})
 
 
 def read_manifest(path: str | Path, base: JobOptions, *, skip_bad: bool = False
@@ -125,11 +127,11 @@ def read_manifest(path: str | Path, base: JobOptions, *, skip_bad: bool = False
         try:
             req = parse_line(number, line, manifest.parent)
             if req.custom_id in seen:
-                raise _field_error("custom_id", f"{req.custom_id!r} is already used on line "
+                raise PayloadError("custom_id", f"{req.custom_id!r} is already used on line "
                                                 f"{seen[req.custom_id]}")
             checked = check_file(req.file, source=str(req.file))
             if req.pages is not None and checked.kind != "pdf":
-                raise _field_error("pages", f"applies to PDFs; {req.file} is an image")
+                raise PayloadError("pages", f"applies to PDFs; {req.file} is an image")
             pages: list[int | None] = (list(parse_pages(req.pages, checked.pages,
                                                         str(req.file)))
                                        if checked.kind == "pdf" else [None])
@@ -140,9 +142,7 @@ def read_manifest(path: str | Path, base: JobOptions, *, skip_bad: bool = False
             errors.append((number, f"field 'file' {exc.path}: {exc.problem}"))
             continue
         seen[req.custom_id] = number
-        options = base.with_(prompt=req.prompt if req.prompt is not None else base.prompt,
-                             max_tokens=(req.max_tokens if req.max_tokens is not None
-                                         else base.max_tokens))
+        options = base.with_(**req.settings)
         group = groups.setdefault((req.task, options.settings_key()),
                                   Group(req.task, options, Prepared()))
         group.prepared.add(checked, pages, custom_id=req.custom_id)

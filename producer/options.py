@@ -1,60 +1,61 @@
-"""The job options, defined once: the CLI and the Python client both build a JobOptions.
+"""The job options: the CLI, manifests, schedules, retries and the Python client all build
+a JobOptions, whose fields are the rows of shared/settings.py.
 
-Everything about a job except its inputs lives here, so a new option is added in one
-place (plus its click flag) and reaches the payload, the RQ job and the blobs alike.
+A JobOptions keeps only the settings that were given (checked when it is built), so it
+turns into the payload in one step and a retry can copy every setting by walking the table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+import functools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import click
 
 from vlmq.shared import constants as C
+from vlmq.shared import settings as S
+from vlmq.shared.clitools import EXIT_BAD_INPUT, fail, parse_labels
 from vlmq.shared.errors import PayloadError
-from vlmq.shared.jobs import check_job_id, check_queue_name
-from vlmq.shared.schema import Generation, Item, JobPayload, parse_payload
+from vlmq.shared.schema import Item, JobPayload, parse_payload, utc_now_iso
 
-# Longest a result or blob may be kept: RQ stores TTLs as seconds, and a year is far past
-# any bulk run while still catching a milliseconds-for-seconds mistake.
-MAX_TTL_S = 366 * 24 * 3600
+MAX_TTL_S = S.MAX_TTL_S
+# Fields of the RQ job hash that hold settings kept outside the payload (for retries).
+JOB_FIELDS: tuple[str, ...] = tuple(s.job_field for s in S.rows("retry") if s.job_field)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-@dataclass(frozen=True)
 class JobOptions:
-    """How a job's items are processed and kept; None means the model's/worker's default."""
+    """How a job's items are processed and kept. Reading a setting that was not given
+    gives its row's default (None: the model's or the worker's own)."""
 
-    prompt: str | None = None
-    model: str | None = None
-    max_side: int | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    stop: tuple[str, ...] = ()
-    labels: Mapping[str, str] = field(default_factory=dict)
-    queue: str | None = None  # None: the task's default queue (C.DEFAULT_QUEUE)
-    job_id: str | None = None
-    result_ttl: int = C.RESULT_TTL_S
-    blob_ttl: int = C.BLOB_TTL_S
-    # The workers' shared result cache: "on" (temperature 0 only), "off", or "sampled".
-    result_cache: str = "on"
+    __slots__ = ("_values",)
 
-    def __post_init__(self) -> None:
-        # Accept any sequence/mapping from callers, keep immutable, comparable copies.
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "labels", dict(self.labels))
-        for name in ("result_ttl", "blob_ttl"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) \
-                    or not 1 <= value <= MAX_TTL_S:
-                raise PayloadError(name, f"must be whole seconds between 1 and {MAX_TTL_S}, "
-                                         f"got {value!r}")
-        if self.result_cache not in ("on", "off", "sampled"):
-            raise PayloadError("result_cache", f'must be "on", "off" or "sampled", '
-                                               f"got {self.result_cache!r}")
-        if self.queue is not None:
-            check_queue_name(self.queue)
-        if self.job_id is not None:
-            check_job_id(self.job_id)
+    def __init__(self, **values: Any) -> None:
+        object.__setattr__(self, "_values", S.check_values(values))
+
+    def __getattr__(self, name: str) -> Any:
+        setting = S.BY_NAME.get(name)
+        if setting is None:
+            raise AttributeError(name)
+        return self._values.get(name, setting.default)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("JobOptions is immutable; use with_()")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, JobOptions) and self.key() == other.key()
+
+    def __hash__(self) -> int:
+        return hash(self.key())
+
+    def __repr__(self) -> str:
+        return f"JobOptions({', '.join(f'{k}={v!r}' for k, v in self._values.items())})"
+
+    @property
+    def given(self) -> Mapping[str, Any]:
+        """The settings given, by name (defaults left out)."""
+        return dict(self._values)
 
     @classmethod
     def build(cls, **values: Any) -> JobOptions:
@@ -62,29 +63,105 @@ class JobOptions:
         return cls(**{k: v for k, v in values.items() if v is not None})
 
     def with_(self, **changes: Any) -> JobOptions:
-        return replace(self, **changes)
+        return JobOptions(**{**self._values, **changes})
 
     def queue_for(self, task: str) -> str:
-        return self.queue if self.queue is not None else C.DEFAULT_QUEUE[task]
+        return str(self.queue) if self.queue is not None else C.DEFAULT_QUEUE[task]
 
-    def payload(self, task: str, items: Sequence[Item]) -> JobPayload:
-        """The validated payload: exactly the check a worker runs, so a bad option fails
-        here with the field named and Redis untouched."""
-        draft = JobPayload(
-            task=task,
-            items=tuple(items),
-            prompt=self.prompt,
-            generation=Generation(max_tokens=self.max_tokens, temperature=self.temperature,
-                                  stop=self.stop),
-            model=self.model,
-            max_side=self.max_side,
-            labels=dict(self.labels),
-            result_cache=self.result_cache,
-        )
-        return parse_payload(draft.to_dict())
-
-    def settings_key(self) -> tuple[Any, ...]:
+    def key(self) -> tuple[Any, ...]:
         """What must be equal for two requests to share one job (all but the inputs)."""
-        return (self.prompt, self.model, self.max_side, self.max_tokens, self.temperature,
-                self.stop, tuple(sorted(self.labels.items())), self.queue, self.result_ttl,
-                self.blob_ttl, self.result_cache)
+        return tuple((k, _frozen(v)) for k, v in sorted(self._values.items()))
+
+    settings_key = key
+
+    def payload(self, task: str, items: Sequence[Item]) -> tuple[dict[str, Any], JobPayload]:
+        """The wire payload and its parsed form: the check a worker runs, done here so a
+        bad option fails with the field named and Redis untouched."""
+        wire: dict[str, Any] = {"v": C.PROTOCOL_VERSION, "task": task,
+                                "items": [i.to_dict() for i in items],
+                                **S.values_to_wire(self._values), "created_at": utc_now_iso()}
+        return wire, parse_payload(wire)
+
+    @classmethod
+    def of_job(cls, payload: JobPayload, job_fields: Mapping[str, str]) -> JobOptions:
+        """Every setting a retry carries: from the payload, and from the RQ job's hash
+        (`job_fields`, decoded) for the settings kept there."""
+        values: dict[str, Any] = {}
+        for setting in S.rows("retry"):
+            raw = job_fields.get(setting.job_field or "")
+            if setting.wire:
+                values[setting.name] = payload.settings.get(setting.name)
+            elif raw and setting.kind == "int":
+                values[setting.name] = int(raw) if raw.isdigit() and int(raw) > 0 else None
+            elif raw:
+                values[setting.name] = raw
+        return cls.build(**values)
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return tuple(sorted(value.items()))
+    return tuple(value) if isinstance(value, list) else value
+
+
+# --- click flags, from the table ------------------------------------------------------------
+
+
+def _click_type(s: S.Setting) -> Any:
+    if s.kind == "int":
+        return click.IntRange(int(s.lo or 0), int(s.hi or 0))
+    if s.kind == "float":
+        return click.FloatRange(s.lo, s.hi)
+    if s.kind == "choice":
+        return click.Choice(s.choices)
+    return None
+
+
+def _click_options(s: S.Setting, override: Mapping[str, Any]) -> list[Callable[[F], F]]:
+    dest = s.name
+    if s.switches:  # flag-style options that all set one value
+        return [click.option(sw.flag, dest, flag_value=sw.value, default=None, help=sw.help)
+                for sw in s.switches]
+    kw: dict[str, Any] = {"help": s.help, "metavar": s.metavar}
+    if s.kind in ("strs", "labels"):
+        kw["multiple"] = True
+    if s.kind == "labels":
+        kw["callback"] = parse_labels
+    kind = _click_type(s)
+    if kind is not None:
+        kw["type"] = kind
+    kw.update(override)
+    return [click.option(s.cli_flag, dest, **kw)]
+
+
+def _given(value: Any) -> Any:
+    """click's "not given": None, or an empty tuple for a repeatable option."""
+    return None if value in ((), {}) else value
+
+
+def job_options(scope: str | None = None, *, exclude: Iterable[str] = (),
+                refused: str = "nothing was enqueued",
+                **overrides: Mapping[str, Any]) -> Callable[[F], F]:
+    """Add a click option per setting (those `scope` may carry, less `exclude`) and pass
+    them on as one `options` argument, a JobOptions. `overrides`: click keywords by
+    setting name (a command's own help or default)."""
+    chosen = [s for s in (S.SETTINGS if scope is None else S.rows(scope))
+              if s.name not in set(exclude)]
+
+    def decorate(func: F) -> F:
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            values = {s.name: _given(kwargs.pop(s.name)) for s in chosen}
+            try:
+                kwargs["options"] = JobOptions.build(**values)
+            except PayloadError as exc:
+                fail(f"error: {exc}\n{refused}", EXIT_BAD_INPUT)
+            return func(*args, **kwargs)
+
+        out: Any = wrapper
+        for s in reversed(chosen):
+            for option in reversed(_click_options(s, overrides.get(s.name, {}))):
+                out = option(out)
+        return out  # type: ignore[no-any-return]
+
+    return decorate

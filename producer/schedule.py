@@ -49,6 +49,8 @@ from vlmq.producer.export import ExportReport, export_results
 from vlmq.producer.inputs import CheckedFile, FoundFile, Prepared, check_file, expand_sources
 from vlmq.producer.options import JobOptions
 from vlmq.shared import constants as C
+from vlmq.shared import lua
+from vlmq.shared import settings as S
 from vlmq.shared.errors import InputError, VlmqError
 from vlmq.shared.keys import Keys
 from vlmq.shared.text import as_str
@@ -58,15 +60,10 @@ log = logging.getLogger("vlmq.scheduler")
 HISTORY = 50
 TICK_S = 0.5
 RUN_LOCK_S = 600  # a run that takes longer (reading a huge tree) lets another start
+# Hashed even when unset, as schedules hashed them before the settings table: an upgrade
+# must not make every file of a schedule due again.
+_HASHED_ALWAYS = ("prompt", "max_tokens", "max_side", "model")
 NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
-
-# KEYS[1] schedule hash. ARGV: the next_due read, the next_due after this run.
-_CLAIM = """
-if redis.call('HGET', KEYS[1], 'next_due') ~= ARGV[1] then return 0 end
-if redis.call('HGET', KEYS[1], 'paused') == '1' then return 0 end
-redis.call('HSET', KEYS[1], 'next_due', ARGV[2])
-return 1
-"""
 
 
 class ScheduleError(VlmqError):
@@ -82,12 +79,9 @@ class Schedule:
     cron: str | None = None
     tz: str = "UTC"
     recursive: bool = False
-    prompt: str | None = None
-    max_tokens: int | None = None
-    max_side: int | None = None
-    model: str | None = None
-    queue: str | None = None
-    labels: dict[str, str] = field(default_factory=dict)
+    # The job settings its runs' jobs get, by name (those shared/settings.py lets a
+    # schedule carry); checked when the schedule is made.
+    settings: dict[str, Any] = field(default_factory=dict)
     export_dir: str | None = None
     export_format: str = "md"
     sidecar: bool = False
@@ -115,14 +109,18 @@ class Schedule:
         self.options()  # refuses bad job options now, not at 3 a.m.
 
     def options(self) -> JobOptions:
-        return JobOptions.build(prompt=self.prompt, max_tokens=self.max_tokens,
-                                max_side=self.max_side, model=self.model, queue=self.queue,
-                                labels={**self.labels, "schedule": self.name})
+        unknown = set(self.settings) - {r.name for r in S.rows("schedule")}
+        if unknown:
+            raise ScheduleError(f"a schedule cannot set {', '.join(sorted(unknown))}")
+        labels = {**self.settings.get("labels", {}), "schedule": self.name}
+        return JobOptions(**{**self.settings, "labels": labels})
 
     def settings_hash(self) -> str:
         """What decides an item's text; a change makes every file due again."""
-        parts = {"task": self.task, "prompt": self.prompt, "max_tokens": self.max_tokens,
-                 "max_side": self.max_side, "model": self.model}
+        given = self.options().given
+        parts = {"task": self.task, **dict.fromkeys(_HASHED_ALWAYS),
+                 **{s.name: given[s.name] for s in S.SETTINGS
+                    if s.decides_text and s.name in given}}
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_json(self) -> str:
@@ -132,6 +130,10 @@ class Schedule:
     def from_json(cls, raw: str | bytes) -> Schedule:
         data = json.loads(raw)
         data["paths"] = tuple(data["paths"])
+        # Schedules written before the settings table kept each setting at the top level.
+        legacy = {k: data.pop(k) for k in list(data) if k in S.BY_NAME}
+        data["settings"] = {**{k: v for k, v in legacy.items() if v not in (None, {})},
+                            **data.get("settings", {})}
         return cls(**data)
 
     # --- due times --------------------------------------------------------------------
@@ -210,7 +212,7 @@ class ScheduleStore:
         self.client = client
         self.redis: Redis = client.redis
         self.keys: Keys = client.keys
-        self._claim = self.redis.register_script(_CLAIM)
+        self._claim = lua.script(self.redis, lua.SCHEDULE_CLAIM)
         self.who = f"{socket.gethostname()}.{os.getpid()}"
 
     # --- definitions ------------------------------------------------------------------

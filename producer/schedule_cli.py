@@ -14,6 +14,7 @@ import click
 
 from vlmq.producer.client import Client
 from vlmq.producer.export import FORMATS
+from vlmq.producer.options import JobOptions, job_options
 from vlmq.producer.schedule import (
     TICK_S,
     Schedule,
@@ -22,8 +23,7 @@ from vlmq.producer.schedule import (
     iso_time,
     run_scheduler,
 )
-from vlmq.shared import constants as C
-from vlmq.shared.clitools import EXIT_BAD_INPUT, EXIT_FAILED, fail, parse_labels
+from vlmq.shared.clitools import EXIT_BAD_INPUT, EXIT_FAILED, fail
 from vlmq.shared.errors import PayloadError
 
 _GLOB = frozenset("*?[")
@@ -49,14 +49,9 @@ def schedule_group() -> None:
               help="Run every SECONDS, counted from now.")
 @click.option("--tz", default="UTC", show_default=True, help="Time zone of --cron.")
 @click.option("--recursive", "-r", is_flag=True, help="Descend into folders.")
-@click.option("--prompt", help="Prompt text (default: the model's own for the task).")
-@click.option("--max-tokens", type=click.IntRange(1, C.MAX_TOKENS_LIMIT))
-@click.option("--max-side", type=click.IntRange(*C.MAX_SIDE_RANGE), metavar="PX")
-@click.option("--model", help="Model id the worker should use (default: its own).")
-@click.option("--queue", metavar="NAME", help="Queue (default: the task's own).")
-@click.option("--label", "labels", multiple=True, callback=parse_labels, metavar="K=V",
-              help="Label on every job of this schedule (repeatable); schedule=NAME is "
-                   "always added.")
+@job_options("schedule", refused="no schedule was added",
+             labels={"help": "Label on every job of this schedule (repeatable); "
+                             "schedule=NAME is always added."})
 @click.option("--export", "export_dir", type=click.Path(file_okay=False), metavar="DIR",
               help="When a run's job ends, write its results under DIR (see vlmq export).")
 @click.option("--format", "export_format", type=click.Choice(FORMATS), default="md",
@@ -70,9 +65,8 @@ def schedule_group() -> None:
 @click.pass_context
 def add_cmd(ctx: click.Context, name: str, task: str, paths: tuple[str, ...],
             cron: str | None, every: float | None, tz: str, recursive: bool,
-            prompt: str | None, max_tokens: int | None, max_side: int | None,
-            model: str | None, queue: str | None, labels: dict[str, str],
-            export_dir: str | None, export_format: str, sidecar: bool, replace: bool) -> None:
+            options: JobOptions, export_dir: str | None, export_format: str, sidecar: bool,
+            replace: bool) -> None:
     """Add a schedule NAME running TASK over PATHS (folders, files, quoted globs).
 
     Paths are read by the scheduler, on its machine; workers get blobs only. Each run
@@ -84,9 +78,9 @@ def add_cmd(ctx: click.Context, name: str, task: str, paths: tuple[str, ...],
     try:
         sched = Schedule(
             name=name, task=task, paths=tuple(os.path.abspath(p) for p in paths),
-            every=every, cron=cron, tz=tz, recursive=recursive, prompt=prompt,
-            max_tokens=max_tokens, max_side=max_side, model=model, queue=queue,
-            labels=labels, export_dir=os.path.abspath(export_dir) if export_dir else None,
+            every=every, cron=cron, tz=tz, recursive=recursive,
+            settings=dict(options.given),
+            export_dir=os.path.abspath(export_dir) if export_dir else None,
             export_format=export_format, sidecar=sidecar)
     except (ScheduleError, PayloadError) as exc:
         fail(f"error: {exc}", EXIT_BAD_INPUT)

@@ -13,17 +13,9 @@ from redis import Redis
 from redis.client import Pipeline
 
 from vlmq.shared import constants as C
+from vlmq.shared import lua
 from vlmq.shared.errors import BlobError
 from vlmq.shared.keys import SHA256_RE, Keys
-
-# PEXPIRE only upward; 0 when the key is missing, 1 when it exists (TTL now >= ARGV[1] ms,
-# or none at all, which is left alone).
-_EXTEND_TTL = """
-local ttl = redis.call('PTTL', KEYS[1])
-if ttl == -2 then return 0 end
-if ttl >= 0 and ttl < tonumber(ARGV[1]) then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
-return 1
-"""
 
 
 def sha256_hex(data: bytes) -> str:
@@ -37,7 +29,7 @@ class BlobStore:
         self.keys = keys
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
-        self._extend = redis.register_script(_EXTEND_TTL)  # sent once, then by sha
+        self._extend = lua.script(redis, lua.BLOB_EXTEND_TTL)  # sent once, then by sha
 
     def put(self, data: bytes) -> tuple[str, bool]:
         """Store `data`; returns (sha256, uploaded) where uploaded is False if it was there.

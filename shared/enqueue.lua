@@ -82,11 +82,94 @@ end
 local function is_int(x, lo, hi)
   return type(x) == 'number' and x == math.floor(x) and x >= lo and x <= hi
 end
-local top = {v = 1, task = 1, items = 1, prompt = 1, generation = 1, model = 1,
-             max_side = 1, labels = 1, created_at = 1, result_cache = 1}
+-- Payload settings: the generated table below is shared/settings.py's, row for row, so
+-- Lua refuses the same out-of-range values as the worker, naming the same field.
+-- BEGIN SETTINGS: generated from vlmq/shared/settings.py by `python -m vlmq.shared.settings --write-lua`; do not edit by hand.
+local SETTINGS = {
+  {name = 'prompt', path = {'prompt'}, kind = 'str', max_len = 20000},
+  {name = 'model', path = {'model'}, kind = 'str', max_len = 512},
+  {name = 'generation.max_tokens', path = {'generation', 'max_tokens'}, kind = 'int', lo = 1, hi = 32768},
+  {name = 'max_side', path = {'max_side'}, kind = 'int', lo = 28, hi = 8192},
+  {name = 'generation.temperature', path = {'generation', 'temperature'}, kind = 'float', lo = 0, hi = 5},
+  {name = 'generation.stop', path = {'generation', 'stop'}, kind = 'strs', max_len = 256, max_count = 16},
+  {name = 'labels', path = {'labels'}, kind = 'labels', max_count = 64},
+  {name = 'result_cache', path = {'result_cache'}, kind = 'choice', values = {true, false, 'sampled'}, shown = 'true, false or "sampled"'},
+  {name = 'blob_ttl', path = {'blob_ttl'}, kind = 'int', lo = 1, hi = 31622400},
+}
+-- END SETTINGS
+local top = {v = {}, task = {}, items = {}, created_at = {}}
+for _, s in ipairs(SETTINGS) do
+  local head, inner = s.path[1], s.path[2]
+  top[head] = top[head] or {}
+  if inner then top[head][inner] = 1 end
+end
 for k in pairs(payload) do
   if type(k) ~= 'string' or not top[k] then
     return redis.error_reply('payload: unknown field ' .. tostring(k))
+  end
+  if next(top[k]) ~= nil and payload[k] ~= cjson.null then
+    if type(payload[k]) ~= 'table' or (#payload[k] > 0) then
+      return redis.error_reply(k .. ': must be an object')
+    end
+    for inner in pairs(payload[k]) do
+      if type(inner) ~= 'string' or not top[k][inner] then
+        return redis.error_reply(k .. ': unknown field ' .. tostring(inner))
+      end
+    end
+  end
+end
+local function check_setting(s, x)
+  if s.values then
+    for _, v in ipairs(s.values) do
+      if x == v then return nil end
+    end
+    return 'must be ' .. s.shown
+  end
+  if s.kind == 'int' or s.kind == 'float' then
+    if type(x) ~= 'number' or (s.kind == 'int' and x ~= math.floor(x)) then
+      return 'must be ' .. (s.kind == 'int' and 'an integer' or 'a number')
+    end
+    if x < s.lo or x > s.hi then
+      return 'must be between ' .. s.lo .. ' and ' .. s.hi
+    end
+  elseif s.kind == 'str' then
+    if type(x) ~= 'string' then return 'must be a string' end
+    if s.max_len and utf8_len(x) > s.max_len then
+      return 'is longer than ' .. s.max_len .. ' characters'
+    end
+  elseif s.kind == 'strs' then
+    if not is_array(x) then return 'must be a list of strings' end
+    if s.max_count and #x > s.max_count then
+      return 'has more than ' .. s.max_count .. ' entries'
+    end
+    for i, e in ipairs(x) do
+      if type(e) ~= 'string' or e == '' or (s.max_len and utf8_len(e) > s.max_len) then
+        return 'must be a non-empty string of at most ' .. s.max_len .. ' characters',
+          '[' .. (i - 1) .. ']'
+      end
+    end
+  elseif s.kind == 'labels' then
+    if type(x) ~= 'table' or (#x > 0) then return 'must be an object of string values' end
+    local n = 0
+    for k, v in pairs(x) do
+      n = n + 1
+      if type(v) ~= 'string' then return 'must be a string', '.' .. tostring(k) end
+    end
+    if s.max_count and n > s.max_count then
+      return 'has more than ' .. s.max_count .. ' entries'
+    end
+  end
+  return nil
+end
+for _, s in ipairs(SETTINGS) do
+  local x = payload
+  for _, part in ipairs(s.path) do
+    if type(x) ~= 'table' then x = nil break end
+    x = x[part]
+  end
+  if x ~= nil and x ~= cjson.null then
+    local problem, at = check_setting(s, x)
+    if problem then return redis.error_reply(s.name .. (at or '') .. ': ' .. problem) end
   end
 end
 if payload.v ~= 1 then
@@ -96,15 +179,8 @@ local tasks = {ocr = 1, caption = 1, generate = 1}
 if type(payload.task) ~= 'string' or not tasks[payload.task] then
   return redis.error_reply('task: must be one of ocr, caption, generate')
 end
-if payload.prompt ~= nil and payload.prompt ~= cjson.null and type(payload.prompt) ~= 'string' then
-  return redis.error_reply('prompt: must be a string')
-end
 if payload.task == 'generate' and (type(payload.prompt) ~= 'string' or payload.prompt == '') then
   return redis.error_reply('prompt: is required for task generate')
-end
-local rc = payload.result_cache
-if rc ~= nil and rc ~= cjson.null and type(rc) ~= 'boolean' and rc ~= 'sampled' then
-  return redis.error_reply('result_cache: must be true, false or "sampled"')
 end
 local items = payload.items
 if not is_array(items) or #items == 0 then

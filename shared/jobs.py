@@ -8,20 +8,25 @@ from __future__ import annotations
 
 import json
 import uuid
-from importlib import resources
+from collections.abc import Mapping
 from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
 from rq import Queue, Retry
 from rq.exceptions import DeserializationError, DuplicateJobError, TimeoutFormatError
-from rq.job import Job
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.results import Result
 from rq.serializers import JSONSerializer
+from rq.utils import current_timestamp, now, utcformat
 
-from vlmq.shared import bounded
+from vlmq.shared import bounded, lua
 from vlmq.shared import constants as C
+from vlmq.shared import results as R
+from vlmq.shared import settings as S
 from vlmq.shared.errors import PayloadError
-from vlmq.shared.keys import JOB_ID_RE, QUEUE_NAME_RE, RQ_QUEUES, Keys
+from vlmq.shared.keys import RQ_QUEUES, Keys
 from vlmq.shared.schema import JobPayload, parse_payload, utc_now_iso
 
 # What RQ's Job.restore raises on a job hash it cannot read (bad dates, status, timeout...).
@@ -54,22 +59,22 @@ def describe(payload: JobPayload) -> str:
 
 
 def check_queue_name(queue: str) -> str:
-    if not QUEUE_NAME_RE.fullmatch(queue):
-        raise PayloadError("queue", f"invalid queue name {queue!r} (letters, digits, _ . -)")
+    S.BY_NAME["queue"].check(queue)
     return queue
 
 
 def check_job_id(job_id: str) -> str:
-    if not JOB_ID_RE.fullmatch(job_id):
-        raise PayloadError("job_id", f"invalid job id {job_id!r} (must match "
-                                     "[A-Za-z0-9_-]{1,128})")
+    S.BY_NAME["job_id"].check(job_id)
     return job_id
 
 
 def enqueue(redis: Redis, payload: JobPayload, *, queue: str, job_id: str | None = None,
             timeout: int = C.JOB_TIMEOUT_S, result_ttl: int = C.RESULT_TTL_S,
-            failure_ttl: int = C.FAILURE_TTL_S, pipeline: Pipeline | None = None) -> str:
+            failure_ttl: int = C.FAILURE_TTL_S, pipeline: Pipeline | None = None,
+            wire: Mapping[str, Any] | None = None) -> str:
     """Enqueue a validated payload as an RQ job; returns the job id.
+
+    `wire`: the JSON form `payload` was parsed from, sent as it is (no second build).
 
     A caller-chosen `job_id` that already names a job is refused (PayloadError) instead of
     overwriting it: the new job would otherwise inherit the old one's item results and
@@ -87,7 +92,7 @@ def enqueue(redis: Redis, payload: JobPayload, *, queue: str, job_id: str | None
     try:
         job = q.enqueue_call(
             func=C.TASK_FUNC,
-            args=[payload.to_dict()],
+            args=[dict(wire) if wire is not None else payload.to_dict()],
             timeout=timeout,
             result_ttl=result_ttl,
             failure_ttl=failure_ttl,
@@ -103,7 +108,8 @@ def enqueue(redis: Redis, payload: JobPayload, *, queue: str, job_id: str | None
 
 
 def lua_script() -> str:
-    return resources.files("vlmq.shared").joinpath("enqueue.lua").read_text(encoding="utf-8")
+    """enqueue.lua's text, as a client in another language reads it."""
+    return lua.source(lua.ENQUEUE)
 
 
 def enqueue_lua(redis: Redis, payload: dict[str, Any], *, queue: str,
@@ -115,10 +121,11 @@ def enqueue_lua(redis: Redis, payload: dict[str, Any], *, queue: str,
     job_id = job_id or uuid.uuid4().hex
     keys = keys or Keys.from_env()
     data = json.dumps([C.TASK_FUNC, None, [payload], {}])
-    ok = redis.eval(lua_script(), 5, Keys.rq_job(job_id), Keys.rq_queue(queue), RQ_QUEUES,
-                    keys.job_items(job_id), keys.job_events(job_id),
-                    job_id, queue, data, f"vlmq {payload.get('task')} (lua)", timeout,
-                    result_ttl, failure_ttl, utc_now_iso(), C.CRASH_RETRIES)
+    ok = lua.script(redis, lua.ENQUEUE)(
+        keys=[Keys.rq_job(job_id), Keys.rq_queue(queue), RQ_QUEUES, keys.job_items(job_id),
+              keys.job_events(job_id)],
+        args=[job_id, queue, data, f"vlmq {payload.get('task')} (lua)", timeout, result_ttl,
+              failure_ttl, utc_now_iso(), C.CRASH_RETRIES])
     if not ok:
         raise PayloadError("job_id", f"a job with id {job_id} already exists (or its "
                                      "results do)")
@@ -168,6 +175,41 @@ def raw_exc_info(redis: Redis, job_id: str) -> str | None:
     except bounded.BoundError as exc:
         return f"(unreadable failure text: {exc})"
     return raw.decode("utf-8", "replace")
+
+
+def fail_job(pipe: Pipeline, keys: Keys, job: Job | str, queue: str, message: str, *,
+             worker_name: str = "", execution: Execution | None = None) -> None:
+    """Queue on `pipe` (a MULTI) all that makes a job failed: status, the failure text, the
+    failed registry and the one terminal `failed` event (end_job.lua, after the status).
+
+    Every failure vlmq writes comes through here (a worker's, poison attribution's, a
+    refused queue entry's), so producers, `rq info` and rq-dashboard see them all alike.
+    `job` is a loaded RQ job, failed as RQ's handle_job_failure would (a failure Result by
+    `worker_name`, for `execution` if given); or the id of a hash RQ cannot load, whose
+    status and exc_info are written into the hash itself (no Result exists without a Job;
+    raw_exc_info reads it back). Whether to retry instead, and fencing, are the caller's.
+    """
+    ended = now()
+    if isinstance(job, str):
+        job_id, ttl = job, C.FAILURE_TTL_S
+        pipe.hset(Keys.rq_job(job_id), mapping={"status": JobStatus.FAILED.value,
+                                                "ended_at": utcformat(ended),
+                                                "exc_info": message})
+        pipe.expire(Keys.rq_job(job_id), ttl)
+        pipe.zadd(Keys.rq_registry("failed", queue), {job_id: current_timestamp() + ttl})
+    else:
+        job_id, ttl = str(job.id), R.ended_ttl(job.failure_ttl, C.FAILURE_TTL_S)
+        job.ended_at = ended
+        job.set_status(JobStatus.FAILED, pipeline=pipe)
+        job.failed_job_registry.add(job, ttl=job.failure_ttl, exc_string=message,
+                                    pipeline=pipe)
+        Result.create_failure(job, job.failure_ttl, exc_string=message,
+                              worker_name=worker_name, pipeline=pipe,
+                              execution_id=execution.id if execution else None,
+                              execution_started_at=execution.created_at if execution else None,
+                              execution_ended_at=ended)
+    R.end_job_event(pipe, keys, job_id, "failed", queue=queue, ttl_s=ttl,
+                    fields={"error": message}, pipeline=pipe)
 
 
 def data_problem(raw: bytes) -> str | None:

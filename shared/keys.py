@@ -13,11 +13,19 @@ from dataclasses import dataclass
 DEFAULT_PREFIX = "vlmq"
 PREFIX_ENV = "VLMQ_PREFIX"
 
-# RQ's names; these mirror rq 3.0 and are pinned by tests/test_protocol.py.
+# RQ's names: the only place vlmq spells them. They mirror rq 3.0 (tests/test_keys.py
+# checks them against RQ's own classes; tests/test_protocol.py pins the wire names).
 RQ_JOB = "rq:job:{id}"
 RQ_QUEUE = "rq:queue:{name}"
 RQ_QUEUES = "rq:queues"
 RQ_RESULTS = "rq:results:{id}"
+RQ_WORKER = "rq:worker:{name}"
+RQ_WORKERS = "rq:workers"
+RQ_QUEUE_WORKERS = "rq:workers:{queue}"
+# A queue's registries (zsets scored by expiry), by the name vlmq shows each under.
+RQ_REGISTRIES = {"started": "rq:wip:{queue}", "finished": "rq:finished:{queue}",
+                 "failed": "rq:failed:{queue}", "deferred": "rq:deferred:{queue}",
+                 "scheduled": "rq:scheduled:{queue}", "canceled": "rq:canceled:{queue}"}
 
 # Whole-string patterns: use .fullmatch (`$` would accept a trailing newline).
 JOB_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -132,10 +140,52 @@ class Keys:
         """Lock held while one run of a schedule reads its paths and enqueues."""
         return f"{self.prefix}:schedule:{name}:lock"
 
+    # --- RQ's keys (static: RQ's names take no vlmq prefix) ---------------------------
+
     @staticmethod
     def rq_job(job_id: str) -> str:
         return RQ_JOB.format(id=job_id)
 
     @staticmethod
+    def rq_job_glob() -> str:
+        """SCAN pattern for job hashes; it also matches RQ's `rq:job:<id>:<sub>` keys,
+        which rq_job_id tells apart."""
+        return RQ_JOB.format(id="*")
+
+    @staticmethod
+    def rq_job_id(key: str) -> str | None:
+        """The job id of a job hash key, or None for any other key (RQ keeps a job's
+        dependents and dependencies under `rq:job:<id>:...`)."""
+        head = RQ_JOB.format(id="")
+        job_id = key.removeprefix(head)
+        return job_id if key.startswith(head) and job_id and ":" not in job_id else None
+
+    @staticmethod
     def rq_queue(name: str) -> str:
         return RQ_QUEUE.format(name=name)
+
+    @staticmethod
+    def rq_registry(kind: str, queue: str) -> str:
+        """One of RQ_REGISTRIES (started, finished, failed, ...) of `queue`."""
+        return RQ_REGISTRIES[kind].format(queue=queue)
+
+    @staticmethod
+    def rq_results(job_id: str) -> str:
+        """Stream of a job's results (RQ's Result entries)."""
+        return RQ_RESULTS.format(id=job_id)
+
+    @staticmethod
+    def rq_worker(name: str) -> str:
+        """Hash of one RQ worker (state, queues, death...)."""
+        return RQ_WORKER.format(name=name)
+
+    @staticmethod
+    def rq_queue_workers(queue: str) -> str:
+        """Set of the live workers that listen on `queue`."""
+        return RQ_QUEUE_WORKERS.format(queue=queue)
+
+    @staticmethod
+    def rq_name(key: str) -> str:
+        """The name in a queue or worker key (members of RQ_QUEUES and RQ_WORKERS are
+        `rq:queue:<name>` and `rq:worker:<name>`)."""
+        return key.split(":", 2)[-1]

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from functools import cache
-from importlib import resources
 from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
-from redis.commands.core import Script
 
 from vlmq.shared import constants as C
+from vlmq.shared import lua
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import ItemResult
 
@@ -56,15 +54,6 @@ def event_fields(event: Mapping[str, Any]) -> dict[str, str]:
     return {k: v if isinstance(v, str) else json.dumps(v) for k, v in event.items()}
 
 
-@cache
-def _end_script_source() -> str:
-    return resources.files("vlmq.shared").joinpath("end_job.lua").read_text(encoding="utf-8")
-
-
-def end_script(redis: Redis) -> Script:
-    return redis.register_script(_end_script_source())
-
-
 def ended_ttl(ttl_s: int | None, default: int) -> int:
     """How long a job's events and items live once it ended: as long as the job hash
     (RQ's result_ttl or failure_ttl; -1 keeps them)."""
@@ -92,7 +81,7 @@ def end_job_event(redis: Redis, keys: Keys, job_id: str, status: str, *, queue: 
                              keys.done_queue_channel(queue) if queue else ""]
     for k, v in event_fields(fields or {}).items():
         args += [k, v]
-    end_script(redis)(keys=[Keys.rq_job(job_id), keys.job_events(job_id),
+    lua.script(redis, lua.END_JOB)(keys=[Keys.rq_job(job_id), keys.job_events(job_id),
                             keys.job_items(job_id)], args=args, client=pipeline or redis)
 
 

@@ -6,13 +6,13 @@ error names the JSON path of the field that is wrong.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 from vlmq.shared import constants as C
+from vlmq.shared import settings as S
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import SHA256_RE
 
@@ -42,48 +42,30 @@ class Item:
 
 
 @dataclass(frozen=True)
-class Generation:
-    """Sampling settings; None means 'use the model's default from the worker's table'."""
-
-    max_tokens: int | None = None
-    temperature: float | None = None
-    stop: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"max_tokens": self.max_tokens, "temperature": self.temperature,
-                "stop": list(self.stop)}
-
-
-@dataclass(frozen=True)
 class JobPayload:
+    """A job as the protocol carries it: its task, its items and the settings it gives.
+
+    `settings` holds, by name (shared/settings.py), only the settings the job gives;
+    read them with `get`, which falls back to the row's default.
+    """
+
     task: str
     items: tuple[Item, ...]
-    prompt: str | None = None
-    generation: Generation = field(default_factory=Generation)
-    model: str | None = None
-    max_side: int | None = None
-    labels: Mapping[str, str] = field(default_factory=dict)
+    settings: Mapping[str, Any] = field(default_factory=dict)
     created_at: str = field(default_factory=utc_now_iso)
     v: int = C.PROTOCOL_VERSION
-    # Worker result cache: "on" (deterministic items only), "off", or "sampled" (also
-    # items generated with temperature > 0). On the wire: absent/true, false, "sampled".
-    result_cache: str = "on"
+
+    def get(self, name: str) -> Any:
+        value = self.settings.get(name)
+        return S.BY_NAME[name].default if value is None else value
+
+    @property
+    def labels(self) -> Mapping[str, str]:
+        return self.get("labels")  # type: ignore[no-any-return]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "v": self.v,
-            "task": self.task,
-            "items": [i.to_dict() for i in self.items],
-            "prompt": self.prompt,
-            "generation": self.generation.to_dict(),
-            "model": self.model,
-            "max_side": self.max_side,
-            "labels": dict(self.labels),
-            "created_at": self.created_at,
-            # Omitted when "on", so payloads without the option stay byte-identical.
-            **({} if self.result_cache == "on" else
-               {"result_cache": "sampled" if self.result_cache == "sampled" else False}),
-        }
+        return {"v": self.v, "task": self.task, "items": [i.to_dict() for i in self.items],
+                **S.values_to_wire(self.settings), "created_at": self.created_at}
 
     @classmethod
     def from_dict(cls, raw: Any) -> JobPayload:
@@ -157,39 +139,13 @@ class JobSummary:
 
 # --- validation -------------------------------------------------------------------------
 
-_TOP_KEYS = {"v", "task", "items", "prompt", "generation", "model", "max_side", "labels",
-             "created_at", "result_cache"}
 
-
-def _int(value: Any, path: str, lo: int, hi: int, *, optional: bool = False) -> int | None:
-    if value is None and optional:
-        return None
+def _int(value: Any, path: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise PayloadError(path, f"must be an integer, got {type(value).__name__}")
     if not lo <= value <= hi:
         raise PayloadError(path, f"must be between {lo} and {hi}, got {value}")
     return value
-
-
-def _str(value: Any, path: str, max_len: int, *, optional: bool = False) -> str | None:
-    if value is None and optional:
-        return None
-    if not isinstance(value, str):
-        raise PayloadError(path, f"must be a string, got {type(value).__name__}")
-    if len(value) > max_len:
-        raise PayloadError(path, f"is longer than {max_len} characters")
-    _check_text(value, path)
-    return value
-
-
-def _check_text(value: str, path: str) -> None:
-    """JSON may carry lone surrogates (\\ud800) that no tokenizer or UTF-8 writer accepts."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        bad = value[exc.start]
-        raise PayloadError(path, f"is not valid UTF-8 text (a lone surrogate U+{ord(bad):04X} "
-                                 f"at character {exc.start})") from None
 
 
 def _parse_item(raw: Any, path: str) -> Item:
@@ -204,8 +160,7 @@ def _parse_item(raw: Any, path: str) -> Item:
     blob = raw.get("blob")
     if not isinstance(blob, str) or not SHA256_RE.fullmatch(blob):
         raise PayloadError(f"{path}.blob", "must be a lowercase hex sha256 (64 characters)")
-    source = _str(raw.get("source", blob[:12]), f"{path}.source", 4096)
-    assert source is not None
+    source = S.check_str(raw.get("source", blob[:12]), f"{path}.source", 4096)
     page: int | None = None
     if kind == "pdf":
         if "page" not in raw:
@@ -213,42 +168,28 @@ def _parse_item(raw: Any, path: str) -> Item:
         page = _int(raw["page"], f"{path}.page", 1, 1_000_000)
     elif raw.get("page") is not None:
         raise PayloadError(f"{path}.page", "is only allowed on pdf items")
-    custom_id = _str(raw.get("custom_id"), f"{path}.custom_id", C.MAX_CUSTOM_ID_CHARS,
-                     optional=True)
+    custom_id = raw.get("custom_id")
+    if custom_id is not None:
+        custom_id = S.check_str(custom_id, f"{path}.custom_id", C.MAX_CUSTOM_ID_CHARS)
     return Item(kind=kind, blob=blob, source=source, page=page, custom_id=custom_id)
 
 
-def _parse_generation(raw: Any) -> Generation:
-    if raw is None:
-        return Generation()
-    if not isinstance(raw, Mapping):
-        raise PayloadError("generation", f"must be an object, got {type(raw).__name__}")
-    unknown = set(raw) - {"max_tokens", "temperature", "stop"}
+def _check_fields(raw: Mapping[str, Any]) -> None:
+    """Unknown fields are refused, not ignored: a misspelt setting must not silently run
+    with the default."""
+    allowed = S.wire_fields()
+    unknown = set(raw) - set(allowed)
     if unknown:
-        raise PayloadError("generation", f"unknown field(s) {sorted(unknown)}")
-    max_tokens = _int(raw.get("max_tokens"), "generation.max_tokens", 1, C.MAX_TOKENS_LIMIT,
-                      optional=True)
-    temp_raw = raw.get("temperature")
-    temperature: float | None = None
-    if temp_raw is not None:
-        if isinstance(temp_raw, bool) or not isinstance(temp_raw, (int, float)):
-            raise PayloadError("generation.temperature", "must be a number")
-        temperature = float(temp_raw)
-        if not math.isfinite(temperature) or not 0.0 <= temperature <= C.MAX_TEMPERATURE:
-            raise PayloadError("generation.temperature",
-                               f"must be between 0 and {C.MAX_TEMPERATURE:g}")
-    stop_raw = raw.get("stop") or []
-    if not isinstance(stop_raw, list):
-        raise PayloadError("generation.stop", "must be a list of strings")
-    if len(stop_raw) > C.MAX_STOP_STRINGS:
-        raise PayloadError("generation.stop", f"has more than {C.MAX_STOP_STRINGS} entries")
-    stop: list[str] = []
-    for i, s in enumerate(stop_raw):
-        text = _str(s, f"generation.stop[{i}]", 256)
-        if not text:
-            raise PayloadError(f"generation.stop[{i}]", "must not be empty")
-        stop.append(text)
-    return Generation(max_tokens=max_tokens, temperature=temperature, stop=tuple(stop))
+        raise PayloadError("payload", f"unknown field(s) {sorted(unknown)}")
+    for name, inner in allowed.items():
+        value = raw.get(name)
+        if not inner or value is None:
+            continue
+        if not isinstance(value, Mapping):
+            raise PayloadError(name, f"must be an object, got {type(value).__name__}")
+        extra = set(value) - inner
+        if extra:
+            raise PayloadError(name, f"unknown field(s) {sorted(extra)}")
 
 
 def parse_payload(raw: Any) -> JobPayload:
@@ -258,9 +199,7 @@ def parse_payload(raw: Any) -> JobPayload:
     if raw.get("v") != C.PROTOCOL_VERSION:
         raise PayloadError("v", f"unsupported protocol version {raw.get('v')!r}; "
                                 f"this worker speaks v{C.PROTOCOL_VERSION}")
-    unknown = set(raw) - _TOP_KEYS
-    if unknown:
-        raise PayloadError("payload", f"unknown field(s) {sorted(unknown)}")
+    _check_fields(raw)
     task = raw.get("task")
     if task not in C.TASKS:
         raise PayloadError("task", f"must be one of {list(C.TASKS)}, got {task!r}")
@@ -270,45 +209,8 @@ def parse_payload(raw: Any) -> JobPayload:
     if len(items_raw) > C.MAX_ITEMS_PER_JOB:
         raise PayloadError("items", f"has more than {C.MAX_ITEMS_PER_JOB} entries")
     items = tuple(_parse_item(it, f"items[{i}]") for i, it in enumerate(items_raw))
-    prompt = _str(raw.get("prompt"), "prompt", C.MAX_PROMPT_CHARS, optional=True)
-    if task == "generate" and not prompt:
+    settings = S.values_from_wire(raw)
+    if task == "generate" and not settings.get("prompt"):
         raise PayloadError("prompt", "is required for task 'generate'")
-    model = _str(raw.get("model"), "model", 512, optional=True)
-    lo, hi = C.MAX_SIDE_RANGE
-    max_side = _int(raw.get("max_side"), "max_side", lo, hi, optional=True)
-    labels_raw = raw.get("labels") or {}
-    if not isinstance(labels_raw, Mapping):
-        raise PayloadError("labels", "must be an object of string values")
-    if len(labels_raw) > C.MAX_LABELS:
-        raise PayloadError("labels", f"has more than {C.MAX_LABELS} entries")
-    labels: dict[str, str] = {}
-    for k, val in labels_raw.items():
-        if not isinstance(val, str):
-            raise PayloadError(f"labels.{k}", "must be a string")
-        _check_text(str(k), "labels")
-        _check_text(val, f"labels.{k}")
-        labels[str(k)] = val
-    result_cache = _parse_result_cache(raw.get("result_cache"))
-    created_at = _str(raw.get("created_at") or utc_now_iso(), "created_at", 64)
-    assert created_at is not None
-    return JobPayload(
-        task=task,
-        items=items,
-        prompt=prompt or None,
-        generation=_parse_generation(raw.get("generation")),
-        model=model or None,
-        max_side=max_side,
-        labels=labels,
-        created_at=created_at,
-        result_cache=result_cache,
-    )
-
-
-def _parse_result_cache(value: Any) -> str:
-    if value is None or value is True:
-        return "on"
-    if value is False:
-        return "off"
-    if value == "sampled":
-        return "sampled"
-    raise PayloadError("result_cache", f'must be true, false or "sampled", got {value!r}')
+    created_at = S.check_str(raw.get("created_at") or utc_now_iso(), "created_at", 64)
+    return JobPayload(task=task, items=items, settings=settings, created_at=created_at)

@@ -1,19 +1,24 @@
-"""Shared fixtures: a real Redis db per test, and the tiny model built once per session."""
+"""Shared fixtures: a real Redis db per test, the tiny model built once per session, worker
+and other subprocesses killed at teardown, and the in-process CLI."""
 
 from __future__ import annotations
 
 import itertools
 import os
+import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from click.testing import Result
 from redis import Redis
 
 from vlmq.shared.keys import Keys
 from vlmq.worker import blas
+
+from . import helpers
 
 # Before any test imports MLX: the same BLAS a default worker picks ($VLMQ_BLAS, else auto).
 blas.select()
@@ -94,3 +99,37 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from vlmq.worker.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2_vl"), arch="qwen2_vl", seed=0)
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[str]]]:
+    """Subprocesses the test starts (append them): killed at teardown, whatever happened."""
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    helpers.stop_all(started)
+
+
+@pytest.fixture
+def start_worker(procs: list[subprocess.Popen[str]]) -> helpers.Spawn:
+    """helpers.start_worker, with the worker killed at teardown."""
+
+    def start(*args: object, **kw: str) -> subprocess.Popen[str]:
+        proc = helpers.start_worker(*args, **kw)  # type: ignore[arg-type]
+        procs.append(proc)
+        return proc
+
+    return start
+
+
+@pytest.fixture
+def run_cli(redis_url: str) -> Callable[..., Result]:
+    """`vlmq ARGS...` in process against this test's Redis db; `code=N` also checks the exit
+    code (the output is in the assertion message)."""
+
+    def run(*args: str, code: int | None = None) -> Result:
+        res = helpers.invoke_cli(redis_url, *args)
+        if code is not None:
+            assert res.exit_code == code, (res.stdout, res.stderr)
+        return res
+
+    return run

@@ -1,4 +1,7 @@
-"""Test inputs and a real worker subprocess, shared by the end-to-end tests."""
+"""Test inputs, a real worker subprocess and the in-process CLI, shared by the tests.
+
+Plain functions; the fixtures that wrap them (procs, start_worker, run_cli) are in conftest.
+"""
 
 from __future__ import annotations
 
@@ -18,9 +21,12 @@ from PIL import Image, ImageDraw
 from redis import Redis
 
 if TYPE_CHECKING:
+    from click.testing import Result
+
     from vlmq.worker.rq_jobs import JobLifecycle
 
 VLMQ = str(Path(sys.executable).parent / "vlmq")
+Spawn = Callable[..., subprocess.Popen[str]]
 COLORS = [(220, 40, 40), (40, 160, 60), (40, 70, 200), (230, 200, 40), (160, 60, 190),
           (30, 180, 190), (240, 130, 30), (90, 90, 90)]
 
@@ -82,6 +88,7 @@ def stop_all(procs: list[subprocess.Popen[str]]) -> None:
     """Teardown: no worker outlives its test, whatever the test did."""
     for proc in procs:
         if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGCONT)  # a test may have left it stopped (SIGSTOP)
             os.killpg(proc.pid, signal.SIGKILL)
         if proc.stdout is not None and not proc.stdout.closed:
             proc.communicate()
@@ -122,18 +129,29 @@ def worker_lifecycle(redis: Redis, queues: list[str]) -> Iterator[JobLifecycle]:
         life.register_death()
 
 
-def _touch(path: str) -> None:
-    Path(path).write_text("unpickled!")
-
-
 class Tripwire:
-    """Put one in a pickled job: unpickling it writes `path`, proof that someone did."""
+    """Put one in a pickled job: unpickling it creates `path`, proof that someone did.
+
+    It unpickles to a call of Path.touch, a stdlib function that any process can import:
+    a worker subprocess cannot import this module, and a trap it failed to load would
+    prove nothing.
+    """
 
     def __init__(self, path: Path) -> None:
-        self.path = str(path)
+        self.path = Path(path)
 
-    def __reduce__(self) -> tuple[Any, tuple[str]]:
-        return _touch, (self.path,)
+    def __reduce__(self) -> tuple[Any, tuple[Path]]:
+        return Path.touch, (self.path,)
+
+
+def invoke_cli(redis_url: str, *args: str) -> Result:
+    """`vlmq --redis-url URL ARGS...` in process. catch_exceptions=False: a traceback fails
+    the test rather than turning into an exit code."""
+    from click.testing import CliRunner
+
+    from vlmq.cli.main import main
+
+    return CliRunner().invoke(main, ["--redis-url", redis_url, *args], catch_exceptions=False)
 
 
 def raw_enqueue(redis: Redis, payload: Any, *, queue: str) -> str:

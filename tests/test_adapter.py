@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from vlmq.worker import families
 from vlmq.worker import mlx_adapter as A
 from vlmq.worker.tiny_model import build_tiny_model
 
@@ -56,9 +57,26 @@ def _sequential(loaded: A.LoadedModel, image: Image.Image, max_tokens: int) -> l
 
 def test_load_reports_type_and_cacheability(loaded: A.LoadedModel, tiny_model: Path) -> None:
     assert loaded.model_type == "qwen2_vl"
-    assert loaded.cacheable
+    assert loaded.cacheable and loaded.family is families.get("qwen2_vl").spec
     assert loaded.context_length == 4096
     assert loaded.model_id == str(tiny_model)
+
+
+@pytest.mark.parametrize("name", families.names())
+def test_each_family_is_accepted_and_its_spec_is_coherent(name: str, tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(f'{{"model_type": "{name.upper()}"}}')
+    assert A.check_family(tmp_path, name) == name
+    spec = A.family_of(name)
+    assert spec is families.get(name).spec
+    # Cached features and per-row positions both ride on the grid (numpy) path.
+    assert spec.grid_prep or not (spec.cacheable or spec.rope_index)
+    assert spec.cacheable or spec.cache_off  # uncached always says why
+
+
+def test_refused_types_are_not_families() -> None:
+    assert not set(A.REFUSED) & set(families.names())
+    with pytest.raises(ValueError, match="not one of vlmq's families"):
+        A.family_of("deepseekocr")
 
 
 def test_load_errors_are_clear(tmp_path: Path) -> None:

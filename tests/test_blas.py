@@ -6,9 +6,7 @@ the code meant to do.
 
 from __future__ import annotations
 
-import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,13 +20,6 @@ from .helpers import finish, wait_for
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(sys.platform != "linux", reason="BLAS choice is Linux only")]
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    helpers.stop_all(started)
 
 
 def _openblas_files(pid: int) -> set[str]:

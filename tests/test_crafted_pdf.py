@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ from vlmq.producer.client import Client
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.jobs import enqueue
 from vlmq.shared.keys import Keys
-from vlmq.shared.schema import Generation, Item, JobPayload
+from vlmq.shared.schema import Item, JobPayload
 
 from . import helpers
 from .helpers import make_pdf, wait_for
@@ -30,13 +29,6 @@ def _status_kb(pid: int, field: str) -> int:
     raise AssertionError(f"no {field} for pid {pid}")
 
 
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    helpers.stop_all(started)
-
-
 def test_drawing_bomb_fails_its_item_and_nothing_else(
         redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path,
         procs: list[subprocess.Popen[str]]) -> None:
@@ -51,8 +43,8 @@ def test_drawing_bomb_fails_its_item_and_nothing_else(
     bomb = drawing_bomb_pdf(2_000_000)  # ~50 KB compressed; > 600 MB and ~25 s to render
     sha, _ = BlobStore(redis, Keys()).put(bomb)
     bad_id = enqueue(redis, JobPayload(task="ocr", items=(
-        Item(kind="pdf", blob=sha, source="bomb.pdf", page=1),), max_side=112,
-        generation=Generation(max_tokens=4)), queue="ocr")
+        Item(kind="pdf", blob=sha, source="bomb.pdf", page=1),),
+        settings={"max_side": 112, "max_tokens": 4}), queue="ocr")
     innocent = client.ocr([make_pdf(tmp_path / "ok.pdf", 3)], max_side=112, max_tokens=4)
 
     bad = client.job(bad_id)

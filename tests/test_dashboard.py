@@ -176,7 +176,7 @@ def test_downloads(redis_url: str, data: Dataset) -> None:
     assert {x["job_id"] for x in lines} == {data.finished}
     assert lines[1]["text"] == PAGE_TEXTS[1]
     txt = text(client.get(f"/jobs/{data.finished}/download.txt"))
-    assert txt.split("\f") == [t + "\n" for t in PAGE_TEXTS]
+    assert txt == "".join(t + "\n\n" for t in PAGE_TEXTS)  # as `vlmq result --format txt`
 
 
 def test_actions_need_the_flag_and_the_form_token(redis_url: str, redis: Redis,
@@ -273,7 +273,7 @@ def test_a_long_jobs_item_table_is_paged(redis_url: str, redis: Redis, tmp_path:
 def test_command_refuses_a_bad_url_and_an_unreachable_redis() -> None:
     from click.testing import CliRunner
 
-    from vlmq.shared.cli import main
+    from vlmq.cli.main import main
 
     runner = CliRunner()
     bad = runner.invoke(main, ["dashboard", "--redis-url", "nope"])

@@ -7,10 +7,8 @@ from __future__ import annotations
 import html
 import io
 import re
-import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,13 +25,6 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(browser.find_chromium() is None,
                                  reason="no Chromium (.ci/dev.py installs it as root)")]
 FAST = JobOptions(max_side=112, max_tokens=6)
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    helpers.stop_all(started)
 
 
 def visible_colors(png: Path) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,17 +14,10 @@ from vlmq.producer.export import UnsafeSource, export_results, target_path
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.jobs import enqueue
 from vlmq.shared.keys import Keys
-from vlmq.shared.schema import Generation, Item, ItemResult, JobPayload
+from vlmq.shared.schema import Item, ItemResult, JobPayload
 
 from . import helpers
 from .helpers import VLMQ, finish, make_pdf, page_image
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    helpers.stop_all(started)
 
 
 def _vlmq(redis_url: str, *args: str, cwd: Path | None = None,
@@ -54,7 +46,7 @@ def test_export_mirrors_the_tree_and_writes_sidecars(
     sha, _ = BlobStore(redis, Keys()).put((tree / "photos" / "day1" / "img0.png").read_bytes())
     crafted = enqueue(redis, JobPayload(
         task="caption", items=(Item(kind="image", blob=sha, source="../../x.jpg"),),
-        generation=Generation(max_tokens=3), max_side=112), queue="caption")
+        settings={"max_tokens": 3, "max_side": 112}), queue="caption")
     procs.append(helpers.start_worker(redis_url, tiny_model, tmp_path, "--burst"))
     rc, out = finish(procs[-1])
     assert rc == 0, out

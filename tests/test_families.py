@@ -1,15 +1,19 @@
-"""Every tiny family end to end: Redis, a real worker, parity with sequential generate.
+"""Every family end to end: Redis, a real worker, parity with sequential generate.
 
-Per family, one worker serves a caption job (4 images in 2 sizes) and an OCR job
-(2 PDF pages) at max batch 4. Each item's text must equal sequential
-`mlx_vlm.stream_generate` on the same pixels with the same templated prompt, at
-temperature 0, cut at the same stop strings. Then either a restarted worker serves
-the same images from the disk cache with 0 tower calls, or (families whose cached
-features would change the text) the worker said at start that it runs uncached.
+The families are the modules of vlmq.worker.families, discovered; the tests below
+check that discovery misses none, then run each one. Per family, one worker serves a
+caption job (4 images in 2 sizes) and an OCR job (2 PDF pages) at max batch 4. Each
+item's text must equal sequential `mlx_vlm.stream_generate` on the same pixels with
+the same templated prompt, at temperature 0, cut at the same stop strings. Then
+either a restarted worker serves the same images from the disk cache with 0 tower
+calls, or (families whose cached features would change the text) the worker said at
+start that it runs uncached.
 """
 
 from __future__ import annotations
 
+import pkgutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,27 +22,19 @@ from redis import Redis
 
 from vlmq.producer.client import Client
 from vlmq.shared.keys import Keys
+from vlmq.worker import families
 from vlmq.worker import mlx_adapter as A
 from vlmq.worker import preprocess as P
 from vlmq.worker.model_check import check_model
 from vlmq.worker.model_defaults import resolve
-from vlmq.worker.tiny_model import ARCHS, build_tiny_model
+from vlmq.worker.tiny_model import build_tiny_model
 
 from . import helpers
 from .helpers import finish, make_images, make_pdf
 
-pytestmark = pytest.mark.slow
-
 MAX_SIDE = 112
 MAX_TOKENS = 10
 SIZES = [(96, 96), (128, 80)]
-
-
-@pytest.fixture
-def procs() -> Iterator[list]:
-    started: list = []
-    yield started
-    helpers.stop_all(started)
 
 
 def _stats(redis: Redis, name: str) -> dict[str, str]:
@@ -71,7 +67,54 @@ def _reference(model_dir: Path, images: list[Path], pdf: Path) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+def test_every_module_of_the_package_is_a_registered_family() -> None:
+    modules = sorted(m.name for m in pkgutil.iter_modules(families.__path__)
+                     if not m.name.startswith("_"))
+    assert list(families.names()) == modules  # named after their model types, so unique
+    for name in modules:
+        family = families.get(name)
+        assert sys.modules[f"vlmq.worker.families.{name}"].FAMILY is family
+        assert family.tiny.config["model_type"] == family.model_type
+    assert families.get("QWEN2_VL") is families.FAMILIES["qwen2_vl"]
+    with pytest.raises(ValueError, match="not one of vlmq's families"):
+        families.get("llava")
+
+
+@pytest.fixture
+def family_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An importable package of family modules in tmp_path (its name: the folder's)."""
+    folder = tmp_path / f"vlmq_families_{tmp_path.name}"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    (folder / "_shared.py").write_text("NOT_A_FAMILY = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield folder
+    for name in [m for m in sys.modules if m.startswith(folder.name)]:
+        del sys.modules[name]
+
+
+def test_a_new_family_is_one_file(family_package: Path) -> None:
+    (family_package / "newfam.py").write_text(
+        "from dataclasses import replace\n"
+        "from vlmq.worker.families.qwen2_vl import FAMILY as QWEN\n"
+        "FAMILY = replace(QWEN, model_type='newfam')\n")
+    found = families.discover(family_package.name)
+    assert list(found) == ["newfam"] and found["newfam"].spec.cacheable
+
+
+@pytest.mark.parametrize(("source", "error"), [
+    ("FAMILY = None\n", "defines no FAMILY"),
+    ("from vlmq.worker.families.gemma3 import FAMILY\n", "a family module is named after"),
+])
+def test_discovery_refuses_a_half_made_family(family_package: Path, source: str,
+                                               error: str) -> None:
+    (family_package / "broken.py").write_text(source)
+    with pytest.raises((TypeError, ValueError), match=error):
+        families.discover(family_package.name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", families.names())
 def test_family_batched_parity_and_vision_cache(
         arch: str, redis_url: str, redis: Redis, tmp_path: Path,
         tmp_path_factory: pytest.TempPathFactory, procs: list) -> None:
@@ -119,6 +162,7 @@ def test_family_batched_parity_and_vision_cache(
     assert [r.text for r in results] == expected[:4]
 
 
+@pytest.mark.slow
 def test_deepseekocr_is_refused_at_start_with_the_reason(
         redis_url: str, tmp_path: Path, procs: list) -> None:
     folder = tmp_path / "deepseek-ocr"
@@ -146,16 +190,19 @@ def test_an_unverified_family_is_refused_before_its_weights_load(tmp_path: Path)
 
 
 def test_make_tiny_offers_every_family(tmp_path: Path) -> None:
+    import click
     from click.testing import CliRunner
 
-    from vlmq.worker.cli import TINY_ARCHS, model_group
+    from vlmq.worker.cli import make_tiny_cmd, model_group
 
-    assert TINY_ARCHS == ARCHS
+    (arch,) = [p for p in make_tiny_cmd.params if p.name == "arch"]
+    assert isinstance(arch.type, click.Choice) and tuple(arch.type.choices) == families.names()
     out = CliRunner().invoke(model_group, ["make-tiny", str(tmp_path / "m"), "--arch", "glm_ocr"])
     assert out.exit_code == 0, out.output
     assert '"model_type": "glm_ocr"' in (tmp_path / "m" / "config.json").read_text()
 
 
+@pytest.mark.slow
 def test_model_check_exits_non_zero_on_a_parity_failure(
         tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """qwen3_vl batched without its prefill limit really differs (deepstack padding)."""

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,28 +17,10 @@ from redis import Redis
 from vlmq.producer.client import Client
 from vlmq.shared.keys import Keys
 
-from . import helpers
-from .helpers import finish, make_pdf, wait_for
+from .helpers import Spawn, finish, make_pdf, wait_for
 
 pytestmark = pytest.mark.slow
-Spawn = Callable[..., subprocess.Popen[str]]
 TERMINAL = {b"finished", b"failed", b"canceled"}
-
-
-@pytest.fixture
-def start_worker() -> Iterator[Spawn]:
-    procs: list[subprocess.Popen[str]] = []
-
-    def start(*args: object, **kw: str) -> subprocess.Popen[str]:
-        proc = helpers.start_worker(*args, **kw)  # type: ignore[arg-type]
-        procs.append(proc)
-        return proc
-
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGCONT)  # a stopped process ignores SIGKILL's cleanup
-    helpers.stop_all(procs)
 
 
 def item_events(redis: Redis, job_id: str) -> list[tuple[bytes, dict[bytes, bytes]]]:

@@ -24,10 +24,10 @@ from PIL import Image
 from redis import Redis
 from redis.exceptions import ResponseError
 
+from vlmq.cli.main import main as vlmq_cli
 from vlmq.producer.client import Client, WaitTimeout
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import BlobStore, sha256_hex
-from vlmq.shared.cli import main as vlmq_cli
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.jobs import check_job_id, check_queue_name, lua_script
 from vlmq.shared.keys import QUEUE_NAME_RE, Keys

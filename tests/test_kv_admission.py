@@ -53,9 +53,9 @@ def test_admission_keeps_kv_in_flight_under_the_budget(tiny_model: Path,
                         stop=()) for i, p in enumerate(preps)]
         got = _run(engine, reqs)
         assert all(f.error is None for f in got.values())
-        assert engine.peak_kv_in_flight <= budget
-        assert engine.peak_active == 2  # the batch had 6 rows, the budget allowed 2
-        assert engine.kv_in_flight == 0
+        assert engine.state.peak_kv_in_flight <= budget
+        assert engine.state.peak_active == 2  # the batch had 6 rows, the budget allowed 2
+        assert engine.state.kv_in_flight == 0
 
         # One request over the whole budget runs, alone, with a warning.
         caplog.set_level(logging.WARNING, logger="vlmq.worker.engine")
@@ -63,10 +63,10 @@ def test_admission_keeps_kv_in_flight_under_the_budget(tiny_model: Path,
                       max_tokens=budget, temperature=0.0, stop=())
         small = Request(key="small", prepared=preps[1], cached_features=None,
                         max_tokens=4, temperature=0.0, stop=())
-        engine.peak_active = 0
+        engine.state.peak_active = 0
         got = _run(engine, [big, small])
         assert got["big"].error is None and got["small"].error is None
-        assert engine.peak_active == 1
+        assert engine.state.peak_active == 1
         assert "over the --max-kv-tokens budget" in caplog.text
     finally:
         engine.close(timeout=10)

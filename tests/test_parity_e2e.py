@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -86,13 +85,6 @@ def _reference_under(choice: str, model_dir: Path, paths: list[Path],
         timeout=300, check=True)
     texts: list[str] = json.loads(out.stdout.strip().splitlines()[-1])
     return texts
-
-
-@pytest.fixture
-def procs() -> Iterator[list]:
-    started: list = []
-    yield started
-    helpers.stop_all(started)
 
 
 @pytest.mark.parametrize("blas_choice", ["auto", "reference"])

@@ -30,7 +30,7 @@ from vlmq.shared.keys import RQ_QUEUES, Keys
 from vlmq.shared.schema import Item, JobPayload, parse_payload
 from vlmq.worker.rq_jobs import Refused, Running
 
-from .helpers import raw_enqueue, worker_lifecycle
+from .helpers import Tripwire, raw_enqueue, worker_lifecycle
 
 SHA = "ab" * 32
 
@@ -163,24 +163,10 @@ def test_rq_job_hash_is_json_with_no_pickle(redis: Redis) -> None:
     assert fields[b"origin"] == b"caption-x"
 
 
-def _tripwire(path: str) -> str:
-    """Called only if someone unpickles the evil argument below."""
-    Path(path).write_text("unpickled!")
-    return "pwned"
-
-
-class _Evil:
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[Any, tuple[str]]:
-        return (_tripwire, (self.path,))
-
-
 def test_pickled_job_is_refused_and_never_unpickled(redis: Redis, tmp_path: Path) -> None:
     flag = tmp_path / "tripped"
     payload = copy.deepcopy(good_payload())
-    payload["prompt"] = _Evil(str(flag))
+    payload["prompt"] = Tripwire(flag)
     # rq's default serializer is pickle: this is what a careless or hostile producer sends.
     pickled = Queue("ocr", connection=redis).enqueue_call(func=C.TASK_FUNC, args=[payload])
     raw = redis.hget(Keys.rq_job(pickled.id), "data")

@@ -75,7 +75,8 @@ def rig(redis: Redis, keys: Keys) -> Iterator[Rig]:
 
 def job(redis: Redis, n: int, labels: dict[str, str] | None = None) -> str:
     items = tuple(Item("image", SHA, f"{i}.png") for i in range(n))
-    return enqueue(redis, JobPayload(task="ocr", items=items, labels=labels or {}),
+    return enqueue(redis, JobPayload(task="ocr", items=items,
+                                     settings={"labels": labels} if labels else {}),
                    queue="ocr")
 
 

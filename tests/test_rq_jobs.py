@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -23,7 +22,7 @@ from vlmq.shared.jobs import enqueue, fetch_job
 from vlmq.shared.schema import Item, JobPayload
 from vlmq.worker.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
 
-from .helpers import raw_enqueue
+from .helpers import Tripwire, raw_enqueue
 
 FAKE_SHA = "ab" * 32  # a valid sha256 hex string; lifecycle tests never read blobs
 QUEUES = ("high", "low")
@@ -31,7 +30,7 @@ QUEUES = ("high", "low")
 
 def payload(n_items: int = 2, model: str | None = None) -> JobPayload:
     items = tuple(Item(kind="image", blob=FAKE_SHA, source=f"scan-{i}.png") for i in range(n_items))
-    return JobPayload(task="ocr", items=items, model=model)
+    return JobPayload(task="ocr", items=items, settings={"model": model} if model else {})
 
 
 def make_lifecycle(redis: Redis, **kwargs: object) -> JobLifecycle:
@@ -170,7 +169,7 @@ def test_succeed_rejects_a_summary_json_cannot_hold(redis, life):
 def test_fail_records_message_in_failed_registry(redis, life):
     job_id = enqueue(redis, payload(model="other/model"), queue="low")
     r = take_running(life)
-    life.fail(r, f"job wants model {r.payload.model!r} but this worker runs 'tiny/qwen2-vl'")
+    life.fail(r, f"job wants model {r.payload.get('model')!r} but this worker runs 'tiny/qwen2-vl'")
 
     assert fetch_job(redis, job_id).get_status() == JobStatus.FAILED
     assert job_id in FailedJobRegistry(queue=Queue("low", connection=redis)).get_job_ids()
@@ -243,26 +242,11 @@ def test_timed_out_follows_the_rq_job_timeout(redis, life):
 
 # --- refusals -----------------------------------------------------------------------------
 
-def _touch_marker(path: str) -> None:
-    Path(path).write_text("unpickled")
-    raise RuntimeError("this object was unpickled")
-
-
-class Trap:
-    """Unpickling one writes a marker file: proof that a worker unpickled producer data."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self) -> tuple[object, tuple[str]]:
-        return _touch_marker, (self.marker,)
-
-
 def test_pickled_job_is_refused_without_unpickling(redis, life, tmp_path):
     marker = tmp_path / "unpickled"
     pickle_queue = Queue("low", connection=redis)  # RQ's default serializer: pickle
-    job = pickle_queue.enqueue_call(func=C.TASK_FUNC, args=(Trap(marker),),
-                                    meta={"trap": Trap(marker)})
+    job = pickle_queue.enqueue_call(func=C.TASK_FUNC, args=(Tripwire(marker),),
+                                    meta={"trap": Tripwire(marker)})
 
     refused = take_refused(life)
     assert refused.job_id == job.id and refused.queue == "low"

@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +21,6 @@ from vlmq.shared.keys import Keys
 
 from . import helpers
 from .helpers import VLMQ, finish, page_image, wait_for
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    helpers.stop_all(started)
 
 
 def _vlmq(redis_url: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from redis import Redis
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.jobs import enqueue
 from vlmq.shared.keys import Keys
-from vlmq.shared.schema import Generation, Item, JobPayload
+from vlmq.shared.schema import Item, JobPayload
 
 from . import helpers
 from .helpers import make_images, wait_for
@@ -24,13 +23,6 @@ from .helpers import make_images, wait_for
 pytestmark = pytest.mark.slow
 JOBS = 300
 KEYS = Keys()
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    helpers.stop_all(started)
 
 
 def _finished(redis: Redis, ids: list[str]) -> int:
@@ -48,8 +40,7 @@ def test_soak_300_jobs_two_workers_one_kill(redis_url: str, redis: Redis, tiny_m
     ids = []
     with redis.pipeline() as pipe:
         for n in range(JOBS):
-            payload = JobPayload(task="caption", max_side=56,
-                                 generation=Generation(max_tokens=2),
+            payload = JobPayload(task="caption", settings={"max_side": 56, "max_tokens": 2},
                                  items=(Item("image", shas[n % 4], f"img{n}.png"),))
             ids.append(enqueue(redis, payload, queue="caption", pipeline=pipe))
         pipe.execute()

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from vlmq.worker.tiny_model import build_tiny_model
+from vlmq.worker import families
+from vlmq.worker.tiny_model import SIZES, build_tiny_model
 
 
 def _image(seed: int, size: tuple[int, int] = (224, 224)) -> Image.Image:
@@ -71,3 +74,31 @@ def test_qwen2_5_vl_loads_and_generates(tmp_path: Path) -> None:
 def test_unknown_arch_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown tiny arch"):
         build_tiny_model(tmp_path, arch="llava")
+
+
+def _placeholders(value: Any) -> Iterator[str]:
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _placeholders(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _placeholders(v)
+    elif isinstance(value, str) and value.startswith("@") and value != "@vocab":
+        yield value[1:]
+
+
+@pytest.mark.parametrize("name", families.names())
+def test_each_family_recipe_names_only_its_own_tokens(name: str) -> None:
+    """Checked without building: a wrong token name would fail only deep in the build."""
+    build = families.get(name).tiny
+    assert build.config["model_type"] == name
+    named = {build.eos, build.pad} | ({build.bos} if build.bos else set())
+    assert named <= set(build.specials)
+    assert set(_placeholders([build.config, build.tokenizer_extra])) <= set(build.specials)
+    assert set(build.sizes) <= set(SIZES) - {"tiny"}
+
+
+def test_a_size_exists_only_for_families_that_list_it(tmp_path: Path) -> None:
+    assert "bench" in families.get("qwen2_vl").tiny.sizes
+    with pytest.raises(ValueError, match="no 'bench' size for arch 'gemma3'"):
+        build_tiny_model(tmp_path, arch="gemma3", size="bench")

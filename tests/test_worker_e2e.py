@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,26 +19,11 @@ from vlmq.shared import constants as C
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.jobs import enqueue, fetch_job
 from vlmq.shared.keys import Keys
-from vlmq.shared.schema import Generation, Item, JobPayload
+from vlmq.shared.schema import Item, JobPayload
 
-from . import helpers
-from .helpers import VLMQ, finish, make_images, make_pdf, wait_for
+from .helpers import VLMQ, Spawn, Tripwire, finish, make_images, make_pdf, wait_for
 
 pytestmark = pytest.mark.slow
-Spawn = Callable[..., subprocess.Popen[str]]
-
-
-@pytest.fixture
-def start_worker() -> Iterator[Spawn]:
-    procs: list[subprocess.Popen[str]] = []
-
-    def start(*args: object, **kw: str) -> subprocess.Popen[str]:
-        proc = helpers.start_worker(*args, **kw)  # type: ignore[arg-type]
-        procs.append(proc)
-        return proc
-
-    yield start
-    helpers.stop_all(procs)
 
 
 def stats(redis: Redis, name: str) -> dict[str, str]:
@@ -210,7 +194,7 @@ def test_an_undecodable_item_fails_alone(
     blobs = BlobStore(redis, Keys())
     good = [blobs.put(p.read_bytes())[0] for p in make_images(tmp_path / "imgs", 2)]
     bad, _ = blobs.put(b"this is not an image at all")
-    payload = JobPayload(task="caption", generation=Generation(max_tokens=8), max_side=112,
+    payload = JobPayload(task="caption", settings={"max_tokens": 8, "max_side": 112},
                          items=(Item("image", good[0], "a.png"), Item("image", bad, "b.png"),
                                 Item("image", good[1], "c.png")))
     job_id = enqueue(redis, payload, queue="caption")
@@ -229,7 +213,7 @@ def test_job_for_another_model_fails_naming_both(
         redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path,
         start_worker: Spawn) -> None:
     blob, _ = BlobStore(redis, Keys()).put(make_images(tmp_path / "i", 1)[0].read_bytes())
-    payload = JobPayload(task="caption", model="mlx-community/Some-Other-VLM-4bit",
+    payload = JobPayload(task="caption", settings={"model": "mlx-community/Some-Other-VLM-4bit"},
                          items=(Item("image", blob, "a.png"),))
     job_id = enqueue(redis, payload, queue="caption")
     rc, out = finish(start_worker(redis_url, tiny_model, tmp_path, "--burst"))
@@ -317,7 +301,7 @@ def test_a_poison_job_fails_alone_and_the_worker_goes_on(
         start_worker: Spawn) -> None:
     blob, _ = BlobStore(redis, Keys()).put(make_images(tmp_path / "i", 1)[0].read_bytes())
     # "~nosuchuser/..." makes path expansion raise inside the worker's model check.
-    poison = enqueue(redis, JobPayload(task="caption", model="~nosuchuser/model",
+    poison = enqueue(redis, JobPayload(task="caption", settings={"model": "~nosuchuser/model"},
                                        items=(Item("image", blob, "a.png"),)), queue="caption")
     good = Client(redis_url).caption(make_images(tmp_path / "j", 2), max_side=112,
                                      max_tokens=4)
@@ -428,7 +412,7 @@ def test_pickled_job_is_refused_by_the_worker(
     marker = tmp_path / "unpickled"
     # The trap unpickles to a call of a stdlib function the worker can import: if anything
     # in the worker ever unpickled the job, the marker file would appear.
-    trap = _Trap(str(marker))
+    trap = Tripwire(marker)
     assert pickle.loads(pickle.dumps(trap)) is None and marker.exists()
     marker.unlink()
     q = Queue("caption", connection=redis)  # RQ's default serializer: pickle
@@ -438,14 +422,6 @@ def test_pickled_job_is_refused_by_the_worker(
     assert not marker.exists(), "the worker unpickled a job"
     assert redis.hget(f"rq:job:{job.id}", "status") == b"failed"
     assert "not JSON" in out or "pickle" in out.lower(), out
-
-
-class _Trap:
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
-        return (Path.touch, (Path(self.path),))
 
 
 if sys.platform == "win32":  # pragma: no cover

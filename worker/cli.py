@@ -1,8 +1,9 @@
-"""Worker-side commands (`vlmq worker`, `vlmq model make-tiny`, `vlmq demo`).
+"""Worker-side commands (`vlmq worker`, `vlmq model make-tiny`, `vlmq model check`).
 
-They join the root group (vlmq.shared.cli), so this module imports only click and the
-standard library; MLX loads inside the command bodies, where it is needed, after a
-check that says which install extra is missing.
+They join the root group (vlmq.cli.main), so this module imports only click, the
+standard library and the families' data (vlmq.worker.families, no MLX); MLX loads inside
+the command bodies, where it is needed, after a check that says which install extra is
+missing.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import click
 
 from vlmq.shared import constants as C
 from vlmq.shared.keys import QUEUE_NAME_RE
+from vlmq.worker import families
 from vlmq.worker.paths import default_cache_dir
 
 __all__ = ["default_cache_dir", "register"]
@@ -24,10 +26,6 @@ __all__ = ["default_cache_dir", "register"]
 WORKER_MODULES = ("mlx", "mlx_vlm")
 
 DEFAULT_QUEUES = tuple(C.DEFAULT_QUEUE[task] for task in C.TASKS)
-# Kept in step with vlmq.worker.tiny_model.ARCHS (tests/test_families.py checks it);
-# listed here so the CLI does not import the builder.
-TINY_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm_ocr", "paddleocr_vl", "dots_ocr",
-              "gemma3", "idefics3", "mistral3")
 
 
 def require_worker_extra() -> None:
@@ -163,9 +161,11 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burs
     )
     if not with_scheduler:
         ctx.exit(run_worker(cfg))
-    from vlmq.producer.schedule import start_scheduler_thread
-
-    thread, stop = start_scheduler_thread(cfg.redis_url)
+    if not ctx.obj or "start_scheduler" not in ctx.obj:
+        raise click.UsageError("--with-scheduler needs the `vlmq` root command")
+    # The scheduler loop is the producer's (it enqueues): the root passes it in, so the
+    # worker imports nothing from the producer.
+    thread, stop = ctx.obj["start_scheduler"](cfg.redis_url)
     try:
         rc = run_worker(cfg)
     finally:
@@ -181,7 +181,7 @@ def model_group() -> None:
 
 @model_group.command("make-tiny")
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--arch", type=click.Choice(TINY_ARCHS), default="qwen2_vl",
+@click.option("--arch", type=click.Choice(families.names()), default="qwen2_vl",
               show_default=True, help="mlx-vlm model family to build.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--size", type=click.Choice(["tiny", "bench"]), default="tiny", show_default=True,
@@ -222,21 +222,6 @@ def check_cmd(model: str, max_tokens: int, max_batch: int) -> None:
         raise click.exceptions.Exit(1)
 
 
-@click.command("demo")
-@click.option("--model", default=None,
-              help="Model to use (default: build the tiny random-weight model).")
-@click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True)
-@click.pass_context
-def demo_cmd(ctx: click.Context, model: str | None, max_batch: int) -> None:
-    """Enqueue the bundled sample, run a burst worker on it, and show results and stats."""
-    require_worker_extra()
-    from vlmq.worker.demo import run_demo
-
-    redis_url = ctx.obj.get("redis_url") if ctx.obj else None
-    ctx.exit(run_demo(redis_url=redis_url, model=model, max_batch=max_batch))
-
-
 def register(group: click.Group) -> None:
     group.add_command(worker_cmd)
     group.add_command(model_group)
-    group.add_command(demo_cmd)

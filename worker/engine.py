@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -116,6 +116,75 @@ class _Live:
     kv_cost: int = 0  # prompt + max new tokens: the KV cache this row can grow to
 
 
+@dataclass(eq=False)
+class EngineState:
+    """What the MLX thread shares with the engine's callers: the two queues, the counts
+    behind Engine.waiting and Engine.active, and the counters stats read.
+
+    The Engine makes it (submit() queues before the model has loaded) and hands it to the
+    MLX thread's loop, the only writer of the counters; `lock` guards `waiting` and
+    `active`, which both sides change. Other threads only read.
+    """
+
+    inbox: queue.SimpleQueue[tuple[Request, float] | None] = field(
+        default_factory=queue.SimpleQueue)
+    outbox: queue.SimpleQueue[Finished] = field(default_factory=queue.SimpleQueue)
+    closing: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    waiting: int = 0  # submitted, not yet inserted or failed
+    active: int = 0  # inserted, not yet finished
+    peak_waiting: int = 0  # most requests ever submitted but not yet in the batch
+    peak_active: int = 0
+    kv_in_flight: int = 0  # sum of the active rows' (prompt + max new tokens)
+    peak_kv_in_flight: int = 0
+    tower_calls: int = 0
+    busy_s: float = 0.0  # MLX thread time in model work (tower, embed, prefill, decode)
+    tokens_generated: int = 0
+    finished: int = 0
+    errors: int = 0
+    repetitions: int = 0  # rows cut for looping (each attempt counts)
+
+    def submit(self, req: Request) -> None:
+        with self.lock:
+            self.waiting += 1
+            self.peak_waiting = max(self.peak_waiting, self.waiting)
+        self.inbox.put((req, time.perf_counter()))
+
+    def move(self, *, waiting: int = 0, active: int = 0) -> None:
+        """Requests changed hands: submitted -> inserted -> finished, or back (a retry)."""
+        with self.lock:
+            self.waiting += waiting
+            self.active += active
+            self.peak_active = max(self.peak_active, self.active)
+
+    def emit(self, fin: Finished, *, waiting: int = 0, active: int = 0) -> None:
+        # Outbox first: a reader that sees the counts drop to zero finds the result there.
+        self.outbox.put(fin)
+        self.finished += 1
+        if fin.error is not None:
+            self.errors += 1
+        self.move(waiting=waiting, active=active)
+
+    def abort_all(
+        self, why: str, pending: deque[tuple[Request, float]], live: dict[int, _Live]
+    ) -> None:
+        """Fail everything still queued or running (shutdown or load failure)."""
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                pending.append(item)
+        for req, _ in pending:
+            self.emit(_error(req, why, 0), waiting=-1)
+        pending.clear()
+        for lv in live.values():
+            self.emit(_error(lv.req, why, lv.prompt_tokens, lv.hit, lv.timings), active=-1)
+        live.clear()
+        self.kv_in_flight = 0
+
+
 class Engine:
     """Continuous-batching generator over one loaded model; see module docstring."""
 
@@ -131,27 +200,12 @@ class Engine:
             raise ValueError("max_kv_tokens must be at least 1")
         self.model_path = model_path
         self.repetition = repetition  # None: rows are never cut for looping
-        self.repetitions = 0  # rows cut for looping (each attempt counts)
         # Admission budget: sum of (prompt + max_tokens) in flight; None: derived from the
         # model and the machine's memory once loaded (worker/kv_budget.py).
         self.max_kv_tokens = max_kv_tokens
-        self.kv_in_flight = 0  # MLX thread writes; others read for stats
-        self.peak_kv_in_flight = 0
         self.max_batch = max_batch
         self.prefill_batch = max(1, min(prefill_batch or max_batch, max_batch))
-        self._inbox: queue.SimpleQueue[tuple[Request, float] | None] = queue.SimpleQueue()
-        self._outbox: queue.SimpleQueue[Finished] = queue.SimpleQueue()
-        self._counts = threading.Lock()
-        self._waiting = 0  # submitted, not yet inserted or failed
-        self._active = 0  # inserted, not yet finished
-        self.peak_active = 0
-        self.peak_waiting = 0  # most requests ever submitted but not yet in the batch
-        self.tower_calls = 0
-        self.busy_s = 0.0  # MLX thread time in model work (tower, embed, prefill, decode)
-        self.tokens_generated = 0
-        self.finished_count = 0
-        self.error_count = 0
-        self._closing = threading.Event()
+        self.state = EngineState()  # shared with the MLX thread; read it for counters
         self._ready = threading.Event()
         self._loaded: LoadedModel | None = None
         self._load_error: BaseException | None = None
@@ -193,57 +247,72 @@ class Engine:
         """Queue a request for the next step; never blocks on MLX."""
         if self._load_error is not None:
             raise EngineError(f"engine has no model: {self._load_error}")
-        if self._closing.is_set():
+        if self.state.closing.is_set():
             raise EngineError("engine is closed")
-        with self._counts:
-            self._waiting += 1
-            self.peak_waiting = max(self.peak_waiting, self._waiting)
-        self._inbox.put((req, time.perf_counter()))
+        self.state.submit(req)
 
     def get_finished(self, timeout: float) -> list[Finished]:
         """Everything finished since the last call; waits up to `timeout` for the first."""
+        outbox = self.state.outbox
         out: list[Finished] = []
         try:
-            out.append(
-                self._outbox.get(timeout=timeout) if timeout > 0 else self._outbox.get_nowait()
-            )
+            out.append(outbox.get(timeout=timeout) if timeout > 0 else outbox.get_nowait())
         except queue.Empty:
             return out
         while True:
             try:
-                out.append(self._outbox.get_nowait())
+                out.append(outbox.get_nowait())
             except queue.Empty:
                 return out
 
+    # What worker/stats.py and the benchmarks read; every other counter is in `state`.
+
     @property
     def waiting(self) -> int:
-        return self._waiting
+        return self.state.waiting
 
     @property
     def active(self) -> int:
-        return self._active
+        return self.state.active
+
+    @property
+    def peak_waiting(self) -> int:
+        return self.state.peak_waiting
+
+    @property
+    def tower_calls(self) -> int:
+        return self.state.tower_calls
+
+    @property
+    def tokens_generated(self) -> int:
+        return self.state.tokens_generated
+
+    @property
+    def busy_s(self) -> float:
+        return self.state.busy_s
 
     def stats(self) -> dict[str, float]:
+        st = self.state
         return {
-            "waiting": self._waiting,
-            "active": self._active,
-            "peak_active": self.peak_active,
+            "waiting": st.waiting,
+            "active": st.active,
+            "peak_active": st.peak_active,
             "max_batch": self.max_batch,
-            "tower_calls": self.tower_calls,
-            "tokens_generated": self.tokens_generated,
-            "finished": self.finished_count,
-            "errors": self.error_count,
-            "repetitions": self.repetitions,
+            "tower_calls": st.tower_calls,
+            "tokens_generated": st.tokens_generated,
+            "finished": st.finished,
+            "errors": st.errors,
+            "repetitions": st.repetitions,
         }
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the MLX thread; requests still queued or running finish with an error."""
-        self._closing.set()
-        self._inbox.put(None)
+        self.state.closing.set()
+        self.state.inbox.put(None)
         self._thread.join(timeout)
         if not self._thread.is_alive():
             # A submit that raced the shutdown lands here; answer it too.
-            self._abort_all("engine closed", pending=deque(), live={})
+            self.state.abort_all("engine closed", pending=deque(), live={})
 
     def _require_loaded(self) -> LoadedModel:
         if self._loaded is None:
@@ -267,13 +336,15 @@ class Engine:
             else:
                 log.exception("engine: model load failed")
             self._load_error = exc
-            self._closing.set()
+            self.state.closing.set()
             self._ready.set()
-            self._abort_all("model failed to load", pending=deque(), live={})
+            self.state.abort_all("model failed to load", pending=deque(), live={})
             return
         self._apply_family_limits(self._loaded.family)
         self._ready.set()
-        _Loop(self, self._loaded).run()
+        _Loop(self.state, self._loaded, max_batch=self.max_batch,
+              prefill_batch=self.prefill_batch, repetition=self.repetition,
+              max_kv_tokens=self.max_kv_tokens).run()
 
     def _apply_family_limits(self, family: adapter.FamilySpec) -> None:
         """Prefill one prompt at a time where mlx-vlm cannot prefill this family's prompts
@@ -291,35 +362,6 @@ class Engine:
             log.warning("model type %s prefills one prompt at a time (decoding still "
                         "batches): %s", self._require_loaded().model_type, family.prefill_one)
             self.prefill_batch = 1
-
-    def _abort_all(
-        self, why: str, pending: deque[tuple[Request, float]], live: dict[int, _Live]
-    ) -> None:
-        """Fail everything still queued or running (shutdown or load failure)."""
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                pending.append(item)
-        for req, _ in pending:
-            self._emit(_error(req, why, 0), waiting_delta=-1)
-        pending.clear()
-        for lv in live.values():
-            self._emit(_error(lv.req, why, lv.prompt_tokens, lv.hit, lv.timings), active_delta=-1)
-        live.clear()
-        self.kv_in_flight = 0
-
-    def _emit(self, fin: Finished, *, waiting_delta: int = 0, active_delta: int = 0) -> None:
-        # Outbox first: a reader that sees the counts drop to zero finds the result there.
-        self._outbox.put(fin)
-        self.finished_count += 1
-        if fin.error is not None:
-            self.error_count += 1
-        with self._counts:
-            self._waiting += waiting_delta
-            self._active += active_delta
 
 
 def _error(
@@ -342,11 +384,20 @@ def _error(
 
 
 class _Loop:
-    """State and steps of the MLX thread; only that thread touches it."""
+    """The MLX thread's own state and steps; only that thread touches it.
 
-    def __init__(self, engine: Engine, loaded: LoadedModel) -> None:
-        self.e = engine
+    It keeps the generator, the pending and live rows and the KV budget, and shares only
+    `state` (queues, counts, counters) with the engine's callers.
+    """
+
+    def __init__(self, state: EngineState, loaded: LoadedModel, *, max_batch: int,
+                 prefill_batch: int, repetition: RepetitionGuard | None,
+                 max_kv_tokens: int | None) -> None:
+        self.state = state
         self.m = loaded
+        self.max_batch = max_batch
+        self.prefill_batch = prefill_batch
+        self.repetition = repetition
         self.eos = adapter.eos_token_ids(loaded.processor)
         self.pending: deque[tuple[Request, float]] = deque()
         self.live: dict[int, _Live] = {}
@@ -354,48 +405,47 @@ class _Loop:
         self.clear_cache_at: int | None = None
         self.retried: dict[Hashable, str] = {}  # key -> what its first attempt did
         self.gen = self._new_generator()
-        if engine.max_kv_tokens is None:
-            budget, per_token, weights = kv_budget.model_budget(loaded.model)
-            engine.max_kv_tokens = budget
+        if max_kv_tokens is None:
+            max_kv_tokens, per_token, weights = kv_budget.model_budget(loaded.model)
             log.info("engine: KV admission budget %d tokens (%d bytes/token, weights %.0f MB; "
-                     "--max-kv-tokens overrides)", budget, per_token, weights / 1e6)
-        self.kv_budget: int = engine.max_kv_tokens
+                     "--max-kv-tokens overrides)", max_kv_tokens, per_token, weights / 1e6)
+        self.kv_budget: int = max_kv_tokens
         self.warned_over_budget: set[Hashable] = set()
 
     def _new_generator(self) -> Any:
         from mlx_vlm.generate import BatchGenerator
 
-        e = self.e
         return BatchGenerator(
             self.m.model.language_model,
             self.m.processor,
             # The engine caps in-flight rows itself; this headroom makes the
             # generator admit a new prefill as soon as one is inserted.
-            completion_batch_size=e.max_batch + e.prefill_batch,
-            prefill_batch_size=e.prefill_batch,
+            completion_batch_size=self.max_batch + self.prefill_batch,
+            prefill_batch_size=self.prefill_batch,
             compute_logprobs=False,
         )
 
     def run(self) -> None:
-        e = self.e
-        while not e._closing.is_set():
+        st = self.state
+        while not st.closing.is_set():
             self._intake(block=not self.live and not self.pending)
             t0 = time.perf_counter()
             self._admit()
             if self.live:
                 self._step()
-            e.busy_s += time.perf_counter() - t0
-        e._abort_all("engine closed", self.pending, self.live)
+            st.busy_s += time.perf_counter() - t0
+        st.abort_all("engine closed", self.pending, self.live)
         self.gen.close()
 
     def _intake(self, block: bool) -> None:
         """Move submitted requests to `pending`; block briefly only when idle."""
+        inbox = self.state.inbox
         try:
-            item = self.e._inbox.get(timeout=_IDLE_WAIT_S) if block else self.e._inbox.get_nowait()
+            item = inbox.get(timeout=_IDLE_WAIT_S) if block else inbox.get_nowait()
             while True:
                 if item is not None:
                     self.pending.append(item)
-                item = self.e._inbox.get_nowait()
+                item = inbox.get_nowait()
         except queue.Empty:
             return
 
@@ -408,14 +458,12 @@ class _Loop:
         nothing else is in flight.
         """
         admitted = 0
-        while (
-            self.pending and len(self.live) < self.e.max_batch and admitted < self.e.prefill_batch
-        ):
+        while self.pending and len(self.live) < self.max_batch and admitted < self.prefill_batch:
             pending = self.pending
             first = min(range(len(pending)), key=lambda k: pending[k][0].priority)
             req, submitted_at = pending[first]
             cost = self._kv_cost(req)
-            if self.live and self.e.kv_in_flight + cost > self.kv_budget:
+            if self.live and self.state.kv_in_flight + cost > self.kv_budget:
                 return
             if cost > self.kv_budget and req.key not in self.warned_over_budget:
                 self.warned_over_budget.add(req.key)
@@ -436,7 +484,7 @@ class _Loop:
     def _insert(self, req: Request, submitted_at: float) -> None:
         import mlx.core as mx
 
-        e, m = self.e, self.m
+        st, m = self.state, self.m
         t0 = time.perf_counter()
         timings = {"queue_s": t0 - submitted_at, "vision_s": 0.0}
         hit = False
@@ -451,11 +499,11 @@ class _Loop:
             elif m.cacheable and prepared.pixel_values is not None:
                 tv = time.perf_counter()
                 features = adapter.vision_features(m.model, prepared)
-                e.tower_calls += 1
+                st.tower_calls += 1
                 timings["vision_s"] = time.perf_counter() - tv
                 self._report_features(req, features)
             elif prepared.pixel_values is not None or prepared.deferred_image is not None:
-                e.tower_calls += 1  # runs inside get_input_embeddings
+                st.tower_calls += 1  # runs inside get_input_embeddings
             te = time.perf_counter()
             ids, kwargs = adapter.build_prompt_kwargs(m.model, m.processor, prepared, features)
             timings["embed_s"] = time.perf_counter() - te
@@ -468,15 +516,13 @@ class _Loop:
         except Exception as exc:  # one bad item fails alone; the engine goes on
             log.exception("engine: request %r failed before generation", req.key)
             mx.clear_cache()
-            e._emit(
-                _error(req, f"{type(exc).__name__}: {exc}", prompt_tokens, hit, timings),
-                waiting_delta=-1,
-            )
+            st.emit(_error(req, f"{type(exc).__name__}: {exc}", prompt_tokens, hit, timings),
+                    waiting=-1)
             return
         window = max((len(s.encode("utf-8")) for s in req.stop), default=0)
         cost = prompt_tokens + max_tokens
-        e.kv_in_flight += cost
-        e.peak_kv_in_flight = max(e.peak_kv_in_flight, e.kv_in_flight)
+        st.kv_in_flight += cost
+        st.peak_kv_in_flight = max(st.peak_kv_in_flight, st.kv_in_flight)
         self.live[uid] = _Live(
             req=req,
             uid=uid,
@@ -487,10 +533,7 @@ class _Loop:
             stop_window=window + 2 if window else 0,
             kv_cost=cost,
         )
-        with e._counts:
-            e._waiting -= 1
-            e._active += 1
-            e.peak_active = max(e.peak_active, e._active)
+        st.move(waiting=-1, active=1)
 
     def _check_budget(self, req: Request, prompt_tokens: int) -> int:
         """Max new tokens this request may have: its own, clamped to the context left."""
@@ -523,57 +566,71 @@ class _Loop:
             self.gen = self._new_generator()
             return
         self.steps += 1
+        stopped, looped = self._take_tokens(responses)
+        if stopped or looped:
+            self._cut(stopped, looped)
+        if self.clear_cache_at is not None and self.steps >= self.clear_cache_at:
+            mx.clear_cache()
+            self.clear_cache_at = None
+
+    def _take_tokens(
+        self, responses: Iterable[Any]
+    ) -> tuple[list[tuple[_Live, int]], list[tuple[_Live, int, int]]]:
+        """Add each row's new token and end the rows the generator ended; returns the rows
+        to cut mid-batch: (row, text cut) at a stop string, (row, period, tokens to keep)
+        at a loop."""
         now = time.perf_counter()
         stopped: list[tuple[_Live, int]] = []
-        looped: list[tuple[_Live, int, int]] = []  # row, period, tokens to keep
-        guard = self.e.repetition
+        looped: list[tuple[_Live, int, int]] = []
+        guard = self.repetition
         for r in responses:
             lv = self.live.get(r.uid)
             if lv is None:
                 continue  # removed by us after this token was computed
             lv.tokens.append(int(r.token))
-            self.e.tokens_generated += 1
+            self.state.tokens_generated += 1
             if lv.first_token_at is None:
                 lv.first_token_at = now
             if r.finish_reason is not None:
                 self._finish(lv, r.finish_reason)
-            else:
-                cut = self._stop_cut(lv) if lv.stop_window else None
-                loop = guard.find(lv.tokens) if guard is not None and cut is None else None
-                if cut is not None:
-                    stopped.append((lv, cut))
-                elif loop is not None:
-                    looped.append((lv, *loop))
-        if stopped or looped:
-            mx.synchronize()  # Metal: settle in-flight work before the batch is filtered
-            for lv in [row for row, _ in stopped] + [row for row, _, _ in looped]:
-                self.gen.remove(lv.uid)
-            for lv, cut in stopped:
-                self._finish(lv, "stop", cut=cut)
-            for lv, period, keep in looped:
-                self._looped(lv, period, keep)
-            self.clear_cache_at = self.steps + _CLEAR_CACHE_DELAY
-        if self.clear_cache_at is not None and self.steps >= self.clear_cache_at:
-            mx.clear_cache()
-            self.clear_cache_at = None
+                continue
+            cut = self._stop_cut(lv) if lv.stop_window else None
+            loop = guard.find(lv.tokens) if guard is not None and cut is None else None
+            if cut is not None:
+                stopped.append((lv, cut))
+            elif loop is not None:
+                looped.append((lv, *loop))
+        return stopped, looped
+
+    def _cut(self, stopped: list[tuple[_Live, int]],
+             looped: list[tuple[_Live, int, int]]) -> None:
+        """Take rows out of the running batch, then end (or retry) them."""
+        import mlx.core as mx
+
+        mx.synchronize()  # Metal: settle in-flight work before the batch is filtered
+        for lv in [row for row, _ in stopped] + [row for row, _, _ in looped]:
+            self.gen.remove(lv.uid)
+        for lv, cut in stopped:
+            self._finish(lv, "stop", cut=cut)
+        for lv, period, keep in looped:
+            self._looped(lv, period, keep)
+        self.clear_cache_at = self.steps + _CLEAR_CACHE_DELAY
 
     def _looped(self, lv: _Live, period: int, keep: int) -> None:
         """A row's tail loops: retry it once, hotter, or end it keeping the first copy."""
-        guard = self.e.repetition
+        guard = self.repetition
         assert guard is not None
-        self.e.repetitions += 1
+        self.state.repetitions += 1
         what = (f"loop of {period} token{'s' if period > 1 else ''} from token "
                 f"{keep - period} cut at token {len(lv.tokens)}")
         first = self.retried.get(lv.req.key)
         if guard.on_repetition == "retry" and first is None:
             self.retried[lv.req.key] = what
             del self.live[lv.uid]
-            self.e.kv_in_flight -= lv.kv_cost
+            self.state.kv_in_flight -= lv.kv_cost
             req = replace(lv.req, temperature=max(lv.req.temperature, guard.retry_temperature))
             self.pending.appendleft((req, time.perf_counter()))
-            with self.e._counts:
-                self.e._active -= 1
-                self.e._waiting += 1
+            self.state.move(active=-1, waiting=1)
             return
         note = what if first is None else (
             f"{first}; retried at temperature {guard.retry_temperature}: {what} again")
@@ -595,14 +652,14 @@ class _Loop:
         if note is None and earlier is not None:
             note = (f"{earlier}; retried at temperature {lv.req.temperature}: "
                     f"ended with {reason}")
-        self.e.kv_in_flight -= lv.kv_cost
+        self.state.kv_in_flight -= lv.kv_cost
         now = time.perf_counter()
         first = lv.first_token_at or now
         timings = {**lv.timings, "prefill_s": first - lv.inserted_at, "generate_s": now - first}
         if error is not None:
             fin = _error(lv.req, error, lv.prompt_tokens, lv.hit, timings)
             fin.tokens = list(lv.tokens)
-            self.e._emit(fin, active_delta=-1)
+            self.state.emit(fin, active=-1)
             return
         body = lv.tokens if keep is None else lv.tokens[:keep]
         if reason == "stop" and cut is None and body and body[-1] in self.eos:
@@ -612,7 +669,7 @@ class _Loop:
             cut = _earliest(text, lv.req.stop)  # a stop string completed by the last token
         if cut is not None:
             text, reason = text[:cut], "stop"
-        self.e._emit(
+        self.state.emit(
             Finished(
                 key=lv.req.key,
                 text=text,
@@ -625,7 +682,7 @@ class _Loop:
                 tokens=list(lv.tokens),
                 repetition=note,
             ),
-            active_delta=-1,
+            active=-1,
         )
 
 

@@ -25,67 +25,11 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-
-@dataclass(frozen=True)
-class FamilySpec:
-    """How vlmq drives one mlx-vlm model family: the only place families differ.
-
-    grid_prep: the processor's image processor is numpy and gives pixel_values plus
-        image_grid_thw, so items are prepared on CPU threads (ids expanded from the
-        grid) and the tower runs once per image, apart from the prompt.
-    rope_index: the family's `get_input_embeddings` keeps its M-RoPE positions on the
-        language model instead of returning them, and a batch of one row decodes
-        with whatever was kept last. So each row's position_ids and rope_deltas are
-        computed with `language_model.get_rope_index` and passed in, and the kept
-        ones are cleared by a text-only `get_input_embeddings` call (that branch
-        resets them), so no row ever decodes with another row's positions.
-    cache_off: why cached tower output would change the text (None: cacheable, given
-        grid_prep).
-    prefill_one: why prompts must be prefilled one at a time (decoding still batches).
-    tower: the model attribute that holds the vision tower.
-    """
-
-    grid_prep: bool
-    rope_index: bool = False
-    cache_off: str | None = None
-    prefill_one: str | None = None
-    tower: str = "vision_tower"  # the model's attribute holding the vision tower
-
-    @property
-    def cacheable(self) -> bool:
-        return self.grid_prep and self.cache_off is None
-
-
-_NO_GRID = ("vlmq caches tower output only for grid-based (Qwen-style) image processors, "
-            "and this family's processor is not one")
-
-# Every row is pinned by tests/test_families.py (batched == sequential generate).
-FAMILIES: dict[str, FamilySpec] = {
-    "qwen2_vl": FamilySpec(grid_prep=True),
-    "qwen2_5_vl": FamilySpec(grid_prep=True),
-    "qwen3_vl": FamilySpec(
-        grid_prep=True,
-        cache_off="mlx-vlm's qwen3_vl get_input_embeddings drops the deepstack features "
-                  "when given cached_image_features",
-        prefill_one="BatchGenerator pads deepstack_visual_embeds as if they were "
-                    "sequence-aligned, so prompts of different lengths prefilled together "
-                    "get the wrong deepstack features",
-    ),
-    "glm_ocr": FamilySpec(grid_prep=True, rope_index=True),
-    "paddleocr_vl": FamilySpec(grid_prep=True, rope_index=True, tower="visual"),
-    "dots_ocr": FamilySpec(grid_prep=True),
-    "gemma3": FamilySpec(
-        grid_prep=False, cache_off=_NO_GRID,
-        prefill_one="its get_input_embeddings returns a square (1, 1, L, L) attention mask "
-                    "that BatchGenerator concatenates unpadded, so prompts of different "
-                    "lengths cannot be prefilled together",
-    ),
-    "idefics3": FamilySpec(grid_prep=False, cache_off=_NO_GRID),
-    "mistral3": FamilySpec(grid_prep=False, cache_off=_NO_GRID),
-}
-UNKNOWN_FAMILY = FamilySpec(grid_prep=False, cache_off="model type not in vlmq's family table")
+from vlmq.worker import families
+from vlmq.worker.families import FamilySpec as FamilySpec  # engine, model_check
 
 # Families a worker refuses at start, and why (the missing piece and where it lives).
+# Not family files: vlmq cannot build a tiny one, so it cannot verify them.
 REFUSED: dict[str, str] = {
     "deepseekocr": (
         "mlx-vlm 0.7.10 builds DeepSeek-OCR's SAM encoder from fixed defaults "
@@ -95,12 +39,11 @@ REFUSED: dict[str, str] = {
         "batched output equals sequential generate for it"
     ),
 }
-# Kept for callers that only need the set.
-CACHEABLE_TYPES: frozenset[str] = frozenset(k for k, v in FAMILIES.items() if v.cacheable)
 
 
 def family_of(model_type: str) -> FamilySpec:
-    return FAMILIES.get(model_type.lower(), UNKNOWN_FAMILY)
+    """The adapter spec of a served family (ValueError for any other model type)."""
+    return families.get(model_type).spec
 
 
 # HF fast tokenizers raise "Already borrowed" when one instance is used from
@@ -121,7 +64,7 @@ class LoadedModel:
     cacheable: bool
     context_length: int
     fingerprint: str  # changes when the weights or configs change; part of cache keys
-    family: FamilySpec = UNKNOWN_FAMILY
+    family: FamilySpec
 
 
 @dataclass(frozen=True)
@@ -156,15 +99,16 @@ def load_model(model_path: str) -> LoadedModel:
     except Exception as exc:  # any loader failure becomes one clear error
         raise ModelLoadError(f"cannot load model {model_path!r}: {exc}") from exc
     model_type = str(model.config.model_type).lower()
+    spec = family_of(model_type)
     return LoadedModel(
         model=model,
         processor=processor,
         model_id=model_path,
         model_type=model_type,
-        cacheable=family_of(model_type).cacheable,
+        cacheable=spec.cacheable,
         context_length=_context_length(model.config),
         fingerprint=fingerprint(folder),
-        family=family_of(model_type),
+        family=spec,
     )
 
 
@@ -199,10 +143,10 @@ def check_family(folder: Path, model_path: str) -> str:
         raise ModelLoadError(f"cannot read model_type from {model_path!r}: {exc}") from exc
     if model_type in REFUSED:
         raise ModelLoadError(f"model type {model_type} is not supported: {REFUSED[model_type]}")
-    if model_type not in FAMILIES:
+    if families.find(model_type) is None:
         raise ModelLoadError(
             f"model type {model_type} is not one vlmq has verified (batched output equal "
-            f"to sequential generate); verified: {', '.join(sorted(FAMILIES))}"
+            f"to sequential generate); verified: {', '.join(families.names())}"
         )
     return model_type
 

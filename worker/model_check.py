@@ -4,7 +4,7 @@ The first command to run on a new model. It runs synthetic images (2 sizes)
 sequentially through mlx-vlm's own `stream_generate` (the reference a user would
 trust), frees that copy, then runs them through the worker's engine, 2 together
 and then `max_batch` together, and compares token ids. It also reports what the
-family table says (vision cache, batching limits), the preset jobs will get, and
+family file says (vision cache, batching limits), the preset jobs will get, and
 tokens/s at batch 1 and batched.
 """
 

@@ -25,13 +25,12 @@ from contextlib import contextmanager
 from redis import Redis
 from redis.exceptions import RedisError
 from rq.job import Job, JobStatus
-from rq.job_lifecycle import record_job_failure
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.utils import current_timestamp
 
 from vlmq.shared import constants as C
-from vlmq.shared import results as R
+from vlmq.shared.jobs import fail_job
 from vlmq.shared.keys import Keys
 from vlmq.shared.text import as_str
 
@@ -97,7 +96,7 @@ def _culprit_workers(redis: Redis, keys: Keys, job_ids: list[str]) -> set[str]:
 
 def _attribute(redis: Redis, keys: Keys, job_id: str, poison_kills: int,
                culprits: set[str]) -> None:
-    status, worker_name = redis.hmget(Job.key_for(job_id), ["status", "worker_name"])
+    status, worker_name = redis.hmget(Keys.rq_job(job_id), ["status", "worker_name"])
     if status is None or as_str(status) != JobStatus.STARTED.value:
         return
     risk_key = keys.job_risk(job_id)
@@ -110,7 +109,7 @@ def _attribute(redis: Redis, keys: Keys, job_id: str, poison_kills: int,
             return
         # Innocent: it only shared a process with the job charged for the death. RQ's
         # cleanup lowers retries_left by one when it requeues; give that one back first.
-        redis.hincrby(Job.key_for(job_id), "retries_left", 1)
+        redis.hincrby(Keys.rq_job(job_id), "retries_left", 1)
         log.warning("job %s: its worker died while none of its items was in risky work; "
                     "requeued without spending a retry", job_id)
         return
@@ -132,11 +131,8 @@ def _attribute(redis: Redis, keys: Keys, job_id: str, poison_kills: int,
         log.warning("job %s: cannot load it to fail it (%s)", job_id, exc)
         return
     log.error("job %s failed: %s", job_id, message)
-    # RQ's worker-less failure path (the one its abandoned-job cleanup uses); the job is
+    # Failed without a worker (the dead one's execution is RQ's cleanup to end); the job is
     # FAILED before that cleanup looks, so it neither retries nor fails it again.
     with redis.pipeline() as pipe:
-        record_job_failure(job, message, pipe)
-        R.end_job_event(redis, keys, job_id, "failed", queue=job.origin,
-                        ttl_s=R.ended_ttl(job.failure_ttl, C.FAILURE_TTL_S),
-                        fields={"error": message}, pipeline=pipe)
+        fail_job(pipe, keys, job, job.origin, message)
         pipe.execute()

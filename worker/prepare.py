@@ -27,15 +27,12 @@ from vlmq.shared.schema import Item, JobPayload
 from vlmq.worker import mlx_adapter as A
 from vlmq.worker import preprocess as P
 from vlmq.worker.engine import Engine, EngineInfo, Request
-from vlmq.worker.model_defaults import resolve
+from vlmq.worker.job_settings import JobSettings, resolve_job
 from vlmq.worker.poison import RiskLog
 from vlmq.worker.render_pool import RenderPool
+from vlmq.worker.scheduler import JobState
 from vlmq.worker.vision_cache import Entry, VisionCache, cache_key
 
-# olmOCR renders pages at 1288 px on the longest side; a sound default for OCR models.
-DEFAULT_PDF_MAX_SIDE = 1288
-# Images larger than this are shrunk before the processor sees them (it bounds pixels too).
-DEFAULT_IMAGE_MAX_SIDE = 2048
 # How long an item waits for another item's pending tower run on the same image.
 SINGLE_FLIGHT_WAIT_S = 60.0
 # Bump when rendering or resizing changes in a way that changes pixels.
@@ -68,6 +65,7 @@ class Preparer:
         self.risk = risk  # marks the steps a crash would be charged for (worker/poison.py)
         self.info = info
         self.cache = cache
+        self.keys = keys
         self.blobs = BlobStore(redis, keys)
         self.pool = pool
         self.model_identity = f"{info.model_id}@{info.fingerprint}"
@@ -93,54 +91,47 @@ class Preparer:
             out["size"] = {str(k): int(v) for k, v in size.items() if isinstance(v, int)}
         return out
 
-    def check_job(self, payload: JobPayload) -> str | None:
-        """A reason to fail the whole job before any item runs, or None."""
-        if payload.model and not model_matches(payload.model, self.info.model_id):
-            return (f"job asks for model {payload.model!r} but this worker serves "
+    def check_job(self, payload: JobPayload) -> JobSettings | str:
+        """The job's settings on this model, or a reason to fail the whole job before any
+        item runs."""
+        if payload.get("model") and not model_matches(payload.get("model"), self.info.model_id):
+            return (f"job asks for model {payload.get('model')!r} but this worker serves "
                     f"{self.info.model_id!r}; enqueue it on a queue that worker serves")
         try:
-            resolve(self.info.model_type, payload.task, payload.prompt,
-                    payload.generation.max_tokens, payload.generation.temperature,
-                    payload.generation.stop, model_id=self.info.model_id)
+            return resolve_job(payload, self.info.model_type, self.info.model_id)
         except ValueError as exc:
             return str(exc)
-        return None
 
-    def touch_blobs(self, payload: JobPayload) -> None:
-        """Refresh the TTL of every blob a job reads, when the job starts."""
+    def touch_blobs(self, payload: JobPayload, settings: JobSettings) -> None:
+        """Refresh the TTL of every blob a job reads, when the job starts (for as long as
+        the job asked its inputs to be kept)."""
+        blobs = BlobStore(self.blobs.redis, self.keys, ttl_s=settings.blob_ttl)
         pipe = self.blobs.redis.pipeline(transaction=False)
         for sha in {item.blob for item in payload.items}:
-            self.blobs.touch(sha, pipeline=pipe)
+            blobs.touch(sha, pipeline=pipe)
         pipe.execute()
 
-    def submit(self, job_id: str, payload: JobPayload, idx: int) -> Future[tuple[Request, float]]:
-        return self.pool.submit(self.prepare, job_id, payload, idx)
+    def submit(self, state: JobState, idx: int) -> Future[tuple[Request, float]]:
+        return self.pool.submit(self.prepare, state.job_id, state.payload, state.resolved, idx)
 
-    def max_side(self, payload: JobPayload, item: Item) -> int:
-        if payload.max_side is not None:
-            return payload.max_side
-        return DEFAULT_PDF_MAX_SIDE if item.kind == "pdf" else DEFAULT_IMAGE_MAX_SIDE
-
-    def key_for(self, payload: JobPayload, item: Item) -> str:
-        params = {"max_side": self.max_side(payload, item), "kind": item.kind,
+    def key_for(self, settings: JobSettings, item: Item) -> str:
+        params = {"max_side": settings.side_for(item.kind), "kind": item.kind,
                   "v": PREPROCESS_VERSION, "processor": self._proc_params}
         return cache_key(self.model_identity, item.blob, item.page, params)
 
-    def prepare(self, job_id: str, payload: JobPayload, idx: int) -> tuple[Request, float]:
+    def prepare(self, job_id: str, payload: JobPayload, settings: JobSettings,
+                idx: int) -> tuple[Request, float]:
         t0 = time.perf_counter()
         item = payload.items[idx]
-        gen = payload.generation
-        res = resolve(self.info.model_type, payload.task, payload.prompt, gen.max_tokens,
-                      gen.temperature, gen.stop, model_id=self.info.model_id)
         processor, config = self.engine.processor, self.engine.model_config
-        common: dict[str, Any] = {"key": (job_id, idx), "max_tokens": res.max_tokens,
-                                  "temperature": res.temperature, "stop": res.stop}
+        common: dict[str, Any] = {"key": (job_id, idx), "max_tokens": settings.max_tokens,
+                                  "temperature": settings.temperature, "stop": settings.stop}
         if self.risk is not None:
             common["risky"] = partial(self.risk.step, job_id, idx)
-        key = self.key_for(payload, item) if self.info.cacheable else None
+        key = self.key_for(settings, item) if self.info.cacheable else None
         entry = self._lookup(key, (job_id, idx)) if key is not None else None
         if entry is not None:
-            prepared = A.prepare_from_grid(processor, config, entry.grid_thw, res.prompt)
+            prepared = A.prepare_from_grid(processor, config, entry.grid_thw, settings.prompt)
             req = Request(prepared=prepared, cached_features=(entry.features, entry.dtype_name),
                           **common)
             return req, time.perf_counter() - t0
@@ -150,9 +141,9 @@ class Preparer:
             risky = self.risk.step(job_id, idx, "image decode")
         try:
             with risky:
-                image = self._load_image(payload, item)
+                image = self._load_image(settings, item)
                 try:
-                    prepared = A.prepare(processor, config, image, res.prompt)
+                    prepared = A.prepare(processor, config, image, settings.prompt)
                 except (ValueError, TypeError) as exc:
                     raise PrepError(f"processor rejected the image: {exc}") from exc
         except BaseException:
@@ -192,8 +183,8 @@ class Preparer:
         if key is not None:
             self._land(key)
 
-    def _load_image(self, payload: JobPayload, item: Item) -> Any:
-        side = self.max_side(payload, item)
+    def _load_image(self, settings: JobSettings, item: Item) -> Any:
+        side = settings.side_for(item.kind)
         try:
             if item.kind == "pdf":
                 assert item.page is not None

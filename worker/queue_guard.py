@@ -20,14 +20,12 @@ from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
-from rq.job import Job, JobStatus
 from rq.queue import Queue
-from rq.utils import current_timestamp, now, utcformat
+from rq.utils import now, utcformat
 
 from vlmq.shared import bounded
 from vlmq.shared import constants as C
-from vlmq.shared import results as R
-from vlmq.shared.jobs import timeout_problem
+from vlmq.shared.jobs import fail_job, timeout_problem
 from vlmq.shared.keys import JOB_ID_RE, Keys
 
 log = logging.getLogger(__name__)
@@ -71,7 +69,7 @@ def inspect(conn: Redis, raw: bytes | str) -> Verdict:
     job_id = decode_entry(raw)
     if job_id is None:
         return Verdict(None, f"queue entry {raw!r:.80} is not UTF-8 text")
-    key = Job.key_for(job_id)
+    key = Keys.rq_job(job_id)
     if not JOB_ID_RE.fullmatch(job_id):
         return Verdict(job_id, f"queue entry {job_id!r:.80} is not a valid job id (must match "
                                "[A-Za-z0-9_-]{1,128})", hash_exists=bool(conn.exists(key)))
@@ -118,22 +116,6 @@ def dead_letter(conn: Redis, keys: Keys, queue: str, raw: bytes | str, reason: s
         target.execute()
 
 
-def fail_raw(pipe: Pipeline, keys: Keys, queue: Queue, job_id: str, reason: str) -> None:
-    """Mark a job hash failed without loading it.
-
-    RAW RQ KEYS: RQ cannot build a Job from such a hash, so handle_job_failure cannot be
-    used. status=failed, exc_info and a FailedJobRegistry entry let producers see the
-    failure via Job(id).get_status() and vlmq's raw_exc_info.
-    """
-    key = Job.key_for(job_id)
-    pipe.hset(key, mapping={"status": JobStatus.FAILED.value, "ended_at": utcformat(now()),
-                            "exc_info": reason})
-    pipe.expire(key, C.FAILURE_TTL_S)
-    pipe.zadd(queue.failed_job_registry.key, {job_id: current_timestamp() + C.FAILURE_TTL_S})
-    R.end_job_event(pipe, keys, job_id, "failed", queue=queue.name, ttl_s=C.FAILURE_TTL_S,
-                    fields={"error": reason}, pipeline=pipe)
-
-
 def refuse(conn: Redis, keys: Keys, queue: Queue, raw: bytes | str, verdict: Verdict,
            worker: str) -> bool:
     """Take the entry out of the intermediate list, dead-letter it and fail its job.
@@ -147,8 +129,9 @@ def refuse(conn: Redis, keys: Keys, queue: Queue, raw: bytes | str, verdict: Ver
     with conn.pipeline() as pipe:
         dead_letter(conn, keys, queue.name, raw, reason, worker, pipeline=pipe)
         if verdict.hash_exists and verdict.job_id is not None:
-            fail_raw(pipe, keys, queue, verdict.job_id, f"vlmq refused job {verdict.job_id}: "
-                                                  f"{reason}")
+            # By id: RQ may not be able to load this hash at all.
+            fail_job(pipe, keys, verdict.job_id, queue.name,
+                     f"vlmq refused job {verdict.job_id}: {reason}")
         pipe.execute()
     log.error("queue %s: entry %s dead-lettered: %s", queue.name, verdict.label, reason)
     return True

@@ -23,60 +23,27 @@ from typing import Any
 from redis import Redis
 from redis.exceptions import RedisError
 
+from vlmq.shared import lua
 from vlmq.shared.keys import Keys
-from vlmq.shared.schema import Item, ItemResult, JobPayload
-from vlmq.worker.model_defaults import resolve
-from vlmq.worker.prepare import PREPROCESS_VERSION, Preparer
+from vlmq.shared.schema import Item, ItemResult
+from vlmq.worker.job_settings import JobSettings
+from vlmq.worker.prepare import PREPROCESS_VERSION
+from vlmq.worker.scheduler import JobState
 
 log = logging.getLogger("vlmq.worker")
 
 DEFAULT_TTL_S = 30 * 24 * 3600
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 # Bump when anything that changes an item's text without changing its key changes.
-KEY_VERSION = 1
-
-# KEYS: entry, index zset, byte counter. ARGV: value, ttl, budget, now, member, entry prefix.
-# Index members are "<bytes>:<digest>"; the digest names the entry key under the prefix.
-_STORE = """
-local ttl, budget, now = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-local function drop(member)
-  local size, digest = string.match(member, '^(%d+):(.+)$')
-  redis.call('ZREM', KEYS[2], member)
-  redis.call('DEL', ARGV[6] .. digest)
-  redis.call('DECRBY', KEYS[3], tonumber(size))
-end
-for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - ttl)) do drop(m) end
-local size = tonumber(string.match(ARGV[5], '^(%d+):'))
-if size > budget then return 0 end
-while tonumber(redis.call('GET', KEYS[3]) or '0') + size > budget do
-  local oldest = redis.call('ZRANGE', KEYS[2], 0, 0)
-  if #oldest == 0 then redis.call('SET', KEYS[3], 0) break end
-  drop(oldest[1])
-end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', ttl)
-redis.call('ZADD', KEYS[2], now, ARGV[5])
-redis.call('INCRBY', KEYS[3], size)
-redis.call('EXPIRE', KEYS[2], ttl)
-redis.call('EXPIRE', KEYS[3], ttl)
-return 1
-"""
+# 2: keys carry the settings an item really ran with (a checkpoint's preset included);
+# version 1 keys of preset checkpoints described the model type's defaults instead.
+KEY_VERSION = 2
 
 
 @dataclass(frozen=True)
 class CachedText:
     text: str
     finish_reason: str | None
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The resolved generation settings of one job (the model's defaults filled in)."""
-
-    prompt: str
-    stop: tuple[str, ...]
-    max_tokens: int
-    temperature: float
 
 
 class ResultCache:
@@ -87,24 +54,24 @@ class ResultCache:
         self.model_identity = model_identity
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
-        self._store = redis.register_script(_STORE)
+        self._store = lua.script(redis, lua.RESULT_CACHE_STORE)
 
     @property
     def enabled(self) -> bool:
         return self.max_bytes > 0 and self.ttl_s > 0
 
-    def applies(self, payload: JobPayload, settings: Settings) -> bool:
+    def applies(self, settings: JobSettings) -> bool:
         """Whether this job's items are looked up and stored at all."""
-        if not self.enabled or payload.result_cache == "off":
+        if not self.enabled or settings.result_cache == "off":
             return False
-        return settings.temperature == 0 or payload.result_cache == "sampled"
+        return settings.temperature == 0 or settings.result_cache == "sampled"
 
-    def digest(self, item: Item, settings: Settings, max_side: int) -> str:
+    def digest(self, item: Item, settings: JobSettings) -> str:
         parts: dict[str, Any] = {
             "v": KEY_VERSION, "model": self.model_identity, "kind": item.kind,
             "blob": item.blob, "page": item.page, "prompt": settings.prompt,
             "stop": list(settings.stop), "max_tokens": settings.max_tokens,
-            "max_side": max_side, "preprocess": PREPROCESS_VERSION,
+            "max_side": settings.side_for(item.kind), "preprocess": PREPROCESS_VERSION,
         }
         if settings.temperature != 0:  # only reached for jobs that opted in
             parts["temperature"] = settings.temperature
@@ -135,40 +102,29 @@ class ResultCache:
         return bool(stored)
 
 
-def job_settings(model_type: str, payload: JobPayload) -> Settings:
-    """The settings that decide an item's text, with the model's defaults filled in."""
-    gen = payload.generation
-    res = resolve(model_type, payload.task, payload.prompt, gen.max_tokens, gen.temperature,
-                  gen.stop)
-    return Settings(prompt=res.prompt, stop=tuple(res.stop), max_tokens=res.max_tokens,
-                    temperature=float(res.temperature))
-
-
 def cacheable(finish_reason: str | None, error: str | None) -> bool:
     """Only items that ended normally are kept: never a failure or an item cut short."""
     return error is None and finish_reason in ("stop", "length")
 
 
-def _digests(cache: ResultCache, preparer: Preparer, payload: JobPayload,
-             indexes: Sequence[int]) -> list[str] | None:
-    settings = job_settings(preparer.info.model_type, payload)
-    if not cache.applies(payload, settings):
+def _digests(cache: ResultCache, state: JobState, indexes: Sequence[int]) -> list[str] | None:
+    settings = state.resolved
+    if not cache.applies(settings):
         return None
-    return [cache.digest(payload.items[i], settings, preparer.max_side(payload, payload.items[i]))
-            for i in indexes]
+    return [cache.digest(state.payload.items[i], settings) for i in indexes]
 
 
-def cached_results(cache: ResultCache, preparer: Preparer, payload: JobPayload,
+def cached_results(cache: ResultCache, state: JobState,
                    indexes: Sequence[int]) -> dict[int, ItemResult]:
     """The items of a job starting now whose text is already cached, as ready results."""
-    digests = _digests(cache, preparer, payload, indexes)
+    digests = _digests(cache, state, indexes)
     if not digests:
         return {}
     out: dict[int, ItemResult] = {}
     for idx, hit in zip(indexes, cache.lookup(digests), strict=True):
         if hit is None:
             continue
-        item = payload.items[idx]
+        item = state.payload.items[idx]
         out[idx] = ItemResult(
             index=idx, source=item.source, page=item.page, text=hit.text,
             finish_reason=hit.finish_reason, prompt_tokens=0, completion_tokens=0,
@@ -177,8 +133,7 @@ def cached_results(cache: ResultCache, preparer: Preparer, payload: JobPayload,
     return out
 
 
-def store_results(cache: ResultCache, preparer: Preparer, payload: JobPayload,
-                  results: Sequence[ItemResult]) -> int:
+def store_results(cache: ResultCache, state: JobState, results: Sequence[ItemResult]) -> int:
     """Keep the generated, successful ones among a job's written results; how many were new.
 
     Best effort: the results are already written, so a Redis error here costs only the
@@ -186,7 +141,7 @@ def store_results(cache: ResultCache, preparer: Preparer, payload: JobPayload,
     """
     fresh = [r for r in results if not r.result_cache_hit and r.text is not None
              and cacheable(r.finish_reason, r.error)]
-    digests = _digests(cache, preparer, payload, [r.index for r in fresh])
+    digests = _digests(cache, state, [r.index for r in fresh])
     if not digests:
         return 0
     stored = 0

@@ -6,9 +6,10 @@ ends a job once every item has a stored result. Results wait in memory while Red
 unreachable, and are written when it is back.
 
 Fencing: every write here is applied only while this worker's execution still owns the
-job (Keys.job_owner), checked atomically with the write: item results by one Lua script,
-the job's end by JobLifecycle's WATCH transaction. A worker that stalled past its
-heartbeat TTL, and whose job another worker took meanwhile, writes nothing more for it.
+job (Keys.job_owner), checked atomically with the write: item results by one Lua script
+(shared/write_items.lua), the job's end by JobLifecycle's WATCH transaction. A worker
+that stalled past its heartbeat TTL, and whose job another worker took meanwhile, writes
+nothing more for it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from vlmq.shared import constants as C
+from vlmq.shared import lua
 from vlmq.shared import results as R
 from vlmq.shared.connection import transient
 from vlmq.shared.keys import Keys
@@ -32,24 +34,6 @@ from vlmq.worker.scheduler import Scheduler
 from vlmq.worker.stats import WorkerStats
 
 log = logging.getLogger("vlmq.worker")
-
-# KEYS: rq:job:<id>, <prefix>:job:<id>:owner, <prefix>:job:<id>:items, <prefix>:job:<id>:events
-# ARGV: owner token, ttl (s), maxlen, then (index, result JSON, ok 0|1) per item.
-# Returns 0 (nothing written) unless the job is STARTED and owned by the token.
-WRITE_ITEMS_LUA = """
-if redis.call('HGET', KEYS[1], 'status') ~= 'started'
-    or redis.call('GET', KEYS[2]) ~= ARGV[1] then
-  return 0
-end
-for i = 4, #ARGV, 3 do
-  redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[3], '*',
-             'type', 'item', 'index', ARGV[i], 'ok', ARGV[i + 2])
-end
-redis.call('EXPIRE', KEYS[3], ARGV[2])
-redis.call('EXPIRE', KEYS[4], ARGV[2])
-return 1
-"""
 
 
 def finished_result(state: Running, idx: int, f: Finished, prep_s: float) -> ItemResult:
@@ -91,7 +75,7 @@ class ResultWriter:
         self.stats = stats
         self.on_stored = on_stored  # runs after a job's results are stored (the result cache)
         self._unwritten: dict[str, dict[int, ItemResult]] = {}
-        self._write_items = redis.register_script(WRITE_ITEMS_LUA)
+        self._write_items = lua.script(redis, lua.WRITE_ITEMS)
 
     @property
     def holding(self) -> int:

@@ -33,7 +33,7 @@ from rq.worker import SimpleWorker, WorkerStatus
 from vlmq.shared import constants as C
 from vlmq.shared import results as R
 from vlmq.shared.errors import PayloadError
-from vlmq.shared.jobs import UNREADABLE_HASH_ERRORS, payload_of
+from vlmq.shared.jobs import UNREADABLE_HASH_ERRORS, fail_job, payload_of
 from vlmq.shared.keys import Keys
 from vlmq.shared.text import as_str
 from vlmq.worker import poison
@@ -205,7 +205,7 @@ class JobLifecycle:
         whichever worker's maintenance gets here first."""
         for queue, job_ids in expired.items():
             for job_id in job_ids:
-                status, ttl = self.connection.hmget(Job.key_for(job_id),
+                status, ttl = self.connection.hmget(Keys.rq_job(job_id),
                                                     ["status", "failure_ttl"])
                 if status is None or as_str(status) != JobStatus.FAILED.value:
                     continue
@@ -535,23 +535,14 @@ class JobLifecycle:
 
         def build(pipe: Pipeline) -> None:
             # What RQ's handle_job_failure writes, in this fenced transaction.
-            job.ended_at = now()
-            self._close(pipe, job, execution)
             if requeue:
+                job.ended_at = now()
+                self._close(pipe, job, execution)
                 job.retry(queue, pipe)
                 return
-            job.set_status(JobStatus.FAILED, pipeline=pipe)
-            job.failed_job_registry.add(job, ttl=job.failure_ttl, exc_string=message,
-                                        pipeline=pipe)
-            Result.create_failure(job, job.failure_ttl, exc_string=message,
-                                  worker_name=worker.name, pipeline=pipe,
-                                  execution_id=execution.id,
-                                  execution_started_at=execution.created_at,
-                                  execution_ended_at=job.ended_at)
-            R.end_job_event(self.connection, self.keys, str(job.id), "failed",
-                            queue=queue.name,
-                            ttl_s=R.ended_ttl(job.failure_ttl, C.FAILURE_TTL_S),
-                            fields={"error": message}, pipeline=pipe)
+            fail_job(pipe, self.keys, job, queue.name, message, worker_name=worker.name,
+                     execution=execution)  # sets ended_at, which _close counts
+            self._close(pipe, job, execution)
             worker.increment_failed_job_count(pipe)
 
         why = self._fenced(job, token, build)

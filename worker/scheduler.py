@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from vlmq.shared.schema import JobPayload
+from vlmq.worker.job_settings import JobSettings
 
 
 @dataclass(kw_only=True, eq=False)
@@ -26,11 +27,19 @@ class JobState:
 
     job_id: str
     payload: JobPayload
+    # Resolved once when the job starts (worker/job_settings.py); every reader uses it.
+    settings: JobSettings | None = None
     pending: deque[int] = field(default_factory=deque)  # not yet handed to preparation
     outstanding: set[int] = field(default_factory=set)  # being prepared or generated
     already_done: int = 0      # items with a stored result when this worker took the job
     finished_here: int = 0     # items this worker has stored since
     started: float = field(default_factory=time.monotonic)
+
+    @property
+    def resolved(self) -> JobSettings:
+        if self.settings is None:
+            raise RuntimeError(f"job {self.job_id}: settings used before they were resolved")
+        return self.settings
 
     @property
     def total(self) -> int:

@@ -171,7 +171,7 @@ class WorkerService:
             self.redis.ping()
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             return f"cannot reach Redis at {redact_url(self.cfg.redis_url)}: {exc}"
-        key = f"rq:worker:{self.cfg.name}"
+        key = Keys.rq_worker(self.cfg.name)
         if self.redis.exists(key) and not self.redis.hexists(key, "death"):
             return (f"a worker named {self.cfg.name!r} is already registered in Redis; pick "
                     "another --name (the name of a worker that was killed frees up once its "
@@ -341,15 +341,17 @@ class WorkerService:
             # take() only starts a QUEUED job: it was requeued (by hand, or by RQ's cleanup
             # after this worker missed its heartbeats), so the earlier execution is stale.
             self._writer.drop(earlier, "requeued while running here; its new run resumes")
-        problem = preparer.check_job(running.payload)
-        if problem:
-            self._writer.fail(running, problem)
+        settings = preparer.check_job(running.payload)
+        if isinstance(settings, str):
+            self._writer.fail(running, settings)
             return
-        preparer.touch_blobs(running.payload)  # a long wait in the queue must not expire them
+        running.settings = settings
+        # A long wait in the queue must not expire them.
+        preparer.touch_blobs(running.payload, settings)
         n = len(running.payload.items)
         done = {i for i in R.done_indexes(self.redis, self.cfg.keys, running.job_id) if i < n}
         todo = [i for i in range(n) if i not in done]
-        hits = cached_results(self._results, preparer, running.payload, todo)
+        hits = cached_results(self._results, running, todo)
         running.pending = deque(i for i in todo if i not in hits)
         running.already_done = len(done)
         log.info("job %s started: %s, %d items%s", running.job_id, running.payload.task,
@@ -359,8 +361,7 @@ class WorkerService:
 
     def _store_in_result_cache(self, state: Running, results: list[ItemResult]) -> None:
         """Best effort, once the results count as written."""
-        self.stats.result_cache_stores += store_results(
-            self._results, self._preparer, state.payload, results)
+        self.stats.result_cache_stores += store_results(self._results, state, results)
 
     def _drop_taken_away(self, lifecycle: JobLifecycle) -> None:
         """Stop work on jobs canceled, deleted or lost meanwhile, within a stats tick
@@ -393,7 +394,7 @@ class WorkerService:
             state, idx = nxt
             with self._prep_lock:
                 self._in_prep += 1
-            fut = preparer.submit(state.job_id, state.payload, idx)
+            fut = preparer.submit(state, idx)
             left = len(state.pending) + len(state.outstanding)  # the engine's priority
             fut.add_done_callback(partial(self._prepared, engine, state.job_id, idx, left))
         with self._prep_lock:

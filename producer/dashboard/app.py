@@ -8,7 +8,6 @@ CLI, behind a per-process CSRF token. Job data is read as JSON only, never unpic
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import secrets
 from collections.abc import Callable
@@ -23,11 +22,11 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.wrappers import Response as BaseResponse
 
 from vlmq.producer import manage
-from vlmq.producer.cli import render_markdown
 from vlmq.producer.client import Client, Job
 from vlmq.producer.dashboard import data, markup
 from vlmq.producer.dashboard.render import PreviewCache, RenderError
 from vlmq.producer.errors import JobNotFound
+from vlmq.producer.formats import FORMATS, JobResults
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.clitools import split_labels
 from vlmq.shared.errors import BlobError, PayloadError, VlmqError
@@ -42,7 +41,6 @@ ITEMS_PER_PAGE = 100  # rows of a job's item table shown at once (a PDF may have
 # No script at all, nothing from elsewhere: a hostile model output cannot run or load.
 CSP = ("default-src 'none'; img-src 'self'; style-src 'self'; form-action 'self'; "
        "base-uri 'none'; frame-ancestors 'none'")
-DOWNLOADS = {"md": "text/markdown", "jsonl": "application/x-ndjson", "txt": "text/plain"}
 
 
 @dataclass(frozen=True)
@@ -63,7 +61,7 @@ def create_app(settings: Settings, *, history: data.History | None = None) -> Fl
     @app.context_processor
     def _globals() -> dict[str, Any]:
         return {"allow_actions": settings.allow_actions, "csrf": csrf,
-                "host": urlsplit(settings.redis_url).hostname or "?"}
+                "host": urlsplit(settings.redis_url).hostname or "?", "downloads": FORMATS}
 
     app.add_template_filter(duration, "duration")
 
@@ -150,21 +148,14 @@ def create_app(settings: Settings, *, history: data.History | None = None) -> Fl
 
     @app.get("/jobs/<job_id>/download.<fmt>")
     def download(job_id: str, fmt: str) -> Response:
-        if fmt not in DOWNLOADS:
-            abort(404, f"no download format {fmt!r} (md, jsonl or txt)")
+        form = FORMATS.get(fmt)
+        if form is None:
+            abort(404, f"no download format {fmt!r} ({', '.join(FORMATS)})")
         job = _job(client, job_id)
         _payload(job)  # a job that is not readable vlmq JSON has nothing to download
-        state = job.status()
-        results = list(job.results())
-        if fmt == "md":
-            body = render_markdown(job, state, results,
-                                   job.error() if state == "failed" else None)
-        elif fmt == "jsonl":
-            body = "".join(json.dumps({"job_id": job.id, **r.to_dict()}) + "\n"
-                           for r in results)
-        else:  # one page per item, separated by form feeds (as pdftotext does)
-            body = "\f".join((r.text or "").rstrip("\n") + "\n" for r in results)
-        return Response(body, mimetype=DOWNLOADS[fmt], headers={
+        # The same renderer as `vlmq result --format`, so the two give the same bytes.
+        body = form.render(JobResults.read(job))
+        return Response(body, mimetype=form.mimetype, headers={
             "Content-Disposition": f'attachment; filename="{job.id}.{fmt}"'})
 
     # --- actions (POST, only with allow_actions) --------------------------------------------

@@ -18,15 +18,9 @@ from typing import Any
 from redis import Redis
 
 from vlmq.producer import manage
-from vlmq.shared.keys import RQ_QUEUES, Keys
+from vlmq.shared.keys import RQ_QUEUES, RQ_REGISTRIES, RQ_WORKERS, Keys
 from vlmq.shared.text import as_str
 
-# RQ 3.0's registry key names per queue (pinned by tests/test_dashboard.py).
-REGISTRIES = {"started": "rq:wip:{q}", "finished": "rq:finished:{q}",
-              "failed": "rq:failed:{q}", "deferred": "rq:deferred:{q}",
-              "scheduled": "rq:scheduled:{q}", "canceled": "rq:canceled:{q}"}
-RQ_WORKERS = "rq:workers"
-RQ_WORKER = "rq:worker:{name}"
 HISTORY_S = 600.0
 SAMPLE_EVERY_S = 2.0
 
@@ -50,30 +44,30 @@ class WorkerRow:
 
 
 def queues(redis: Redis) -> list[QueueRow]:
-    names = sorted(as_str(k).removeprefix("rq:queue:") for k in redis.smembers(RQ_QUEUES))
+    names = sorted(Keys.rq_name(as_str(k)) for k in redis.smembers(RQ_QUEUES))
     pipe = redis.pipeline(transaction=False)
     for name in names:
-        pipe.llen(f"rq:queue:{name}")
-        for pattern in REGISTRIES.values():
-            pipe.zcard(pattern.format(q=name))
+        pipe.llen(Keys.rq_queue(name))
+        for kind in RQ_REGISTRIES:
+            pipe.zcard(Keys.rq_registry(kind, name))
     counts = pipe.execute()
-    width = 1 + len(REGISTRIES)
+    width = 1 + len(RQ_REGISTRIES)
     out = []
     for i, name in enumerate(names):
         row = counts[i * width:(i + 1) * width]
-        out.append(QueueRow(name=name, queued=int(row[0]),
-                            registries=dict(zip(REGISTRIES, map(int, row[1:]), strict=True))))
+        counted = dict(zip(RQ_REGISTRIES, map(int, row[1:]), strict=True))
+        out.append(QueueRow(name=name, queued=int(row[0]), registries=counted))
     return out
 
 
 def workers(redis: Redis, keys: Keys) -> list[WorkerRow]:
     """RQ's live workers merged by name with vlmq's stats hashes (either may be missing)."""
-    names = {as_str(k).removeprefix("rq:worker:") for k in redis.smembers(RQ_WORKERS)}
+    names = {Keys.rq_name(as_str(k)) for k in redis.smembers(RQ_WORKERS)}
     names |= {as_str(n) for n in redis.smembers(keys.workers)}
     ordered = sorted(names)
     pipe = redis.pipeline(transaction=False)
     for name in ordered:
-        pipe.hmget(RQ_WORKER.format(name=name), "state", "queues")
+        pipe.hmget(Keys.rq_worker(name), "state", "queues")
         pipe.hgetall(keys.worker_stats(name))
     replies = pipe.execute()
     out = []

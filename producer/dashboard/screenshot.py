@@ -37,7 +37,7 @@ def free_port() -> int:
 def running_dashboard(redis_url: str, *extra: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """A `vlmq dashboard` process on a free port; yields its base URL and the process."""
     port = free_port()
-    cmd = [sys.executable, "-c", "from vlmq.shared.cli import main; main()", "dashboard",
+    cmd = [sys.executable, "-c", "from vlmq.cli.main import main; main()", "dashboard",
            "--redis-url", redis_url, "--port", str(port), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"

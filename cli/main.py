@@ -1,8 +1,9 @@
 """The `vlmq` command: one root group that composes the producer's and the worker's commands.
 
-It sits above both packages so neither imports the other's CLI. It lives in vlmq.shared
-because that is the package every install has; the worker's commands are always
-present (they import only click) and themselves say when the worker extra is missing.
+It sits above both packages so neither imports the other: what one side needs of the other
+(the scheduler loop beside a worker, the demo that enqueues and serves) is wired here. The
+worker's commands are always present (they import only click) and themselves say when the
+worker extra is missing.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from vlmq.producer import export_cli, schedule_cli
 from vlmq.producer.client import check_redis_url, redact_url
 from vlmq.producer.dashboard import cli as dashboard_cli
 from vlmq.producer.errors import JobNotFound
+from vlmq.producer.schedule import start_scheduler_thread
 from vlmq.shared import constants as C
 from vlmq.shared.clitools import EXIT_BAD_INPUT, EXIT_FAILED, fail, one_line
 from vlmq.worker import cli as worker_cli
@@ -70,8 +72,22 @@ def _check_url(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
 @click.pass_context
 def main(ctx: click.Context, redis_url: str) -> None:
     """vlmq: a Redis job queue for bulk vision-language work (OCR, captioning)."""
-    # A plain dict, so that both sides read it without importing each other.
-    ctx.obj = {"redis_url": redis_url}
+    # A plain dict, so that both sides read it without importing each other; the worker's
+    # --with-scheduler runs the producer's scheduler loop through it.
+    ctx.obj = {"redis_url": redis_url, "start_scheduler": start_scheduler_thread}
+
+
+@main.command("demo")
+@click.option("--model", default=None,
+              help="Model to use (default: build the tiny random-weight model).")
+@click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True)
+@click.pass_context
+def demo_cmd(ctx: click.Context, model: str | None, max_batch: int) -> None:
+    """Enqueue the bundled sample, run a burst worker on it, and show results and stats."""
+    worker_cli.require_worker_extra()
+    from vlmq.cli.demo import run_demo
+
+    ctx.exit(run_demo(redis_url=ctx.obj["redis_url"], model=model, max_batch=max_batch))
 
 
 producer_cli.register(main)

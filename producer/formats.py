@@ -1,0 +1,203 @@
+"""Output formats, each defined once: a name, its renderer, and what `vlmq export` writes.
+
+`vlmq result`, the dashboard's downloads and `vlmq export` all render through FORMATS,
+so a format gives the same bytes wherever it is asked for. A new format is one entry:
+a function from a job's results to text, registered with `@_format`; its docstring's
+first paragraph is the help text the CLI shows for it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vlmq.producer.client import Job
+from vlmq.shared.schema import ItemResult
+
+
+@dataclass(frozen=True)
+class JobResults:
+    """One job's results as the renderers read them, read once so every format of one
+    request sees the same snapshot of a running job."""
+
+    job: Job
+    state: str
+    results: tuple[ItemResult, ...]
+    error: str | None  # why the job failed; None unless it has
+
+    @classmethod
+    def read(cls, job: Job) -> JobResults:
+        state = job.status()
+        results = tuple(job.results())
+        return cls(job, state, results, job.error() if state == "failed" else None)
+
+
+Render = Callable[[JobResults], str]
+# One source's results (an image's one result, or a PDF's pages) as one exported file.
+RenderFile = Callable[[Sequence[ItemResult]], str]
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    mimetype: str
+    render: Render
+    several_jobs: bool  # renderings of several jobs, concatenated, are one valid output
+    omits_failed: bool = False  # failed items are left out (the CLI names them on stderr)
+    file: RenderFile | None = None  # None: `vlmq export` does not offer this format
+
+    @property
+    def summary(self) -> str:
+        first = " ".join((inspect.getdoc(self.render) or self.name).split("\n\n")[0].split())
+        return first[:1].lower() + first[1:].rstrip(".")
+
+
+FORMATS: dict[str, Format] = {}
+
+
+def _format(name: str, mimetype: str, *, several_jobs: bool, omits_failed: bool = False,
+            file: RenderFile | None = None) -> Callable[[Render], Render]:
+    def register(render: Render) -> Render:
+        FORMATS[name] = Format(name, mimetype, render, several_jobs, omits_failed, file)
+        return render
+
+    return register
+
+
+def last_line(text: str) -> str:
+    """A traceback's last line is its message: the one line worth showing inline."""
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else text
+
+
+def _text(r: ItemResult) -> str:
+    return (r.text or "").rstrip("\n") + "\n"
+
+
+def _pages(pages: Sequence[ItemResult], marker: Callable[[int | None], str]) -> str:
+    """A PDF's pages in page order, each after a marker naming it; a failed page shows its
+    error in place, so the document keeps its page order."""
+    parts: list[str] = []
+    for r in sorted(pages, key=lambda r: (r.page or 0, r.index)):
+        body = r.text.rstrip("\n") if r.ok and r.text else (
+            f"[error: {r.error}]" if r.error else "")
+        parts.append(f"{marker(r.page)}\n\n{body}\n")
+    return "\n".join(parts)
+
+
+def _md_file(results: Sequence[ItemResult]) -> str:
+    if results[0].page is None:  # an image: its text alone
+        return _text(results[0])
+    return _pages(results, lambda page: f"<!-- page {page} -->")
+
+
+def _txt_file(results: Sequence[ItemResult]) -> str:
+    if results[0].page is None:
+        return _text(results[0])
+    return _pages(results, lambda page: f"--- page {page} ---")
+
+
+def _json_file(results: Sequence[ItemResult]) -> str:
+    if results[0].page is None:
+        return json.dumps(results[0].to_dict(), indent=2) + "\n"
+    pages = sorted(results, key=lambda p: p.page or 0)
+    return json.dumps([p.to_dict() for p in pages], indent=2) + "\n"
+
+
+def _row(job_id: str, fields: dict[str, Any]) -> str:
+    return json.dumps({"job_id": job_id, **fields}) + "\n"
+
+
+@_format("jsonl", "application/x-ndjson", several_jobs=True)
+def render_jsonl(view: JobResults) -> str:
+    """One item result per line (with job_id and custom_id).
+
+    Lines come in item order, failed items included with their error; it is the format
+    other programs read, so every field an item has is there.
+    """
+    return "".join(_row(view.job.id, r.to_dict()) for r in view.results)
+
+
+def jsonl_split(view: JobResults) -> tuple[str, str]:
+    """(successes, failures) as jsonl, for the OpenAI Batch convention of an errors file.
+
+    A failed job's unfinished items count as failures, so the errors file names every
+    item that has no text.
+    """
+    ok = "".join(_row(view.job.id, r.to_dict()) for r in view.results if r.ok)
+    bad = {r.index: _row(view.job.id, r.to_dict()) for r in view.results if not r.ok}
+    if view.error is not None:
+        reason = f"no result: the job failed: {last_line(view.error)}"
+        done = {r.index for r in view.results}
+        for index, item in enumerate(view.job.payload().items):
+            if index not in done:
+                bad[index] = _row(view.job.id, {
+                    "index": index, "source": item.source, "page": item.page,
+                    "custom_id": item.custom_id, "text": None, "error": reason})
+    return ok, "".join(bad[i] for i in sorted(bad))
+
+
+@_format("json", "application/json", several_jobs=False, file=_json_file)
+def render_json(view: JobResults) -> str:
+    """One object with the job's status and summary.
+
+    Also its labels, its failure (if it failed) and every item result, indented for
+    people; exported, each source becomes <source>.json with every item field.
+    """
+    job = view.job
+    return json.dumps({"id": job.id, "status": view.state, "labels": job.labels,
+                       "summary": job.summary() if view.state == "finished" else None,
+                       "error": view.error,
+                       "items": [r.to_dict() for r in view.results]}, indent=2) + "\n"
+
+
+@_format("md", "text/markdown", several_jobs=False, file=_md_file)
+def render_markdown(view: JobResults) -> str:
+    """A readable document, one section per page or image.
+
+    Sections follow item order, one heading each; errors and gaps are made visible, and a
+    failed job's document opens with why it failed, before any page. Exported, a PDF
+    becomes <source>.md with a marker before each page, an image <source>.txt.
+    """
+    job, state, error = view.job, view.state, view.error
+    by_index = {r.index: r for r in view.results}
+    parts: list[str] = []
+    if error is not None:
+        parts.append(f"> **This job failed:** {last_line(error)}\n")
+        if len(error.strip().splitlines()) > 1:
+            parts.append("```text\n" + error.strip() + "\n```\n")
+    parts.append(f"<!-- vlmq job {job.id}: {state}, {len(view.results)}/{job.items} "
+                 "items -->\n")
+    for index, item in enumerate(job.payload().items):
+        heading = item.source if item.page is None else f"{item.source} — page {item.page}"
+        if item.custom_id is not None:
+            heading += f" ({item.custom_id})"
+        parts.append(f"## {heading}\n")
+        parts.append(_md_section(by_index.get(index), state, error))
+    return "\n".join(parts)
+
+
+def _md_section(r: ItemResult | None, state: str, error: str | None) -> str:
+    if r is None and error is not None:
+        return "> _no result: the job failed before this item (see the top)_\n"
+    if r is None:
+        return f"> _not done yet (job {state})_\n"
+    if r.error is not None:
+        return f"> **Error:** {r.error}\n"
+    if not r.text:
+        return "_(no text)_\n"
+    return _text(r)
+
+
+@_format("txt", "text/plain", several_jobs=True, omits_failed=True, file=_txt_file)
+def render_txt(view: JobResults) -> str:
+    """The texts alone, in item order, a blank line apart (failed items left out).
+
+    For piping into other tools: nothing but model output. Exported, each source is its
+    own file, so a PDF's pages there each follow a plain-text marker and a failed page
+    shows its error in place.
+    """
+    return "".join(_text(r) + "\n" for r in view.results if r.ok)

@@ -1,0 +1,19 @@
+-- vlmq: a worker's item results for one job, written only while its execution owns the job
+-- (worker/results_writer.py). All of them and their events land together, or none.
+-- KEYS[1] = rq:job:<job_id>   KEYS[2] = <prefix>:job:<job_id>:owner
+-- KEYS[3] = <prefix>:job:<job_id>:items   KEYS[4] = <prefix>:job:<job_id>:events
+-- ARGV[1] = owner token   ARGV[2] = ttl (s)   ARGV[3] = events stream maxlen
+-- ARGV[4], ARGV[5], ARGV[6], ... = (index, result JSON, ok 0|1) per item
+-- Returns 0 (nothing written) unless the job is STARTED and owned by the token, else 1.
+if redis.call('HGET', KEYS[1], 'status') ~= 'started'
+    or redis.call('GET', KEYS[2]) ~= ARGV[1] then
+  return 0
+end
+for i = 4, #ARGV, 3 do
+  redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[3], '*',
+             'type', 'item', 'index', ARGV[i], 'ok', ARGV[i + 2])
+end
+redis.call('EXPIRE', KEYS[3], ARGV[2])
+redis.call('EXPIRE', KEYS[4], ARGV[2])
+return 1

@@ -1,0 +1,44 @@
+"""A job's settings as its items really run: resolved once, when the worker takes the job.
+
+The job's own values win; what it leaves unset comes from the served checkpoint's preset,
+else its model type's row (worker/model_defaults.py). check_job, the Preparer, the result
+cache and the engine Request all read this one object, so the result-cache key can never
+describe other settings than the ones the item was generated with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from vlmq.shared import constants as C
+from vlmq.shared.schema import JobPayload
+from vlmq.worker.model_defaults import Resolved, resolve
+
+# olmOCR renders pages at 1288 px on the longest side; a sound default for OCR models.
+DEFAULT_PDF_MAX_SIDE = 1288
+# Images larger than this are shrunk before the processor sees them (it bounds pixels too).
+DEFAULT_IMAGE_MAX_SIDE = 2048
+
+
+@dataclass(frozen=True)
+class JobSettings(Resolved):
+    """The generation settings (Resolved) plus the rest of what the job's items run with."""
+
+    max_side: int | None = None  # None: the worker's default for the item's kind
+    result_cache: str = "on"  # "on", "off" or "sampled"
+    blob_ttl: int = C.BLOB_TTL_S
+
+    def side_for(self, kind: str) -> int:
+        if self.max_side is not None:
+            return self.max_side
+        return DEFAULT_PDF_MAX_SIDE if kind == "pdf" else DEFAULT_IMAGE_MAX_SIDE
+
+
+def resolve_job(payload: JobPayload, model_type: str, model_id: str | None) -> JobSettings:
+    """The settings `payload`'s items run with on this model; ValueError when the job
+    cannot run here (a task with no prompt for this model type)."""
+    res = resolve(model_type, payload.task, payload.get("prompt"), payload.get("max_tokens"),
+                  payload.get("temperature"), payload.get("stop"), model_id=model_id)
+    return JobSettings(**asdict(res), max_side=payload.get("max_side"),
+                       result_cache=str(payload.get("result_cache")),
+                       blob_ttl=int(payload.get("blob_ttl")))
