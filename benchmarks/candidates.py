@@ -138,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             got += len(engine.get_finished(timeout=1.0))
 
     through_engine()
-    tokens0 = engine.tokens_generated
+    tokens0 = engine.state.tokens_generated
     t_eng = timed(through_engine, args.repeat)
-    eng_tokens = (engine.tokens_generated - tokens0) // args.repeat
+    eng_tokens = (engine.state.tokens_generated - tokens0) // args.repeat
     engine.close(timeout=30)
     print(f"\n2. {n} rows, {args.max_tokens} new tokens, all inserted at once:")
     print(f"   bare BatchGenerator (same tower and embedding calls, then one insert): "

@@ -244,7 +244,7 @@ def run_c(model_path: str, prompt: str, stop: tuple[str, ...], jobs: Sequence[Jo
         tokens = 0
         with ThreadPoolExecutor(prep_threads) as pool:
             t0 = time.perf_counter()
-            busy0 = engine.busy_s
+            busy0 = engine.state.busy_s
 
             def feed() -> None:
                 wait = _arrivals(jobs, t0)
@@ -267,7 +267,7 @@ def run_c(model_path: str, prompt: str, stop: tuple[str, ...], jobs: Sequence[Jo
                         done_at[j] = time.perf_counter()
             feeder.join()
             wall = max(done_at.values()) - t0
-            busy = (engine.busy_s - busy0) / wall
+            busy = (engine.state.busy_s - busy0) / wall
     finally:
         engine.close(timeout=30)
     lat = [done_at[j] - (t0 + job.offset) for j, job in enumerate(jobs)]

@@ -87,16 +87,17 @@ def _collect(engine: Engine, n: int, timeout: float = 60.0) -> dict:
 def test_parity_with_sequential_generate_under_continuous_batching(engine: Engine, refs) -> None:
     items = [((job, seed), max_tokens) for job, seed, _, max_tokens in ITEMS]
     first, later = items[:5], items[5:]
-    tokens_before = engine.tokens_generated
+    tokens_before = engine.state.tokens_generated
     for key, max_tokens in first:
         engine.submit(_req(key, refs[key].prepared, max_tokens))
     # Wait until decoding is under way, then add the rest mid-flight.
     deadline = time.monotonic() + 30
     early: list[Finished] = []
-    while engine.tokens_generated == tokens_before and time.monotonic() < deadline:
+    while engine.state.tokens_generated == tokens_before and time.monotonic() < deadline:
         early += engine.get_finished(timeout=0.005)
-    assert engine.tokens_generated > tokens_before
-    assert engine.active + engine.waiting > 0, "first wave finished before the second came"
+    assert engine.state.tokens_generated > tokens_before
+    assert engine.state.active + engine.state.waiting > 0, (
+        "first wave finished before the second came")
     # A greedy row with a sampling neighbour must stay exact.
     engine.submit(_req("hot", refs[later[0][0]].prepared, 8, temperature=1.5))
     for key, max_tokens in later:
@@ -116,7 +117,7 @@ def test_parity_with_sequential_generate_under_continuous_batching(engine: Engin
     assert any(len(got[k].tokens) == m for k, m in items)  # budgets really bind
     assert len(got["hot"].tokens) <= 8 and got["hot"].error is None
     assert engine.stats()["peak_active"] == 4  # batches really filled, never over max_batch
-    assert engine.active == engine.waiting == 0
+    assert engine.state.active == engine.state.waiting == 0
 
 
 def test_cache_hit_matches_miss_without_tower(engine: Engine, refs) -> None:
@@ -127,14 +128,14 @@ def test_cache_hit_matches_miss_without_tower(engine: Engine, refs) -> None:
     miss = _collect(engine, 1)["miss"]
     assert len(stored) == 1 and stored[0][1] == "float32"
 
-    towers = engine.tower_calls
+    towers = engine.state.tower_calls
     hit_prep = A.prepare_from_grid(
         engine.processor, engine.model_config, prep.image_grid_thw, PROMPT
     )
     assert hit_prep.pixel_values is None
     engine.submit(_req("hit", hit_prep, 12, cached_features=stored[0]))
     hit = _collect(engine, 1)["hit"]
-    assert engine.tower_calls == towers
+    assert engine.state.tower_calls == towers
     assert hit.vision_cache_hit and hit.error is None
     assert hit.tokens == miss.tokens == refs[key].tokens[:12]
 
@@ -163,7 +164,7 @@ def test_overlong_prompt_fails_alone(engine: Engine, refs) -> None:
     assert got["long"].error is not None and "context" in got["long"].error
     assert got["long"].finish_reason == "error"
     assert got["ok"].error is None and got["ok"].tokens == refs[ok].tokens
-    assert engine.waiting == engine.active == 0
+    assert engine.state.waiting == engine.state.active == 0
 
 
 def test_bad_cached_features_fail_alone(engine: Engine, refs) -> None:

@@ -92,7 +92,7 @@ def _run(model: Path, refs: list[tuple[A.Prepared, list[int]]],
             got.update({int(f.key): f for f in engine.get_finished(0.5)})  # type: ignore[call-overload]
         assert len(got) == len(refs)
         assert engine.stats()["repetitions"] >= 1
-        assert engine.active == 0 and engine.waiting == 0  # every slot was freed
+        assert engine.state.active == 0 and engine.state.waiting == 0  # every slot was freed
         return got
     finally:
         engine.close(timeout=30)

@@ -4,6 +4,7 @@ same field name, the Lua copy is current, and everything that takes settings fol
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from redis.exceptions import ResponseError
 from vlmq.producer.client import Client
 from vlmq.producer.manifest import FIELDS as MANIFEST_FIELDS
 from vlmq.producer.options import JOB_FIELDS, JobOptions, job_options
+from vlmq.producer.schedule import Schedule
 from vlmq.shared import constants as C
 from vlmq.shared import settings as S
 from vlmq.shared.errors import PayloadError
@@ -201,3 +203,22 @@ def test_json_options_build_the_payload_once_and_round_trip() -> None:
     assert parse_payload(json.loads(json.dumps(wire))) == payload
     assert dict(payload.settings) == values
     assert wire["v"] == C.PROTOCOL_VERSION
+
+
+def test_a_schedule_stored_before_the_table_keeps_its_settings_and_hash() -> None:
+    # Schedules written before the settings table kept each setting at the top level.
+    old = {"name": "n", "task": "ocr", "paths": ["/scans"], "every": 60.0, "cron": None,
+           "tz": "UTC", "recursive": False, "prompt": "Read.", "max_tokens": 5,
+           "max_side": None, "model": None, "queue": "q", "labels": {"a": "b"},
+           "export_dir": None, "export_format": "md", "sidecar": False, "created_at": 1.0}
+    sched = Schedule.from_json(json.dumps(old))
+    opts = sched.options()
+    assert (opts.prompt, opts.max_tokens, opts.queue) == ("Read.", 5, "q")
+    assert opts.labels == {"a": "b", "schedule": "n"}
+    # The hash the old code gave: an upgrade must not make every file due again.
+    legacy = {k: old[k] for k in ("task", "prompt", "max_tokens", "max_side", "model")}
+    assert sched.settings_hash() == hashlib.sha256(
+        json.dumps(legacy, sort_keys=True).encode()).hexdigest()[:16]
+    assert Schedule.from_json(sched.to_json()) == sched
+    hotter = Schedule.from_json(json.dumps({**old, "temperature": 0.5}))
+    assert hotter.settings_hash() != sched.settings_hash()

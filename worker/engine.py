@@ -265,32 +265,6 @@ class Engine:
             except queue.Empty:
                 return out
 
-    # What worker/stats.py and the benchmarks read; every other counter is in `state`.
-
-    @property
-    def waiting(self) -> int:
-        return self.state.waiting
-
-    @property
-    def active(self) -> int:
-        return self.state.active
-
-    @property
-    def peak_waiting(self) -> int:
-        return self.state.peak_waiting
-
-    @property
-    def tower_calls(self) -> int:
-        return self.state.tower_calls
-
-    @property
-    def tokens_generated(self) -> int:
-        return self.state.tokens_generated
-
-    @property
-    def busy_s(self) -> float:
-        return self.state.busy_s
-
     def stats(self) -> dict[str, float]:
         st = self.state
         return {

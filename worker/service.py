@@ -245,7 +245,7 @@ class WorkerService:
                     self.scheduler.remove(state.job_id)
                 else:
                     self._writer.drop(state, why)
-            self.stats.publish(self.redis, cfg.keys, engine, cache, 0, 0)
+            self.stats.publish(self.redis, cfg.keys, engine.state, cache, 0, 0)
             self.stats.retire(self.redis, cfg.keys)
             lifecycle.register_death()
         except RedisError as exc:
@@ -284,18 +284,18 @@ class WorkerService:
         if not self.stop_requested:
             self._queues_empty = self._pull_jobs(lifecycle, preparer)
             self._schedule(engine, preparer)
-        busy = self._in_prep > 0 or engine.active > 0 or engine.waiting > 0
+        busy = self._in_prep > 0 or engine.state.active > 0 or engine.state.waiting > 0
         self._collect(engine, lifecycle, timeout=0.01 if busy else 0.1)
         if now >= self._next_heartbeat:
             self._heartbeat(lifecycle)
             self._next_heartbeat = now + lifecycle.heartbeat_interval
         if now >= self._next_stats:
             self._drop_taken_away(lifecycle)
-            self.stats.publish(self.redis, cfg.keys, engine, cache, len(self.scheduler),
+            self.stats.publish(self.redis, cfg.keys, engine.state, cache, len(self.scheduler),
                                self._in_prep)
             self._next_stats = now + cfg.stats_s
         if self.stop_requested:
-            in_flight = self._in_prep + engine.active + engine.waiting
+            in_flight = self._in_prep + engine.state.active + engine.state.waiting
             if in_flight == 0:
                 self._collect(engine, lifecycle, timeout=0)  # what finished since the last look
                 return True
@@ -387,7 +387,7 @@ class WorkerService:
         for job_id, idx in _drain(self._prep_retry):
             self.scheduler.retry_item(job_id, idx)
         window = self.cfg.prep_window
-        while self._in_prep + engine.waiting < window:
+        while self._in_prep + engine.state.waiting < window:
             nxt = self.scheduler.next_item()
             if nxt is None:
                 break
@@ -398,7 +398,7 @@ class WorkerService:
             left = len(state.pending) + len(state.outstanding)  # the engine's priority
             fut.add_done_callback(partial(self._prepared, engine, state.job_id, idx, left))
         with self._prep_lock:
-            self.stats.observe_waiting(self._in_prep + engine.waiting)
+            self.stats.observe_waiting(self._in_prep + engine.state.waiting)
 
     def _prepared(self, engine: Engine, job_id: str, idx: int, left: int,
                   fut: Future[tuple[Request, float]]) -> None:

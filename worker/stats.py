@@ -21,6 +21,8 @@ LOG_EVERY_S = 10.0
 
 
 class _EngineView(Protocol):
+    """What the stats read of the engine's shared state (worker/engine.EngineState)."""
+
     @property
     def active(self) -> int: ...
     @property
