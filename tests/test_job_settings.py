@@ -3,11 +3,19 @@ that one object: the engine request's budget and the result-cache key agree."""
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
+
 from redis import Redis
 
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import Item, ItemResult, JobPayload
-from vlmq.worker.job_settings import DEFAULT_IMAGE_MAX_SIDE, DEFAULT_PDF_MAX_SIDE, resolve_job
+from vlmq.worker.job_settings import (
+    DEFAULT_IMAGE_MAX_SIDE,
+    DEFAULT_PDF_MAX_SIDE,
+    NOT_DECIDING_TEXT,
+    JobSettings,
+    resolve_job,
+)
 from vlmq.worker.model_defaults import defaults_for
 from vlmq.worker.result_cache import ResultCache, cached_results, store_results
 from vlmq.worker.scheduler import JobState
@@ -66,3 +74,14 @@ def test_the_cache_is_skipped_as_each_job_asks(redis: Redis) -> None:
     assert not cache.applies(_state("off", result_cache="off").resolved)
     assert not cache.applies(_state("warm", temperature=0.7).resolved)
     assert cache.applies(_state("sampled", temperature=0.7, result_cache="sampled").resolved)
+
+
+def test_every_setting_that_decides_text_is_in_the_result_cache_key(redis: Redis) -> None:
+    cache = ResultCache(redis, Keys("vlmqrc"), "tiny@fingerprint")
+    base = _state("k", max_side=500).resolved
+    other = {"prompt": "Other.", "max_tokens": 9, "temperature": 0.5, "stop": ("</y>",),
+             "max_side": 600, "result_cache": "sampled", "blob_ttl": 60}
+    assert set(other) == {f.name for f in fields(JobSettings)}, "a new field needs a value"
+    for name, value in other.items():
+        changed = cache.digest(ITEM, replace(base, **{name: value})) != cache.digest(ITEM, base)
+        assert changed == (name not in NOT_DECIDING_TEXT), name

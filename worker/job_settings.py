@@ -9,6 +9,7 @@ describe other settings than the ones the item was generated with.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from vlmq.shared import constants as C
 from vlmq.shared.schema import JobPayload
@@ -20,6 +21,10 @@ DEFAULT_PDF_MAX_SIDE = 1288
 DEFAULT_IMAGE_MAX_SIDE = 2048
 
 
+# JobSettings fields that leave an item's text as it is (kept out of the result-cache key).
+NOT_DECIDING_TEXT = frozenset({"result_cache", "blob_ttl"})
+
+
 @dataclass(frozen=True)
 class JobSettings(Resolved):
     """The generation settings (Resolved) plus the rest of what the job's items run with."""
@@ -27,6 +32,13 @@ class JobSettings(Resolved):
     max_side: int | None = None  # None: the worker's default for the item's kind
     result_cache: str = "on"  # "on", "off" or "sampled"
     blob_ttl: int = C.BLOB_TTL_S
+
+    def deciding_text(self, kind: str) -> dict[str, Any]:
+        """Every setting that can change an item's text, as the result-cache key holds
+        them: a field added here is in the key unless it is listed as not deciding text."""
+        out = {k: v for k, v in asdict(self).items() if k not in NOT_DECIDING_TEXT}
+        out["max_side"] = self.side_for(kind)
+        return out
 
     def side_for(self, kind: str) -> int:
         if self.max_side is not None:

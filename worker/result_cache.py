@@ -69,12 +69,9 @@ class ResultCache:
     def digest(self, item: Item, settings: JobSettings) -> str:
         parts: dict[str, Any] = {
             "v": KEY_VERSION, "model": self.model_identity, "kind": item.kind,
-            "blob": item.blob, "page": item.page, "prompt": settings.prompt,
-            "stop": list(settings.stop), "max_tokens": settings.max_tokens,
-            "max_side": settings.side_for(item.kind), "preprocess": PREPROCESS_VERSION,
+            "blob": item.blob, "page": item.page, "preprocess": PREPROCESS_VERSION,
+            "settings": settings.deciding_text(item.kind),
         }
-        if settings.temperature != 0:  # only reached for jobs that opted in
-            parts["temperature"] = settings.temperature
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
     def lookup(self, digests: Sequence[str]) -> list[CachedText | None]:
