@@ -14,12 +14,14 @@ from typing import Any, TypeVar
 
 import click
 
+from vlmq.producer.batch import JOB_ITEMS, Batch, Part, is_batch, submit_parts
 from vlmq.producer.client import Client, Job
 from vlmq.producer.inputs import PagesWithoutPdf
 from vlmq.producer.manage import CannotCancel
 from vlmq.producer.manifest import read_manifest
 from vlmq.producer.options import JobOptions, job_options
 from vlmq.producer.results_cli import result_cmd, wait_cmd
+from vlmq.producer.upload import DEFAULT_MAX_PENDING_MB, retention
 from vlmq.shared import constants as C
 from vlmq.shared import settings as S
 from vlmq.shared.clitools import (
@@ -29,6 +31,7 @@ from vlmq.shared.clitools import (
     parse_labels,
 )
 from vlmq.shared.errors import InputError, PayloadError
+from vlmq.shared.stores import Stores, store_option
 
 F = TypeVar("F", bound=Callable[..., Any])
 JSON_HELP = "Print JSON instead of text."
@@ -51,8 +54,10 @@ def _handle_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _client(ctx: click.Context) -> Client:
-    return Client(ctx.find_root().obj["redis_url"])
+def _client(ctx: click.Context, stores: Stores | None = None,
+            max_pending_mb: float = DEFAULT_MAX_PENDING_MB) -> Client:
+    return Client(ctx.find_root().obj["redis_url"], stores=stores,
+                  max_pending_mb=max_pending_mb, progress=True)
 
 
 def _label_filter(func: F) -> F:
@@ -79,14 +84,46 @@ def _warn_unserved(client: Client, queues: Sequence[str]) -> None:
                        err=True)
 
 
-def _report(client: Client, job: Job, as_json: bool) -> None:
+def _set_json(what: Job | Batch) -> dict[str, Any]:
+    """A job's keys as before, plus "batch" (null for one job) and "jobs"; a batch gives
+    its id as "id" too, so a script passing "id" on to wait/result works either way."""
+    if isinstance(what, Job):
+        return {**_job_json(what), "batch": None, "jobs": [_job_json(what)]}
+    jobs = what.jobs()
+    return {"id": what.id, "batch": what.id, "queue": ",".join(dict.fromkeys(
+                j.queue for j in jobs)), "task": what.task, "items": what.items,
+            "blobs": what.blobs, "uploaded": sum(j.uploaded for j in jobs),
+            "rejected": [{"path": p, "reason": r} for p, r in what.rejected],
+            "jobs": [_job_json(j) for j in jobs]}
+
+
+def _report(client: Client, what: Job | Batch, as_json: bool) -> None:
+    """Print the job id, or the batch id when the set became several jobs."""
     if as_json:
-        click.echo(json.dumps(_job_json(job)))
+        click.echo(json.dumps(_set_json(what)))
     else:
-        for path, reason in job.rejected:
+        for path, reason in what.rejected:
             click.echo(f"vlmq: skipped {path}: {reason}", err=True)
-        click.echo(job.id)
-    _warn_unserved(client, [job.queue])
+        click.echo(what.id)
+    jobs = [what] if isinstance(what, Job) else what.jobs()
+    _warn_unserved(client, [j.queue for j in jobs])
+
+
+def _job_size(func: F) -> F:
+    return click.option("--job-size", type=click.IntRange(1, C.MAX_ITEMS_PER_JOB),
+                        default=JOB_ITEMS, show_default=True, metavar="N",
+                        help="Items per job: a larger set becomes a batch of jobs of at "
+                             "most N items, which many workers share (its id is printed; "
+                             "every job command takes it).")(func)
+
+
+def _max_pending(func: F) -> F:
+    return click.option("--max-pending-mb", type=click.FloatRange(min=0, min_open=True),
+                        metavar="MB",
+                        default=DEFAULT_MAX_PENDING_MB, show_default=True,
+                        help="Redis budget: this producer's uploaded inputs whose jobs have "
+                             "not ended stay under MB; past it, enqueue waits for workers "
+                             "to drain them.")(func)
 
 
 # --- enqueue ------------------------------------------------------------------------------
@@ -106,32 +143,42 @@ def _report(client: Client, job: Job, as_json: bool) -> None:
 @click.option("--label", "labels", multiple=True, callback=parse_labels, metavar="K=V",
               help="With --manifest: label every job (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@_job_size
+@_max_pending
+@store_option
 @click.pass_context
 @_handle_errors
 def enqueue(ctx: click.Context, manifest: str | None, queue: str | None, skip_bad: bool,
-            labels: dict[str, str], as_json: bool) -> None:
+            labels: dict[str, str], as_json: bool, job_size: int, max_pending_mb: float,
+            stores: Stores) -> None:
     """Validate inputs, upload them once, and enqueue: a task subcommand, or --manifest."""
     if ctx.invoked_subcommand is not None:
-        if manifest or queue or skip_bad or labels or as_json:
-            raise click.UsageError("--manifest/--queue/--skip-bad/--label/--json before the "
-                                   "task go with --manifest only; put them after the task")
+        given = ctx.get_parameter_source("stores") == click.core.ParameterSource.COMMANDLINE
+        if manifest or queue or skip_bad or labels or as_json or given:
+            raise click.UsageError("--manifest/--queue/--skip-bad/--label/--json/--store "
+                                   "before the task go with --manifest only; put them after "
+                                   "the task")
         return
     if manifest is None:
         click.echo(ctx.get_help())
         ctx.exit(EXIT_BAD_INPUT)
     base = JobOptions.build(queue=queue, labels=labels or None)
-    groups, rejected = read_manifest(manifest, base, skip_bad=skip_bad)
-    with _client(ctx) as client:
-        jobs = [client.submit(g.task, g.prepared, g.options) for g in groups]
+    groups, rejected = read_manifest(manifest, base, skip_bad=skip_bad, job_size=job_size)
+    for group in groups:  # files in a store go by reference
+        group.prepared = group.prepared.by_reference(stores)
+    with _client(ctx, stores, max_pending_mb) as client:
+        made = submit_parts(client, [Part(g.task, g.prepared, g.options) for g in groups],
+                            labels=labels)
+        jobs = [made] if isinstance(made, Job) else made.jobs()
         if as_json:
-            click.echo(json.dumps({"jobs": [_job_json(j) for j in jobs],
+            click.echo(json.dumps({"batch": None if isinstance(made, Job) else made.id,
+                                   "jobs": [_job_json(j) for j in jobs],
                                    "rejected": [{"line": n, "reason": r}
                                                 for n, r in rejected]}))
         else:
             for number, reason in rejected:
                 click.echo(f"vlmq: skipped line {number}: {reason}", err=True)
-            for job in jobs:
-                click.echo(job.id)
+            click.echo(made.id)
         _warn_unserved(client, [j.queue for j in jobs])
 
 
@@ -146,16 +193,22 @@ def _set_command(task: str) -> Callable[..., None]:
     @click.option("--skip-bad", is_flag=True,
                   help="Enqueue the good files and report the bad ones (default: reject all).")
     @_json_option
-    @job_options(prompt={"help": prompt_help, "required": task == "generate"},
+    @_job_size
+    @_max_pending
+    @job_options(exclude=("batch",),  # vlmq sets it when a set becomes a batch
+                 prompt={"help": prompt_help, "required": task == "generate"},
                  queue={"default": C.DEFAULT_QUEUE[task], "show_default": True})
+    @store_option
     @click.pass_context
     @_handle_errors
     def command(ctx: click.Context, paths: tuple[str, ...], pages: str | None,
-                recursive: bool, skip_bad: bool, options: JobOptions, as_json: bool) -> None:
-        with _client(ctx) as client:
+                recursive: bool, skip_bad: bool, options: JobOptions, as_json: bool,
+                job_size: int, max_pending_mb: float, stores: Stores) -> None:
+        with _client(ctx, stores, max_pending_mb) as client:
             try:
-                job = client.submit(task, paths, options, pages=pages, recursive=recursive,
-                                    skip_bad=skip_bad)
+                job = client.submit_set(task, paths, options, pages=pages,
+                                        recursive=recursive, skip_bad=skip_bad,
+                                        job_size=job_size)
             except PagesWithoutPdf as exc:
                 raise PagesWithoutPdf("--pages") from exc  # name the option the user typed
             _report(client, job, as_json)
@@ -224,7 +277,8 @@ def _print_table(rows: Sequence[Sequence[str]]) -> None:
 @click.pass_context
 def status_cmd(ctx: click.Context, job_id: str | None, labels: dict[str, str],
                as_json: bool) -> None:
-    """A job's state and progress; with --label, totals over every job carrying it;
+    """A job's or a batch's state and progress; with --label, totals over every job
+    carrying it;
     with neither, queue depths and workers (full worker stats with --json).
 
     Exit 1 when the job is not a readable vlmq job (its status and error still shown).
@@ -232,7 +286,9 @@ def status_cmd(ctx: click.Context, job_id: str | None, labels: dict[str, str],
     if job_id is not None and labels:
         raise click.UsageError("give a JOB_ID or --label, not both")
     with _client(ctx) as client:
-        if job_id is not None:
+        if job_id is not None and is_batch(client, job_id):
+            _batch_status(client.batch(job_id), as_json)
+        elif job_id is not None:
             job = client.job(job_id)
             _job_status(job, as_json)
             if job.problem is not None:
@@ -241,6 +297,24 @@ def status_cmd(ctx: click.Context, job_id: str | None, labels: dict[str, str],
             _group_status(client.group_status(labels), as_json)
         else:
             _overview(client, as_json)
+
+
+def _batch_status(batch: Batch, as_json: bool) -> None:
+    status = batch.status()
+    if as_json:
+        click.echo(json.dumps(status))
+        return
+    items = status["items"]
+    click.echo(f"batch {batch.id}  task {batch.task}")
+    click.echo(f"status: {status['status']}")
+    if batch.labels:
+        click.echo("labels: " + "  ".join(f"{k}={v}" for k, v in batch.labels.items()))
+    click.echo(f"jobs: {status['jobs']}: " + (", ".join(
+        f"{n} {s}" for s, n in status["by_status"].items()) or "none"))
+    click.echo(f"items: {items['done']}/{items['total']} done, {items['failed']} failed")
+    if status["missing"]:
+        click.echo(f"{status['missing']} job(s) never enqueued (the producer stopped): "
+                   f"vlmq cancel {batch.id} ends the batch without them")
 
 
 def _group_status(group: dict[str, Any], as_json: bool) -> None:
@@ -261,11 +335,13 @@ def _job_status(job: Job, as_json: bool) -> None:
     failed = job.failed_items()
     summary = job.summary() if state == "finished" else None
     error = job.error() if state == "failed" else None
+    kept = retention(job.client.redis, job.client.keys, job.id,
+                     None if job.problem is not None else job.payload())
     if as_json:
         click.echo(json.dumps({"id": job.id, "queue": job.queue, "task": job.task,
                                "status": state, "done": done, "total": total,
                                "failed": failed, "labels": job.labels, "summary": summary,
-                               "error": error, "problem": job.problem}))
+                               "error": error, "problem": job.problem, "kept": kept}))
         return
     click.echo(f"job {job.id}  queue {job.queue or '?'}")
     click.echo(f"status: {state}")
@@ -279,6 +355,11 @@ def _job_status(job: Job, as_json: bool) -> None:
         click.echo(f"summary: {json.dumps(summary)}")
     if error:
         click.echo(f"error: {error.strip()}")
+    click.echo(f"kept: results {kept['results']}; inputs {kept['inputs']}")
+
+
+def _days(seconds: int) -> str:
+    return f"{seconds // 86400} days"
 
 
 def _stat(stats: dict[str, str], key: str, fmt: str = "{}", scale: float = 1.0) -> str:
@@ -307,6 +388,9 @@ def _overview(client: Client, as_json: bool) -> None:
             for q in queues.values()])
     else:
         click.echo("queues: none")
+    click.echo(f"kept: results {_days(C.RESULT_TTL_S)} after a job ends (--result-ttl), "
+               f"{_days(C.FAILURE_TTL_S)} after it fails; inputs while their jobs run, then "
+               f"{S.KEEP_INPUTS_S} s (--keep-inputs), or with a failed job's record")
     click.echo("")
     if not workers:
         click.echo("workers: none")
@@ -332,14 +416,19 @@ def _overview(client: Client, as_json: bool) -> None:
 @_json_option
 @click.pass_context
 def cancel_cmd(ctx: click.Context, job_ids: tuple[str, ...], as_json: bool) -> None:
-    """Cancel jobs: a queued job never runs; a running one is dropped by its worker within
-    seconds. Items already done stay readable. Exit 1 if any could not be canceled."""
+    """Cancel jobs (a batch id: every job of it not yet ended): a queued job never runs; a
+    running one is dropped by its worker within seconds. Items already done stay
+    readable. Exit 1 if any could not be canceled."""
     out: dict[str, str] = {}
     with _client(ctx) as client:
         for job_id in job_ids:
             try:
-                client.cancel(job_id)
-                out[job_id] = "canceled"
+                if is_batch(client, job_id):
+                    n = client.batch(job_id).cancel()
+                    out[job_id] = f"canceled ({n} job(s) had not ended)"
+                else:
+                    client.cancel(job_id)
+                    out[job_id] = "canceled"
             except (CannotCancel, PayloadError) as exc:
                 out[job_id] = f"error: {exc}"
     if as_json:
@@ -347,7 +436,7 @@ def cancel_cmd(ctx: click.Context, job_ids: tuple[str, ...], as_json: bool) -> N
     else:
         for job_id, what in out.items():
             click.echo(f"{job_id}: {what}")
-    if any(v != "canceled" for v in out.values()):
+    if any(v.startswith("error: ") for v in out.values()):
         sys.exit(EXIT_FAILED)
 
 
@@ -361,11 +450,13 @@ def retry_cmd(ctx: click.Context, job_id: str, failed_only: bool, as_json: bool)
     """Enqueue a new job with JOB_ID's settings and inputs; prints the new id.
 
     The new job's labels carry retry_of=JOB_ID. Inputs come from Redis (the job's blobs),
-    so they must not have expired.
+    so they must not have expired. A batch id retries its jobs as a new batch.
     """
     with _client(ctx) as client:
         try:
-            new = client.job(job_id).retry(failed_only=failed_only)
+            new: Job | Batch = (client.batch(job_id).retry(failed_only=failed_only)
+                                if is_batch(client, job_id)
+                                else client.job(job_id).retry(failed_only=failed_only))
         except PayloadError as exc:
             fail(f"error: cannot retry {job_id}: {exc}", EXIT_BAD_INPUT)
         _report(client, new, as_json)
@@ -380,13 +471,20 @@ def retry_cmd(ctx: click.Context, job_id: str, failed_only: bool, as_json: bool)
 def delete_cmd(ctx: click.Context, job_ids: tuple[str, ...], purge_blobs: bool,
                as_json: bool) -> None:
     """Remove jobs with their item results and events (a running job is dropped by its
-    worker). Every id is checked first: an unknown one deletes nothing."""
+    worker); a batch id removes its jobs and the batch. Every id is checked first: an
+    unknown one deletes nothing."""
     with _client(ctx) as client:
-        purged = client.delete(job_ids, purge_blobs=purge_blobs)
+        batches = [client.batch(i) for i in job_ids if is_batch(client, i)]
+        singles = [i for i in job_ids if i not in {b.id for b in batches}]
+        for job_id in singles:
+            client.job(job_id)  # raises JobNotFound before anything is deleted
+        count = len(singles) + sum(len(b.jobs()) for b in batches)
+        purged = sum(b.delete(purge_blobs=purge_blobs) for b in batches)
+        purged += client.delete(singles, purge_blobs=purge_blobs)
     if as_json:
         click.echo(json.dumps({"deleted": list(job_ids), "blobs_purged": purged}))
     else:
-        click.echo(f"deleted {len(job_ids)} job(s)"
+        click.echo(f"deleted {count} job(s)"
                    + (f", purged {purged} blob(s)" if purge_blobs else ""))
 
 

@@ -21,10 +21,12 @@ from rq.job import Job as RQJob
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
+from vlmq.producer import batch as batches
 from vlmq.producer import manage
 from vlmq.producer.errors import JobNotFound
 from vlmq.producer.inputs import PageSpec, Prepared, prepare
 from vlmq.producer.options import JOB_FIELDS, JobOptions
+from vlmq.producer.upload import DEFAULT_MAX_PENDING_MB, Uploader
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.connection import connect
@@ -40,6 +42,7 @@ from vlmq.shared.jobs import (
 from vlmq.shared.keys import Keys
 from vlmq.shared.results import count_done, read_items
 from vlmq.shared.schema import ItemResult, JobPayload
+from vlmq.shared.stores import Stores
 from vlmq.shared.text import as_str
 from vlmq.shared.urls import redact_url
 
@@ -52,7 +55,6 @@ NO_MESSAGE = "failed (no exception recorded)"
 TERMINAL = frozenset({"finished", "failed", "stopped", "canceled"})
 POLL_S = 0.5
 Inputs = Iterable[str | os.PathLike[str]] | str | os.PathLike[str]
-UPLOAD_CHUNK = 256  # blobs per pipelined round trip when enqueueing
 
 
 class JobFailed(VlmqError):
@@ -99,12 +101,30 @@ class WorkerInfo:
 
 
 class Client:
-    def __init__(self, redis_url: str | None = None, *, prefix: str | None = None) -> None:
+    def __init__(self, redis_url: str | None = None, *, prefix: str | None = None,
+                 stores: Stores | None = None,
+                 max_pending_mb: float = DEFAULT_MAX_PENDING_MB,
+                 progress: bool = False) -> None:
+        """`stores`: this machine's stores (default: $VLMQ_STORES); files in them are
+        enqueued by reference, not uploaded. `max_pending_mb`: this producer's uploads whose
+        jobs have not ended stay under it (producer/upload.py); `progress`: status lines on
+        stderr while it waits for workers."""
+        self._stores = stores
         self.redis_url = check_redis_url(
             redis_url or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL)
         self.redis = connect(self.redis_url)
         self.keys = Keys(prefix) if prefix is not None else Keys.from_env()
         self.blobs = BlobStore(self.redis, self.keys)
+        self.uploads = Uploader(self.redis, self.keys, max_pending_mb=max_pending_mb,
+                                progress=progress)
+
+    @property
+    def stores(self) -> Stores:
+        """Read from the environment only when an enqueue needs them: a bad VLMQ_STORES
+        must not break `vlmq status`."""
+        if self._stores is None:
+            self._stores = Stores.from_env()
+        return self._stores
 
     def close(self) -> None:
         self.redis.close()
@@ -153,37 +173,44 @@ class Client:
             raise PayloadError("task", f"must be one of {list(C.TASKS)}, got {task!r}")
         opts = options if options is not None else JobOptions()
         prepared = inputs if isinstance(inputs, Prepared) else prepare(
-            _as_list(inputs), pages=pages, recursive=recursive, skip_bad=skip_bad)
+            _as_list(inputs), pages=pages, recursive=recursive, skip_bad=skip_bad,
+            stores=self.stores)
         # The worker will run exactly this check; failing here keeps Redis untouched.
         wire, payload = opts.payload(task, prepared.items)
         queue = opts.queue_for(task)
         if opts.job_id is not None:
             self._refuse_taken_id(opts.job_id)
-        blobs = BlobStore(self.redis, self.keys, ttl_s=opts.blob_ttl)
-        uploaded = 0
-        sources = list(prepared.blobs.values())
-        # Two pipelined round trips per chunk instead of two or three per blob: 5,000
-        # small files went from ~350 to thousands of items/s (benchmarks/run.py).
-        for at in range(0, len(sources), UPLOAD_CHUNK):
-            chunk = sources[at:at + UPLOAD_CHUNK]
-            pipe = self.redis.pipeline(transaction=False)
-            for source in chunk:
-                blobs.touch(source.sha256, pipeline=pipe)
-            present = pipe.execute()
-            # Already stored (TTL now refreshed): nothing to read or send.
-            missing = [src for src, hit in zip(chunk, present, strict=True) if not hit]
-            if not missing:
-                continue
-            pipe = self.redis.pipeline(transaction=False)
-            for source in missing:
-                blobs.add(source.read_verified(), pipeline=pipe)
-            uploaded += sum(bool(created) for created in pipe.execute())
+        # Under this producer's budget, one bounded chunk of files in memory at a time;
+        # uploads live UPLOAD_TTL_S until enqueue() holds them for the job.
+        uploaded, uploaded_bytes = self.uploads.upload(list(prepared.blobs.values()),
+                                                       blob_ttl=opts.blob_ttl)
         jid = enqueue(self.redis, payload, queue=queue, job_id=opts.job_id,
-                      result_ttl=opts.result_ttl, wire=wire)
+                      result_ttl=opts.result_ttl, wire=wire, keys=self.keys)
+        self.uploads.enqueued(jid, len(payload.items), uploaded_bytes)
         return Job(self, jid, queue=queue, items=len(payload.items),
                    rejected=list(prepared.rejected), uploaded=uploaded,
-                   blobs=len({i.blob for i in payload.items}), labels=payload.labels,
+                   blobs=len({i.blob for i in payload.items if i.blob is not None}),
+                   labels=payload.labels,
                    task=task)
+
+    def submit_set(self, task: str, inputs: Inputs | Prepared,
+                   options: JobOptions | None = None, *, pages: PageSpec = None,
+                   recursive: bool = False, skip_bad: bool = False,
+                   job_size: int = batches.JOB_ITEMS) -> Job | batches.Batch:
+        """A set of any size: one job when it fits in `job_size` items, else a Batch of
+        jobs of at most `job_size` (producer/batch.py says why 500 by default)."""
+        if task not in C.TASKS:
+            raise PayloadError("task", f"must be one of {list(C.TASKS)}, got {task!r}")
+        batches.check_job_size(job_size)
+        prepared = inputs if isinstance(inputs, Prepared) else batches.prepare_set(
+            _as_list(inputs), pages=pages, recursive=recursive, skip_bad=skip_bad,
+            stores=self.stores)
+        return batches.submit_set(self, task, prepared, options or JobOptions(),
+                                job_size=job_size)
+
+    def batch(self, batch_id: str) -> batches.Batch:
+        """Handle for an existing batch; raises BatchNotFound (a JobNotFound)."""
+        return batches.Batch.load(self, batch_id)
 
     def serving(self, queue: str) -> int:
         """How many live RQ workers listen on `queue` (0: a job there waits for one)."""
@@ -344,6 +371,12 @@ class Job:
         The inputs are this job's blobs, so nothing is read from disk; a blob that has
         expired is refused naming its source.
         """
+        return self.client.submit(*self.retry_request(failed_only=failed_only))
+
+    def retry_request(self, *, failed_only: bool = False
+                      ) -> tuple[str, Prepared, JobOptions]:
+        """What retry() submits (task, items, options), checked; a batch retries its jobs
+        through it into a new batch."""
         payload = self.payload()
         results = {r.index: r for r in self.results()}
         items = [item for i, item in enumerate(payload.items)
@@ -358,10 +391,10 @@ class Job:
         opts = opts.with_(labels={**payload.labels, "retry_of": self.id})
         blobs = BlobStore(self.client.redis, self.client.keys, ttl_s=opts.blob_ttl)
         for item in items:
-            if not blobs.touch(item.blob):
+            if item.blob is not None and not blobs.touch(item.blob):  # refs: in their store
                 raise PayloadError("items", f"the input {item.source} has expired from "
                                             "Redis; enqueue it again from its file")
-        return self.client.submit(payload.task, Prepared(items=items), opts)
+        return payload.task, Prepared(items=items), opts
 
     def _latest(self) -> Result | None:
         """RQ's latest Result, read from its results stream alone.

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
+from itertools import chain
 from pathlib import Path
 
 import click
 
+from vlmq.producer.batch import expand
 from vlmq.producer.client import Client
 from vlmq.producer.export import FORMATS, ExportReport, export_results
 from vlmq.shared.clitools import EXIT_BAD_INPUT, EXIT_FAILED, fail
@@ -44,7 +46,8 @@ def export_cmd(ctx: click.Context, job_ids: tuple[str, ...], out_dir: Path | Non
     was enqueued from) is its place in the output tree.
 
     A source that would land outside the output folder (absolute, `..`, a symlink out) is
-    refused. Exit 1 when an item failed or a source was refused; the rest is written.
+    refused. Exit 1 when an item failed or a source was refused; the rest is written. A
+    batch id exports all its jobs.
     """
     if (out_dir is None) == (sidecar_root is None):
         fail("error: give exactly one of --dir OUT and --sidecar ROOT", EXIT_BAD_INPUT)
@@ -52,10 +55,13 @@ def export_cmd(ctx: click.Context, job_ids: tuple[str, ...], out_dir: Path | Non
     assert root is not None
     report = ExportReport()
     with Client(ctx.obj["redis_url"]) as client:
-        jobs = [client.job(j) for j in job_ids]  # every id checked before anything is written
+        # Every id checked before anything is written; a batch is exported as one set,
+        # so a PDF whose pages went to several jobs becomes one file.
+        sets = [expand(client, [j]) for j in job_ids]
         root.mkdir(parents=True, exist_ok=True)
-        for job in jobs:
-            report.merge(export_results(job.results(), root, fmt))
+        for jobs in sets:
+            report.merge(export_results(chain.from_iterable(j.results() for j in jobs),
+                                        root, fmt))
     print_report(report, root, as_json)
     if report.failed or report.refused:
         sys.exit(EXIT_FAILED)

@@ -11,10 +11,13 @@ import glob
 import io
 import os
 import re
+import tempfile
 import warnings
 from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import IO
 
 import pypdfium2 as pdfium
 from PIL import Image, UnidentifiedImageError
@@ -23,7 +26,8 @@ from vlmq.shared import constants as C
 from vlmq.shared.blobs import sha256_hex
 from vlmq.shared.errors import InputError
 from vlmq.shared.pdfium import PDFIUM_LOCK, open_problem
-from vlmq.shared.schema import Item
+from vlmq.shared.schema import Item, Ref
+from vlmq.shared.stores import S3Store, Store, StoreError, StoreMissing, Stores, hash_stream
 
 PDF_MAGIC = b"%PDF-"
 # The PDF spec lets the header sit anywhere in the first 1024 bytes (PDFium agrees).
@@ -32,6 +36,10 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 _RANGE_PART = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?")
 
 PageSpec = str | Sequence[int] | None
+# An S3 object is hashed once on its way into this spool, then checked from it: in memory
+# while small, on disk past this.
+SPOOL_BYTES = 16 * 1024 * 1024
+S3_SCHEME = "s3://"
 
 
 class InputErrors(InputError):
@@ -97,6 +105,7 @@ class CheckedFile:
     pages: int  # PDF page count; 1 for an image
     sha256: str
     size: int
+    ref: Ref | None = None  # where it is, when it lies in a store: enqueued by reference
 
     def blob(self) -> BlobSource:
         return BlobSource(path=self.path, source=self.source, sha256=self.sha256,
@@ -105,7 +114,8 @@ class CheckedFile:
 
 @dataclass
 class Prepared:
-    """Items ready for a payload, the distinct blobs they need, and what was left out."""
+    """Items ready for a payload (uploads and references), the distinct blobs the uploads
+    need, and what was left out."""
 
     items: list[Item] = field(default_factory=list)
     blobs: dict[str, BlobSource] = field(default_factory=dict)
@@ -113,10 +123,35 @@ class Prepared:
 
     def add(self, checked: CheckedFile, pages: Iterable[int | None], *,
             custom_id: str | None = None) -> None:
+        if checked.ref is not None:
+            for page in pages:
+                self.items.append(Item(kind=checked.kind, blob=None, source=checked.source,
+                                       page=page, custom_id=custom_id, ref=checked.ref,
+                                       size=checked.size, ref_sha256=checked.sha256))
+            return
         self.blobs.setdefault(checked.sha256, checked.blob())
         for page in pages:
             self.items.append(Item(kind=checked.kind, blob=checked.sha256,
                                    source=checked.source, page=page, custom_id=custom_id))
+
+    def by_reference(self, stores: Stores) -> Prepared:
+        """The same items, those whose file lies in one of `stores` as references (the
+        rest stay uploads): for sets checked as uploads first, such as a manifest."""
+        if not stores:
+            return self
+        out = Prepared(rejected=list(self.rejected))
+        refs: dict[str, tuple[Ref, int]] = {}
+        for sha, src in self.blobs.items():
+            ref = stores.ref_for_path(src.path)
+            if ref is not None:
+                refs[sha] = (ref, src.size)
+            else:
+                out.blobs[sha] = src
+        for item in self.items:
+            hit = refs.get(item.sha256) if item.blob is not None else None
+            out.items.append(item if hit is None else replace(
+                item, blob=None, ref=hit[0], size=hit[1], ref_sha256=item.blob))
+        return out
 
 
 def _read(path: Path, source: str) -> bytes:
@@ -149,11 +184,15 @@ def _too_big(size: int, *, is_pdf: bool) -> str:
     return f"{head}; recompress or downscale it"
 
 
-def _pdf_page_count(data: bytes, source: str) -> int:
+def _pdf_page_count(data: bytes | IO[bytes], source: str) -> int:
+    """Pages of a PDF given as bytes, or as a seekable file PDFium reads as it needs."""
     with PDFIUM_LOCK:
         try:
             doc = pdfium.PdfDocument(data)
         except pdfium.PdfiumError as exc:
+            if not isinstance(data, bytes):  # the failure path only: the head tells why
+                data.seek(0)
+                data = data.read(C.BLOB_MAX_BYTES)
             raise InputError(source, open_problem(exc, data)) from exc
         try:
             count = len(doc)
@@ -164,7 +203,14 @@ def _pdf_page_count(data: bytes, source: str) -> int:
     return count
 
 
-def _check_image(data: bytes, source: str) -> None:
+def _stream(data: bytes | IO[bytes]) -> IO[bytes]:
+    if isinstance(data, bytes):
+        return io.BytesIO(data)
+    data.seek(0)
+    return data
+
+
+def _check_image(data: bytes | IO[bytes], source: str) -> None:
     """Open lazily, refuse by header size before decoding, then decode to catch truncation."""
     limit = C.MAX_IMAGE_PIXELS
     too_big = f"image is larger than the {limit}-pixel limit (possible decompression bomb)"
@@ -173,12 +219,12 @@ def _check_image(data: bytes, source: str) -> None:
             # Pillow warns (then errors) on huge images from inside Image.open; turn the
             # warning into an exception here so it is a rejection, not noise.
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as im:
+            with Image.open(_stream(data)) as im:
                 width, height = im.size
                 if width * height > limit:
                     raise InputError(source, f"{too_big}: {width}x{height}")
                 im.verify()  # checksums (PNG CRCs); cheap, no pixel decode
-            with Image.open(io.BytesIO(data)) as im:
+            with Image.open(_stream(data)) as im:
                 # JPEG can decode at 1/8 scale: still reads every byte, so a truncated file
                 # fails, at a fraction of the cost of a full decode.
                 im.draft("RGB", (max(1, width // 8), max(1, height // 8)))
@@ -204,6 +250,62 @@ def check_file(path: str | os.PathLike[str], *, source: str | None = None) -> Ch
         kind, pages = "image", 1
     return CheckedFile(path=p, source=name, kind=kind, pages=pages, sha256=sha256_hex(data),
                        size=len(data))
+
+
+def check_stored(store: Store, path: str, source: str, *, name: str | None = None
+                 ) -> CheckedFile:
+    """A file in a store, checked by content as check_file does, as a reference.
+
+    It is streamed: hashed in chunks, then PDFium and Pillow read the file itself (an S3
+    object from a spool that goes to disk past SPOOL_BYTES), so memory stays bounded
+    whatever the size. Errors name the file as `name` (default: the source).
+    """
+    shown = name if name is not None else source
+    try:
+        with ExitStack() as stack:
+            raw = stack.enter_context(store.open(path))
+            fh: IO[bytes] = raw
+            if raw.seekable():
+                sha, size = hash_stream(raw)
+            else:
+                fh = stack.enter_context(tempfile.SpooledTemporaryFile(SPOOL_BYTES))
+                sha, size = hash_stream(raw, sink=fh)
+            if not size:
+                raise InputError(shown, "is empty")
+            fh.seek(0)
+            if PDF_MAGIC in fh.read(PDF_HEADER_WINDOW):
+                fh.seek(0)
+                kind, pages = "pdf", _pdf_page_count(fh, shown)
+            else:
+                _check_image(fh, shown)
+                kind, pages = "image", 1
+    except StoreMissing as exc:
+        raise InputError(shown, f"no such file ({exc})") from exc
+    except StoreError as exc:
+        raise InputError(shown, str(exc)) from exc
+    except OSError as exc:
+        raise InputError(shown, f"cannot be read: {exc.strerror or exc}") from exc
+    return CheckedFile(path=Path(shown), source=source, kind=kind, pages=pages, sha256=sha,
+                       size=size, ref=Ref(store.name, path))
+
+
+def check_found(found: FoundFile, stores: Stores) -> CheckedFile:
+    """One found input, checked: by reference when it lies in one of `stores` (an
+    s3:// source always does), else as an upload. Errors name it as found."""
+    if found.path.startswith(S3_SCHEME):
+        hit = stores.for_url(found.path)
+        if hit is None:
+            raise InputError(found.path, _no_store(found.path))
+        return check_stored(hit[0], hit[1], found.source, name=found.path)
+    ref = stores.ref_for_path(found.path) if stores else None
+    if ref is not None and os.path.isfile(found.path):
+        return check_stored(stores.get(ref.store), ref.path, found.source, name=found.path)
+    return replace(check_file(found.path), source=found.source)
+
+
+def _no_store(url: str) -> str:
+    return ("is in no configured store: add --store NAME=s3://bucket/prefix (or "
+            f"VLMQ_STORES) for it, e.g. --store data={url.rstrip('/')}")
 
 
 def parse_pages(spec: PageSpec, page_count: int, source: str) -> list[int]:
@@ -261,12 +363,80 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]], *,
 
 @dataclass(frozen=True)
 class FoundFile:
-    """A file found from what was given: its path, its source name, and the folder the
-    source is relative to (the folder given, a glob's fixed part, or the file's own)."""
+    """A file found from what was given: its path (or s3:// URL), its source name, and
+    the folder the source is relative to (the folder given, a glob's fixed part, or the
+    file's own). `stamp` is "size:ETag" for an S3 object, from its listing."""
 
     path: str
     source: str
     root: str
+    stamp: str | None = None
+
+
+def expand_inputs(paths: Iterable[str | os.PathLike[str]], stores: Stores, *,
+                  recursive: bool = False) -> tuple[list[FoundFile], list[InputError]]:
+    """expand_sources, with s3:// sources listed through the store that holds them."""
+    found: list[FoundFile] = []
+    errors: list[InputError] = []
+    local: list[str | os.PathLike[str]] = []
+
+    def flush() -> None:
+        files, errs = expand_sources(local, recursive=recursive)
+        found.extend(files)
+        errors.extend(errs)
+        local.clear()
+
+    for raw in paths:
+        if not os.fspath(raw).startswith(S3_SCHEME):
+            local.append(raw)
+            continue
+        flush()
+        try:
+            found.extend(_expand_url(os.fspath(raw), stores, recursive))
+        except InputError as exc:
+            errors.append(exc)
+    flush()
+    return found, errors
+
+
+def _expand_url(url: str, stores: Stores, recursive: bool) -> list[FoundFile]:
+    hit = stores.for_url(url)
+    if hit is None:
+        raise InputError(url, _no_store(url))
+    store, rel = hit
+    assert isinstance(store, S3Store)
+    base = url.rstrip("/")
+    try:
+        if rel and not url.endswith("/"):
+            try:
+                entry = store.stat(rel)
+                return [FoundFile(url, rel.rsplit("/", 1)[-1], base.rsplit("/", 1)[0],
+                                  f"{entry.size}:{entry.stamp}")]
+            except StoreMissing:
+                pass  # perhaps a prefix: listed below
+        entries = list(store.list(rel))
+    except StoreError as exc:
+        raise InputError(url, str(exc)) from exc
+    if not entries:
+        raise InputError(url, "no such object, and no objects under this prefix")
+    if not recursive:
+        raise InputError(url, f"is a prefix holding {len(entries)} object(s) "
+                              "(pass --recursive to enqueue them)")
+    head = f"{store.url}/"
+    names = {e.path for e in entries}
+    out = []
+    for e in entries:
+        if is_sidecar_name(e.path, names):
+            continue
+        full = head + e.path
+        out.append(FoundFile(full, full[len(base) + 1:], base, f"{e.size}:{e.stamp}"))
+    return out
+
+
+def is_sidecar_name(path: str, names: set[str]) -> bool:
+    """is_sidecar for a listing (an S3 prefix): the input is among `names`."""
+    base, ext = os.path.splitext(path)
+    return ext in SIDECAR_SUFFIXES and base in names
 
 
 def expand_sources(paths: Iterable[str | os.PathLike[str]], *, recursive: bool = False
@@ -361,7 +531,8 @@ def _walk(folder: Path, recursive: bool) -> list[str]:
 
 
 def prepare(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
-            recursive: bool = False, skip_bad: bool = False) -> Prepared:
+            recursive: bool = False, skip_bad: bool = False,
+            stores: Stores | None = None) -> Prepared:
     """Check every file and build items: an image is one item, a PDF one item per page.
 
     `pages` applies to each PDF (an image is always its one page); given with no PDF
@@ -370,15 +541,19 @@ def prepare(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
     Files are read one at a time and only their hash kept (upload reads them again). The
     item limit is enforced the moment it is passed: reading thousands more files only to
     refuse the set afterwards would waste minutes.
+
+    Files in one of `stores` (s3:// sources always) become references: nothing of theirs
+    is uploaded, and their bytes are hashed as a stream.
     """
-    found, errors = expand_sources(paths, recursive=recursive)
+    stores = stores if stores is not None else Stores()
+    found, errors = expand_inputs(paths, stores, recursive=recursive)
     names = [f.path for f in found]
     prepared = Prepared()
     for done, f in enumerate(found, start=1):
         name = f.path
         try:
             # Errors name the path as found; the item carries the relative source.
-            checked = replace(check_file(name), source=f.source)
+            checked = check_found(f, stores)
             page_list: list[int | None] = (
                 list(parse_pages(pages, checked.pages, name)) if checked.kind == "pdf"
                 else [None])

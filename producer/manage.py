@@ -17,12 +17,15 @@ from datetime import datetime, timezone
 from typing import Any
 
 from redis import Redis
+from redis.client import Pipeline
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job as RQJob
 from rq.serializers import JSONSerializer
 
 from vlmq.producer.errors import JobNotFound
 from vlmq.shared import constants as C
+from vlmq.shared import results as R
+from vlmq.shared.blobs import BlobStore
 from vlmq.shared.errors import PayloadError, VlmqError
 from vlmq.shared.jobs import UNREADABLE_HASH_ERRORS
 from vlmq.shared.keys import SHA256_RE, Keys
@@ -113,13 +116,14 @@ def scan_jobs(redis: Redis) -> Iterator[JobRow]:
             continue
         batch.append(job_id)
         if len(batch) >= SCAN_COUNT:
-            yield from _read_rows(redis, batch)
+            yield from read_rows(redis, batch)
             batch = []
     if batch:
-        yield from _read_rows(redis, batch)
+        yield from read_rows(redis, batch)
 
 
-def _read_rows(redis: Redis, ids: list[str]) -> Iterator[JobRow]:
+def read_rows(redis: Redis, ids: list[str]) -> Iterator[JobRow]:
+    """The rows of these jobs, in one pipelined round trip; jobs not in Redis are left out."""
     pipe = redis.pipeline(transaction=False)
     for job_id in ids:
         pipe.hmget(Keys.rq_job(job_id), "origin", "status", "created_at", "data")
@@ -165,10 +169,15 @@ def group_status(redis: Redis, keys: Keys, labels: Mapping[str, str]) -> dict[st
     """Totals over every job carrying all of `labels`: jobs by state, and items."""
     rows = with_counts(redis, keys, [r for r in scan_jobs(redis)
                                      if matches(r, labels=labels)])
+    return {"labels": dict(labels), **summarize(rows)}
+
+
+def summarize(rows: list[JobRow]) -> dict[str, Any]:
+    """Jobs by state and items done/failed/total, summed over `rows` (with counts)."""
     by_state: dict[str, int] = {}
     for row in rows:
         by_state[row.status] = by_state.get(row.status, 0) + 1
-    return {"labels": dict(labels), "jobs": len(rows), "by_status": dict(sorted(by_state.items())),
+    return {"jobs": len(rows), "by_status": dict(sorted(by_state.items())),
             "items": {"done": sum(r.done for r in rows), "failed": sum(r.failed for r in rows),
                       "total": sum(r.total for r in rows)}}
 
@@ -215,15 +224,42 @@ def delete(redis: Redis, keys: Keys, job_id: str) -> frozenset[str]:
     except UNREADABLE_HASH_ERRORS:
         job = None
     pipe = redis.pipeline(transaction=True)
+    _end_now(redis, keys, pipe, job_id, row.status, row.queue)
     if job is not None:
         job.delete(pipeline=pipe)
     elif row.queue:
         pipe.lrem(Keys.rq_queue(row.queue), 0, job_id)
+    _drop_keys(pipe, keys, job_id)
+    pipe.execute()
+    BlobStore(redis, keys).release(job_id)  # a failed job's holds (an ended one has none)
+    return row.blobs
+
+
+def abandon(redis: Redis, keys: Keys, job_id: str) -> None:
+    """Count out a batch's job that was never enqueued (its producer stopped first), as a
+    deleted one is, so the batch can still end."""
+    pipe = redis.pipeline(transaction=True)
+    _end_now(redis, keys, pipe, job_id, "", None)
+    _drop_keys(pipe, keys, job_id)
+    pipe.execute()
+
+
+def _end_now(redis: Redis, keys: Keys, pipe: Pipeline, job_id: str, status: str,
+             queue: str | None) -> None:
+    """Queue the end of a job about to be deleted: one that has not ended becomes
+    `canceled` first. Its end then goes through end_job.lua like any other (a no-op for a
+    job whose end was written), so its batch counts it and waiters hear of it."""
+    if status not in R.TERMINAL_EVENTS:
+        pipe.hset(Keys.rq_job(job_id), "status", "canceled")
+        status = "canceled"
+    end_job_event(redis, keys, job_id, status, queue=queue or None, ttl_s=R.ENDED_MIN_TTL_S,
+                  pipeline=pipe)
+
+
+def _drop_keys(pipe: Pipeline, keys: Keys, job_id: str) -> None:
     pipe.delete(Keys.rq_job(job_id), Keys.rq_results(job_id), keys.job_items(job_id),
                 keys.job_events(job_id), keys.job_owner(job_id), keys.job_risk(job_id),
-                keys.job_kills(job_id))
-    pipe.execute()
-    return row.blobs
+                keys.job_kills(job_id), keys.job_batch(job_id))
 
 
 def referenced_blobs(redis: Redis) -> set[str]:
@@ -239,4 +275,6 @@ def purge_blobs(redis: Redis, keys: Keys, candidates: set[str]) -> int:
     orphans = sorted(candidates - referenced_blobs(redis))
     if not orphans:
         return 0
-    return int(redis.delete(*(keys.blob(sha) for sha in orphans)))
+    gone = int(redis.delete(*(keys.blob(sha) for sha in orphans)))
+    redis.delete(*(keys.blob_jobs(sha) for sha in orphans))
+    return gone

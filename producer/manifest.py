@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vlmq.producer.batch import JOB_ITEMS, split_prepared
 from vlmq.producer.inputs import Prepared, check_file, parse_pages
 from vlmq.producer.options import JobOptions
 from vlmq.shared import constants as C
@@ -106,9 +107,10 @@ def parse_line(number: int, text: str, base: Path) -> Request:
                    settings={k: v for k, v in settings.items() if v is not None})
 
 
-def read_manifest(path: str | Path, base: JobOptions, *, skip_bad: bool = False
-                  ) -> tuple[list[Group], list[tuple[int, str]]]:
-    """Check every line; returns the jobs to enqueue and the rejected lines.
+def read_manifest(path: str | Path, base: JobOptions, *, skip_bad: bool = False,
+                  job_size: int = JOB_ITEMS) -> tuple[list[Group], list[tuple[int, str]]]:
+    """Check every line; returns the jobs to enqueue (at most `job_size` items each: more
+    than one become a batch) and the rejected lines.
 
     Without skip_bad any bad line raises ManifestError listing them all, and nothing is
     enqueued. Files are checked (type, pages) here, so the worker gets no surprises.
@@ -150,18 +152,11 @@ def read_manifest(path: str | Path, base: JobOptions, *, skip_bad: bool = False
         raise ManifestError(str(path), errors)
     if not groups:
         raise ManifestError(str(path), errors or [(0, "no requests in the manifest")])
-    return _split(groups.values()), errors
+    return _split(groups.values(), job_size), errors
 
 
-def _split(groups: Iterable[Group]) -> list[Group]:
-    """Groups over the per-job item limit become several jobs."""
-    out: list[Group] = []
-    limit = C.MAX_ITEMS_PER_JOB
-    for g in groups:
-        items = g.prepared.items
-        for start in range(0, len(items), limit):
-            chunk = items[start:start + limit]
-            needed = {i.blob for i in chunk}
-            blobs = {k: v for k, v in g.prepared.blobs.items() if k in needed}
-            out.append(Group(g.task, g.options, Prepared(items=chunk, blobs=blobs)))
-    return out
+def _split(groups: Iterable[Group], job_size: int = JOB_ITEMS) -> list[Group]:
+    """Groups over the job size become several jobs (producer/batch.py: why that size,
+    and how a file's items stay together)."""
+    return [Group(g.task, g.options, part) for g in groups
+            for part in split_prepared(g.prepared, job_size)]

@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 from vlmq.producer import formats
+from vlmq.producer.batch import expand
 from vlmq.producer.client import Client, Job, WaitTimeout, wait_all
 from vlmq.producer.formats import FORMATS, JobResults, last_line
 from vlmq.shared.clitools import (
@@ -65,13 +66,14 @@ def _wait_line(row: Mapping[str, Any]) -> str:
 @click.pass_context
 def wait_cmd(ctx: click.Context, job_ids: tuple[str, ...], timeout: float | None,
              strict: bool, as_json: bool) -> None:
-    """Wait for jobs with progress (a bar on a terminal, else a line every 10 % or 10 s).
+    """Wait for jobs with progress (a bar on a terminal, else a line every 10 % or 10 s);
+    a batch id waits for every job of the batch.
 
     Exit codes: 0 every job finished; 1 a job failed, was canceled or is not found;
     3 (--strict only) every job finished but some items failed; 124 timed out.
     """
     with _client(ctx) as client:
-        jobs = [client.job(j) for j in job_ids]
+        jobs = expand(client, job_ids)
         try:
             statuses = wait_all(jobs, timeout=timeout, progress=True)
         except WaitTimeout as exc:
@@ -145,18 +147,21 @@ def _format_help() -> str:
 @click.pass_context
 def result_cmd(ctx: click.Context, job_ids: tuple[str, ...], fmt: str, output: str | None,
                errors_path: str | None) -> None:
-    """Print jobs' results in item order (partial while they run).
+    """Print jobs' results in item order (partial while they run); a batch id prints its
+    jobs' in batch order.
 
     Exit 1 when a job failed; the results it has are still written, and the failure is
     said once on stderr (and in the json and md output).
     """
     form = FORMATS[fmt]
+    several = " or ".join(f.name for f in FORMATS.values() if f.several_jobs)
     if (not form.several_jobs and len(job_ids) > 1) or (fmt != "jsonl" and errors_path):
-        several = " or ".join(f.name for f in FORMATS.values() if f.several_jobs)
         raise click.UsageError(f"several job ids need --format {several}; --errors needs "
                                "--format jsonl")
     with _client(ctx) as client:
-        jobs = [client.job(j) for j in job_ids]  # every id checked before any is read
+        jobs = expand(client, job_ids)  # every id checked before any is read
+        if not form.several_jobs and len(jobs) > 1:
+            raise click.UsageError(f"a batch of several jobs needs --format {several}")
         views = [_read(job) for job in jobs]
         if errors_path is not None:
             split = [formats.jsonl_split(v) for v in views]

@@ -32,7 +32,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -43,16 +43,25 @@ from redis import Redis
 from redis.exceptions import LockError, RedisError
 from redis.typing import EncodableT, FieldT
 
-from vlmq.producer.client import TERMINAL, Client
+from vlmq.producer import batch as batches
+from vlmq.producer.client import TERMINAL, Client, Job
 from vlmq.producer.errors import JobNotFound
 from vlmq.producer.export import ExportReport, export_results
-from vlmq.producer.inputs import CheckedFile, FoundFile, Prepared, check_file, expand_sources
+from vlmq.producer.inputs import (
+    S3_SCHEME,
+    CheckedFile,
+    FoundFile,
+    Prepared,
+    check_found,
+    expand_inputs,
+)
 from vlmq.producer.options import JobOptions
-from vlmq.shared import constants as C
 from vlmq.shared import lua
 from vlmq.shared import settings as S
 from vlmq.shared.errors import InputError, VlmqError
 from vlmq.shared.keys import Keys
+from vlmq.shared.schema import Ref
+from vlmq.shared.stores import Stores
 from vlmq.shared.text import as_str
 
 log = logging.getLogger("vlmq.scheduler")
@@ -168,12 +177,20 @@ def iso_time(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
 
 
-def scan(schedule: Schedule) -> tuple[list[FoundFile], list[str]]:
-    """Every input file under the schedule's paths, and the paths that are gone."""
+def scan(schedule: Schedule, stores: Stores | None = None
+         ) -> tuple[list[FoundFile], list[str]]:
+    """Every input file under the schedule's paths (s3:// ones listed through `stores`),
+    and the paths that are gone."""
     found: list[FoundFile] = []
     missing: list[str] = []
     for path in schedule.paths:
-        files, _ = expand_sources([path], recursive=schedule.recursive)
+        files, errors = expand_inputs([path], stores or Stores(),
+                                      recursive=schedule.recursive)
+        if path.startswith(S3_SCHEME):
+            if errors:
+                missing.append(path)
+            found.extend(files)
+            continue
         files = [f for f in files if os.path.exists(f.path)]
         if not files and not os.path.exists(path):  # a glob matching nothing too
             missing.append(path)
@@ -182,22 +199,37 @@ def scan(schedule: Schedule) -> tuple[list[FoundFile], list[str]]:
     return found, missing
 
 
-def _checked(f: FoundFile, known: str | None) -> tuple[CheckedFile, str]:
-    """The file checked, and its entry for the next run. Unchanged size and mtime: the
-    last run's reading is reused (rsync's rule), so a nightly run over 10,000 photos reads
-    only the new and edited ones. Uploads still verify the bytes against the sha256."""
-    try:
-        st = os.stat(f.path)
-    except OSError as exc:
-        raise InputError(f.source, f"cannot be read: {exc.strerror or exc}") from exc
-    stamp = f"{st.st_size}:{st.st_mtime_ns}"
+def _checked(f: FoundFile, known: str | None, stores: Stores | None = None
+             ) -> tuple[CheckedFile, str]:
+    """The file checked, and its entry for the next run. Unchanged size and mtime (size
+    and ETag for S3, from the listing): the last run's reading is reused (rsync's rule),
+    so a nightly run over 10,000 photos reads only the new and edited ones. Uploads still
+    verify the bytes against the sha256, and so do workers reading references."""
+    stores = stores or Stores()
+    if f.stamp is not None:
+        stamp = f.stamp
+    else:
+        try:
+            st = os.stat(f.path)
+        except OSError as exc:
+            raise InputError(f.source, f"cannot be read: {exc.strerror or exc}") from exc
+        stamp = f"{st.st_size}:{st.st_mtime_ns}"
     if known is not None and known.count(":") == 4:
         size, mtime, sha256, kind, pages = known.split(":")
         if f"{size}:{mtime}" == stamp:
+            ref = _ref_of(f, stores)
             return CheckedFile(path=Path(f.path), source=f.source, kind=kind, pages=int(pages),
-                               sha256=sha256, size=st.st_size), known
-    checked = replace(check_file(f.path), source=f.source)
+                               sha256=sha256, size=int(size), ref=ref), known
+    checked = check_found(f, stores)
     return checked, f"{stamp}:{checked.sha256}:{checked.kind}:{checked.pages}"
+
+
+def _ref_of(f: FoundFile, stores: Stores) -> Ref | None:
+    """Where an unchanged file is, as a reference (None: it is uploaded)."""
+    hit = stores.for_url(f.path) if f.path.startswith(S3_SCHEME) else None
+    if hit is not None:
+        return Ref(hit[0].name, hit[1])
+    return stores.ref_for_path(f.path) if stores else None
 
 
 def _unit(settings: str, source: str, sha256: str, page: int | None) -> str:
@@ -340,7 +372,8 @@ class ScheduleStore:
                 log.warning("schedule %s: the run outlived its lock (%d s)", name, RUN_LOCK_S)
 
     def _enqueue_due(self, sched: Schedule) -> dict[str, Any]:
-        found, missing = scan(sched)
+        stores = self.client.stores
+        found, missing = scan(sched, stores)
         settings = sched.settings_hash()
         done_key = self.keys.schedule_done(sched.name)
         pending_key = self.keys.schedule_pending(sched.name)
@@ -357,7 +390,7 @@ class ScheduleStore:
         read = 0
         for f in found:
             try:
-                checked, entry = _checked(f, known.get(f.path))
+                checked, entry = _checked(f, known.get(f.path), stores)
             except InputError as exc:
                 bad.append([f.source, exc.problem])
                 continue
@@ -376,8 +409,6 @@ class ScheduleStore:
                  if candidates else [])
         todo = [c for c, flag in zip(candidates, flags, strict=True) if not flag]
         skipped += len(candidates) - len(todo)
-        deferred = len(todo[C.MAX_ITEMS_PER_JOB:])
-        todo = todo[:C.MAX_ITEMS_PER_JOB]  # the rest is still due at the next run
         self._prune_done(done_key, current)
         files_key = self.keys.schedule_files(sched.name)
         pipe = self.redis.pipeline(transaction=True)
@@ -386,16 +417,30 @@ class ScheduleStore:
             pipe.hset(files_key, mapping=seen)
         pipe.execute()
         out: dict[str, Any] = {"skipped": skipped, "missing": missing, "bad": bad,
-                               "deferred": deferred, "files": len(found), "read": read}
+                               "files": len(found), "read": read}
         if not todo:
             return {**out, "job_id": None, "items": 0, "status": "nothing new"}
         prepared = Prepared()
         for _, checked, page, _ in todo:
             prepared.add(checked, [page])
-        job = self.client.submit(sched.task, prepared, sched.options())
-        self.redis.hset(pending_key, job.id, json.dumps(
-            {"units": [c[3] for c in todo], "roots": [c[0].root for c in todo]}))
-        return {**out, "job_id": job.id, "items": len(prepared.items), "status": "enqueued"}
+        return {**out, **self._submit(sched, prepared, [(c[3], c[0].root) for c in todo])}
+
+    def _submit(self, sched: Schedule, prepared: Prepared,
+                units: list[tuple[str, str]]) -> dict[str, Any]:
+        """Everything due goes now: a set over one job's size is one batch for this run.
+        Each job's pending entry holds its items' (unit, root), in item order."""
+        made = batches.submit_set(self.client, sched.task, prepared, sched.options())
+        jobs = [made] if isinstance(made, Job) else made.jobs()
+        at = 0
+        for job in jobs:
+            part = units[at:at + job.items]
+            at += job.items
+            self.redis.hset(self.keys.schedule_pending(sched.name), job.id, json.dumps(
+                {"units": [u for u, _ in part], "roots": [r for _, r in part]}))
+        several = {} if isinstance(made, Job) else {"batch": made.id,
+                                                    "jobs": [j.id for j in jobs]}
+        return {"job_id": made.id, **several, "items": len(prepared.items),
+                "status": "enqueued"}
 
     def _prune_done(self, done_key: str, current: set[str]) -> None:
         stale = [m for m in (as_str(v) for v in self.redis.smembers(done_key))
@@ -461,17 +506,37 @@ class ScheduleStore:
         key = self.keys.schedule_runs(name)
         for field_name, raw in self.redis.hgetall(key).items():
             run = json.loads(raw)
-            if run.get("job_id") == job_id:
+            if job_id in run.get("jobs", ()):
+                _add_job_end(run, job_id, update)
+            elif run.get("job_id") == job_id:
                 run.update(update)
-                self.redis.hset(key, field_name, json.dumps(run))
-                return
+            else:
+                continue
+            self.redis.hset(key, field_name, json.dumps(run))
+            return
+
+
+def _add_job_end(run: dict[str, Any], job_id: str, update: dict[str, Any]) -> None:
+    """A run made of a batch: sum its jobs' ends; its status once the last has ended (the
+    first other than finished, if any)."""
+    ended = run.setdefault("ended", {})
+    ended[job_id] = update["status"]
+    for name in ("ok", "failed", "exported"):
+        if name in update:
+            run[name] = run.get(name, 0) + update[name]
+    run["refused"] = run.get("refused", []) + update.get("refused", [])
+    if "export_error" in update:
+        run["export_error"] = update["export_error"]
+    if len(ended) == len(run["jobs"]):
+        run["status"] = next((s for s in ended.values() if s != "finished"), "finished")
 
 
 def run_scheduler(redis_url: str, stop: threading.Event, *, tick_s: float = TICK_S,
-                  keys: Keys | None = None) -> None:
+                  keys: Keys | None = None, stores: Stores | None = None) -> None:
     """The scheduler loop (`vlmq scheduler`, or a thread of `vlmq worker --with-scheduler`):
-    Redis trouble is logged and waited out, never fatal."""
-    with Client(redis_url) as client:
+    Redis trouble is logged and waited out, never fatal. `stores` (default $VLMQ_STORES):
+    this machine's, which decide what its runs enqueue by reference."""
+    with Client(redis_url, stores=stores) as client:
         if keys is not None:
             client.keys = keys
         store = ScheduleStore(client)
@@ -488,11 +553,12 @@ def run_scheduler(redis_url: str, stop: threading.Event, *, tick_s: float = TICK
 
 
 
-def start_scheduler_thread(redis_url: str) -> tuple[threading.Thread, threading.Event]:
+def start_scheduler_thread(redis_url: str, stores: Stores | None = None
+                           ) -> tuple[threading.Thread, threading.Event]:
     """The scheduler loop beside a worker (`vlmq worker --with-scheduler`); set the event
     to stop it."""
     stop = threading.Event()
     thread = threading.Thread(target=run_scheduler, args=(redis_url, stop), daemon=True,
-                              name="vlmq-scheduler")
+                              name="vlmq-scheduler", kwargs={"stores": stores})
     thread.start()
     return thread, stop

@@ -14,6 +14,7 @@ import click
 
 from vlmq.producer.client import Client
 from vlmq.producer.export import FORMATS
+from vlmq.producer.inputs import S3_SCHEME
 from vlmq.producer.options import JobOptions, job_options
 from vlmq.producer.schedule import (
     TICK_S,
@@ -25,6 +26,7 @@ from vlmq.producer.schedule import (
 )
 from vlmq.shared.clitools import EXIT_BAD_INPUT, EXIT_FAILED, fail
 from vlmq.shared.errors import PayloadError
+from vlmq.shared.stores import Stores, store_option
 
 _GLOB = frozenset("*?[")
 
@@ -62,22 +64,33 @@ def schedule_group() -> None:
 @click.option("--replace", is_flag=True,
               help="Replace a schedule of this name (its history and done marks stay; a "
                    "changed prompt or setting makes every file due again).")
+@store_option
 @click.pass_context
 def add_cmd(ctx: click.Context, name: str, task: str, paths: tuple[str, ...],
             cron: str | None, every: float | None, tz: str, recursive: bool,
             options: JobOptions, export_dir: str | None, export_format: str, sidecar: bool,
-            replace: bool) -> None:
+            replace: bool, stores: Stores) -> None:
     """Add a schedule NAME running TASK over PATHS (folders, files, quoted globs).
 
-    Paths are read by the scheduler, on its machine; workers get blobs only. Each run
-    enqueues only files (and PDF pages) not yet done under the current settings.
+    Paths (and s3://bucket/prefix URLs) are read by the scheduler, on its machine: files
+    in its stores (`vlmq scheduler --store`) are enqueued by reference, the rest uploaded.
+    Each run enqueues only files (and PDF pages) not yet done under the current settings.
     """
+    remote = [p for p in paths if p.startswith(S3_SCHEME)]
     for path in paths:
-        if not os.path.exists(path) and not _GLOB & set(path):
+        if path in remote:
+            if stores and stores.for_url(path) is None:
+                click.echo(f"vlmq: warning: {path} is in none of the stores given here; "
+                           "the scheduler needs a --store holding it", err=True)
+        elif not os.path.exists(path) and not _GLOB & set(path):
             fail(f"error: {path}: no such file or folder", EXIT_BAD_INPUT)
+    if remote and sidecar:
+        fail("error: --sidecar writes next to local files; use --export DIR with s3:// "
+             "paths", EXIT_BAD_INPUT)
     try:
         sched = Schedule(
-            name=name, task=task, paths=tuple(os.path.abspath(p) for p in paths),
+            name=name, task=task,
+            paths=tuple(p if p in remote else os.path.abspath(p) for p in paths),
             every=every, cron=cron, tz=tz, recursive=recursive,
             settings=dict(options.given),
             export_dir=os.path.abspath(export_dir) if export_dir else None,
@@ -185,8 +198,9 @@ _simple("resume", "Fire a paused schedule again (a missed due time runs once).",
 @click.command("scheduler")
 @click.option("--tick", type=click.FloatRange(0.05), default=TICK_S, show_default=True,
               metavar="S", help="Seconds between looks at the schedules.")
+@store_option
 @click.pass_context
-def scheduler_cmd(ctx: click.Context, tick: float) -> None:
+def scheduler_cmd(ctx: click.Context, tick: float, stores: Stores) -> None:
     """Fire schedules when due (any number may run: each due time fires once), finish
     their runs (done marks, exports, sidecars). SIGTERM/SIGINT: stop."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -197,7 +211,7 @@ def scheduler_cmd(ctx: click.Context, tick: float) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    run_scheduler(ctx.obj["redis_url"], stop, tick_s=tick)
+    run_scheduler(ctx.obj["redis_url"], stop, tick_s=tick, stores=stores)
 
 
 def register(group: click.Group) -> None:

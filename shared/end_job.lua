@@ -46,4 +46,69 @@ redis.call('PUBLISH', ARGV[4], message)
 if ARGV[5] ~= '' then
   redis.call('PUBLISH', ARGV[5], message)
 end
+-- BEGIN BATCH (producer/batch.py, PROTOCOL.md section 9): a job of a batch leaves the
+-- batch's pending set once; the job that empties it writes the batch's one terminal event.
+do
+  local prefix = string.sub(KEYS[2], 1, #KEYS[2] - #(':job:' .. ARGV[1] .. ':events'))
+  local job_batch = prefix .. ':job:' .. ARGV[1] .. ':batch'
+  local batch = redis.call('GET', job_batch)
+  if batch then
+    local bkey = prefix .. ':batch:' .. batch
+    if tonumber(ARGV[3]) > 0 then redis.call('EXPIRE', job_batch, ARGV[3]) end
+    if redis.call('SREM', bkey .. ':pending', ARGV[1]) == 1 then
+      redis.call('HINCRBY', bkey, ARGV[2], 1)
+      if redis.call('SCARD', bkey .. ':pending') == 0 then
+        local n = redis.call('HMGET', bkey, 'jobs', 'finished', 'failed', 'canceled', 'ttl')
+        local status = 'finished'
+        if tonumber(n[3] or '0') > 0 then status = 'failed'
+        elseif tonumber(n[4] or '0') > 0 then status = 'canceled' end
+        local now = redis.call('TIME')
+        redis.call('HSET', bkey, 'status', status, 'ended_at', now[1] .. '.' .. now[2])
+        redis.call('XADD', bkey .. ':events', '*', 'type', status, 'batch', batch,
+          'jobs', n[1] or '0', 'finished', n[2] or '0', 'failed', n[3] or '0',
+          'canceled', n[4] or '0')
+        local batch_ttl = tonumber(n[5] or '0') or 0
+        for _, key in ipairs({bkey, bkey .. ':jobs', bkey .. ':events'}) do
+          if batch_ttl > 0 then redis.call('EXPIRE', key, batch_ttl) end
+        end
+        redis.call('PUBLISH', ARGV[4], cjson.encode({id = batch, status = status, batch = true}))
+      end
+    end
+  end
+end
+-- END BATCH
+-- BEGIN INPUTS (PROTOCOL.md section 2): the job lets go of its input blobs. A failed job
+-- keeps holding them until its failure record expires (retry --failed-only reads them); a
+-- blob no live job holds lives on for the longest of this job's keep_inputs and any failed
+-- holder's record. A blob that a live job still holds is never shortened.
+do
+  local base = string.sub(KEYS[2], 1, #KEYS[2] - #':events')
+  local prefix = string.sub(base, 1, #base - #(':job:' .. ARGV[1]))
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local failed = ARGV[2] == 'failed'
+  local until_ms = (ttl > 0) and string.format('%d', now + ttl * 1000) or 'inf'
+  local held = redis.call('HGETALL', base .. ':inputs')
+  for i = 1, #held, 2 do
+    local jobs = prefix .. ':blob-jobs:' .. held[i]
+    if failed then
+      redis.call('ZADD', jobs, until_ms, ARGV[1])
+    else
+      redis.call('ZREM', jobs, ARGV[1])
+    end
+    redis.call('ZREMRANGEBYSCORE', jobs, '-inf', '(' .. now)
+    local last = redis.call('ZRANGE', jobs, -1, -1, 'WITHSCORES')[2]
+    if last ~= 'inf' then
+      local ms = math.max(tonumber(held[i + 1]) * 1000, last and tonumber(last) - now or 0)
+      redis.call('PEXPIRE', prefix .. ':blob:' .. held[i], ms)
+      redis.call('PEXPIRE', jobs, ms)
+    end
+  end
+  if failed and ttl > 0 then
+    redis.call('EXPIRE', base .. ':inputs', ttl)
+  elseif not failed then
+    redis.call('DEL', base .. ':inputs')
+  end
+end
+-- END INPUTS
 return id

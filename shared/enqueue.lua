@@ -95,6 +95,8 @@ local SETTINGS = {
   {name = 'labels', path = {'labels'}, kind = 'labels', max_count = 64},
   {name = 'result_cache', path = {'result_cache'}, kind = 'choice', values = {true, false, 'sampled'}, shown = 'true, false or "sampled"'},
   {name = 'blob_ttl', path = {'blob_ttl'}, kind = 'int', lo = 1, hi = 31622400},
+  {name = 'keep_inputs', path = {'keep_inputs'}, kind = 'int', lo = 1, hi = 31622400},
+  {name = 'batch', path = {'batch'}, kind = 'str', max_len = 128},
 }
 -- END SETTINGS
 local top = {v = {}, task = {}, items = {}, created_at = {}}
@@ -189,7 +191,24 @@ end
 if #items > 10000 then
   return redis.error_reply('items: has more than 10000 entries')
 end
-local item_fields = {kind = 1, blob = 1, source = 1, page = 1, custom_id = 1}
+local item_fields = {kind = 1, blob = 1, ref = 1, sha256 = 1, size = 1, source = 1, page = 1,
+  custom_id = 1}
+local function is_sha256(x)
+  return type(x) == 'string' and #x == 64 and not string.match(x, '[^0-9a-f]')
+end
+-- Why a store path would leave its store (nil when it cannot): as shared/stores.py.
+local function ref_path_problem(p)
+  if type(p) ~= 'string' or p == '' or utf8_len(p) > 4096 then
+    return 'must be a non-empty string of at most 4096 characters'
+  end
+  if string.find(p, '\0', 1, true) then return 'must not contain NUL' end
+  if string.find(p, '\\', 1, true) then return 'must not contain a backslash' end
+  if string.sub(p, 1, 1) == '/' then return 'must be relative (no leading /)' end
+  for seg in string.gmatch(p, '[^/]+') do
+    if seg == '..' then return "must not have a '..' segment" end
+  end
+  return nil
+end
 local blobs = {}
 for i, item in ipairs(items) do
   local at = 'items[' .. (i - 1) .. ']'
@@ -204,8 +223,41 @@ for i, item in ipairs(items) do
   if item.kind ~= 'image' and item.kind ~= 'pdf' then
     return redis.error_reply(at .. '.kind: must be one of image, pdf')
   end
-  if type(item.blob) ~= 'string' or #item.blob ~= 64 or string.match(item.blob, '[^0-9a-f]') then
-    return redis.error_reply(at .. '.blob: must be a lowercase hex sha256 (64 characters)')
+  if item.ref ~= nil then
+    -- A reference: read by the worker from its own store, so no blob to look up.
+    if item.blob ~= nil then
+      return redis.error_reply(at .. ': has both blob and ref; give exactly one')
+    end
+    local ref = item.ref
+    if type(ref) ~= 'table' or (#ref > 0) then
+      return redis.error_reply(at .. '.ref: must be an object {"store", "path"}')
+    end
+    for k in pairs(ref) do
+      if k ~= 'store' and k ~= 'path' then
+        return redis.error_reply(at .. '.ref: unknown field ' .. tostring(k))
+      end
+    end
+    if type(ref.store) ~= 'string' or #ref.store > 64 or
+        not string.match(ref.store, '^[%w_.-]+$') then
+      return redis.error_reply(at .. '.ref.store: must match [A-Za-z0-9_.-]{1,64}')
+    end
+    local problem = ref_path_problem(ref.path)
+    if problem then return redis.error_reply(at .. '.ref.path: ' .. problem) end
+    if not is_sha256(item.sha256) then
+      return redis.error_reply(at .. '.sha256: must be a lowercase hex sha256 (64 characters)')
+    end
+    if not is_int(item.size, 1, 9007199254740991) then
+      return redis.error_reply(at .. '.size: must be a whole number of bytes, at least 1')
+    end
+  else
+    if item.sha256 ~= nil or item.size ~= nil then
+      return redis.error_reply(at .. '.' .. (item.sha256 ~= nil and 'sha256' or 'size') ..
+        ': is only allowed with ref')
+    end
+    if not is_sha256(item.blob) then
+      return redis.error_reply(at .. '.blob: must be a lowercase hex sha256 (64 characters)')
+    end
+    blobs[item.blob] = at
   end
   if item.kind == 'pdf' then
     if not is_int(item.page, 1, 1000000) then
@@ -218,7 +270,6 @@ for i, item in ipairs(items) do
       (type(item.custom_id) ~= 'string' or utf8_len(item.custom_id) > 256) then
     return redis.error_reply(at .. '.custom_id: must be a string of at most 256 characters')
   end
-  blobs[item.blob] = at
 end
 for sha, at in pairs(blobs) do
   if redis.call('EXISTS', prefix .. ':blob:' .. sha) == 0 then
@@ -252,4 +303,22 @@ redis.call('HSET', KEYS[1],
   'group_id', '')
 redis.call('SADD', KEYS[3], KEYS[2])
 redis.call('RPUSH', KEYS[2], ARGV[1])
+-- Input holds (PROTOCOL.md section 2): the job holds each blob until it ends (end_job.lua).
+-- Defaults as in shared/settings.py: blob_ttl 604800 s, keep_inputs 3600 s.
+local function given(name, default)
+  if payload[name] == nil or payload[name] == cjson.null then return default end
+  return payload[name]
+end
+local hold_ms = given('blob_ttl', 604800) * 1000
+local keep = string.format('%d', given('keep_inputs', 3600))
+local inputs = prefix .. ':job:' .. ARGV[1] .. ':inputs'
+for sha in pairs(blobs) do
+  local jobs = prefix .. ':blob-jobs:' .. sha
+  redis.call('ZADD', jobs, 'inf', ARGV[1])
+  redis.call('HSET', inputs, sha, keep)
+  local left = redis.call('PTTL', prefix .. ':blob:' .. sha)
+  if left >= 0 and left < hold_ms then redis.call('PEXPIRE', prefix .. ':blob:' .. sha, hold_ms) end
+  if redis.call('PTTL', jobs) < hold_ms then redis.call('PEXPIRE', jobs, hold_ms) end
+end
+if next(blobs) then redis.call('PEXPIRE', inputs, hold_ms) end
 return 1

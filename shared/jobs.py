@@ -11,10 +11,10 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from redis import Redis
+from redis import Redis, WatchError
 from redis.client import Pipeline
 from rq import Queue, Retry
-from rq.exceptions import DeserializationError, DuplicateJobError, TimeoutFormatError
+from rq.exceptions import DeserializationError, TimeoutFormatError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.results import Result
@@ -25,6 +25,7 @@ from vlmq.shared import bounded, lua
 from vlmq.shared import constants as C
 from vlmq.shared import results as R
 from vlmq.shared import settings as S
+from vlmq.shared.blobs import BlobStore
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import RQ_QUEUES, Keys
 from vlmq.shared.schema import JobPayload, parse_payload, utc_now_iso
@@ -71,16 +72,17 @@ def check_job_id(job_id: str) -> str:
 def enqueue(redis: Redis, payload: JobPayload, *, queue: str, job_id: str | None = None,
             timeout: int = C.JOB_TIMEOUT_S, result_ttl: int = C.RESULT_TTL_S,
             failure_ttl: int = C.FAILURE_TTL_S, pipeline: Pipeline | None = None,
-            wire: Mapping[str, Any] | None = None) -> str:
+            wire: Mapping[str, Any] | None = None, keys: Keys | None = None) -> str:
     """Enqueue a validated payload as an RQ job; returns the job id.
 
     `wire`: the JSON form `payload` was parsed from, sent as it is (no second build).
 
+    The job's hold on its input blobs (shared/blobs.py) is written in the same MULTI as
+    RQ's enqueue, so a job never exists without its holds, nor holds without their job.
     A caller-chosen `job_id` that already names a job is refused (PayloadError) instead of
     overwriting it: the new job would otherwise inherit the old one's item results and
-    resume from them. RQ's unique enqueue checks and writes in one Lua script, so two
-    producers racing for one id cannot both win. That script cannot join a caller's
-    pipeline, hence no `pipeline` together with `job_id`.
+    resume from them. The id and its results key are WATCHed from the check to EXEC, so
+    two producers racing for one id cannot both win; hence no `pipeline` with `job_id`.
     """
     check_queue_name(queue)
     if job_id is not None:
@@ -88,22 +90,45 @@ def enqueue(redis: Redis, payload: JobPayload, *, queue: str, job_id: str | None
     if job_id is not None and pipeline is not None:
         raise ValueError("enqueue: job_id cannot be combined with a pipeline (the id is "
                          "checked for uniqueness atomically, outside any pipeline)")
-    q = Queue(queue, connection=redis, serializer=JSONSerializer)
+    keys = keys or Keys.from_env()
+    pipe = pipeline if pipeline is not None else redis.pipeline(transaction=True)
     try:
-        job = q.enqueue_call(
-            func=C.TASK_FUNC,
-            args=[dict(wire) if wire is not None else payload.to_dict()],
-            timeout=timeout,
-            result_ttl=result_ttl,
-            failure_ttl=failure_ttl,
-            description=describe(payload),
-            job_id=job_id,
-            retry=Retry(max=C.CRASH_RETRIES),
-            pipeline=pipeline,
-            unique=job_id is not None,
-        )
-    except DuplicateJobError as exc:
+        if job_id is not None:
+            pipe.watch(Keys.rq_job(job_id), keys.job_items(job_id))  # type: ignore[no-untyped-call]
+            if pipe.exists(Keys.rq_job(job_id), keys.job_items(job_id)):
+                raise PayloadError("job_id", f"a job with id {job_id} already exists")
+        if pipeline is None:
+            pipe.multi()
+        jid = _enqueue_on(pipe, redis, payload, queue=queue, job_id=job_id, timeout=timeout,
+                          result_ttl=result_ttl, failure_ttl=failure_ttl, wire=wire)
+        BlobStore(redis, keys, ttl_s=int(payload.get("blob_ttl"))).hold(
+            jid, (i.blob for i in payload.items if i.blob is not None),
+            keep_s=int(payload.get("keep_inputs")), pipeline=pipe)
+        if pipeline is None:
+            pipe.execute()
+    except WatchError as exc:
         raise PayloadError("job_id", f"a job with id {job_id} already exists") from exc
+    finally:
+        if pipeline is None:
+            pipe.reset()
+    return jid
+
+
+def _enqueue_on(pipe: Pipeline, redis: Redis, payload: JobPayload, *, queue: str,
+                job_id: str | None, timeout: int, result_ttl: int, failure_ttl: int,
+                wire: Mapping[str, Any] | None) -> str:
+    q = Queue(queue, connection=redis, serializer=JSONSerializer)
+    job = q.enqueue_call(
+        func=C.TASK_FUNC,
+        args=[dict(wire) if wire is not None else payload.to_dict()],
+        timeout=timeout,
+        result_ttl=result_ttl,
+        failure_ttl=failure_ttl,
+        description=describe(payload),
+        job_id=job_id,
+        retry=Retry(max=C.CRASH_RETRIES),
+        pipeline=pipe,
+    )
     return str(job.id)
 
 

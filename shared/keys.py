@@ -30,6 +30,9 @@ RQ_REGISTRIES = {"started": "rq:wip:{queue}", "finished": "rq:finished:{queue}",
 # Whole-string patterns: use .fullmatch (`$` would accept a trailing newline).
 JOB_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
+# What vlmq makes batch ids look like ("b-" and 32 hex digits); any job id is accepted as
+# a batch id on the wire, and commands tell batches from jobs by the batch record.
+BATCH_ID_PREFIX = "b-"
 QUEUE_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
@@ -45,6 +48,15 @@ class Keys:
 
     def blob(self, sha256: str) -> str:
         return f"{self.prefix}:blob:{sha256}"
+
+    def blob_jobs(self, sha256: str) -> str:
+        """Zset: the jobs holding a blob, scored by when the hold ends in epoch ms (`inf`
+        while the job is queued or running; a failed job's failure record expiry)."""
+        return f"{self.prefix}:blob-jobs:{sha256}"
+
+    def job_inputs(self, job_id: str) -> str:
+        """Hash: sha256 of each blob a job holds -> the job's keep_inputs (seconds)."""
+        return f"{self.prefix}:job:{job_id}:inputs"
 
     def job_items(self, job_id: str) -> str:
         """Hash: item index (decimal string) -> ItemResult JSON."""
@@ -80,6 +92,28 @@ class Keys:
     def job_kills(self, job_id: str) -> str:
         """Hash: how many workers died while one of this job's items was in risky work."""
         return f"{self.prefix}:job:{job_id}:kills"
+
+    def job_batch(self, job_id: str) -> str:
+        """String: the id of the batch a job belongs to, written with the batch record
+        before the job is enqueued; end_job.lua reads it to count the job's end once."""
+        return f"{self.prefix}:job:{job_id}:batch"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: a batch's record (task, created_at, labels, items, jobs, ttl) and, once it
+        ends, its status and its jobs' end counts (finished, failed, canceled)."""
+        return f"{self.prefix}:batch:{batch_id}"
+
+    def batch_jobs(self, batch_id: str) -> str:
+        """List: a batch's job ids in order (its items' order)."""
+        return f"{self.prefix}:batch:{batch_id}:jobs"
+
+    def batch_pending(self, batch_id: str) -> str:
+        """Set: the batch's jobs that have not ended; the last one out ends the batch."""
+        return f"{self.prefix}:batch:{batch_id}:pending"
+
+    def batch_events(self, batch_id: str) -> str:
+        """Stream: the batch's one terminal event (end_job.lua writes it)."""
+        return f"{self.prefix}:batch:{batch_id}:events"
 
     def worker_stats(self, name: str) -> str:
         """Hash of one worker's live stats; expires when the worker stops refreshing it."""

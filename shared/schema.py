@@ -6,6 +6,7 @@ error names the JSON path of the field that is wrong.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -21,19 +22,71 @@ def utc_now_iso() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+# A store name (shared/stores.py): the same pattern in enqueue.lua.
+STORE_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+MAX_REF_PATH_CHARS = 4096
+# Sizes are JSON numbers: every other language reads them exactly up to 2**53.
+MAX_REF_SIZE = 2**53 - 1
+
+
+@dataclass(frozen=True)
+class Ref:
+    """Where a referenced input lives: a store's name and a relative posix path in it.
+
+    The name, not a location, travels: each machine maps it to its own folder or bucket
+    (`--store NAME=URL`), so the same job runs on a Mac and on Linux.
+    """
+
+    store: str
+    path: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"store": self.store, "path": self.path}
+
+    def __str__(self) -> str:
+        return f"{self.store}:{self.path}"
+
+
 @dataclass(frozen=True)
 class Item:
-    """One unit of work: an image, or one page of a PDF."""
+    """One unit of work: an image, or one page of a PDF.
+
+    Its input is either an uploaded blob (`blob`, its sha256) or a reference into a store
+    (`ref`, with the content's `ref_sha256` and `size`, checked when the worker reads it):
+    exactly one of the two. `sha256` is the content hash in both forms, so caches keyed on
+    it share entries between a referenced file and the same bytes uploaded.
+    """
 
     kind: str
-    blob: str
+    blob: str | None
     source: str
     page: int | None = None
     # The caller's own name for this item (batch-API style), echoed in its result.
     custom_id: str | None = None
+    ref: Ref | None = None
+    size: int | None = None  # bytes of a referenced input
+    ref_sha256: str | None = None  # content hash of a referenced input
+
+    def __post_init__(self) -> None:
+        if (self.blob is None) == (self.ref is None):
+            raise ValueError("an item has exactly one of blob and ref")
+        if self.ref is not None and (self.ref_sha256 is None or self.size is None):
+            raise ValueError("a referenced item needs its sha256 and size")
+
+    @property
+    def sha256(self) -> str:
+        """The input's content hash, whichever form carries it."""
+        sha = self.blob if self.blob is not None else self.ref_sha256
+        assert sha is not None  # __post_init__
+        return sha
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": self.kind, "blob": self.blob, "source": self.source}
+        out: dict[str, Any] = {"kind": self.kind}
+        if self.ref is not None:
+            out.update(ref=self.ref.to_dict(), sha256=self.ref_sha256, size=self.size)
+        else:
+            out["blob"] = self.blob
+        out["source"] = self.source
         if self.page is not None:
             out["page"] = self.page
         if self.custom_id is not None:
@@ -148,19 +201,61 @@ def _int(value: Any, path: str, lo: int, hi: int) -> int:
     return value
 
 
+def _sha256(value: Any, path: str) -> str:
+    if not isinstance(value, str) or not SHA256_RE.fullmatch(value):
+        raise PayloadError(path, "must be a lowercase hex sha256 (64 characters)")
+    return value
+
+
+def _parse_ref(raw: Mapping[str, Any], path: str) -> tuple[Ref, str, int]:
+    """A reference's form only. Whether its path stays inside the store is the worker's
+    check when it reads the item (shared/stores.py), so a bad reference fails that item
+    alone, not the job."""
+    if "blob" in raw:
+        raise PayloadError(path, "has both blob and ref; give exactly one")
+    ref = raw["ref"]
+    if not isinstance(ref, Mapping):
+        raise PayloadError(f"{path}.ref", f"must be an object, got {type(ref).__name__}")
+    unknown = set(ref) - {"store", "path"}
+    if unknown:
+        raise PayloadError(f"{path}.ref", f"unknown field(s) {sorted(unknown)}")
+    store = ref.get("store")
+    if not isinstance(store, str) or not STORE_NAME_RE.fullmatch(store):
+        raise PayloadError(f"{path}.ref.store", "must match [A-Za-z0-9_.-]{1,64}")
+    rel = ref.get("path")
+    if not isinstance(rel, str) or not rel:
+        raise PayloadError(f"{path}.ref.path", "must be a non-empty string")
+    rel = S.check_str(rel, f"{path}.ref.path", MAX_REF_PATH_CHARS)
+    if "size" not in raw:
+        raise PayloadError(f"{path}.size", "is required with ref (the input's bytes)")
+    size = _int(raw["size"], f"{path}.size", 1, MAX_REF_SIZE)
+    return Ref(store=store, path=rel), _sha256(raw.get("sha256"), f"{path}.sha256"), size
+
+
 def _parse_item(raw: Any, path: str) -> Item:
     if not isinstance(raw, Mapping):
         raise PayloadError(path, f"must be an object, got {type(raw).__name__}")
-    unknown = set(raw) - {"kind", "blob", "source", "page", "custom_id"}
+    unknown = set(raw) - {"kind", "blob", "ref", "sha256", "size", "source", "page",
+                          "custom_id"}
     if unknown:
         raise PayloadError(path, f"unknown field(s) {sorted(unknown)}")
     kind = raw.get("kind")
     if kind not in C.ITEM_KINDS:
         raise PayloadError(f"{path}.kind", f"must be one of {list(C.ITEM_KINDS)}, got {kind!r}")
-    blob = raw.get("blob")
-    if not isinstance(blob, str) or not SHA256_RE.fullmatch(blob):
-        raise PayloadError(f"{path}.blob", "must be a lowercase hex sha256 (64 characters)")
-    source = S.check_str(raw.get("source", blob[:12]), f"{path}.source", 4096)
+    blob: str | None = None
+    ref: Ref | None = None
+    sha: str | None = None
+    size: int | None = None
+    if "ref" in raw:
+        ref, sha, size = _parse_ref(raw, path)
+        default_source = ref.path
+    else:
+        for name in ("sha256", "size"):
+            if name in raw:
+                raise PayloadError(f"{path}.{name}", "is only allowed with ref")
+        blob = _sha256(raw.get("blob"), f"{path}.blob")
+        default_source = blob[:12]
+    source = S.check_str(raw.get("source", default_source), f"{path}.source", 4096)
     page: int | None = None
     if kind == "pdf":
         if "page" not in raw:
@@ -171,7 +266,8 @@ def _parse_item(raw: Any, path: str) -> Item:
     custom_id = raw.get("custom_id")
     if custom_id is not None:
         custom_id = S.check_str(custom_id, f"{path}.custom_id", C.MAX_CUSTOM_ID_CHARS)
-    return Item(kind=kind, blob=blob, source=source, page=page, custom_id=custom_id)
+    return Item(kind=kind, blob=blob, source=source, page=page, custom_id=custom_id,
+                ref=ref, size=size, ref_sha256=sha)
 
 
 def _check_fields(raw: Mapping[str, Any]) -> None:

@@ -26,6 +26,9 @@ from vlmq.shared.keys import JOB_ID_RE, QUEUE_NAME_RE
 # Longest a result or blob may be kept: RQ stores TTLs as seconds, and a year is far past
 # any bulk run while still catching a milliseconds-for-seconds mistake.
 MAX_TTL_S = 366 * 24 * 3600
+# How long inputs stay once the last job using them has ended (finished, canceled, deleted):
+# long enough to look at or retry a result, short enough that a bulk run's inputs leave.
+KEEP_INPUTS_S = 3600
 MAX_STOP_CHARS = 256
 MAX_MODEL_CHARS = 512
 
@@ -225,6 +228,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("blob_ttl", "int", f"Keep the uploaded inputs S seconds "
             f"(default {C.BLOB_TTL_S // 86400} days).", wire="blob_ttl",
             default=C.BLOB_TTL_S, lo=1, hi=MAX_TTL_S, metavar="S", manifest=False),
+    Setting("keep_inputs", "int", f"Keep the inputs S seconds after the last job using them "
+            f"finishes, is canceled or deleted (default {KEEP_INPUTS_S}); a failed job keeps "
+            "them as long as its failure record.", wire="keep_inputs", default=KEEP_INPUTS_S,
+            lo=1, hi=MAX_TTL_S, metavar="S", manifest=False),
+    # Set by the producer when a set becomes several jobs (producer/batch.py), never by
+    # hand; a retry belongs to a new batch, so it is not carried over.
+    Setting("batch", "str", "The batch the job belongs to (set by vlmq when a set becomes "
+            "several jobs).", wire="batch", max_len=128, pattern=JOB_ID_RE,
+            invalid="invalid batch id {value!r} (must match [A-Za-z0-9_-]{{1,128}})",
+            metavar="ID", manifest=False, schedule=False, retry=False),
     Setting("result_ttl", "int", f"Keep the results S seconds after the job ends "
             f"(default {C.RESULT_TTL_S // 86400} days).", job_field="result_ttl",
             default=C.RESULT_TTL_S, lo=1, hi=MAX_TTL_S, metavar="S", manifest=False),

@@ -17,6 +17,7 @@ import click
 
 from vlmq.shared import constants as C
 from vlmq.shared.keys import QUEUE_NAME_RE
+from vlmq.shared.stores import Stores, store_option
 from vlmq.worker import families
 from vlmq.worker.paths import default_cache_dir
 
@@ -107,6 +108,7 @@ def _split_queues(values: tuple[str, ...]) -> list[str]:
               help="BLAS for MLX's CPU matmuls on Linux: auto (system OpenBLAS, else the "
                    "wheel copy), reference (the slow one mlx[cpu] links) or a library path "
                    "(default: $VLMQ_BLAS, else auto).")
+@store_option
 @click.pass_context
 def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burst: bool,
                max_batch: int,
@@ -117,7 +119,7 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burs
                result_cache_ttl: int, result_cache_mb: float, with_scheduler: bool,
                render_mem_mb: int, render_timeout: float, render_procs: int | None,
                max_kv_tokens: int | None, poison_kills: int,
-               blas_choice: str | None) -> None:
+               blas_choice: str | None, stores: Stores) -> None:
     """Serve jobs with one loaded model and a continuous batcher.
 
     Items from every job in flight share one batch; each result is written the moment it
@@ -158,6 +160,7 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burs
         max_kv_tokens=max_kv_tokens,
         poison_kills=poison_kills,
         blas=blas_choice,
+        stores=stores,
     )
     if not with_scheduler:
         ctx.exit(run_worker(cfg))
@@ -165,7 +168,7 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burs
         raise click.UsageError("--with-scheduler needs the `vlmq` root command")
     # The scheduler loop is the producer's (it enqueues): the root passes it in, so the
     # worker imports nothing from the producer.
-    thread, stop = ctx.obj["start_scheduler"](cfg.redis_url)
+    thread, stop = ctx.obj["start_scheduler"](cfg.redis_url, stores)
     try:
         rc = run_worker(cfg)
     finally:

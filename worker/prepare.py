@@ -24,6 +24,7 @@ from vlmq.shared.blobs import BlobStore
 from vlmq.shared.errors import VlmqError
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import Item, JobPayload
+from vlmq.shared.stores import StoreError, Stores
 from vlmq.worker import mlx_adapter as A
 from vlmq.worker import preprocess as P
 from vlmq.worker.engine import Engine, EngineInfo, Request
@@ -57,9 +58,12 @@ def model_matches(requested: str, served: str) -> bool:
 class Preparer:
     def __init__(self, engine: Engine, info: EngineInfo, cache: VisionCache, redis: Redis,
                  keys: Keys, pool: ThreadPoolExecutor, renderer: RenderPool | None = None,
-                 risk: RiskLog | None = None) -> None:
+                 risk: RiskLog | None = None, stores: Stores | None = None) -> None:
         """`renderer`: the worker's render processes; None renders in this process (tests
-        and benchmarks that construct a Preparer directly; a crafted PDF can then hurt)."""
+        and benchmarks that construct a Preparer directly; a crafted PDF can then hurt).
+        `stores`: the only places referenced items are read from (none: every reference
+        fails its item, naming the store it needs)."""
+        self.stores = stores if stores is not None else Stores()
         self.engine = engine
         self.renderer = renderer
         self.risk = risk  # marks the steps a crash would be charged for (worker/poison.py)
@@ -103,13 +107,29 @@ class Preparer:
             return str(exc)
 
     def touch_blobs(self, payload: JobPayload, settings: JobSettings) -> None:
-        """Refresh the TTL of every blob a job reads, when the job starts (for as long as
-        the job asked its inputs to be kept)."""
+        """Refresh the TTL of every blob a job reads, and of the set of jobs holding it,
+        when the job starts (for as long as the job asked its inputs to be kept): a job
+        that waited long in its queue does not find its inputs gone. Never shortens."""
         blobs = BlobStore(self.blobs.redis, self.keys, ttl_s=settings.blob_ttl)
         pipe = self.blobs.redis.pipeline(transaction=False)
-        for sha in {item.blob for item in payload.items}:
+        for sha in {item.blob for item in payload.items if item.blob is not None}:
             blobs.touch(sha, pipeline=pipe)
         pipe.execute()
+
+    def readable(self, payload: JobPayload, indexes: list[int]) -> list[int]:
+        """The items among `indexes` whose input this worker may read: blobs, and refs
+        into its stores that stay inside them. The others must fail in prepare() even
+        when a cache knows their content, so they are kept from the result cache."""
+        out = []
+        for idx in indexes:
+            ref = payload.items[idx].ref
+            try:
+                if ref is not None:
+                    self.stores.check(ref)
+            except StoreError:
+                continue
+            out.append(idx)
+        return out
 
     def submit(self, state: JobState, idx: int) -> Future[tuple[Request, float]]:
         return self.pool.submit(self.prepare, state.job_id, state.payload, state.resolved, idx)
@@ -117,7 +137,7 @@ class Preparer:
     def key_for(self, settings: JobSettings, item: Item) -> str:
         params = {"max_side": settings.side_for(item.kind), "kind": item.kind,
                   "v": PREPROCESS_VERSION, "processor": self._proc_params}
-        return cache_key(self.model_identity, item.blob, item.page, params)
+        return cache_key(self.model_identity, item.sha256, item.page, params)
 
     def prepare(self, job_id: str, payload: JobPayload, settings: JobSettings,
                 idx: int) -> tuple[Request, float]:
@@ -128,6 +148,11 @@ class Preparer:
                                   "temperature": settings.temperature, "stop": settings.stop}
         if self.risk is not None:
             common["risky"] = partial(self.risk.step, job_id, idx)
+        if item.ref is not None:  # before any cache: a bad reference fails, cached or not
+            try:
+                self.stores.check(item.ref)
+            except StoreError as exc:
+                raise PrepError(str(exc)) from exc
         key = self.key_for(settings, item) if self.info.cacheable else None
         entry = self._lookup(key, (job_id, idx)) if key is not None else None
         if entry is not None:
@@ -185,14 +210,16 @@ class Preparer:
 
     def _load_image(self, settings: JobSettings, item: Item) -> Any:
         side = settings.side_for(item.kind)
+        # Called only when the bytes are needed (a render child may have the PDF open).
+        fetch: Callable[[], bytes] = (partial(self.stores.read, item) if item.ref is not None
+                                      else partial(P.fetch_blob, self.blobs, item.sha256))
         try:
             if item.kind == "pdf":
                 assert item.page is not None
-                fetch = partial(P.fetch_blob, self.blobs, item.blob)
                 if self.renderer is not None:
-                    return self.renderer.render(fetch, item.page, side, doc_key=item.blob)
-                return P.render_pdf_page(fetch, item.page, side, doc_key=item.blob)
-            return P.decode_image(P.fetch_blob(self.blobs, item.blob), side)
+                    return self.renderer.render(fetch, item.page, side, doc_key=item.sha256)
+                return P.render_pdf_page(fetch, item.page, side, doc_key=item.sha256)
+            return P.decode_image(fetch(), side)
         except VlmqError as exc:
             raise PrepError(str(exc)) from exc
 

@@ -69,7 +69,7 @@ class ResultCache:
     def digest(self, item: Item, settings: JobSettings) -> str:
         parts: dict[str, Any] = {
             "v": KEY_VERSION, "model": self.model_identity, "kind": item.kind,
-            "blob": item.blob, "page": item.page, "preprocess": PREPROCESS_VERSION,
+            "blob": item.sha256, "page": item.page, "preprocess": PREPROCESS_VERSION,
             "settings": settings.deciding_text(item.kind),
         }
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()

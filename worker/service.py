@@ -32,6 +32,7 @@ from vlmq.shared import results as R
 from vlmq.shared.connection import connect, transient
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import ItemResult
+from vlmq.shared.stores import Stores
 from vlmq.shared.urls import redact_url
 from vlmq.worker import blas
 from vlmq.worker.engine import Engine, EngineError, Finished, Request
@@ -90,6 +91,8 @@ class WorkerConfig:
     max_kv_tokens: int | None = None  # None: derived from the model and machine memory
     poison_kills: int = DEFAULT_POISON_KILLS  # worker deaths a job may cause before it fails
     blas: str | None = None  # auto | reference | a library path; None: $VLMQ_BLAS, else auto
+    # The stores referenced items are read from (machine configuration, --store).
+    stores: Stores = field(default_factory=Stores)
     keys: Keys = field(default_factory=Keys.from_env)
     repetition: RepetitionGuard | None = field(default_factory=RepetitionGuard)  # None: off
 
@@ -214,7 +217,8 @@ class WorkerService:
         renderer = RenderPool(cfg.render_procs or cfg.prep_threads, mem_mb=cfg.render_mem_mb,
                               timeout_s=cfg.render_timeout_s)
         preparer = self._preparer = Preparer(engine, info, cache, self.redis, cfg.keys, pool,
-                                             renderer, RiskLog(self.redis, cfg.keys, cfg.name))
+                                             renderer, RiskLog(self.redis, cfg.keys, cfg.name),
+                                             stores=cfg.stores)
         self._results = ResultCache(self.redis, cfg.keys, preparer.model_identity,
                                     ttl_s=cfg.result_cache_ttl_s,
                                     max_bytes=cfg.result_cache_bytes)
@@ -351,7 +355,8 @@ class WorkerService:
         n = len(running.payload.items)
         done = {i for i in R.done_indexes(self.redis, self.cfg.keys, running.job_id) if i < n}
         todo = [i for i in range(n) if i not in done]
-        hits = cached_results(self._results, running, todo)
+        # A bad reference fails even when its content's text is cached.
+        hits = cached_results(self._results, running, preparer.readable(running.payload, todo))
         running.pending = deque(i for i in todo if i not in hits)
         running.already_done = len(done)
         log.info("job %s started: %s, %d items%s", running.job_id, running.payload.task,

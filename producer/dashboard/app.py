@@ -32,6 +32,7 @@ from vlmq.shared.clitools import split_labels
 from vlmq.shared.errors import BlobError, PayloadError, VlmqError
 from vlmq.shared.keys import JOB_ID_RE, QUEUE_NAME_RE
 from vlmq.shared.schema import Item, JobPayload
+from vlmq.shared.stores import StoreError
 
 log = logging.getLogger("vlmq.dashboard")
 
@@ -127,8 +128,7 @@ def create_app(settings: Settings, *, history: data.History | None = None) -> Fl
             "job.html", job=job, state=state, payload=payload, results=results, rows=rows,
             per_page=ITEMS_PER_PAGE,
             error=job.error() if state == "failed" else None, item=item, index=i,
-            result=result, text=rendered, blob_live=bool(client.redis.exists(
-                client.keys.blob(item.blob))),
+            result=result, text=rendered, blob_live=_input_live(client, item),
             summary=_summary(payload, results),
             refresh=None if state in manage.ENDED else REFRESH_S)
 
@@ -138,9 +138,11 @@ def create_app(settings: Settings, *, history: data.History | None = None) -> Fl
         item = _item(_payload(job), job.id, index)
         store_get = _blob_reader(client, item)
         try:
-            png = previews.get(item.blob, store_get, item.kind, item.page)
+            png = previews.get(item.sha256, store_get, item.kind, item.page)
         except BlobError as exc:
             abort(404, f"the input of item {index} is gone from Redis: {exc}")
+        except StoreError as exc:
+            abort(404, f"the input of item {index} cannot be read here: {exc}")
         except RenderError as exc:
             abort(422, f"cannot preview item {index}: {exc}")
         return Response(png, mimetype="image/png",
@@ -241,8 +243,23 @@ def _item(payload: JobPayload, job_id: str, index: int) -> Item:
 
 
 def _blob_reader(client: Client, item: Item) -> Callable[[], bytes]:
+    """The item's bytes: its blob, or its reference read (and verified) through this
+    machine's stores ($VLMQ_STORES)."""
+    if item.ref is not None:
+        return lambda: client.stores.read(item)
     store = BlobStore(client.redis, client.keys)
-    return lambda: store.get(item.blob)
+    return lambda: store.get(item.sha256)
+
+
+def _input_live(client: Client, item: Item) -> bool:
+    """Whether a preview can be tried: the blob is in Redis, or the ref's store is one this
+    dashboard has."""
+    if item.ref is not None:
+        try:
+            return item.ref.store in client.stores.by_name
+        except StoreError:  # a bad VLMQ_STORES: the page still shows, without a preview
+            return False
+    return bool(client.redis.exists(client.keys.blob(item.sha256)))
 
 
 def _summary(payload: JobPayload, results: dict[int, dict[str, Any]]) -> dict[str, int]:

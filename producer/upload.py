@@ -1,0 +1,267 @@
+"""Uploading a job's inputs under this producer's Redis budget, one bounded chunk at a time.
+
+Every input byte a producer uploads sits in Redis RAM until the jobs using it end, so a
+producer keeps its own uploads whose jobs have not ended under `max_pending_bytes`
+(`--max-pending-mb`, a Client attribute shared by the jobs it submits). A job is uploaded
+only when it fits beside the jobs still pending; otherwise the producer waits for workers
+to drain them (a job larger than the whole budget waits until nothing is pending, then goes
+alone). The batch layer cuts a large set into jobs (producer/batch.py), so a folder many
+times the budget goes through a Redis of about the budget plus one job. Files are read into
+memory one chunk at a time: at most UPLOAD_CHUNK blobs and UPLOAD_CHUNK_BYTES (or one file
+larger than that).
+
+Nothing is ever half-written: a blob is uploaded with a short TTL (blobs.UPLOAD_TTL_S) and
+lives longer only once a job holding it is enqueued, in one MULTI (shared/jobs.enqueue). A
+Ctrl-C, a crash or Redis running out of memory leaves the jobs enqueued so far whole and the
+other uploads expiring within minutes. Running the same command again resumes: the workers'
+result cache answers the pages already done (README, "Big sets and Redis memory").
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import click
+from redis import Redis
+from redis.client import Pipeline
+from redis.exceptions import OutOfMemoryError
+
+from vlmq.producer.inputs import BlobSource
+from vlmq.shared import constants as C
+from vlmq.shared.blobs import UPLOAD_TTL_S, BlobStore
+from vlmq.shared.keys import Keys
+from vlmq.shared.schema import JobPayload
+
+MB = 1024 * 1024
+DEFAULT_MAX_PENDING_MB = 1024
+UPLOAD_CHUNK = 256  # blobs per pipelined round trip
+UPLOAD_CHUNK_BYTES = 32 * MB  # file bytes held in memory at once (one larger file alone)
+# Jobs of at most this share of the budget let the next job upload while workers are still
+# busy with the ones before it (job_bytes, for whoever cuts a set into jobs).
+JOBS_PER_BUDGET = 4
+POLL_S = 0.5
+STATUS_EVERY_S = 10.0
+# RQ statuses after which a job holds its inputs no more (failed: only until its record goes).
+ENDED = frozenset({b"finished", b"failed", b"stopped", b"canceled"})
+
+
+@dataclass
+class _Pending:
+    items: int
+    bytes: int
+
+
+class Uploader:
+    """One producer's uploads and the budget they share, across the jobs it submits.
+
+    `pending` maps each job this producer enqueued to the bytes it uploaded for it; a job
+    leaves it when it ends (its inputs are released then, end_job.lua).
+    """
+
+    def __init__(self, redis: Redis, keys: Keys, *,
+                 max_pending_mb: float = DEFAULT_MAX_PENDING_MB,
+                 progress: bool = False) -> None:
+        if max_pending_mb <= 0:
+            raise ValueError(f"max_pending_mb must be positive, got {max_pending_mb}")
+        self.redis = redis
+        self.keys = keys
+        self.max_pending_bytes = int(max_pending_mb * MB)
+        self.progress = progress
+        self.pending: dict[str, _Pending] = {}
+        self.blobs = BlobStore(redis, keys, ttl_s=UPLOAD_TTL_S)
+        self._said = time.monotonic()  # the first line after STATUS_EVERY_S
+        self._open = False  # a live line is on the terminal
+        self._waited = False  # the first wait is always said
+        self.totals = {"jobs": 0, "items": 0, "bytes": 0}
+
+    @property
+    def pending_bytes(self) -> int:
+        return sum(p.bytes for p in self.pending.values())
+
+    @property
+    def job_bytes(self) -> int:
+        """New uploads one job should hold at most, so that jobs overlap under the budget."""
+        return max(1, self.max_pending_bytes // JOBS_PER_BUDGET)
+
+    def _missing(self, sources: Sequence[BlobSource]) -> list[tuple[str, BlobSource]]:
+        """The sources Redis lacks; those it holds now live at least UPLOAD_TTL_S more."""
+        out: list[tuple[str, BlobSource]] = []
+        for at in range(0, len(sources), UPLOAD_CHUNK):
+            chunk = sources[at:at + UPLOAD_CHUNK]
+            pipe = self.redis.pipeline(transaction=False)
+            for source in chunk:
+                self.blobs.touch(source.sha256, pipeline=pipe)
+            out += [(s.sha256, s) for s, hit in zip(chunk, pipe.execute(), strict=True)
+                    if not hit]
+        return out
+
+    # --- uploading --------------------------------------------------------------------
+
+    def upload(self, sources: Sequence[BlobSource], *,
+               blob_ttl: int = UPLOAD_TTL_S) -> tuple[int, int]:
+        """Make room, then upload what Redis lacks of `sources`; returns (blobs uploaded,
+        bytes uploaded). Checked again at the end: a blob present before a long wait or a
+        long upload may have expired meanwhile, and is uploaded again. Uploads live
+        UPLOAD_TTL_S, or the job's blob_ttl when that is shorter."""
+        self.blobs.ttl_s = min(UPLOAD_TTL_S, blob_ttl)
+        missing = [s for _, s in self._missing(sources)]
+        self.wait_for_room(sum(s.size for s in missing))
+        uploaded = size = 0
+        for _ in range(3):
+            for chunk in _chunks(missing):
+                pipe = self.redis.pipeline(transaction=False)
+                for source in chunk:
+                    self.blobs.add(source.read_verified(), pipeline=pipe)
+                for source, created in zip(chunk, self._send(pipe), strict=True):
+                    uploaded += bool(created)
+                    size += source.size if created else 0
+            missing = [s for _, s in self._missing(sources)]
+            if not missing:
+                break
+        return uploaded, size
+
+    @staticmethod
+    def _send(pipe: Pipeline) -> list[Any]:
+        """Run an upload round trip. Out of memory, redis-py's message would quote the
+        command, file bytes and all: say instead what is left behind and what to do."""
+        try:
+            return list(pipe.execute())
+        except OutOfMemoryError:
+            raise OutOfMemoryError(
+                "command not allowed when used memory > 'maxmemory', while uploading "
+                "inputs; nothing was enqueued for this job, and what was uploaded for it "
+                f"expires within {UPLOAD_TTL_S // 60} minutes. "
+                "Lower --max-pending-mb, or give Redis more memory") from None
+
+    def enqueued(self, job_id: str, items: int, uploaded_bytes: int) -> None:
+        """Count a job's new uploads against the budget until the job ends."""
+        self.totals["jobs"] += 1
+        self.totals["items"] += items
+        self.totals["bytes"] += uploaded_bytes
+        if uploaded_bytes:
+            self.pending[job_id] = _Pending(items=items, bytes=uploaded_bytes)
+        self._status(lambda: f"enqueued {self.totals['jobs']} job(s), {self.totals['items']} "
+                             f"item(s), {self.totals['bytes'] / MB:.1f} MB uploaded; "
+                             + self.describe())
+
+    def wait_for_room(self, need: int) -> None:
+        """Block until `need` more bytes fit the budget, or nothing of this producer's is
+        pending (a job larger than the budget then goes alone)."""
+        while self.pending:
+            self.refresh()
+            if not self.pending or self.pending_bytes + need <= self.max_pending_bytes:
+                break
+            self._status(lambda: "waiting for workers: " + self.describe(),
+                         force=not self._waited, live=True)
+            self._waited = True
+            time.sleep(POLL_S)
+        if self._open:  # end the line rewritten in place
+            click.echo("", err=True)
+            self._open = False
+
+    def refresh(self) -> None:
+        """Forget the jobs that have ended (or are gone): their inputs are released."""
+        ids = list(self.pending)
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hget(Keys.rq_job(job_id), "status")
+        for job_id, status in zip(ids, pipe.execute(), strict=True):
+            if status is None or status in ENDED:
+                del self.pending[job_id]
+
+    def describe(self) -> str:
+        """Where the pending jobs stand, for a status line."""
+        ids = list(self.pending)
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hlen(self.keys.job_items(job_id))
+        done = sum(int(n) for n in pipe.execute())
+        total = sum(p.items for p in self.pending.values())
+        return (f"{len(ids)} job(s) with {self.pending_bytes / MB:.1f} MB of inputs pending "
+                f"(budget {self.max_pending_bytes / MB:g} MB), items done {done}/{total}")
+
+    def _status(self, line: str | Callable[[], str], *, force: bool = False,
+                live: bool = False) -> None:
+        """A status line on stderr, at most one every STATUS_EVERY_S seconds unless forced
+        (CI logs stay short). `live` lines (waiting) are rewritten in place on a terminal
+        until the next forced one. `line` may be a callable, so a line that is not shown
+        costs no Redis round trip."""
+        if not self.progress:
+            return
+        now = time.monotonic()
+        in_place = live and sys.stderr.isatty()
+        if not (force or in_place or now - self._said >= STATUS_EVERY_S):
+            return
+        text = line() if callable(line) else line
+        if in_place:
+            click.echo("\r\x1b[2K" + text, err=True, nl=False)
+        else:
+            click.echo(("\r\x1b[2K" if self._open else "") + text, err=True)
+        self._open = in_place
+        self._said = now
+
+
+def _chunks(sources: Iterable[BlobSource]) -> Iterable[list[BlobSource]]:
+    """Runs of sources of at most UPLOAD_CHUNK files and UPLOAD_CHUNK_BYTES (a larger file
+    alone): the bytes of one run are all a producer holds in memory."""
+    chunk: list[BlobSource] = []
+    size = 0
+    for source in sources:
+        if chunk and (len(chunk) >= UPLOAD_CHUNK or size + source.size > UPLOAD_CHUNK_BYTES):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(source)
+        size += source.size
+    if chunk:
+        yield chunk
+
+
+def retention(redis: Redis, keys: Keys, job_id: str, payload: JobPayload | None,
+              ) -> dict[str, str]:
+    """How long a job's results and inputs are kept, as `vlmq status` says it."""
+    raw = redis.hmget(Keys.rq_job(job_id), ["status", "result_ttl", "failure_ttl"])
+    status, result_ttl, failure_ttl = (v.decode() if isinstance(v, bytes) else v for v in raw)
+    ended = status in ("finished", "failed", "stopped", "canceled")
+    if ended:
+        results = _left(max(int(redis.ttl(keys.job_events(job_id))),
+                            int(redis.ttl(keys.job_items(job_id)))))
+    else:
+        results = (f"{_span(int(result_ttl or C.RESULT_TTL_S))} after the job ends "
+                   f"({_span(int(failure_ttl or C.FAILURE_TTL_S))} if it fails)")
+    return {"results": results, "inputs": _inputs_kept(redis, keys, payload, ended=ended)}
+
+
+def _inputs_kept(redis: Redis, keys: Keys, payload: JobPayload | None, *,
+                 ended: bool) -> str:
+    if payload is None:
+        return "unknown"
+    shas = {i.blob for i in payload.items if i.blob}
+    if not shas:
+        return "none in Redis (references into a store)"
+    if not ended:
+        return (f"while the job is queued or running, then "
+                f"{_span(int(payload.get('keep_inputs')))} (--keep-inputs; a failed job keeps "
+                "them as long as its failure record)")
+    pipe = redis.pipeline(transaction=False)
+    for sha in shas:
+        pipe.ttl(keys.blob(sha))
+    ttls = [int(t) for t in pipe.execute() if int(t) != -2]
+    return _left(max(ttls)) if ttls else "gone from Redis"
+
+
+def _left(ttl: int) -> str:
+    """A key's TTL as status says it (-1: no TTL, -2: no key)."""
+    if ttl == -2:
+        return "none left"
+    return f"{_span(ttl)} more" if ttl >= 0 else "until deleted"
+
+
+def _span(seconds: int) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if (seconds >= size and seconds % size == 0) or seconds >= 10 * size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds} s"
