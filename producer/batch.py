@@ -24,7 +24,6 @@ is canceled or deleted, which counts it out (manage.abandon).
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,20 +32,13 @@ from typing import TYPE_CHECKING, Any
 from vlmq.producer import manage
 from vlmq.producer.errors import JobNotFound
 from vlmq.producer.inputs import (
-    InputErrors,
-    PageSpec,
-    PagesWithoutPdf,
     Prepared,
-    check_found,
-    expand_inputs,
-    parse_pages,
 )
 from vlmq.producer.options import JobOptions
 from vlmq.shared import constants as C
 from vlmq.shared.errors import InputError, PayloadError
 from vlmq.shared.keys import BATCH_ID_PREFIX, Keys
 from vlmq.shared.schema import Item, ItemResult, utc_now_iso
-from vlmq.shared.stores import Stores
 from vlmq.shared.text import as_str
 
 if TYPE_CHECKING:
@@ -95,16 +87,27 @@ def _runs(items: Sequence[Item]) -> Iterator[list[Item]]:
         yield run
 
 
-def split_items(items: Sequence[Item], size: int = JOB_ITEMS) -> list[list[Item]]:
+def split_items(items: Sequence[Item], size: int = JOB_ITEMS, *,
+                max_bytes: int | None = None,
+                blob_sizes: Mapping[str, int] | None = None) -> list[list[Item]]:
     """Items in jobs of at most `size`, in order; a file's items stay in one job unless
-    the file alone has more than `size`, which is then cut into runs of `size`."""
+    the file alone has more than `size`, which is then cut into runs of `size`.
+
+    With `max_bytes`, a job also ends before its uploads (`blob_sizes`, by sha256) would
+    pass it, so a set of big PDFs still moves through a producer's upload budget in
+    several jobs (a single file larger than that is a job of its own)."""
     check_job_size(size)
+    sizes = blob_sizes or {}
     jobs: list[list[Item]] = []
     current: list[Item] = []
+    held = 0
     for run in _runs(items):
-        if current and len(current) + len(run) > size:
+        cost = sizes.get(run[0].blob or "", 0)  # a run is one file: one upload at most
+        if current and (len(current) + len(run) > size
+                        or (max_bytes is not None and held + cost > max_bytes)):
             jobs.append(current)
-            current = []
+            current, held = [], 0
+        held += cost
         while len(run) > size:
             jobs.append(run[:size])
             run = run[size:]
@@ -114,38 +117,15 @@ def split_items(items: Sequence[Item], size: int = JOB_ITEMS) -> list[list[Item]
     return jobs
 
 
-def split_prepared(prepared: Prepared, size: int = JOB_ITEMS) -> list[Prepared]:
+def split_prepared(prepared: Prepared, size: int = JOB_ITEMS, *,
+                   max_bytes: int | None = None) -> list[Prepared]:
     """`prepared` as one Prepared per job, each with only the blobs its items use."""
     out = []
-    for chunk in split_items(prepared.items, size):
+    sizes = {sha: src.size for sha, src in prepared.blobs.items()}
+    for chunk in split_items(prepared.items, size, max_bytes=max_bytes, blob_sizes=sizes):
         needed = {i.blob for i in chunk}
         out.append(Prepared(items=chunk, blobs={k: v for k, v in prepared.blobs.items()
                                                 if k in needed}))
-    return out
-
-
-def prepare_set(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
-                recursive: bool = False, skip_bad: bool = False,
-                stores: Stores | None = None) -> Prepared:
-    """inputs.prepare without its one-job item cap: a set of any size, checked file by
-    file (bytes are not kept), refused or reported exactly as prepare does."""
-    stores = stores if stores is not None else Stores()
-    found, errors = expand_inputs(paths, stores, recursive=recursive)
-    out = Prepared()
-    for f in found:
-        try:
-            checked = check_found(f, stores)
-            out.add(checked, [None] if checked.kind != "pdf"
-                    else list(parse_pages(pages, checked.pages, f.path)))
-        except InputError as exc:
-            errors.append(exc)
-    if errors and not skip_bad:
-        raise errors[0] if len(errors) == 1 else InputErrors(errors)
-    out.rejected = [(e.path, e.problem) for e in errors]
-    if not out.items:
-        raise InputErrors(errors) if errors else InputError("(no files)", "nothing to enqueue")
-    if pages is not None and all(i.kind != "pdf" for i in out.items):
-        raise PagesWithoutPdf()
     return out
 
 
@@ -216,7 +196,8 @@ def submit_parts(client: Client, parts: Sequence[Part], *,
 def submit_set(client: Client, task: str, prepared: Prepared, options: JobOptions, *,
                job_size: int = JOB_ITEMS) -> Job | Batch:
     """A prepared set as one job, or as a batch of jobs of at most `job_size` items."""
-    parts = [Part(task, p, options) for p in split_prepared(prepared, job_size)]
+    parts = [Part(task, p, options) for p in split_prepared(
+        prepared, job_size, max_bytes=client.uploads.job_bytes)]
     return submit_parts(client, parts, rejected=prepared.rejected)
 
 

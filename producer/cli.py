@@ -208,7 +208,7 @@ def _set_command(task: str) -> Callable[..., None]:
             try:
                 job = client.submit_set(task, paths, options, pages=pages,
                                         recursive=recursive, skip_bad=skip_bad,
-                                        job_size=job_size)
+                                        job_size=job_size, progress=not as_json)
             except PagesWithoutPdf as exc:
                 raise PagesWithoutPdf("--pages") from exc  # name the option the user typed
             _report(client, job, as_json)

@@ -7,14 +7,12 @@ leaves Redis untouched, and a job never names a blob that is not there yet.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-import click
 from redis import ConnectionPool
 from rq import Queue, Worker
 from rq.job import Job as RQJob
@@ -26,6 +24,7 @@ from vlmq.producer import manage
 from vlmq.producer.errors import JobNotFound
 from vlmq.producer.inputs import PageSpec, Prepared, prepare
 from vlmq.producer.options import JOB_FIELDS, JobOptions
+from vlmq.producer.progress import display
 from vlmq.producer.upload import DEFAULT_MAX_PENDING_MB, Uploader
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import BlobStore
@@ -54,6 +53,7 @@ NO_MESSAGE = "failed (no exception recorded)"
 # RQ statuses after which nothing more will happen to a job without someone acting.
 TERMINAL = frozenset({"finished", "failed", "stopped", "canceled"})
 POLL_S = 0.5
+HASH_QUIET_S = 2.0  # hashing that takes longer shows "files hashed" progress
 Inputs = Iterable[str | os.PathLike[str]] | str | os.PathLike[str]
 
 
@@ -196,15 +196,28 @@ class Client:
     def submit_set(self, task: str, inputs: Inputs | Prepared,
                    options: JobOptions | None = None, *, pages: PageSpec = None,
                    recursive: bool = False, skip_bad: bool = False,
-                   job_size: int = batches.JOB_ITEMS) -> Job | batches.Batch:
+                   job_size: int = batches.JOB_ITEMS,
+                   progress: bool = False) -> Job | batches.Batch:
         """A set of any size: one job when it fits in `job_size` items, else a Batch of
-        jobs of at most `job_size` (producer/batch.py says why 500 by default)."""
+        jobs of at most `job_size` (producer/batch.py says why 500 by default).
+        `progress`: show files hashed on stderr while a big folder is checked."""
         if task not in C.TASKS:
             raise PayloadError("task", f"must be one of {list(C.TASKS)}, got {task!r}")
         batches.check_job_size(job_size)
-        prepared = inputs if isinstance(inputs, Prepared) else batches.prepare_set(
-            _as_list(inputs), pages=pages, recursive=recursive, skip_bad=skip_bad,
-            stores=self.stores)
+        with ExitStack() as stack:
+            shown: dict[str, Any] = {}
+            quiet_until = time.monotonic() + HASH_QUIET_S
+
+            def on_file(done: int, total: int) -> None:
+                if "bar" not in shown and time.monotonic() < quiet_until:
+                    return  # a set checked within seconds needs no progress
+                if "bar" not in shown:
+                    shown["bar"] = display(stack, total, "files hashed")
+                shown["bar"].update(done, final=done == total)
+
+            prepared = inputs if isinstance(inputs, Prepared) else prepare(
+                _as_list(inputs), pages=pages, recursive=recursive, skip_bad=skip_bad,
+                stores=self.stores, limit=None, on_file=on_file if progress else None)
         return batches.submit_set(self, task, prepared, options or JobOptions(),
                                 job_size=job_size)
 
@@ -457,9 +470,7 @@ def wait_all(jobs: Sequence[Job], *, timeout: float | None = None,
     deadline = None if timeout is None else time.monotonic() + timeout
     cursors: dict[Any, Any] = {client.keys.job_events(j.id): "0-0" for j in jobs}
     with ExitStack() as stack:
-        shown: _ProgressBar | _ProgressLines | None = None
-        if progress:
-            shown = _ProgressBar(stack, total) if sys.stderr.isatty() else _ProgressLines(total)
+        shown = display(stack, total, "items") if progress else None
         while True:
             statuses = {j.id: j.status() for j in jobs}
             done = sum(j.progress()[0] for j in jobs)
@@ -484,44 +495,6 @@ def _follow_events(client: Client, cursors: dict[Any, Any], wait_s: float) -> No
     for stream, entries in reply or []:
         if entries:
             cursors[as_str(stream)] = as_str(entries[-1][0])
-
-
-class _ProgressBar:
-    """Progress on a terminal: click's bar, moved on to each new count."""
-
-    def __init__(self, stack: ExitStack, total: int) -> None:
-        self.bar = stack.enter_context(click.progressbar(
-            length=total, label="items", file=sys.stderr, show_pos=True, show_eta=True))
-        self.shown = 0
-
-    def update(self, done: int, *, final: bool = False) -> None:
-        if done > self.shown:
-            self.bar.update(done - self.shown)
-            self.shown = done
-
-
-class _ProgressLines:
-    """Progress without a terminal (CI logs, pipes): a line every 10 % or every 10 s."""
-
-    EVERY_S = 10.0
-    STEP = 0.1
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.started = time.monotonic()
-        self.last_t = self.started
-        self.last_step = -1
-
-    def update(self, done: int, *, final: bool = False) -> None:
-        now = time.monotonic()
-        step = int(done / self.total / self.STEP) if self.total else 10
-        if step > self.last_step or now - self.last_t >= self.EVERY_S or final:
-            if final and step == self.last_step and now - self.last_t < self.EVERY_S:
-                return
-            pct = 100 * done / self.total if self.total else 100.0
-            click.echo(f"items {done}/{self.total} ({pct:.0f}%) after "
-                       f"{now - self.started:.0f}s", err=True)
-            self.last_step, self.last_t = step, now
 
 
 def _options(options: JobOptions | None, values: Mapping[str, Any]) -> JobOptions:

@@ -13,7 +13,7 @@ import os
 import re
 import tempfile
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -532,18 +532,22 @@ def _walk(folder: Path, recursive: bool) -> list[str]:
 
 def prepare(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
             recursive: bool = False, skip_bad: bool = False,
-            stores: Stores | None = None) -> Prepared:
+            stores: Stores | None = None,
+            limit: int | None = C.MAX_ITEMS_PER_JOB,
+            on_file: Callable[[int, int], None] | None = None) -> Prepared:
     """Check every file and build items: an image is one item, a PDF one item per page.
 
     `pages` applies to each PDF (an image is always its one page); given with no PDF
     among the inputs it is refused (PagesWithoutPdf). All bad files are
     collected first; unless skip_bad, any bad file rejects the whole set (InputErrors).
     Files are read one at a time and only their hash kept (upload reads them again). The
-    item limit is enforced the moment it is passed: reading thousands more files only to
-    refuse the set afterwards would waste minutes.
+    item `limit` (one job's; None for a set that becomes a batch, producer/batch.py) is
+    enforced the moment it is passed: reading thousands more files only to refuse the set
+    afterwards would waste minutes.
 
     Files in one of `stores` (s3:// sources always) become references: nothing of theirs
-    is uploaded, and their bytes are hashed as a stream.
+    is uploaded, and their bytes are hashed as a stream. `on_file(done, total)` is called
+    after each file, for progress over a folder that takes minutes to hash.
     """
     stores = stores if stores is not None else Stores()
     found, errors = expand_inputs(paths, stores, recursive=recursive)
@@ -560,12 +564,15 @@ def prepare(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
         except InputError as exc:
             errors.append(exc)
             continue
+        finally:
+            if on_file is not None:
+                on_file(done, len(found))
         prepared.add(checked, page_list)
-        if len(prepared.items) > C.MAX_ITEMS_PER_JOB:
+        if limit is not None and len(prepared.items) > limit:
             raise InputError(f"{len(names)} file(s)",
                              f"the first {done} file(s) already make {len(prepared.items)} "
-                             f"items, over the {C.MAX_ITEMS_PER_JOB}-item limit per job; "
-                             "split the set into several jobs")
+                             f"items, over the {limit}-item limit per job; Client.submit_set "
+                             "(and `vlmq enqueue`) split a set this size into a batch of jobs")
     if errors and not skip_bad:
         if len(errors) == 1:
             raise errors[0]

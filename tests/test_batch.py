@@ -12,8 +12,9 @@ import pytest
 from click.testing import Result
 from redis import Redis
 
-from vlmq.producer.batch import JOB_ITEMS, Batch, prepare_set, split_items
+from vlmq.producer.batch import JOB_ITEMS, Batch, split_items
 from vlmq.producer.client import Client, Job
+from vlmq.producer.inputs import prepare
 from vlmq.producer.manage import CannotCancel
 from vlmq.producer.schedule import Schedule, ScheduleStore
 from vlmq.shared.errors import InputError
@@ -69,6 +70,18 @@ def test_split_keeps_a_files_pages_together() -> None:
         ("a", 1), ("b", 1), ("c", 1), ("d", 1), ("d", 6)]
     assert [len(j) for j in jobs] == [3, 4, 2, 5, 2]
     assert [i for j in jobs for i in j] == items  # nothing lost, order kept
+
+
+def test_split_keeps_each_jobs_uploads_under_the_byte_bound() -> None:
+    shas = {name: name * 64 for name in "abcd"}
+    items = [Item(kind="pdf", blob=shas[name], source=name, page=p)
+             for name, n in (("a", 2), ("b", 1), ("c", 3), ("d", 1)) for p in range(1, n + 1)]
+    sizes = {shas["a"]: 40, shas["b"]: 40, shas["c"]: 90, shas["d"]: 10}
+    jobs = split_items(items, 500, max_bytes=100, blob_sizes=sizes)
+    assert [[i.source for i in j] for j in jobs] == [["a", "a", "b"], ["c", "c", "c", "d"]]
+    assert split_items(items, 500) == [items]  # no bound: one job
+    big = split_items(items, 500, max_bytes=5, blob_sizes=sizes)  # each file alone
+    assert [j[0].source for j in big] == ["a", "b", "c", "d"]
 
 
 def test_a_12000_page_folder_enqueues_as_a_batch_and_every_command_takes_its_id(
@@ -242,7 +255,7 @@ def test_jobs_a_failed_enqueue_never_made_are_counted_out(
         redis_url: str, redis: Redis, keys: Keys, tmp_path: Path) -> None:
     paths = make_images(tmp_path / "in", 3)
     client = Client(redis_url)
-    prepared = prepare_set([tmp_path / "in"])
+    prepared = prepare([tmp_path / "in"], limit=None)
     paths[1].write_bytes(paths[0].read_bytes())  # changed since it was checked
     with pytest.raises(InputError, match="changed since it was validated"):
         client.submit_set("caption", prepared, job_size=1)

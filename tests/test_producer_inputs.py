@@ -270,7 +270,6 @@ def test_item_limit_stops_reading_files_once_passed(tmp_path: Path,
     for i in range(6):
         write(tmp_path / f"img{i}.png", image_bytes(color=(i, 0, 0)))
     write(tmp_path / "img9-empty.png", b"")  # after the limit: never read, never reported
-    monkeypatch.setattr(C, "MAX_ITEMS_PER_JOB", 3)
     checked: list[str] = []
     real_check = inputs.check_file
 
@@ -280,7 +279,7 @@ def test_item_limit_stops_reading_files_once_passed(tmp_path: Path,
 
     monkeypatch.setattr(inputs, "check_file", counting_check)
     with pytest.raises(InputError) as info:
-        prepare([tmp_path])
+        prepare([tmp_path], limit=3)
     assert "the first 4 file(s) already make 4 items, over the 3-item limit" in str(info.value)
     assert [Path(p).name for p in checked] == ["img0.png", "img1.png", "img2.png", "img3.png"]
 
@@ -319,3 +318,13 @@ def test_source_is_the_path_as_given(tmp_path: Path) -> None:
         assert prepare(["x.png"]).items[0].source == "x.png"
     finally:
         os.chdir(cwd)
+
+
+def test_prepare_reports_each_file_hashed(tmp_path: Path) -> None:
+    for i in range(3):
+        write(tmp_path / f"img{i}.png", image_bytes(color=(i, 9, 0)))
+    write(tmp_path / "bad.png", b"not an image")
+    seen: list[tuple[int, int]] = []
+    prepared = prepare([tmp_path], skip_bad=True, on_file=lambda d, t: seen.append((d, t)))
+    assert seen == [(1, 4), (2, 4), (3, 4), (4, 4)]  # bad files count as checked too
+    assert len(prepared.items) == 3 and len(prepared.rejected) == 1
