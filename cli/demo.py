@@ -8,6 +8,7 @@ worker to show the disk cache turning every image into a hit.
 from __future__ import annotations
 
 import os
+import secrets
 import tempfile
 import time
 from importlib import resources
@@ -25,7 +26,7 @@ from vlmq.worker.paths import default_cache_dir
 from vlmq.worker.redis_server import PrivateRedis, answers, start_private
 from vlmq.worker.service import WorkerConfig, run_worker
 
-DEMO_QUEUES = ["vlmq-demo-ocr", "vlmq-demo-caption"]
+DEMO_QUEUE_PREFIX = "vlmq-demo-"
 TINY_MAX_SIDE = 224
 TINY_MAX_TOKENS = 24
 
@@ -38,16 +39,37 @@ def sample_files() -> tuple[list[Path], list[Path]]:
     return pdfs, images
 
 
-def _enqueue(client: Client, tiny: bool) -> list[Job]:
+def demo_queues() -> list[str]:
+    """Queues of this demo run alone: two demos on one Redis (or a worker someone left on
+    fixed demo queues) would otherwise take each other's jobs, each seeing none of its own."""
+    run = f"{os.getpid()}-{secrets.token_hex(4)}"
+    return [f"{DEMO_QUEUE_PREFIX}{run}-ocr", f"{DEMO_QUEUE_PREFIX}{run}-caption"]
+
+
+def _enqueue(client: Client, tiny: bool, queues: list[str]) -> list[Job]:
     pdfs, images = sample_files()
     side = TINY_MAX_SIDE if tiny else None
     tokens = TINY_MAX_TOKENS if tiny else None
     return [
-        client.ocr(pdfs, queue=DEMO_QUEUES[0], max_side=side, max_tokens=tokens,
+        client.ocr(pdfs, queue=queues[0], max_side=side, max_tokens=tokens,
                    labels={"demo": "ocr"}),
-        client.caption(images, queue=DEMO_QUEUES[1], max_side=side, max_tokens=tokens,
+        client.caption(images, queue=queues[1], max_side=side, max_tokens=tokens,
                        labels={"demo": "caption"}),
     ]
+
+
+def round_problem(jobs: list[Job], totals: dict[str, int]) -> str | None:
+    """Why a round did not show the demo's own work (None when it did): every job of ours
+    finished, with a result for each of its items. Anything less is a failed demo, not
+    "0/0 items ok"."""
+    expected = sum(job.items for job in jobs)
+    states = {job.id: job.status() for job in jobs}
+    unfinished = {k: v for k, v in states.items() if v != "finished"}
+    if not unfinished and totals["items"] == expected and expected > 0:
+        return None
+    listed = ", ".join(f"{k} {v}" for k, v in sorted(unfinished.items())) or "none"
+    return (f"the worker finished {totals['items']} of this demo's {expected} items "
+            f"(jobs not finished: {listed}); did another worker take them from its queues?")
 
 
 def _show(jobs: list[Job]) -> dict[str, int]:
@@ -70,12 +92,12 @@ def _show(jobs: list[Job]) -> dict[str, int]:
     return totals
 
 
-def _clean_up(client: Client, jobs: list[Job], worker: str) -> None:
+def _clean_up(client: Client, jobs: list[Job], worker: str, queues: list[str]) -> None:
     """Leave a shared Redis as we found it: the demo's jobs, results, events, queues,
     stats and uploaded samples go (a sample some other job also names stays)."""
     keys = client.keys
     client.delete([job.id for job in jobs], purge_blobs=True)
-    for name in DEMO_QUEUES:
+    for name in queues:
         Queue(name, connection=client.redis, serializer=JSONSerializer).delete(delete_jobs=True)
     client.redis.delete(keys.worker_stats(worker))
 
@@ -107,12 +129,13 @@ def run_demo(*, redis_url: str | None, model: str | None, max_batch: int) -> int
             rounds = []
             for n, label in enumerate(("cold cache", "warm cache, restarted worker")):
                 client = Client(url)
-                jobs = _enqueue(client, tiny)
+                queues = demo_queues()
+                jobs = _enqueue(client, tiny, queues)
                 click.secho(f"\n== {label}: enqueued {sum(j.items for j in jobs)} items "
                             f"in {len(jobs)} jobs; running a burst worker", bold=True)
                 t0 = time.monotonic()
                 rc = run_worker(WorkerConfig(
-                    redis_url=url, model=model, queues=DEMO_QUEUES, burst=True,
+                    redis_url=url, model=model, queues=queues, burst=True,
                     max_batch=max_batch, cache_dir=Path(cache_dir), name=worker_name(n),
                     stats_s=1.0,
                     # The demo shows the vision cache: the result cache would answer the
@@ -122,12 +145,16 @@ def run_demo(*, redis_url: str | None, model: str | None, max_batch: int) -> int
                 if rc != 0:
                     return rc
                 totals = _show(jobs)
+                problem = round_problem(jobs, totals)
                 raw = client.redis.hgetall(client.keys.worker_stats(worker_name(n)))
                 stats = {as_str(k): as_str(v) for k, v in raw.items()}
                 rounds.append((label, wall, totals, stats))
                 if private is None:
-                    _clean_up(client, jobs, worker_name(n))
+                    _clean_up(client, jobs, worker_name(n), queues)
                 client.close()
+                if problem is not None:
+                    click.secho(f"vlmq demo: {label}: {problem}", fg="red", err=True)
+                    return 1
         click.secho("\n== stats", bold=True)
         for label, wall, t, st in rounds:
             click.echo(f"  {label:<30} {t['ok']}/{t['items']} items ok, "

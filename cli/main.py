@@ -42,10 +42,32 @@ class _Main(click.Group):
             # The server said no (maxmemory with noeviction, a read-only replica, ...):
             # an operator's problem, and the server's own message is what they need.
             url = redact_url(str(ctx.params.get("redis_url") or ""))
-            fail(f"error: {_refusal(exc)}: {one_line(str(exc))} (Redis at {url})",
+            fail(f"error: {_refusal(exc)}: {server_message(exc)} (Redis at {url})",
                  EXIT_FAILED)
         except JobNotFound as exc:
             fail(f"error: {exc}", EXIT_FAILED)
+
+
+# redis-py prefixes a pipeline's error with the failed command, arguments and all: a
+# blob upload's SET would print the image's bytes.
+_PIPELINE_HEAD = "Command # "
+_PIPELINE_TAIL = " of pipeline caused error: "
+_MESSAGE_MAX = 500
+
+
+def server_message(exc: RedisResponseError) -> str:
+    """The server's own words, never the payload: a pipeline's quoted command is cut to its
+    name, anything unprintable is escaped, and the rest capped at _MESSAGE_MAX characters.
+    """
+    text = str(exc)
+    if text.startswith(_PIPELINE_HEAD) and _PIPELINE_TAIL in text:
+        head, _, reason = text.rpartition(_PIPELINE_TAIL)
+        number, _, command = head[len(_PIPELINE_HEAD):].partition(" (")
+        name = command.split(" ", 1)[0]
+        text = f"{reason} (in {name if name.isalpha() else 'a'} command {number} of a pipeline)"
+    text = one_line(text).encode("ascii", "backslashreplace").decode("ascii")
+    text = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
+    return text if len(text) <= _MESSAGE_MAX else text[:_MESSAGE_MAX] + "…"
 
 
 def _refusal(exc: RedisResponseError) -> str:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import click
 
 from vlmq.producer.batch import JOB_ITEMS, Batch, Part, is_batch, submit_parts
-from vlmq.producer.client import Client, Job
+from vlmq.producer.client import Client, Job, QueueInfo, WorkerInfo
 from vlmq.producer.inputs import PagesWithoutPdf
 from vlmq.producer.manage import CannotCancel
 from vlmq.producer.manifest import read_manifest
@@ -23,6 +23,7 @@ from vlmq.producer.options import JobOptions, job_options
 from vlmq.producer.results_cli import result_cmd, wait_cmd
 from vlmq.producer.upload import DEFAULT_MAX_PENDING_MB, retention
 from vlmq.shared import constants as C
+from vlmq.shared import redis_checks
 from vlmq.shared import settings as S
 from vlmq.shared.clitools import (
     EXIT_BAD_INPUT,
@@ -50,14 +51,25 @@ def _handle_errors(func: F) -> F:
             return func(*args, **kwargs)
         except (InputError, PayloadError) as exc:
             fail(f"error: {exc}\nnothing was enqueued", EXIT_BAD_INPUT)
+        except redis_checks.EvictionRefused as exc:
+            fail(f"error: {exc}\nnothing was enqueued", EXIT_FAILED)
 
     return wrapper  # type: ignore[return-value]
 
 
 def _client(ctx: click.Context, stores: Stores | None = None,
-            max_pending_mb: float = DEFAULT_MAX_PENDING_MB) -> Client:
+            max_pending_mb: float = DEFAULT_MAX_PENDING_MB,
+            allow_eviction: bool = False) -> Client:
     return Client(ctx.find_root().obj["redis_url"], stores=stores,
-                  max_pending_mb=max_pending_mb, progress=True)
+                  max_pending_mb=max_pending_mb, progress=True,
+                  allow_eviction=allow_eviction or None)
+
+
+def _allow_eviction(func: F) -> F:
+    return click.option("--allow-eviction", is_flag=True,
+                        help="Go on although Redis's maxmemory-policy may evict vlmq's keys "
+                             f"(a warning still says so); also ${redis_checks.ALLOW_EVICTION_ENV}"
+                             "=1.")(func)
 
 
 def _label_filter(func: F) -> F:
@@ -145,14 +157,16 @@ def _max_pending(func: F) -> F:
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 @_job_size
 @_max_pending
+@_allow_eviction
 @store_option
 @click.pass_context
 @_handle_errors
 def enqueue(ctx: click.Context, manifest: str | None, queue: str | None, skip_bad: bool,
             labels: dict[str, str], as_json: bool, job_size: int, max_pending_mb: float,
-            stores: Stores) -> None:
+            allow_eviction: bool, stores: Stores) -> None:
     """Validate inputs, upload them once, and enqueue: a task subcommand, or --manifest."""
     if ctx.invoked_subcommand is not None:
+        ctx.meta["vlmq.allow_eviction"] = allow_eviction  # before the task or after it
         given = ctx.get_parameter_source("stores") == click.core.ParameterSource.COMMANDLINE
         if manifest or queue or skip_bad or labels or as_json or given:
             raise click.UsageError("--manifest/--queue/--skip-bad/--label/--json/--store "
@@ -166,7 +180,7 @@ def enqueue(ctx: click.Context, manifest: str | None, queue: str | None, skip_ba
     groups, rejected = read_manifest(manifest, base, skip_bad=skip_bad, job_size=job_size)
     for group in groups:  # files in a store go by reference
         group.prepared = group.prepared.by_reference(stores)
-    with _client(ctx, stores, max_pending_mb) as client:
+    with _client(ctx, stores, max_pending_mb, allow_eviction) as client:
         made = submit_parts(client, [Part(g.task, g.prepared, g.options) for g in groups],
                             labels=labels)
         jobs = [made] if isinstance(made, Job) else made.jobs()
@@ -195,6 +209,7 @@ def _set_command(task: str) -> Callable[..., None]:
     @_json_option
     @_job_size
     @_max_pending
+    @_allow_eviction
     @job_options(exclude=("batch",),  # vlmq sets it when a set becomes a batch
                  prompt={"help": prompt_help, "required": task == "generate"},
                  queue={"default": C.DEFAULT_QUEUE[task], "show_default": True})
@@ -203,8 +218,10 @@ def _set_command(task: str) -> Callable[..., None]:
     @_handle_errors
     def command(ctx: click.Context, paths: tuple[str, ...], pages: str | None,
                 recursive: bool, skip_bad: bool, options: JobOptions, as_json: bool,
-                job_size: int, max_pending_mb: float, stores: Stores) -> None:
-        with _client(ctx, stores, max_pending_mb) as client:
+                job_size: int, max_pending_mb: float, allow_eviction: bool,
+                stores: Stores) -> None:
+        allow = allow_eviction or bool(ctx.meta.get("vlmq.allow_eviction"))
+        with _client(ctx, stores, max_pending_mb, allow) as client:
             try:
                 job = client.submit_set(task, paths, options, pages=pages,
                                         recursive=recursive, skip_bad=skip_bad,
@@ -274,14 +291,16 @@ def _print_table(rows: Sequence[Sequence[str]]) -> None:
 @click.argument("job_id", required=False)
 @_label_filter
 @_json_option
+@_allow_eviction
 @click.pass_context
 def status_cmd(ctx: click.Context, job_id: str | None, labels: dict[str, str],
-               as_json: bool) -> None:
+               as_json: bool, allow_eviction: bool) -> None:
     """A job's or a batch's state and progress; with --label, totals over every job
     carrying it;
-    with neither, queue depths and workers (full worker stats with --json).
+    with neither, queue depths, workers (full worker stats with --json) and Redis's health.
 
-    Exit 1 when the job is not a readable vlmq job (its status and error still shown).
+    Exit 1 when the job is not a readable vlmq job (its status and error still shown), and
+    when Redis may evict keys (maxmemory-policy not noeviction) without --allow-eviction.
     """
     if job_id is not None and labels:
         raise click.UsageError("give a JOB_ID or --label, not both")
@@ -296,7 +315,7 @@ def status_cmd(ctx: click.Context, job_id: str | None, labels: dict[str, str],
         elif labels:
             _group_status(client.group_status(labels), as_json)
         else:
-            _overview(client, as_json)
+            _overview(client, as_json, allow_eviction)
 
 
 def _batch_status(batch: Batch, as_json: bool) -> None:
@@ -372,16 +391,40 @@ def _stat(stats: dict[str, str], key: str, fmt: str = "{}", scale: float = 1.0) 
         return raw
 
 
-def _overview(client: Client, as_json: bool) -> None:
+def _redis_health(client: Client, allow_eviction: bool) -> tuple[dict[str, str], str | None,
+                                                                   str | None]:
+    """Redis's health for status, its warning, and its refusal (an evicting Redis)."""
+    health = redis_checks.health(client.redis).to_dict()
+    try:
+        warning = redis_checks.check_eviction(client.redis, allow_eviction or None)
+    except redis_checks.EvictionRefused as exc:
+        return health, None, str(exc)
+    persistence = redis_checks.persistence_warning(client.redis)
+    return health, " ".join(w for w in (warning, persistence) if w) or None, None
+
+
+def _overview(client: Client, as_json: bool, allow_eviction: bool = False) -> None:
     queues = client.queues()
     workers = client.workers()
+    health, warning, refused = _redis_health(client, allow_eviction)
     if as_json:
         click.echo(json.dumps({
             "queues": {q.name: vars(q) for q in queues.values()},
             "workers": [{"name": w.name, "state": w.state, "queues": list(w.queues),
                          "stats": w.stats} for w in workers],
+            "redis": {**health, "warning": warning, "error": refused},
         }))
-        return
+    else:
+        _overview_text(queues, workers)
+        click.echo(f"redis: maxmemory-policy {health['maxmemory_policy']}, persistence "
+                   f"{health['persistence']}, run_id {health['run_id'][:8]}")
+    if warning:
+        click.echo(f"vlmq: warning: {warning}", err=True)
+    if refused:
+        fail(f"error: {refused}", EXIT_FAILED)
+
+
+def _overview_text(queues: dict[str, QueueInfo], workers: Sequence[WorkerInfo]) -> None:
     if queues:
         _print_table([("QUEUE", "QUEUED", "STARTED", "FAILED", "FINISHED")] + [
             (q.name, str(q.queued), str(q.started), str(q.failed), str(q.finished))

@@ -6,14 +6,16 @@ leaves Redis untouched, and a job never names a blob that is not there yet.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis import ConnectionPool
+from redis.exceptions import RedisError
 from rq import Queue, Worker
 from rq.job import Job as RQJob
 from rq.results import Result
@@ -27,8 +29,9 @@ from vlmq.producer.options import JOB_FIELDS, JobOptions
 from vlmq.producer.progress import display
 from vlmq.producer.upload import DEFAULT_MAX_PENDING_MB, Uploader
 from vlmq.shared import constants as C
+from vlmq.shared import redis_checks
 from vlmq.shared.blobs import BlobStore
-from vlmq.shared.connection import connect
+from vlmq.shared.connection import check_url, connect, transient
 from vlmq.shared.constants import DEFAULT_REDIS_URL
 from vlmq.shared.errors import PayloadError, VlmqError
 from vlmq.shared.jobs import (
@@ -45,8 +48,10 @@ from vlmq.shared.stores import Stores
 from vlmq.shared.text import as_str
 from vlmq.shared.urls import redact_url
 
-__all__ = ["DEFAULT_REDIS_URL", "Client", "Job", "JobFailed", "JobNotFound", "WaitTimeout",
-           "check_redis_url", "redact_url", "wait_all"]
+__all__ = ["DEFAULT_REDIS_URL", "Client", "Job", "JobFailed", "JobNotFound",
+           "RedisUnreachable", "WaitTimeout", "check_redis_url", "redact_url", "wait_all"]
+
+log = logging.getLogger(__name__)
 
 REDIS_URL_ENV = "REDIS_URL"
 NO_MESSAGE = "failed (no exception recorded)"
@@ -66,6 +71,15 @@ class JobFailed(VlmqError):
         self.error = error
         detail = f": {error.strip().splitlines()[-1]}" if error and error.strip() else ""
         super().__init__(f"job {job_id} {status}{detail}")
+
+
+class RedisUnreachable(VlmqError):
+    """A wait's deadline passed while Redis was unreachable (or mid-failover)."""
+
+    def __init__(self, url: str, error: RedisError, timeout: float) -> None:
+        self.error = error
+        super().__init__(f"Redis at {redact_url(url)} still unreachable after {timeout:g}s: "
+                         f"{error}")
 
 
 class WaitTimeout(VlmqError, TimeoutError):
@@ -104,12 +118,15 @@ class Client:
     def __init__(self, redis_url: str | None = None, *, prefix: str | None = None,
                  stores: Stores | None = None,
                  max_pending_mb: float = DEFAULT_MAX_PENDING_MB,
-                 progress: bool = False) -> None:
+                 progress: bool = False, allow_eviction: bool | None = None) -> None:
         """`stores`: this machine's stores (default: $VLMQ_STORES); files in them are
         enqueued by reference, not uploaded. `max_pending_mb`: this producer's uploads whose
         jobs have not ended stay under it (producer/upload.py); `progress`: status lines on
-        stderr while it waits for workers."""
+        stderr while it waits for workers. `allow_eviction` (default $VLMQ_ALLOW_EVICTION):
+        enqueue on a Redis that may evict keys, with a warning, instead of refusing."""
         self._stores = stores
+        self.allow_eviction = allow_eviction
+        self._redis_checked = False
         self.redis_url = check_redis_url(
             redis_url or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL)
         self.redis = connect(self.redis_url)
@@ -180,6 +197,7 @@ class Client:
         queue = opts.queue_for(task)
         if opts.job_id is not None:
             self._refuse_taken_id(opts.job_id)
+        self.check_redis()
         # Under this producer's budget, one bounded chunk of files in memory at a time;
         # uploads live UPLOAD_TTL_S until enqueue() holds them for the job.
         uploaded, uploaded_bytes = self.uploads.upload(list(prepared.blobs.values()),
@@ -220,6 +238,16 @@ class Client:
                 stores=self.stores, limit=None, on_file=on_file if progress else None)
         return batches.submit_set(self, task, prepared, options or JobOptions(),
                                 job_size=job_size)
+
+    def check_redis(self) -> None:
+        """Before the first upload: raise EvictionRefused on an evicting Redis unless
+        eviction is allowed (then one warning on stderr). Once per client."""
+        if self._redis_checked:
+            return
+        warning = redis_checks.check_eviction(self.redis, self.allow_eviction)
+        if warning:
+            print(f"vlmq: warning: {warning}", file=sys.stderr)
+        self._redis_checked = True
 
     def batch(self, batch_id: str) -> batches.Batch:
         """Handle for an existing batch; raises BatchNotFound (a JobNotFound)."""
@@ -462,6 +490,10 @@ def wait_all(jobs: Sequence[Job], *, timeout: float | None = None,
 
     Sleeps by blocking on the jobs' event streams, so an item finishing wakes the bar
     at once while a silent job costs one status check per poll_s.
+
+    Transient Redis errors (connection reset or refused, a failover in progress) are
+    ridden out until `timeout`: a wait outlives a Redis restart. Raises RedisUnreachable
+    when Redis is still unreachable at the deadline.
     """
     if not jobs:
         return {}
@@ -472,20 +504,38 @@ def wait_all(jobs: Sequence[Job], *, timeout: float | None = None,
     with ExitStack() as stack:
         shown = display(stack, total, "items") if progress else None
         while True:
-            statuses = {j.id: j.status() for j in jobs}
-            done = sum(j.progress()[0] for j in jobs)
-            ended = all(s in TERMINAL for s in statuses.values())
-            if shown is not None:
-                shown.update(done, final=ended)
-            if ended:
-                return statuses
-            wait_s = poll_s
-            if deadline is not None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+            try:
+                statuses = {j.id: j.status() for j in jobs}
+                done = sum(j.progress()[0] for j in jobs)
+                ended = all(s in TERMINAL for s in statuses.values())
+                if shown is not None:
+                    shown.update(done, final=ended)
+                if ended:
+                    return statuses
+                wait_s = _wait_s(deadline, poll_s)
+                if wait_s <= 0:
                     raise WaitTimeout(statuses, done, total, timeout or 0.0)
-                wait_s = min(wait_s, remaining)
-            _follow_events(client, cursors, wait_s)
+                _follow_events(client, cursors, wait_s)
+            except RedisError as exc:
+                if not transient(exc):
+                    raise
+                _ride_out(client, exc, deadline, timeout, poll_s)
+
+
+def _wait_s(deadline: float | None, poll_s: float) -> float:
+    """How long to block now: poll_s, or less where the deadline is nearer (<= 0: passed)."""
+    return poll_s if deadline is None else min(poll_s, deadline - time.monotonic())
+
+
+def _ride_out(client: Client, exc: RedisError, deadline: float | None,
+              timeout: float | None, poll_s: float) -> None:
+    """Sleep a poll interval through a Redis outage, or raise RedisUnreachable when the
+    deadline has passed. redis-py reconnects (and asks Sentinel again) on the next call."""
+    wait_s = _wait_s(deadline, poll_s)
+    if wait_s <= 0:
+        raise RedisUnreachable(client.redis_url, exc, timeout or 0.0) from exc
+    log.warning("Redis unavailable (%s); still waiting", exc)
+    time.sleep(wait_s)
 
 
 def _follow_events(client: Client, cursors: dict[Any, Any], wait_s: float) -> None:
@@ -512,9 +562,6 @@ def _as_list(paths: Inputs) -> list[str | os.PathLike[str]]:
 
 
 def check_redis_url(url: str) -> str:
-    """`url`, or ValueError naming it: redis-py's own message does not say which URL."""
-    try:
-        ConnectionPool.from_url(url).disconnect()
-    except ValueError as exc:
-        raise ValueError(f"invalid Redis URL {redact_url(url)!r}: {exc}") from exc
-    return url
+    """`url`, or ValueError naming it: redis-py's own message does not say which URL.
+    Sentinel URLs (`redis+sentinel://`) are checked by vlmq.shared.connection."""
+    return check_url(url)

@@ -24,6 +24,9 @@ def print_report(report: ExportReport, where: Path, as_json: bool) -> None:
         click.echo(f"vlmq: {source}: failed, not written: {error}", err=True)
     for _source, reason in report.refused:
         click.echo(f"vlmq: refused: {reason}", err=True)
+    for path in report.kept:
+        click.echo(f"vlmq: kept {path}: not written by vlmq, or changed since "
+                   "(--overwrite replaces it)", err=True)
 
 
 @click.command("export")
@@ -38,16 +41,21 @@ def print_report(report: ExportReport, where: Path, as_json: bool) -> None:
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="md", show_default=True,
               help="md: a PDF becomes <source>.md with page markers, an image <source>.txt; "
                    "txt: plain text for both; json: <source>.json with every item field.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace files at the targets even when vlmq did not write them (or "
+                   "they changed since); without it they are kept and listed.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
 @click.pass_context
 def export_cmd(ctx: click.Context, job_ids: tuple[str, ...], out_dir: Path | None,
-               sidecar_root: Path | None, fmt: str, as_json: bool) -> None:
+               sidecar_root: Path | None, fmt: str, overwrite: bool, as_json: bool) -> None:
     """Write jobs' results to files: an item's source (its path relative to the folder it
     was enqueued from) is its place in the output tree.
 
     A source that would land outside the output folder (absolute, `..`, a symlink out) is
-    refused. Exit 1 when an item failed or a source was refused; the rest is written. A
-    batch id exports all its jobs.
+    refused. vlmq replaces only files it wrote itself (recorded with their sha256 in each
+    folder's .vlmq-written.json) and that are unchanged since; any other file there is
+    kept and listed, unless --overwrite. Exit 1 when an item failed, a source was refused
+    or a file was kept; the rest is written. A batch id exports all its jobs.
     """
     if (out_dir is None) == (sidecar_root is None):
         fail("error: give exactly one of --dir OUT and --sidecar ROOT", EXIT_BAD_INPUT)
@@ -61,9 +69,9 @@ def export_cmd(ctx: click.Context, job_ids: tuple[str, ...], out_dir: Path | Non
         root.mkdir(parents=True, exist_ok=True)
         for jobs in sets:
             report.merge(export_results(chain.from_iterable(j.results() for j in jobs),
-                                        root, fmt))
+                                        root, fmt, overwrite))
     print_report(report, root, as_json)
-    if report.failed or report.refused:
+    if report.failed or report.refused or report.kept:
         sys.exit(EXIT_FAILED)
 
 

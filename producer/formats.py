@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,17 @@ def _format(name: str, mimetype: str, *, several_jobs: bool, omits_failed: bool 
         return render
 
     return register
+
+
+# Characters that would end a Markdown heading or hide in it: C0 controls, DEL, C1 NEL and
+# the Unicode line and paragraph separators.
+_BREAKS = re.compile("[\x00-\x1f\x7f\x85\u2028\u2029]")
+
+
+def one_line(text: str) -> str:
+    """text with its control characters written as escapes (\\n, \\x00): a name from a
+    payload (a file name, a custom_id) stays on its heading's line and shows what it is."""
+    return _BREAKS.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
 def last_line(text: str) -> str:
@@ -172,9 +184,10 @@ def render_markdown(view: JobResults) -> str:
     parts.append(f"<!-- vlmq job {job.id}: {state}, {len(view.results)}/{job.items} "
                  "items -->\n")
     for index, item in enumerate(job.payload().items):
-        heading = item.source if item.page is None else f"{item.source} — page {item.page}"
+        source = one_line(item.source)
+        heading = source if item.page is None else f"{source} — page {item.page}"
         if item.custom_id is not None:
-            heading += f" ({item.custom_id})"
+            heading += f" ({one_line(item.custom_id)})"
         parts.append(f"## {heading}\n")
         parts.append(_md_section(by_index.get(index), state, error))
     return "\n".join(parts)

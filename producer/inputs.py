@@ -22,6 +22,7 @@ from typing import IO
 import pypdfium2 as pdfium
 from PIL import Image, UnidentifiedImageError
 
+from vlmq.producer.written import MANIFEST_MAX, MANIFEST_NAME, parse_manifest, written_by_vlmq
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import sha256_hex
 from vlmq.shared.errors import InputError
@@ -223,6 +224,11 @@ def _check_image(data: bytes | IO[bytes], source: str) -> None:
                 width, height = im.size
                 if width * height > limit:
                     raise InputError(source, f"{too_big}: {width}x{height}")
+                ratio = max(width, height) / max(1, min(width, height))
+                if ratio >= C.MAX_ASPECT_RATIO:  # the worker's vision processor refuses it
+                    raise InputError(source, f"image is {width}x{height}, an aspect ratio of "
+                                             f"{ratio:.1f}; the vision processor needs it "
+                                             f"under {C.MAX_ASPECT_RATIO}")
                 im.verify()  # checksums (PNG CRCs); cheap, no pixel decode
             with Image.open(_stream(data)) as im:
                 # JPEG can decode at 1/8 scale: still reads every byte, so a truncated file
@@ -423,20 +429,42 @@ def _expand_url(url: str, stores: Stores, recursive: bool) -> list[FoundFile]:
         raise InputError(url, f"is a prefix holding {len(entries)} object(s) "
                               "(pass --recursive to enqueue them)")
     head = f"{store.url}/"
-    names = {e.path for e in entries}
+    owned = _owned_in_listing(store, [e.path for e in entries])
     out = []
     for e in entries:
-        if is_sidecar_name(e.path, names):
+        if e.path in owned:
             continue
         full = head + e.path
         out.append(FoundFile(full, full[len(base) + 1:], base, f"{e.size}:{e.stamp}"))
     return out
 
 
-def is_sidecar_name(path: str, names: set[str]) -> bool:
-    """is_sidecar for a listing (an S3 prefix): the input is among `names`."""
-    base, ext = os.path.splitext(path)
-    return ext in SIDECAR_SUFFIXES and base in names
+def _owned_in_listing(store: Store, paths: list[str]) -> set[str]:
+    """is_sidecar for a listing (an S3 prefix, whose listing hides dot files): the files a
+    folder's manifest names (a folder exported with --sidecar, then copied to the bucket).
+    Only folders holding a candidate (photo.jpg.txt beside photo.jpg) are asked for theirs,
+    so a bucket of plain images costs no extra request."""
+    names = set(paths)
+    folders = sorted({p.rpartition("/")[0] for p in paths
+                      if os.path.splitext(p)[1] in SIDECAR_SUFFIXES
+                      and os.path.splitext(p)[0] in names})
+    owned: set[str] = set()
+    for folder in folders:
+        manifest = f"{folder}/{MANIFEST_NAME}" if folder else MANIFEST_NAME
+        try:
+            with store.open(manifest) as fh:
+                listed = parse_manifest(fh.read(MANIFEST_MAX + 1))
+        except StoreMissing:
+            continue
+        except (StoreError, OSError) as exc:
+            raise InputError(f"{store.url}/{manifest}", f"cannot read vlmq's manifest: {exc}"
+                             ) from exc
+        owned.update(f"{folder}/{n}" if folder else n for n in listed)
+    return owned
+
+
+# What `vlmq export --sidecar` writes next to an input (photo.jpg.txt, doc.pdf.md).
+SIDECAR_SUFFIXES = (".txt", ".md", ".json")
 
 
 def expand_sources(paths: Iterable[str | os.PathLike[str]], *, recursive: bool = False
@@ -455,6 +483,7 @@ def expand_sources(paths: Iterable[str | os.PathLike[str]], *, recursive: bool =
     out: list[FoundFile] = []
     errors: list[InputError] = []
     seen: set[str] = set()
+    manifests: dict[str, set[str]] = {}
 
     def add(name: str, source: str, root: str) -> None:
         key = os.path.realpath(name)
@@ -471,7 +500,7 @@ def expand_sources(paths: Iterable[str | os.PathLike[str]], *, recursive: bool =
                 errors.append(InputError(name, "folder has no files" if recursive else
                                          "folder has no files (pass --recursive to descend)"))
             for f in found:
-                if not is_sidecar(f):
+                if not is_sidecar(f, manifests):
                     add(f, Path(os.path.relpath(f, p)).as_posix(), name)
         elif p.exists() or not _GLOB_CHARS.search(name):
             add(name, *_own_name(name))  # a missing plain path is reported by check_file
@@ -482,20 +511,23 @@ def expand_sources(paths: Iterable[str | os.PathLike[str]], *, recursive: bool =
                 errors.append(InputError(name, "no files match this pattern"))
             base = _glob_base(name)
             for f in files:
-                if not is_sidecar(f):
+                if not is_sidecar(f, manifests):
                     add(f, Path(os.path.relpath(f, base)).as_posix(), base)
     return out, errors
 
 
-# What `vlmq export --sidecar` writes next to an input (photo.jpg.txt, doc.pdf.md).
-SIDECAR_SUFFIXES = (".txt", ".md", ".json")
-
-
-def is_sidecar(path: str) -> bool:
+def is_sidecar(path: str, seen: dict[str, set[str]] | None = None) -> bool:
     """vlmq's own output next to an input: skipped in folders and globs, so a folder
-    captioned with --sidecar can be enqueued (or scheduled) again as it is."""
-    base, ext = os.path.splitext(path)
-    return ext in SIDECAR_SUFFIXES and os.path.isfile(base)
+    captioned with --sidecar can be enqueued (or scheduled) again as it is.
+
+    Only files the folder's export manifest names count: a user's own photo.jpg.txt or
+    Takeout photo.jpg.json is a file like any other. `seen` caches each folder's names.
+    """
+    folder, name = os.path.split(path)
+    cache = {} if seen is None else seen
+    if folder not in cache:
+        cache[folder] = written_by_vlmq(folder)
+    return name in cache[folder]
 
 
 def _own_name(name: str) -> tuple[str, str]:
@@ -530,6 +562,18 @@ def _walk(folder: Path, recursive: bool) -> list[str]:
     return found
 
 
+def _check_name(found: FoundFile) -> None:
+    """A name that is not UTF-8 (bytes like \\xff\\xfe, which Python keeps as lone
+    surrogates) cannot travel in a JSON payload: refused here, named with its bad bytes
+    escaped, so --skip-bad skips that file rather than the payload check failing the set."""
+    for name in (found.path, found.source):
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = os.fsencode(found.path).decode("utf-8", "backslashreplace")
+            raise InputError(shown, "file name is not valid UTF-8; rename the file") from None
+
+
 def prepare(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
             recursive: bool = False, skip_bad: bool = False,
             stores: Stores | None = None,
@@ -556,6 +600,7 @@ def prepare(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
     for done, f in enumerate(found, start=1):
         name = f.path
         try:
+            _check_name(f)
             # Errors name the path as found; the item carries the relative source.
             checked = check_found(f, stores)
             page_list: list[int | None] = (

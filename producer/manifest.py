@@ -9,8 +9,9 @@ batches on the worker; every item carries its line's custom_id into its result.
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from vlmq.shared.errors import InputError, PayloadError
 OWN_FIELDS = ("custom_id", "task", "file", "pages")
 FIELDS = (*OWN_FIELDS, *(s.name for s in S.rows("manifest")))
 REQUIRED = ("custom_id", "task", "file")
+# A request is a few hundred bytes; a longer line is refused (naming it) unread.
+MAX_LINE_BYTES = 1024 * 1024
 
 
 class ManifestError(InputError):
@@ -107,6 +110,29 @@ def parse_line(number: int, text: str, base: Path) -> Request:
                    settings={k: v for k, v in settings.items() if v is not None})
 
 
+def _lines(manifest: Path) -> Iterator[tuple[int, str | None]]:
+    """(number, text) per line, None for a line over MAX_LINE_BYTES: read with a bounded
+    readline, so a 500 MB line costs at most MAX_LINE_BYTES of memory, never the line."""
+    try:
+        with manifest.open("rb") as fh:
+            for number in itertools.count(1):
+                raw = fh.readline(MAX_LINE_BYTES + 1)
+                if not raw:
+                    return
+                if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                    while (rest := fh.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                        pass  # the rest of the long line, a bounded piece at a time
+                    yield number, None
+                    continue
+                try:
+                    yield number, raw.decode("utf-8").rstrip("\r\n")
+                except UnicodeDecodeError as exc:
+                    raise InputError(str(manifest), f"cannot read the manifest: line {number} "
+                                                    f"is not UTF-8 ({exc})") from None
+    except OSError as exc:
+        raise InputError(str(manifest), f"cannot read the manifest: {exc}") from None
+
+
 def read_manifest(path: str | Path, base: JobOptions, *, skip_bad: bool = False,
                   job_size: int = JOB_ITEMS) -> tuple[list[Group], list[tuple[int, str]]]:
     """Check every line; returns the jobs to enqueue (at most `job_size` items each: more
@@ -116,14 +142,14 @@ def read_manifest(path: str | Path, base: JobOptions, *, skip_bad: bool = False,
     enqueued. Files are checked (type, pages) here, so the worker gets no surprises.
     """
     manifest = Path(path)
-    try:
-        text = manifest.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(str(path), f"cannot read the manifest: {exc}") from None
     groups: dict[tuple[Any, ...], Group] = {}
     errors: list[tuple[int, str]] = []
     seen: dict[str, int] = {}
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in _lines(manifest):
+        if line is None:
+            errors.append((number, f"is longer than the {MAX_LINE_BYTES}-byte limit for a "
+                                   "manifest line"))
+            continue
         if not line.strip():
             continue
         try:

@@ -16,8 +16,10 @@ import click
 
 from vlmq.producer import formats
 from vlmq.producer.batch import expand
-from vlmq.producer.client import Client, Job, WaitTimeout, wait_all
+from vlmq.producer.client import Client, Job, RedisUnreachable, WaitTimeout, wait_all
+from vlmq.producer.errors import JobNotFound
 from vlmq.producer.formats import FORMATS, JobResults, last_line
+from vlmq.shared import redis_checks
 from vlmq.shared.clitools import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -25,6 +27,9 @@ from vlmq.shared.clitools import (
     EXIT_TIMEOUT,
     fail,
 )
+
+# `vlmq wait --timeout S` reached S with Redis still unreachable (sysexits EX_UNAVAILABLE).
+EXIT_UNREACHABLE = 69
 
 
 def _client(ctx: click.Context) -> Client:
@@ -59,7 +64,7 @@ def _wait_line(row: Mapping[str, Any]) -> str:
 @click.command("wait")
 @click.argument("job_ids", nargs=-1, required=True)
 @click.option("--timeout", type=click.FloatRange(min=0), metavar="S",
-              help="Give up after S seconds (exit 124).")
+              help="Give up after S seconds (exit 124; 69 if Redis is unreachable then).")
 @click.option("--strict", is_flag=True,
               help="Also fail (exit 3) when a job finished with failed items.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
@@ -70,14 +75,23 @@ def wait_cmd(ctx: click.Context, job_ids: tuple[str, ...], timeout: float | None
     a batch id waits for every job of the batch.
 
     Exit codes: 0 every job finished; 1 a job failed, was canceled or is not found;
-    3 (--strict only) every job finished but some items failed; 124 timed out.
+    3 (--strict only) every job finished but some items failed; 124 timed out;
+    69 Redis still unreachable at --timeout (connection resets and failovers before it are
+    ridden out).
     """
     with _client(ctx) as client:
-        jobs = expand(client, job_ids)
+        seen = redis_checks.run_id(client.redis)
         try:
+            jobs = expand(client, job_ids)
             statuses = wait_all(jobs, timeout=timeout, progress=True)
+        except JobNotFound as exc:
+            # A job gone with a Redis restart is not a wrong id: say which it is.
+            why = redis_checks.lost_with_restart(client.redis, client.keys, exc.job_id, seen)
+            fail(f"error: {why or exc}", EXIT_FAILED)
         except WaitTimeout as exc:
             fail(f"{exc}{_unserved_hint(client, jobs, exc.statuses)}", EXIT_TIMEOUT)
+        except RedisUnreachable as exc:
+            fail(f"error: {exc}", EXIT_UNREACHABLE)
         rows = [_wait_row(job, statuses[job.id]) for job in jobs]
     click.echo(json.dumps(rows) if as_json else "\n".join(map(_wait_line, rows)))
     if any(row["status"] != "finished" for row in rows):

@@ -499,7 +499,8 @@ class ScheduleStore:
                 update["export_error"] = f"{type(exc).__name__}: {exc}"
                 log.warning("schedule %s: export of job %s failed: %s", name, job_id, exc)
             update.update(exported=len(report.written),
-                          refused=[s for s, _ in report.refused])
+                          refused=[s for s, _ in report.refused],
+                          kept=[str(k) for k in report.kept])
         self._update_run(name, job_id, update)
 
     def _update_run(self, name: str, job_id: str, update: dict[str, Any]) -> None:

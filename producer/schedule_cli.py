@@ -146,6 +146,8 @@ def _run_line(run: dict[str, Any]) -> str:
         parts.append(f"{len(run['bad'])} bad file(s)")
     if run.get("refused"):
         parts.append(f"{len(run['refused'])} output(s) refused")
+    if run.get("kept"):
+        parts.append(f"{len(run['kept'])} file(s) not written by vlmq left as they were")
     parts += [run[key] for key in ("error", "export_error") if run.get(key)]
     return " | ".join(parts)
 

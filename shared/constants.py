@@ -25,6 +25,9 @@ CRASH_RETRIES = 3
 
 # Decompression-bomb guard: Pillow's own default is ~89 Mpx; bulk OCR never needs more.
 MAX_IMAGE_PIXELS = 64_000_000
+# Longest side over shortest: Qwen-style vision processors (smart_resize) refuse 200 and
+# more, so an image (or PDF page) that far from square is refused before any work.
+MAX_ASPECT_RATIO = 200
 MAX_ITEMS_PER_JOB = 10_000
 MAX_PROMPT_CHARS = 20_000
 MAX_TOKENS_LIMIT = 32_768

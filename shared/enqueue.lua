@@ -45,6 +45,21 @@ end
 if not string.match(ARGV[8], '^%d%d%d%d%-%d%d%-%d%dT%d%d:%d%d:%d%d%.%d%d?%d?%d?%d?%d?Z$') then
   return redis.error_reply('now: must be UTC as %Y-%m-%dT%H:%M:%S.%fZ (1 to 6 fraction digits)')
 end
+do  -- a real time of day on a real date: the worker's strptime refuses month 13 or day 45
+  local y, mo, d, h, mi, sec = string.match(ARGV[8], '^(%d+)%-(%d+)%-(%d+)T(%d+):(%d+):(%d+)')
+  y, mo, d = tonumber(y), tonumber(mo), tonumber(d)
+  local leap = (y % 4 == 0 and y % 100 ~= 0) or y % 400 == 0
+  local days = ({31, leap and 29 or 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31})[mo]
+  if y < 1 or not days or d < 1 or d > days or tonumber(h) > 23 or tonumber(mi) > 59 or
+      tonumber(sec) > 59 then
+    return redis.error_reply('now: ' .. ARGV[8] .. ' is not a valid UTC date and time')
+  end
+end
+-- The description is vlmq's short summary (at most three sources of 4096 characters).
+local _, description_chars = string.gsub(ARGV[4], '[^\128-\191]', '')
+if description_chars > 16384 then
+  return redis.error_reply('description: is longer than 16384 characters')
+end
 if not string.match(ARGV[9], '^%d+$') or tonumber(ARGV[9]) > 10 then
   return redis.error_reply('retries_left: must be a whole number from 0 to 10')
 end
@@ -210,6 +225,7 @@ local function ref_path_problem(p)
   return nil
 end
 local blobs = {}
+local blob_order = {}  -- first use first: a missing blob is named by its first item
 for i, item in ipairs(items) do
   local at = 'items[' .. (i - 1) .. ']'
   if type(item) ~= 'table' or is_array(item) and #item > 0 then
@@ -257,7 +273,10 @@ for i, item in ipairs(items) do
     if not is_sha256(item.blob) then
       return redis.error_reply(at .. '.blob: must be a lowercase hex sha256 (64 characters)')
     end
-    blobs[item.blob] = at
+    if not blobs[item.blob] then
+      blobs[item.blob] = at
+      blob_order[#blob_order + 1] = item.blob
+    end
   end
   if item.kind == 'pdf' then
     if not is_int(item.page, 1, 1000000) then
@@ -266,15 +285,25 @@ for i, item in ipairs(items) do
   elseif item.page ~= nil and item.page ~= cjson.null then
     return redis.error_reply(at .. '.page: is only allowed on pdf items')
   end
+  if item.source ~= nil and (type(item.source) ~= 'string' or utf8_len(item.source) > 4096) then
+    return redis.error_reply(at .. '.source: must be a string of at most 4096 characters')
+  end
   if item.custom_id ~= nil and item.custom_id ~= cjson.null and
       (type(item.custom_id) ~= 'string' or utf8_len(item.custom_id) > 256) then
     return redis.error_reply(at .. '.custom_id: must be a string of at most 256 characters')
   end
 end
-for sha, at in pairs(blobs) do
-  if redis.call('EXISTS', prefix .. ':blob:' .. sha) == 0 then
-    return redis.error_reply(at .. '.blob: no blob ' .. prefix .. ':blob:' .. sha ..
+for _, sha in ipairs(blob_order) do
+  local at, key = blobs[sha], prefix .. ':blob:' .. sha
+  if redis.call('EXISTS', key) == 0 then
+    return redis.error_reply(at .. '.blob: no blob ' .. key ..
       ' (upload it first, SET NX with a TTL)')
+  end
+  -- As shared/blobs.py's upload check (BLOB_MAX_BYTES): the worker reads a blob whole.
+  local size = redis.call('STRLEN', key)
+  if size > 67108864 then
+    return redis.error_reply(at .. '.blob: ' .. key .. ' holds ' .. size ..
+      ' bytes, over the 67108864-byte (64 MiB) limit for a blob')
   end
 end
 

@@ -115,6 +115,12 @@ class Keys:
         """Stream: the batch's one terminal event (end_job.lua writes it)."""
         return f"{self.prefix}:batch:{batch_id}:events"
 
+    @property
+    def redis_restart(self) -> str:
+        """Hash a worker leaves in a Redis that restarted empty: when, and which jobs it
+        lost with it, so `vlmq wait` can say why a job is gone."""
+        return f"{self.prefix}:redis:restart"
+
     def worker_stats(self, name: str) -> str:
         """Hash of one worker's live stats; expires when the worker stops refreshing it."""
         return f"{self.prefix}:worker:{name}:stats"

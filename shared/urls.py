@@ -10,10 +10,10 @@ import re
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 MASK = "***"
-_SECRET_PARAMS = frozenset({"password", "pass", "pwd", "auth"})
+_SECRET_PARAMS = frozenset({"password", "pass", "pwd", "auth", "sentinel_password"})
 # Fallback for text urlsplit cannot parse: mask userinfo passwords and password params.
 _USERINFO_RE = re.compile(r"(//[^/@:]*):[^@]*@")
-_PARAM_RE = re.compile(r"(?i)\b(password|pass|pwd|auth)=[^&#\s]*")
+_PARAM_RE = re.compile(r"(?i)\b(sentinel_password|password|pass|pwd|auth)=[^&#\s]*")
 
 
 def redact_url(url: str) -> str:

@@ -143,7 +143,7 @@ def test_bad_requests_get_a_clear_page(redis_url: str, redis: Redis, data: Datas
         "/jobs/%3Cscript%3E": (400, "not a valid job id"),
         "/jobs/" + "a" * 200: (400, "not a valid job id"),
         f"/jobs/{data.finished}?item=7": (404, "has no item"),
-        f"/jobs/{data.finished}?item=-1": (404, "has no item"),
+        f"/jobs/{data.finished}?item=-1": (400, "not an item number"),
         f"/jobs/{data.finished}/items/9.png": (404, "has no item 9"),
         f"/jobs/{data.finished}/download.exe": (404, "no download format"),
         "/nothing-here": (404, "Not Found"),

@@ -11,6 +11,7 @@ import pytest
 from redis import Redis
 
 from vlmq.producer.export import UnsafeSource, export_results, target_path
+from vlmq.producer.written import MANIFEST_NAME
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.jobs import enqueue
 from vlmq.shared.keys import Keys
@@ -54,7 +55,8 @@ def test_export_mirrors_the_tree_and_writes_sidecars(
     out_dir = tmp_path / "out"
     res = _vlmq(redis_url, "export", ocr, cap, "--dir", str(out_dir))
     assert res.returncode == 0, res.stderr
-    written = sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if p.is_file())
+    written = sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*")
+                     if p.is_file() and p.name != MANIFEST_NAME)
     assert written == ["day1/img0.png.txt", "day1/img1.png.txt", "day2/img0.png.txt",
                        "day2/img1.png.txt", "docs/report.pdf.md"]
     doc = (out_dir / "docs" / "report.pdf.md").read_text()
@@ -68,11 +70,16 @@ def test_export_mirrors_the_tree_and_writes_sidecars(
     one = json.loads((tmp_path / "js" / "day1" / "img0.png.json").read_text())
     assert one["source"] == "day1/img0.png" and one["text"] == texts["day1/img0.png"]
 
-    res = _vlmq(redis_url, "export", cap, "--sidecar", str(tree / "photos"))
-    assert res.returncode == 0, res.stderr
+    notes = tree / "photos" / "day1" / "img0.png.txt"
+    notes.write_text("MY OWN NOTES")  # the user's own file where a sidecar would go
+    res = _vlmq(redis_url, "export", cap, "--sidecar", str(tree / "photos"), check=False)
+    assert res.returncode == 1 and f"kept {notes}" in res.stderr, res.stderr
+    assert notes.read_text() == "MY OWN NOTES"
     assert (tree / "photos" / "day1" / "img1.png.txt").read_text() == \
         texts["day1/img1.png"] + "\n"
-    assert "wrote 4 file(s)" in res.stdout
+    assert "wrote 3 file(s)" in res.stdout
+    res = _vlmq(redis_url, "export", cap, "--sidecar", str(tree / "photos"), "--overwrite")
+    assert "wrote 4 file(s)" in res.stdout and notes.read_text() == texts["day1/img0.png"] + "\n"
 
     res = _vlmq(redis_url, "export", crafted, "--dir", str(out_dir / "deep" / "er"),
                 check=False)

@@ -149,7 +149,10 @@ INPUT_CASES = [
     Case("image: PNG header claiming 9000x9000 (81 Mpx)", "item", "over the limit",
          _item_job("image", _png_claiming(9000, 9000))),
     Case("image: 1x1 pixel", "item", "", _item_job("image", _png((1, 1)))),
-    Case("image: 4000x1 sliver", "item", "", _item_job("image", _png((4000, 1)))),
+    # Refused on its own ratio, whatever max_side would shrink it to (issue 16).
+    Case("image: 4000x1 sliver", "item", "an aspect ratio of 4000.0",
+         _item_job("image", _png((4000, 1)))),
+    Case("image: 150x1 sliver", "item", "", _item_job("image", _png((150, 1)))),
     Case("image: 16-bit grey", "item", "", _item_job("image", _png((48, 48), "I;16"))),
     Case("image: CMYK JPEG", "item", "", _item_job("image", _encoded("JPEG", "CMYK"))),
     Case("image: GIF", "item", "", _item_job("image", _encoded("GIF"))),

@@ -108,6 +108,9 @@ def _split_queues(values: tuple[str, ...]) -> list[str]:
               help="BLAS for MLX's CPU matmuls on Linux: auto (system OpenBLAS, else the "
                    "wheel copy), reference (the slow one mlx[cpu] links) or a library path "
                    "(default: $VLMQ_BLAS, else auto).")
+@click.option("--allow-eviction", is_flag=True,
+              help="Run even though Redis's maxmemory-policy may evict keys (a warning "
+                   "still says what that loses); also $VLMQ_ALLOW_EVICTION=1.")
 @store_option
 @click.pass_context
 def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burst: bool,
@@ -119,7 +122,7 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burs
                result_cache_ttl: int, result_cache_mb: float, with_scheduler: bool,
                render_mem_mb: int, render_timeout: float, render_procs: int | None,
                max_kv_tokens: int | None, poison_kills: int,
-               blas_choice: str | None, stores: Stores) -> None:
+               blas_choice: str | None, allow_eviction: bool, stores: Stores) -> None:
     """Serve jobs with one loaded model and a continuous batcher.
 
     Items from every job in flight share one batch; each result is written the moment it
@@ -160,6 +163,7 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burs
         max_kv_tokens=max_kv_tokens,
         poison_kills=poison_kills,
         blas=blas_choice,
+        allow_eviction=allow_eviction or None,
         stores=stores,
     )
     if not with_scheduler:

@@ -18,6 +18,7 @@ before RQ's cleanup of abandoned jobs) reads it:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,7 +28,6 @@ from redis.exceptions import RedisError
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
-from rq.utils import current_timestamp
 
 from vlmq.shared import constants as C
 from vlmq.shared.jobs import fail_job
@@ -41,19 +41,50 @@ RISK_TTL_S = C.FAILURE_TTL_S  # outlives any reclaim; deleted as soon as the ste
 
 
 class RiskLog:
-    """Marks item steps that could kill this process (thread-safe: one Redis per call)."""
+    """Marks item steps that could kill this process (thread-safe: one Redis per call).
+
+    A record whose deletion failed (the connection was reset as its step ended) is kept in
+    memory and deleted at the next step or `flush()`, as soon as Redis answers again. Left
+    in Redis, it would charge its job if this worker died later in unrelated work.
+    """
 
     def __init__(self, redis: Redis, keys: Keys, worker: str) -> None:
         self.redis = redis
         self.keys = keys
         self.worker = worker
+        self._uncleared: set[tuple[str, str]] = set()  # (risk key, index) left in Redis
+        self._lock = threading.Lock()
+
+    @property
+    def uncleared(self) -> int:
+        """Records this worker could not delete yet."""
+        with self._lock:
+            return len(self._uncleared)
+
+    def flush(self) -> None:
+        """Delete the records left by steps that ended while Redis was unreachable; the
+        worker calls it after each heartbeat. Raises RedisError while Redis is still away."""
+        with self._lock:
+            pending = list(self._uncleared)
+        if not pending:
+            return
+        with self.redis.pipeline(transaction=False) as pipe:
+            for key, index in pending:
+                pipe.hdel(key, index)
+            pipe.execute()
+        with self._lock:
+            self._uncleared.difference_update(pending)
+        log.info("%d risk record(s) left by a Redis outage cleared", len(pending))
 
     @contextmanager
     def step(self, job_id: str, index: int, what: str) -> Iterator[None]:
-        key = self.keys.job_risk(job_id)
+        key, field = self.keys.job_risk(job_id), str(index)
+        with self._lock:
+            self._uncleared.discard((key, field))  # rewritten now, deleted when this ends
         try:
+            self.flush()
             with self.redis.pipeline(transaction=False) as pipe:
-                pipe.hset(key, str(index), f"{self.worker}|{what}|{time.time():.0f}")
+                pipe.hset(key, field, f"{self.worker}|{what}|{time.time():.0f}")
                 pipe.expire(key, RISK_TTL_S)
                 pipe.execute()
         except RedisError as exc:  # Redis down: the work goes on, unattributed if it kills
@@ -62,22 +93,32 @@ class RiskLog:
             yield
         finally:
             try:
-                self.redis.hdel(key, str(index))
-            except RedisError as exc:  # the record outlives us: at worst a job is charged
-                log.warning("job %s item %d: risk record not cleared (%s)", job_id, index, exc)
+                self.redis.hdel(key, field)
+            except RedisError as exc:  # deleted at the next step or flush, once Redis is back
+                with self._lock:
+                    self._uncleared.add((key, field))
+                log.warning("job %s item %d: risk record not cleared yet (%s)", job_id, index,
+                            exc)
 
 
-def reclaim(redis: Redis, keys: Keys, queue: Queue, *, poison_kills: int) -> None:
+def reclaim(redis: Redis, keys: Keys, queue: Queue, *, poison_kills: int,
+            at: float | None = None) -> None:
     """Attribute the abandoned jobs of `queue` before RQ's cleanup handles them.
+
+    `at` is the cutoff, Redis's time (TIME) by default: never this machine's clock, which
+    may run ahead of the workers whose heartbeats scored the registry.
 
     Runs under the queue's maintenance lock (taken here; skipped when another worker holds
     it), so two workers never reclaim the same job.
     """
+    if at is None:
+        secs, micros = redis.time()
+        at = int(secs) + int(micros) / 1e6
     if not queue.acquire_maintenance_lock():
         return
     try:
         registry = queue.started_job_registry
-        expired = [str(j) for j in registry.get_expired_job_ids(current_timestamp())]
+        expired = [str(j) for j in registry.get_expired_job_ids(at)]
         culprits = _culprit_workers(redis, keys, expired)
         for job_id in expired:
             _attribute(redis, keys, job_id, poison_kills, culprits)

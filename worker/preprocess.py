@@ -100,6 +100,7 @@ def decode_image(data: bytes, max_side: int | None) -> Image.Image:
         if w * h > C.MAX_IMAGE_PIXELS:
             raise PreprocessError(f"image is {w}x{h} = {w * h} pixels, over the limit of "
                                   f"{C.MAX_IMAGE_PIXELS} (decompression bomb guard)")
+        check_aspect(w, h, "image")
         if max_side is not None and im.format == "JPEG" and max(w, h) > 2 * max_side:
             # Let libjpeg decode at 1/2, 1/4 or 1/8 scale; the result is still >= target.
             s = max_side / max(w, h)
@@ -111,6 +112,25 @@ def decode_image(data: bytes, max_side: int | None) -> Image.Image:
         except (OSError, SyntaxError, ValueError, EOFError) as exc:
             raise PreprocessError(f"corrupt or truncated image ({exc})") from exc
     return _bound(rgb, max_side)
+
+
+def aspect_problem(w: float, h: float, what: str) -> str | None:
+    """Why a w x h input is too far from square for the vision processors, or None.
+
+    Measured on the input as given: the processor's own message measures the image after
+    max_side resizing (60000x1 becomes 2048x1), so its figure misleads.
+    """
+    ratio = max(w, h) / min(w, h)
+    if ratio < C.MAX_ASPECT_RATIO:
+        return None
+    return (f"{what} is {w:g}x{h:g}, an aspect ratio of {ratio:.1f}; the vision processor "
+            f"needs it under {C.MAX_ASPECT_RATIO}")
+
+
+def check_aspect(w: float, h: float, what: str) -> None:
+    problem = aspect_problem(w, h, what)
+    if problem is not None:
+        raise PreprocessError(problem)
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:

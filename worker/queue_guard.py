@@ -2,7 +2,8 @@
 
 Anything can be pushed onto an RQ queue list: bytes that are not UTF-8 (RQ's dequeue
 raises UnicodeDecodeError and the worker dies), an id RQ splits at ':' into another job's
-id, a hash without `data` (RQ skips it and the job stays queued forever), `data` that
+id, a hash without `data` (RQ skips it and the job stays queued forever), an id whose hash
+is gone (evicted, or lost with a Redis restart: RQ skips it without a word), `data` that
 inflates to a gigabyte (RQ inflates it unbounded inside Job.fetch), JSON nested past the
 parser's recursion limit. `inspect` finds each of these from raw Redis reads, with every
 read bounded; the worker then dead-letters the entry with its reason, fails the job where
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 _JSON_FIELDS = ("meta", "result", "webhooks", "dependency_ids")
 # A real job hash is a few KB plus its data; anything far past the data cap is hostile.
 MAX_HASH_BYTES = 2 * C.MAX_FIELD_BYTES + 1024 * 1024
+MISSING_HASH = ("its job hash is gone (evicted by a Redis whose maxmemory-policy is not "
+                "noeviction, lost with a Redis restart, or deleted by hand): the job is lost")
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,9 @@ def inspect(conn: Redis, raw: bytes | str) -> Verdict:
         pipe.hstrlen(key, "data")
         exists, size, data_len = pipe.execute()
     if not exists:
-        return Verdict(job_id, None)  # deleted meanwhile: RQ skips it, and so do we
+        # RQ would skip it without a word; on an evicting or restarted Redis that hides
+        # a lost job, so it is dead-lettered and logged (no hash to fail).
+        return Verdict(job_id, MISSING_HASH)
     if size is not None and int(size) > MAX_HASH_BYTES:
         return Verdict(job_id, f"job hash is {size} bytes, over the "
                                f"{MAX_HASH_BYTES // (1024 * 1024)} MiB limit", True)

@@ -17,21 +17,31 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 from redis.client import Pipeline
 from redis.exceptions import WatchError
 from rq import Queue
 from rq.exceptions import NoSuchJobError
-from rq.executions import Execution
+from rq.executions import Execution, ExecutionRegistry
 from rq.job import Job, JobStatus
+from rq.registry import (
+    DeferredJobRegistry,
+    FailedJobRegistry,
+    FinishedJobRegistry,
+    ReadyJobRegistry,
+    StartedJobRegistry,
+)
 from rq.results import Result
 from rq.serializers import JSONSerializer, resolve_serializer
 from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
+from rq.worker_registration import clean_worker_registry
 
 from vlmq.shared import constants as C
 from vlmq.shared import results as R
+from vlmq.shared.connection import RedisClock
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.jobs import UNREADABLE_HASH_ERRORS, fail_job, payload_of
 from vlmq.shared.keys import Keys
@@ -54,6 +64,8 @@ INCOMPLETE = "item results missing"
 # Why a STARTED job is not ours when its owner key is gone (it expired while this worker
 # stalled far past its heartbeat TTL, and nobody took the job).
 ORPHANED = "its owner key expired; RQ requeues it once its heartbeat TTL has passed"
+# At start the worker warns when its clock and Redis's differ by more than this.
+CLOCK_WARN_S = 2.0
 
 
 class BatchWorker(SimpleWorker):
@@ -140,6 +152,8 @@ class JobLifecycle:
         self.keys = keys if keys is not None else Keys.from_env()
         self.poison_kills = poison_kills
         self.connection = worker.connection
+        # Every expiry and takeover decision uses Redis's clock, never this machine's.
+        self.clock = RedisClock(self.connection)
         # Priority order: take() drains the first queue before looking at the next.
         self.queues: list[Queue] = list(queues) if queues is not None else list(worker.queues)
         for q in self.queues:
@@ -159,6 +173,12 @@ class JobLifecycle:
     # --- worker registration -------------------------------------------------------------
 
     def register_birth(self) -> None:
+        """Register the worker, and warn when this machine's clock is off Redis's."""
+        self.clock.measure()
+        if abs(self.clock.offset) > CLOCK_WARN_S:
+            log.warning("this machine's clock is %+.1f s off Redis's (TIME); vlmq times "
+                        "heartbeats and expiries by Redis, but fix the clock (NTP): logs "
+                        "and RQ's own timestamps use it", -self.clock.offset)
         self.worker.register_birth()  # type: ignore[no-untyped-call]  # untyped in RQ
         self.worker.set_state(WorkerStatus.IDLE)
 
@@ -183,21 +203,47 @@ class JobLifecycle:
         """
         if not self.worker.should_run_maintenance_tasks:
             return
-        expired = {q.name: q.started_job_registry.get_expired_job_ids() for q in self.queues}
+        at = self.clock.measure()  # "expired" means by Redis's clock, for every worker alike
+        expired = {q.name: q.started_job_registry.get_expired_job_ids(at) for q in self.queues}
         for queue in self.queues:
             guard.scrub_intermediate(self.connection, self.keys, queue, self.worker.name)
             # Dead workers' jobs: charge the one in risky work, spare the others' retries.
-            poison.reclaim(self.connection, self.keys, queue, poison_kills=self.poison_kills)
+            poison.reclaim(self.connection, self.keys, queue, poison_kills=self.poison_kills,
+                           at=at)
         try:
-            self.worker.run_maintenance_tasks()  # type: ignore[no-untyped-call]
+            self._clean_registries(at)
         except (*UNREADABLE_HASH_ERRORS, NoSuchJobError, RecursionError):
             # RQ's cleanup fetches every job it finds; one unreadable hash (e.g. a timeout
             # of "86400.0" from a hand-written producer) must not stop this worker.
             log.exception("RQ registry maintenance failed on an unreadable job; skipped")
-            for queue in self.queues:
-                queue.release_maintenance_lock()  # type: ignore[no-untyped-call]
-            self.worker.last_cleaned_at = now()  # type: ignore[assignment]  # retry next interval
+        self.worker.last_cleaned_at = now()  # type: ignore[assignment]  # next run in an interval
         self._end_abandoned(expired)
+
+    def _clean_registries(self, at: float) -> None:
+        """RQ's Worker.clean_registries, with Redis's time `at` as the cutoff.
+
+        RQ's own version cuts at this machine's clock: a worker running ahead would fail or
+        requeue every other worker's live jobs as abandoned. Each queue is cleaned under
+        its maintenance lock, released whatever happens.
+        """
+        worker = self.worker
+        for queue in self.queues:
+            if not queue.acquire_maintenance_lock():
+                continue
+            try:
+                args: dict[str, Any] = {"name": queue.name, "connection": self.connection,
+                                        "job_class": queue.job_class,
+                                        "serializer": queue.serializer}
+                FinishedJobRegistry(**args).cleanup(at)
+                StartedJobRegistry(**args).cleanup(at, exception_handlers=worker._exc_handlers)
+                FailedJobRegistry(**args).cleanup(at)
+                DeferredJobRegistry(**args).cleanup()
+                ReadyJobRegistry(**args).cleanup()
+                clean_worker_registry(queue)
+                queue.intermediate_queue.cleanup(worker, queue)
+            finally:
+                queue.release_maintenance_lock()  # type: ignore[no-untyped-call]
+        worker.clean_group_registries()  # type: ignore[no-untyped-call]
 
     def _end_abandoned(self, expired: Mapping[str, Sequence[str]]) -> None:
         """The terminal event of each job RQ's cleanup failed as abandoned (its worker
@@ -291,8 +337,9 @@ class JobLifecycle:
                 status = pipe.hget(job.key, "status")
                 if status is not None and as_str(status) != JobStatus.QUEUED.value:
                     raise _Stale(as_str(status))
+                at = self.clock.measure(pipe)  # immediate: the pipeline is watching
                 pipe.multi()
-                execution = self._queue_start(pipe, job, queue)
+                execution = self._queue_start(pipe, job, queue, at)
                 pipe.execute()
             except (_Stale, WatchError) as exc:
                 pipe.reset()
@@ -304,17 +351,18 @@ class JobLifecycle:
         worker.executions[execution.id] = execution
         return execution
 
-    def _queue_start(self, pipe: Pipeline, job: Job, queue: Queue) -> Execution:
+    def _queue_start(self, pipe: Pipeline, job: Job, queue: Queue, at: float) -> Execution:
         worker = self.worker
         if job.origin != queue.name:
             # A hand-written hash without origin would land in the wrong registries.
             log.warning("job %s: origin %r repaired to %r", job.id, job.origin, queue.name)
             job.origin = queue.name
             pipe.hset(job.key, "origin", queue.name)
-        execution = Execution.create(job, worker.get_heartbeat_ttl(job), pipeline=pipe,
-                                     worker_name=worker.name)
+        ttl = worker.get_heartbeat_ttl(job)
+        execution = Execution.create(job, ttl, pipeline=pipe, worker_name=worker.name)
+        _rescore(pipe, queue, execution, ttl, at)
         job.prepare_for_execution(worker.name, pipe)
-        pipe.hsetnx(job.key, C.FIRST_STARTED_FIELD, f"{time.time():.3f}")
+        pipe.hsetnx(job.key, C.FIRST_STARTED_FIELD, f"{at:.3f}")
         # The fence: from here on only this execution writes for the job (see _owned).
         pipe.set(self.keys.job_owner(str(job.id)), self._token(execution), ex=self._owner_ttl)
         pipe.hdel(job.key, R.END_FIELD)  # a new run gets its own terminal event
@@ -409,6 +457,8 @@ class JobLifecycle:
         batch = list(running)
         worker = self.worker
         watched = [k for r in batch for k in (r.job.key, self.keys.job_owner(r.job_id))]
+        at = self.clock.measure()
+        stamp = datetime.fromtimestamp(at, timezone.utc)
         with self.connection.pipeline() as pipe:
             while True:
                 try:
@@ -423,7 +473,8 @@ class JobLifecycle:
                             continue
                         ttl = worker.get_heartbeat_ttl(r.job)
                         r.execution.heartbeat(r.queue.started_job_registry, ttl, pipeline=pipe)
-                        r.job.heartbeat(now(), ttl, pipeline=pipe)
+                        _rescore(pipe, r.queue, r.execution, ttl, at)
+                        r.job.heartbeat(stamp, ttl, pipeline=pipe)
                         pipe.expire(self.keys.job_owner(r.job_id), self._owner_ttl)
                     results = pipe.execute()
                     break
@@ -494,6 +545,9 @@ class JobLifecycle:
                               execution_started_at=running.execution.created_at,
                               execution_ended_at=job.ended_at)
                 job.finished_job_registry.add(job, result_ttl, pipe)
+                if result_ttl > 0:  # RQ scored it by this machine's clock
+                    pipe.zadd(job.finished_job_registry.key,
+                              {str(job.id): self.clock.now() + result_ttl}, xx=True)
             job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
             self._close(pipe, running.job, running.execution)
             R.end_job_event(self.connection, self.keys, running.job_id, "finished",
@@ -580,6 +634,21 @@ class JobLifecycle:
     def _after_end(self) -> None:
         if not self.worker.executions:
             self.worker.set_state(WorkerStatus.IDLE)
+
+
+def _rescore(pipe: Pipeline, queue: Queue, execution: Execution, ttl: int, at: float) -> None:
+    """Score the execution's registry entries from Redis's time `at`.
+
+    RQ's Execution.create and Execution.heartbeat score them now + ttl by this machine's
+    clock; the same entries (ZADD XX, in the same transaction) get Redis's time instead, so
+    a worker whose clock runs behind does not look dead to the others.
+    """
+    if ttl < 0:
+        return
+    pipe.zadd(queue.started_job_registry.key, {execution.composite_key: at + ttl}, xx=True)
+    # RQ keeps a job's own executions 60 s past the TTL.
+    pipe.zadd(ExecutionRegistry(job_id=execution.job_id, connection=pipe).key,
+              {execution.id: at + ttl + 60}, xx=True)
 
 
 def _why_not_ours(status: Any, owner: Any, token: str) -> str | None:

@@ -27,7 +27,9 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue
 from rq.serializers import JSONSerializer
+from rq.worker import WorkerStatus
 
+from vlmq.shared import redis_checks
 from vlmq.shared import results as R
 from vlmq.shared.connection import connect, transient
 from vlmq.shared.keys import Keys
@@ -59,6 +61,7 @@ from vlmq.worker.vision_cache import VisionCache
 log = logging.getLogger("vlmq.worker")
 
 REDIS_RETRY_S = 1.0
+RESTART_CHECK_S = 0.5  # how often the loop compares Redis's run_id with the one at start
 T = TypeVar("T")
 
 
@@ -91,6 +94,7 @@ class WorkerConfig:
     max_kv_tokens: int | None = None  # None: derived from the model and machine memory
     poison_kills: int = DEFAULT_POISON_KILLS  # worker deaths a job may cause before it fails
     blas: str | None = None  # auto | reference | a library path; None: $VLMQ_BLAS, else auto
+    allow_eviction: bool | None = None  # None: $VLMQ_ALLOW_EVICTION
     # The stores referenced items are read from (machine configuration, --store).
     stores: Stores = field(default_factory=Stores)
     keys: Keys = field(default_factory=Keys.from_env)
@@ -123,6 +127,8 @@ class WorkerService:
         self._queues_empty = False
         self._next_heartbeat = self._next_stats = 0.0
         self.stats = WorkerStats(cfg.name, cfg.max_batch, cfg.prep_window)
+        self._restarts: redis_checks.RestartWatch | None = None
+        self._next_restart_check = 0.0
 
     # --- signals -------------------------------------------------------------------------
 
@@ -174,6 +180,9 @@ class WorkerService:
             self.redis.ping()
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             return f"cannot reach Redis at {redact_url(self.cfg.redis_url)}: {exc}"
+        problem = self._check_redis()
+        if problem:
+            return problem
         key = Keys.rq_worker(self.cfg.name)
         if self.redis.exists(key) and not self.redis.hexists(key, "death"):
             return (f"a worker named {self.cfg.name!r} is already registered in Redis; pick "
@@ -187,6 +196,62 @@ class WorkerService:
             except OSError as exc:
                 return f"cannot write to cache dir {self.cfg.cache_dir}: {exc}"
         return None
+
+    def _check_redis(self) -> str | None:
+        """Eviction refused (unless allowed), persistence warned about, run_id noted."""
+        try:
+            warning = redis_checks.check_eviction(self.redis, self.cfg.allow_eviction)
+        except redis_checks.EvictionRefused as exc:
+            return f"refusing to start: {exc}"
+        for message in (warning, redis_checks.persistence_warning(self.redis)):
+            if message:
+                log.warning("%s", message)
+        self._restarts = redis_checks.RestartWatch(self.redis)
+        return None
+
+    def _watch_restart(self, lifecycle: JobLifecycle, engine: Engine,
+                       cache: VisionCache) -> None:
+        """A Redis that restarted (run_id changed) may have come back empty: say so for each
+        job in flight whose hash is gone, forget those, and register this worker again. A
+        Redis restored from AOF or RDB keeps its jobs, and they run on."""
+        now = time.monotonic()
+        # Every turn while jobs run: a result flushed to the new Redis would be dropped as
+        # "deleted" before a slower check said why.
+        if self._restarts is None or (not self.scheduler.jobs
+                                      and now < self._next_restart_check):
+            return
+        self._next_restart_check = now + RESTART_CHECK_S
+        old = self._restarts.changed()
+        if old is None:
+            return
+        new = self._restarts.run_id
+        states = list(self.scheduler.jobs.values())
+        with self.redis.pipeline(transaction=False) as pipe:
+            for state in states:
+                pipe.exists(state.job.key)
+            kept = pipe.execute()
+        lost = [state for state, there in zip(states, kept, strict=True) if not there]
+        log.error("Redis restarted (run_id %s -> %s): %d of %d job(s) in flight here were "
+                  "lost with it", old[:8], new[:8], len(lost), len(states))
+        for state in lost:
+            log.error("job %s lost with the Redis restart (its hash, queue entry and "
+                      "results are gone): enqueue it again", state.job_id)
+            self._writer.drop(state, "lost with the Redis restart")
+        redis_checks.record_restart(self.redis, self.cfg.keys, old, new, self.cfg.name,
+                                    [s.job_id for s in lost])
+        # The heartbeat may have recreated a partial worker hash: register from scratch.
+        self.redis.delete(lifecycle.worker.key)
+        lifecycle.register_birth()
+        if self.scheduler.jobs:
+            lifecycle.worker.set_state(WorkerStatus.BUSY)
+        self.stats.publish(self.redis, self.cfg.keys, engine.state, cache,
+                           len(self.scheduler), self._in_prep)
+        log.info("worker %s registered again after the Redis restart", self.cfg.name)
+        problem = self._check_redis()
+        if problem:  # the new Redis evicts: stop as a fresh start would refuse to run
+            log.error("%s; stopping", problem)
+            self.stop_requested = True
+            self.deadline = now + self.cfg.grace_s
 
     def _serve(self, engine: Engine) -> int:
         cfg = self.cfg
@@ -278,6 +343,7 @@ class WorkerService:
                     log.warning("Redis unavailable (%s) past the grace period: stopping", why)
                     return
                 log.warning("Redis unavailable (%s); retrying in %.0f s", why, REDIS_RETRY_S)
+                self._next_restart_check = 0.0  # a restart breaks connections: look first
                 time.sleep(REDIS_RETRY_S)
 
     def _iterate(self, engine: Engine, preparer: Preparer, lifecycle: JobLifecycle,
@@ -285,6 +351,7 @@ class WorkerService:
         """One turn of the main loop; True when the worker should stop."""
         cfg = self.cfg
         now = time.monotonic()
+        self._watch_restart(lifecycle, engine, cache)
         if not self.stop_requested:
             self._queues_empty = self._pull_jobs(lifecycle, preparer)
             self._schedule(engine, preparer)
@@ -381,6 +448,8 @@ class WorkerService:
         """Keep every owned job alive in RQ; drop jobs lost or past their timeout."""
         states = list(self.scheduler.jobs.values())
         self._drop(lifecycle.heartbeat(states))
+        if self._preparer.risk is not None:
+            self._preparer.risk.flush()  # records a connection reset left behind
         for state in states:
             if state.job_id in self.scheduler.jobs and state.timed_out():
                 done = state.already_done + state.finished_here

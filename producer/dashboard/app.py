@@ -3,12 +3,15 @@
 Read-only unless built with allow_actions: every view reads Redis, and only the two
 POST routes (cancel, retry failed items) write, through the same Client calls as the
 CLI, behind a per-process CSRF token. Job data is read as JSON only, never unpickled.
+Only allowed Host names are answered and POSTs must come from an allowed Origin
+(trust.py: DNS rebinding); an optional token login guards dashboards bound to a LAN.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +26,7 @@ from werkzeug.wrappers import Response as BaseResponse
 
 from vlmq.producer import manage
 from vlmq.producer.client import Client, Job
-from vlmq.producer.dashboard import data, markup
+from vlmq.producer.dashboard import data, markup, trust
 from vlmq.producer.dashboard.render import PreviewCache, RenderError
 from vlmq.producer.errors import JobNotFound
 from vlmq.producer.formats import FORMATS, JobResults
@@ -39,6 +42,9 @@ log = logging.getLogger("vlmq.dashboard")
 REFRESH_S = 3
 JOBS_LIMIT = 200
 ITEMS_PER_PAGE = 100  # rows of a job's item table shown at once (a PDF may have thousands)
+ITEM_RE = re.compile(r"[0-9]{1,12}")  # ASCII digits only: '²' passes str.isdigit()
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 9191
 # No script at all, nothing from elsewhere: a hostile model output cannot run or load.
 CSP = ("default-src 'none'; img-src 'self'; style-src 'self'; form-action 'self'; "
        "base-uri 'none'; frame-ancestors 'none'")
@@ -49,6 +55,10 @@ class Settings:
     redis_url: str
     allow_actions: bool = False
     prefix: str | None = None
+    host: str = DEFAULT_HOST  # the address served on (its name is answered)
+    port: int = DEFAULT_PORT
+    allowed_hosts: tuple[str, ...] = ()  # more names it is reached by (--allowed-host)
+    auth_token: str | None = None  # when set, every page needs it (--auth-token)
 
 
 def create_app(settings: Settings, *, history: data.History | None = None) -> Flask:
@@ -57,7 +67,27 @@ def create_app(settings: Settings, *, history: data.History | None = None) -> Fl
     previews = PreviewCache()
     hist = history or data.History()
     csrf = secrets.token_urlsafe(32)
+    allowed = trust.allow_list(settings.host, settings.port, settings.allowed_hosts)
+    gate = trust.Login(settings.auth_token) if settings.auth_token is not None else None
     app.extensions["vlmq"] = {"client": client, "history": hist}
+    # Outside Flask, so a foreign Host reaches no view, static file or error page.
+    app.wsgi_app = trust.HostGuard(app.wsgi_app, allowed)  # type: ignore[method-assign]
+
+    @app.before_request
+    def _same_origin() -> None:
+        if request.method not in ("GET", "HEAD", "OPTIONS"):
+            _check_origin(allowed)
+
+    @app.before_request
+    def _logged_in() -> BaseResponse | None:
+        if gate is None or request.endpoint in ("login", "static") or gate.authorized(request):
+            return None
+        if request.method in ("GET", "HEAD") and "Authorization" not in request.headers:
+            target = request.path + (f"?{request.query_string.decode()}"
+                                     if request.query_string else "")
+            return redirect(url_for("login", next=target), code=303)
+        abort(401, "this dashboard needs its token: log in, or send "
+                   "'Authorization: Bearer TOKEN'")
 
     @app.context_processor
     def _globals() -> dict[str, Any]:
@@ -112,7 +142,9 @@ def create_app(settings: Settings, *, history: data.History | None = None) -> Fl
         payload = _payload(job)
         results = data.item_results(client.redis, client.keys, job.id)
         index = request.args.get("item", "0")
-        if not index.isdigit() or int(index) >= len(payload.items):
+        if not ITEM_RE.fullmatch(index):
+            abort(400, f"not an item number: {index[:20]!r} (0, 1, 2, ...)")
+        if int(index) >= len(payload.items):
             abort(404, f"job {job.id} has no item {index!r} "
                        f"(it has {len(payload.items)}, numbered from 0)")
         i = int(index)
@@ -159,6 +191,22 @@ def create_app(settings: Settings, *, history: data.History | None = None) -> Fl
         body = form.render(JobResults.read(job))
         return Response(body, mimetype=form.mimetype, headers={
             "Content-Disposition": f'attachment; filename="{job.id}.{fmt}"'})
+
+    # --- login (only with a token) -------------------------------------------------------------
+
+    @app.route("/login", methods=["GET", "POST"])
+    def login() -> BaseResponse | tuple[str, int]:
+        if gate is None:
+            abort(404, "this dashboard has no login (no --auth-token)")
+        target = trust.safe_next(request.values.get("next"))
+        if request.method == "GET":
+            return render_template("login.html", next=target, wrong=False), 200
+        if not gate.check_token(request.form.get("token", "")):
+            return render_template("login.html", next=target, wrong=True), 401
+        resp = redirect(target, code=303)
+        resp.set_cookie(trust.COOKIE, gate.session, httponly=True, samesite="Strict",
+                        secure=request.is_secure, path="/")
+        return resp
 
     # --- actions (POST, only with allow_actions) --------------------------------------------
 
@@ -274,15 +322,22 @@ def _plots(series: list[tuple[float, float, float]]) -> dict[str, str]:
             "items": data.sparkline([(t, it) for t, _, it in series])}
 
 
-def _check_action(settings: Settings, csrf: str) -> None:
-    """Actions need the flag, a same-origin request and this process's form token."""
-    if not settings.allow_actions:
-        abort(403, "actions are off: start the dashboard with --allow-actions")
+def _check_origin(allowed: trust.AllowList) -> None:
+    """A POST comes from a page of this dashboard: Origin, when sent (browsers always send
+    it on POST), is an allowed name, not merely equal to Host (a rebinding attacker
+    controls both)."""
     if request.headers.get("Sec-Fetch-Site", "same-origin") not in ("same-origin", "none"):
         abort(403, "cross-site request refused")
     origin = request.headers.get("Origin")
-    if origin and urlsplit(origin).netloc != request.host:
+    if origin is not None and not allowed.origin_ok(origin):
         abort(403, "cross-origin request refused")
+
+
+def _check_action(settings: Settings, csrf: str) -> None:
+    """Actions need the flag and this process's form token (the origin is checked for
+    every POST before this)."""
+    if not settings.allow_actions:
+        abort(403, "actions are off: start the dashboard with --allow-actions")
     token = request.form.get("csrf", "")
     if not hmac.compare_digest(token.encode(), csrf.encode()):
         abort(403, "missing or stale form token: reload the page and try again")

@@ -14,7 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
@@ -34,12 +34,17 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_dashboard(redis_url: str, *extra: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    """A `vlmq dashboard` process on a free port; yields its base URL and the process."""
+def running_dashboard(redis_url: str, *extra: str, env: Mapping[str, str] | None = None,
+                      log: Path | None = None
+                      ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """A `vlmq dashboard` process on a free port; yields its base URL and the process.
+    `env` replaces its environment; `log` receives its output (else a pipe)."""
     port = free_port()
     cmd = [sys.executable, "-c", "from vlmq.cli.main import main; main()", "dashboard",
            "--redis-url", redis_url, "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sink = log.open("w") if log is not None else None
+    proc = subprocess.Popen(cmd, stdout=sink or subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -50,6 +55,7 @@ def running_dashboard(redis_url: str, *extra: str) -> Iterator[tuple[str, subpro
             except (urllib.error.URLError, OSError):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     out = proc.communicate()[0] if proc.poll() is not None else ""
+                    out = out or (log.read_text() if log is not None else "")
                     raise RuntimeError(f"vlmq dashboard did not start: {out}") from None
                 time.sleep(0.2)
         yield base, proc
@@ -60,6 +66,8 @@ def running_dashboard(redis_url: str, *extra: str) -> Iterator[tuple[str, subpro
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
+        if sink is not None:
+            sink.close()
 
 
 @click.command()
