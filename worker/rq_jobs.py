@@ -235,7 +235,8 @@ class JobLifecycle:
                                         "job_class": queue.job_class,
                                         "serializer": queue.serializer}
                 FinishedJobRegistry(**args).cleanup(at)
-                StartedJobRegistry(**args).cleanup(at, exception_handlers=worker._exc_handlers)
+                # vlmq pushes no RQ exception handlers: abandoned jobs end in _end_abandoned.
+                StartedJobRegistry(**args).cleanup(at, exception_handlers=[])
                 FailedJobRegistry(**args).cleanup(at)
                 DeferredJobRegistry(**args).cleanup()
                 ReadyJobRegistry(**args).cleanup()
