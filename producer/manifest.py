@@ -171,7 +171,7 @@ def read_manifest(path: str | Path, base: JobOptions, *, skip_bad: bool = False,
             continue
         seen[req.custom_id] = number
         options = base.with_(**req.settings)
-        group = groups.setdefault((req.task, options.settings_key()),
+        group = groups.setdefault((req.task, options.key()),
                                   Group(req.task, options, Prepared()))
         group.prepared.add(checked, pages, custom_id=req.custom_id)
     if errors and not skip_bad:

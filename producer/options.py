@@ -17,7 +17,7 @@ from vlmq.shared import constants as C
 from vlmq.shared import settings as S
 from vlmq.shared.clitools import EXIT_BAD_INPUT, fail, parse_labels
 from vlmq.shared.errors import PayloadError
-from vlmq.shared.schema import Item, JobPayload, parse_payload, utc_now_iso
+from vlmq.shared.schema import Item, JobPayload, parse_payload
 
 MAX_TTL_S = S.MAX_TTL_S
 # Fields of the RQ job hash that hold settings kept outside the payload (for retries).
@@ -72,14 +72,11 @@ class JobOptions:
         """What must be equal for two requests to share one job (all but the inputs)."""
         return tuple((k, _frozen(v)) for k, v in sorted(self._values.items()))
 
-    settings_key = key
 
     def payload(self, task: str, items: Sequence[Item]) -> tuple[dict[str, Any], JobPayload]:
         """The wire payload and its parsed form: the check a worker runs, done here so a
         bad option fails with the field named and Redis untouched."""
-        wire: dict[str, Any] = {"v": C.PROTOCOL_VERSION, "task": task,
-                                "items": [i.to_dict() for i in items],
-                                **S.values_to_wire(self._values), "created_at": utc_now_iso()}
+        wire = JobPayload(task=task, items=tuple(items), settings=self._values).to_dict()
         return wire, parse_payload(wire)
 
     @classmethod

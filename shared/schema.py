@@ -273,7 +273,7 @@ def _parse_item(raw: Any, path: str) -> Item:
 def _check_fields(raw: Mapping[str, Any]) -> None:
     """Unknown fields are refused, not ignored: a misspelt setting must not silently run
     with the default."""
-    allowed = S.wire_fields()
+    allowed = S.WIRE_FIELDS
     unknown = set(raw) - set(allowed)
     if unknown:
         raise PayloadError("payload", f"unknown field(s) {sorted(unknown)}")

@@ -258,13 +258,16 @@ WIRE: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.wire)
 PAYLOAD_FIELDS = ("v", "task", "items", "created_at")
 
 
-def wire_fields() -> dict[str, set[str]]:
-    """Allowed payload keys: top level -> the keys its object may hold (empty: a value)."""
+def _wire_fields() -> dict[str, frozenset[str]]:
     out: dict[str, set[str]] = {name: set() for name in PAYLOAD_FIELDS}
     for s in WIRE:
         head, *rest = s.path
         out.setdefault(head, set()).update(rest)
-    return out
+    return {k: frozenset(v) for k, v in out.items()}
+
+
+# Allowed payload keys: top level -> the keys its object may hold (empty: a plain value).
+WIRE_FIELDS: Mapping[str, frozenset[str]] = _wire_fields()
 
 
 def check_values(values: Mapping[str, Any]) -> dict[str, Any]:
