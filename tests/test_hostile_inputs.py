@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
 import subprocess
 import time
 import tracemalloc
@@ -30,6 +29,7 @@ from vlmq.shared.errors import InputError
 from vlmq.shared.jobs import lua_script
 from vlmq.shared.keys import RQ_QUEUES, Keys
 from vlmq.worker.preprocess import PreprocessError, decode_image
+from vlmq.worker.redis_server import free_port
 
 from . import helpers
 from .helpers import VLMQ
@@ -206,9 +206,7 @@ def test_enqueue_refuses_a_blob_over_64_mib(redis: Redis) -> None:
 @pytest.fixture
 def replica_url(tmp_path: Path) -> Iterator[str]:
     """A real read-only replica (of a master that is not there) on a free port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
                              "--save", "", "--appendonly", "no", "--dir", str(tmp_path),
                              "--replicaof", "127.0.0.1", "1"], stdout=subprocess.DEVNULL)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from vlmq.producer.client import Client
 from vlmq.shared import redis_checks
 from vlmq.shared.keys import Keys
 from vlmq.shared.redis_checks import EvictionRefused
+from vlmq.worker.redis_server import free_port
 
 from .helpers import VLMQ, Spawn, finish, invoke_cli, make_images, make_pdf, wait_for
 
@@ -33,9 +33,7 @@ class OwnRedis:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -13,7 +12,7 @@ from redis import Redis
 
 from vlmq.producer.client import Client
 from vlmq.shared.keys import Keys
-from vlmq.worker.redis_server import answers, server_binary
+from vlmq.worker.redis_server import answers, free_port, server_binary
 
 from . import helpers
 from .helpers import finish, make_pdf, wait_for
@@ -21,17 +20,12 @@ from .helpers import finish, make_pdf, wait_for
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 class Server:
     """A Redis that keeps its data across a restart (append-only file, fsync always)."""
 
     def __init__(self, binary: str, folder: Path) -> None:
-        self.cmd = [binary, "--port", str(_free_port()), "--bind", "127.0.0.1", "--save", "",
+        self.cmd = [binary, "--port", str(free_port()), "--bind", "127.0.0.1", "--save", "",
                     "--appendonly", "yes", "--appendfsync", "always", "--dir", str(folder)]
         self.url = f"redis://127.0.0.1:{self.cmd[2]}/0"
         self.proc: subprocess.Popen[bytes] | None = None

@@ -20,6 +20,8 @@ import pytest
 import yaml
 from redis import Redis
 
+from vlmq.worker.redis_server import free_port
+
 from .dashboard_data import Dataset, dataset
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,14 +51,6 @@ def test_compose_file_is_valid_and_safe() -> None:
     assert (ROOT / source).is_file()
     assert Path(target).name == "vlmq_rq_dashboard.py"
     assert Path(target).parent.as_posix() == dash["environment"]["PYTHONPATH"]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start(redis_url: str, tmp: Path, *, with_config: bool) -> tuple[subprocess.Popen[str], str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -13,17 +12,12 @@ import pytest
 from redis import Redis
 
 from vlmq.shared.urls import redact_url
-from vlmq.worker.redis_server import server_binary
+from vlmq.worker.redis_server import free_port, server_binary
 
 from .helpers import VLMQ, finish, make_images, start_worker
 
 PASSWORD = "Hunter2-topsecret-9f3k"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -31,7 +25,7 @@ def secret_redis(tmp_path: Path) -> Iterator[int]:
     binary = server_binary()
     if binary is None:
         pytest.skip("no redis-server binary")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1",
                              "--requirepass", PASSWORD, "--save", "", "--appendonly", "no",
                              "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)

@@ -25,10 +25,9 @@ from vlmq.producer.client import Client, check_redis_url
 from vlmq.shared.connection import parse_sentinel_url
 from vlmq.shared.keys import Keys
 from vlmq.shared.urls import redact_url
-from vlmq.worker.redis_server import answers
+from vlmq.worker.redis_server import answers, free_port
 
 from .helpers import VLMQ, Spawn, finish, make_pdf, wait_for
-from .test_redis_outage import _free_port
 
 SERVICE = "vmaster"
 
@@ -100,7 +99,7 @@ def trio(tmp_path: Path) -> Iterator[Trio]:
     binary = shutil.which("redis-sentinel")
     if binary is None or shutil.which("redis-server") is None:
         pytest.skip("needs Debian's redis-sentinel (apt-get install -y redis-sentinel)")
-    master, replica, sentinel = _free_port(), _free_port(), _free_port()
+    master, replica, sentinel = free_port(), free_port(), free_port()
     # No diskless-sync delay: the replica must hold the data before the test goes on.
     base = ["redis-server", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--repl-diskless-sync-delay", "0"]

