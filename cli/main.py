@@ -8,6 +8,7 @@ worker extra is missing.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import click
@@ -18,19 +19,41 @@ from redis.exceptions import ResponseError as RedisResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from vlmq.producer import cli as producer_cli
-from vlmq.producer import export_cli, schedule_cli
 from vlmq.producer.client import check_redis_url, redact_url
-from vlmq.producer.dashboard import cli as dashboard_cli
 from vlmq.producer.errors import JobNotFound
-from vlmq.producer.schedule import start_scheduler_thread
 from vlmq.shared import constants as C
 from vlmq.shared.clitools import EXIT_BAD_INPUT, EXIT_FAILED, fail, one_line
-from vlmq.worker import cli as worker_cli
+
+# Modules whose commands register only when a command not yet known is asked for (or the
+# list is shown): `vlmq jobs` starts without importing the worker's, the schedules', the
+# exports' or the dashboard's modules. Each has register(group), as producer_cli.
+LATER = ("vlmq.producer.export_cli", "vlmq.producer.schedule_cli", "vlmq.worker.cli",
+         "vlmq.producer.dashboard.cli")
 
 
 class _Main(click.Group):
     """The root group: Redis unreachable or refusing a command, or a job id not found,
     is one line, for the producer's and the worker's commands alike."""
+
+    _all_loaded = False
+
+    def load_all(self) -> None:
+        """Register every command (LATER's), once."""
+        if not self._all_loaded:
+            self._all_loaded = True
+            for name in LATER:
+                importlib.import_module(name).register(self)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is None and not self._all_loaded:
+            self.load_all()
+            command = super().get_command(ctx, cmd_name)
+        return command
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        self.load_all()
+        return super().list_commands(ctx)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -96,7 +119,14 @@ def main(ctx: click.Context, redis_url: str) -> None:
     """vlmq: a Redis job queue for bulk vision-language work (OCR, captioning)."""
     # A plain dict, so that both sides read it without importing each other; the worker's
     # --with-scheduler runs the producer's scheduler loop through it.
-    ctx.obj = {"redis_url": redis_url, "start_scheduler": start_scheduler_thread}
+    ctx.obj = {"redis_url": redis_url, "start_scheduler": _start_scheduler}
+
+
+def _start_scheduler(*args: Any, **kwargs: Any) -> Any:
+    """producer.schedule.start_scheduler_thread, imported only by a worker that runs it."""
+    from vlmq.producer.schedule import start_scheduler_thread
+
+    return start_scheduler_thread(*args, **kwargs)
 
 
 @main.command("demo")
@@ -106,6 +136,8 @@ def main(ctx: click.Context, redis_url: str) -> None:
 @click.pass_context
 def demo_cmd(ctx: click.Context, model: str | None, max_batch: int) -> None:
     """Enqueue the bundled sample, run a burst worker on it, and show results and stats."""
+    from vlmq.worker import cli as worker_cli
+
     worker_cli.require_worker_extra()
     from vlmq.cli.demo import run_demo
 
@@ -113,7 +145,3 @@ def demo_cmd(ctx: click.Context, model: str | None, max_batch: int) -> None:
 
 
 producer_cli.register(main)
-export_cli.register(main)
-schedule_cli.register(main)
-worker_cli.register(main)
-dashboard_cli.register(main)

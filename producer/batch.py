@@ -260,7 +260,7 @@ class Batch:
     def jobs(self) -> list[Job]:
         """The batch's jobs still in Redis, in order."""
         ids = self.job_ids()
-        present = {r.id for r in manage.read_rows(self.client.redis, ids)}
+        present = {r.id for r in manage.read_rows(self.client.redis, self.keys, ids)}
         known = {j.id: j for j in self._jobs or ()}  # handles made at enqueue
         return [known.get(j) or self.client.job(j) for j in ids if j in present]
 
@@ -269,7 +269,7 @@ class Batch:
         open; cancel or delete the batch to count them out."""
         pending = {as_str(m) for m in self.client.redis.smembers(
             self.keys.batch_pending(self.id))}
-        present = {r.id for r in manage.read_rows(self.client.redis, sorted(pending))}
+        present = {r.id for r in manage.read_rows(self.client.redis, self.keys, sorted(pending))}
         return [j for j in self.job_ids() if j in pending and j not in present]
 
     def ended(self) -> dict[str, str] | None:
@@ -281,8 +281,8 @@ class Batch:
 
     def status(self) -> dict[str, Any]:
         """Jobs by state, items done/failed/total, jobs never enqueued, and the end."""
-        rows = manage.with_counts(self.client.redis, self.keys,
-                                  list(manage.read_rows(self.client.redis, self.job_ids())))
+        rows = manage.with_counts(self.client.redis, self.keys, list(
+            manage.read_rows(self.client.redis, self.keys, self.job_ids())))
         end = self.ended()
         summary = manage.summarize(rows)
         summary["items"]["total"] = self.items
@@ -312,7 +312,7 @@ class Batch:
         """Cancel every job that has not ended, and count out jobs never enqueued; returns
         how many were canceled."""
         canceled = 0
-        for row in manage.read_rows(self.client.redis, self.job_ids()):
+        for row in manage.read_rows(self.client.redis, self.keys, self.job_ids()):
             if row.status not in manage.ENDED:
                 try:
                     manage.cancel(self.client.redis, self.keys, row.id)

@@ -23,7 +23,7 @@ from vlmq.producer.options import JobOptions, job_options
 from vlmq.producer.results_cli import result_cmd, wait_cmd
 from vlmq.producer.upload import DEFAULT_MAX_PENDING_MB, retention
 from vlmq.shared import constants as C
-from vlmq.shared import redis_checks
+from vlmq.shared import job_index, redis_checks
 from vlmq.shared import settings as S
 from vlmq.shared.clitools import (
     EXIT_BAD_INPUT,
@@ -426,8 +426,9 @@ def _overview(client: Client, as_json: bool, allow_eviction: bool = False) -> No
 
 def _overview_text(queues: dict[str, QueueInfo], workers: Sequence[WorkerInfo]) -> None:
     if queues:
-        _print_table([("QUEUE", "QUEUED", "STARTED", "FAILED", "FINISHED")] + [
-            (q.name, str(q.queued), str(q.started), str(q.failed), str(q.finished))
+        _print_table([("QUEUE", "QUEUED", "ITEMS", "STARTED", "FAILED", "FINISHED")] + [
+            (q.name, str(q.queued), str(q.queued_items), str(q.started), str(q.failed),
+             str(q.finished))
             for q in queues.values()])
     else:
         click.echo("queues: none")
@@ -531,9 +532,27 @@ def delete_cmd(ctx: click.Context, job_ids: tuple[str, ...], purge_blobs: bool,
                    + (f", purged {purged} blob(s)" if purge_blobs else ""))
 
 
+@click.command("reindex")
+@_json_option
+@click.pass_context
+def reindex_cmd(ctx: click.Context, as_json: bool) -> None:
+    """Index the jobs that are not (enqueued before vlmq kept job indexes) and drop the
+    entries of jobs that are gone. It reads every job hash: run it once after an upgrade,
+    not routinely (workers sweep expired entries themselves)."""
+    with _client(ctx) as client:
+        seen = job_index.reindex(client.redis, client.keys)
+        laps = int(client.redis.zcard(client.keys.jobs_index)) // job_index.SCAN_COUNT + 1
+        gone = sum(job_index.sweep(client.redis, client.keys, limit=job_index.SCAN_COUNT)
+                   for _ in range(laps))
+    if as_json:
+        click.echo(json.dumps({"jobs": seen, "pruned": gone}))
+    else:
+        click.echo(f"indexed {seen} job(s); dropped {gone} entry(ies) of jobs gone")
+
+
 def register(group: click.Group) -> None:
     """Attach the producer's commands to the root group."""
     for command in (enqueue, jobs_cmd, status_cmd, wait_cmd, result_cmd, cancel_cmd,
-                    retry_cmd, delete_cmd):
+                    retry_cmd, delete_cmd, reindex_cmd):
         group.add_command(command)
 

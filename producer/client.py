@@ -29,7 +29,7 @@ from vlmq.producer.options import JOB_FIELDS, JobOptions
 from vlmq.producer.progress import display
 from vlmq.producer.upload import DEFAULT_MAX_PENDING_MB, Uploader
 from vlmq.shared import constants as C
-from vlmq.shared import redis_checks
+from vlmq.shared import job_index, redis_checks
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.connection import check_url, connect, transient
 from vlmq.shared.constants import DEFAULT_REDIS_URL
@@ -102,6 +102,7 @@ class QueueInfo:
     started: int
     finished: int
     failed: int
+    queued_items: int = 0  # items of the queued jobs (a job may hold thousands)
 
 
 @dataclass(frozen=True)
@@ -322,14 +323,17 @@ class Client:
         return manage.purge_blobs(self.redis, self.keys, used) if purge_blobs else 0
 
     def queues(self) -> dict[str, QueueInfo]:
-        """Every queue RQ knows of, with its depth and registry counts."""
+        """Every queue RQ knows of, with its depth (jobs and their items) and registry
+        counts."""
         out: dict[str, QueueInfo] = {}
         for q in sorted(Queue.all(connection=self.redis, serializer=JSONSerializer),
                         key=lambda q: q.name):
             out[q.name] = QueueInfo(name=q.name, queued=q.count,
                                     started=q.started_job_registry.count,
                                     finished=q.finished_job_registry.count,
-                                    failed=q.failed_job_registry.count)
+                                    failed=q.failed_job_registry.count,
+                                    queued_items=job_index.queued_items(
+                                        self.redis, self.keys, q.name))
         return out
 
     def workers(self) -> list[WorkerInfo]:

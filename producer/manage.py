@@ -1,18 +1,17 @@
 """Managing many jobs: list them, sum a labelled group, cancel, delete, purge blobs.
 
-Jobs are found by scanning RQ's job hashes (`rq:job:*`), so a job enqueued from any
-language through enqueue.lua is listed too, and nothing extra has to be kept in step.
-A job's task, labels and items are read leniently from its payload: a job whose payload
-is unreadable is still listed (task "?") so it can be seen and deleted.
+Jobs are found through vlmq's indexes (shared/job_index.py), written at enqueue by
+Python and by enqueue.lua alike, and their state through RQ's own hash and registries:
+a listing reads only the rows it shows, never every job. A job's task, labels and items
+come from its index summary; a job without one (indexed by `ensure`/`reindex`) is read
+leniently from its payload, so an unreadable one is still listed (task "?").
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import zlib
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -24,6 +23,7 @@ from rq.serializers import JSONSerializer
 
 from vlmq.producer.errors import JobNotFound
 from vlmq.shared import constants as C
+from vlmq.shared import job_index
 from vlmq.shared import results as R
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.errors import PayloadError, VlmqError
@@ -32,7 +32,6 @@ from vlmq.shared.keys import SHA256_RE, Keys
 from vlmq.shared.results import end_job_event, ended_ttl
 from vlmq.shared.text import as_str
 
-SCAN_COUNT = 1000
 ENDED = frozenset({"finished", "failed", "stopped", "canceled"})
 
 
@@ -52,7 +51,6 @@ class JobRow:
     created_at: str
     total: int
     labels: dict[str, str]
-    blobs: frozenset[str] = field(default_factory=frozenset)
     done: int = 0
     failed: int = 0
 
@@ -75,77 +73,70 @@ def parse_rq_time(text: str) -> datetime | None:
     return None
 
 
-def _loose_payload(data: bytes | None) -> Mapping[str, Any]:
+def _loose_payload(data: bytes | str | None) -> Mapping[str, Any]:
     """The payload dict of a job's `data`, or {}: JSON only, never unpickled."""
-    if not data:
-        return {}
-    with contextlib.suppress(zlib.error):
-        data = zlib.decompress(data)
-    try:
-        decoded = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        return {}
-    if isinstance(decoded, list) and len(decoded) >= 3 and isinstance(decoded[2], list) \
-            and decoded[2] and isinstance(decoded[2][0], Mapping):
-        return decoded[2][0]
-    return {}
+    return job_index.loose_payload(data)
 
 
-def _row(job_id: str, fields: list[Any]) -> JobRow:
-    origin, status, created, data = fields
-    payload = _loose_payload(data)
+def _blobs_of(payload: Mapping[str, Any]) -> frozenset[str]:
     raw_items = payload.get("items")
     items: list[Any] = raw_items if isinstance(raw_items, list) else []
-    labels_raw = payload.get("labels")
-    labels = ({str(k): str(v) for k, v in labels_raw.items()}
-              if isinstance(labels_raw, Mapping) else {})
-    blobs = frozenset(str(i["blob"]) for i in items
-                      if isinstance(i, Mapping) and SHA256_RE.fullmatch(str(i.get("blob", ""))))
-    task = payload.get("task")
-    return JobRow(id=job_id, queue=as_str(origin or b""), task=task if isinstance(task, str)
-                  else "?", status=as_str(status or b"?"), created_at=as_str(created or b""),
-                  total=len(items), labels=labels, blobs=blobs)
+    return frozenset(str(i["blob"]) for i in items
+                     if isinstance(i, Mapping) and SHA256_RE.fullmatch(str(i.get("blob", ""))))
 
 
-def scan_jobs(redis: Redis) -> Iterator[JobRow]:
-    """Every RQ job hash in this db, read in pipelined batches."""
-    batch: list[str] = []
-    for raw in redis.scan_iter(match=Keys.rq_job_glob(), count=SCAN_COUNT, _type="HASH"):
-        job_id = Keys.rq_job_id(as_str(raw))
-        if job_id is None:
-            continue
-        batch.append(job_id)
-        if len(batch) >= SCAN_COUNT:
-            yield from read_rows(redis, batch)
-            batch = []
-    if batch:
-        yield from read_rows(redis, batch)
+def _row(job_id: str, fields: list[Any], meta: job_index.Meta | None) -> JobRow:
+    """A row from the job hash's origin, status, created_at (and data, read only when the
+    job has no summary: enqueued before the indexes, or by hand)."""
+    origin, status, created = fields[:3]
+    if meta is None:
+        meta = job_index.meta_of(_loose_payload(fields[3] if len(fields) > 3 else None),
+                                 as_str(origin or b""), 0)
+    return JobRow(id=job_id, queue=as_str(origin or b"") or meta.queue, task=meta.task,
+                  status=as_str(status or b"?"), created_at=as_str(created or b""),
+                  total=meta.items, labels=meta.labels)
 
 
-def read_rows(redis: Redis, ids: list[str]) -> Iterator[JobRow]:
-    """The rows of these jobs, in one pipelined round trip; jobs not in Redis are left out."""
+def read_rows(redis: Redis, keys: Keys, ids: Sequence[str],
+              stale: list[str] | None = None) -> Iterator[JobRow]:
+    """The rows of these jobs, in order, in one pipelined round trip (a second one only
+    for jobs without a summary); jobs not in Redis are left out, and added to `stale`."""
+    if not ids:
+        return
     pipe = redis.pipeline(transaction=False)
     for job_id in ids:
-        pipe.hmget(Keys.rq_job(job_id), "origin", "status", "created_at", "data")
-    for job_id, fields in zip(ids, pipe.execute(), strict=True):
-        if fields[1] is not None or fields[0] is not None:  # deleted between SCAN and read
-            yield _row(job_id, fields)
+        pipe.hmget(Keys.rq_job(job_id), "origin", "status", "created_at")
+    pipe.hmget(keys.jobs_meta, list(ids))
+    *hashes, raw_metas = pipe.execute()
+    metas = [job_index.Meta.from_json(m) for m in raw_metas]
+    bare = [j for j, f, m in zip(ids, hashes, metas, strict=True)
+            if m is None and (f[0] is not None or f[1] is not None)]
+    datas = dict(zip(bare, _datas(redis, bare), strict=True)) if bare else {}
+    for job_id, fields, meta in zip(ids, hashes, metas, strict=True):
+        if fields[0] is None and fields[1] is None:  # gone: RQ's TTL, or deleted meanwhile
+            if stale is not None:
+                stale.append(job_id)
+            continue
+        yield _row(job_id, [*fields, datas.get(job_id)], meta)
+
+
+def _datas(redis: Redis, ids: list[str]) -> list[Any]:
+    pipe = redis.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.hget(Keys.rq_job(job_id), "data")
+    return pipe.execute()
 
 
 def with_counts(redis: Redis, keys: Keys, rows: list[JobRow]) -> list[JobRow]:
-    """Rows with items done/failed filled in from their results hashes."""
+    """Rows with items done (HLEN of the results hash) and failed (SCARD of the failed
+    set) filled in: no result is read."""
     pipe = redis.pipeline(transaction=False)
     for row in rows:
-        pipe.hvals(keys.job_items(row.id))
-    out = []
-    for row, values in zip(rows, pipe.execute(), strict=True):
-        failed = 0
-        for raw in values:
-            with contextlib.suppress(ValueError, RecursionError):
-                result = json.loads(raw)
-                failed += isinstance(result, Mapping) and result.get("error") is not None
-        out.append(JobRow(**{**row.__dict__, "done": len(values), "failed": failed}))
-    return out
+        pipe.hlen(keys.job_items(row.id))
+        pipe.scard(keys.job_failed(row.id))
+    counts = pipe.execute() if rows else []
+    return [replace(row, done=int(counts[2 * i]), failed=int(counts[2 * i + 1]))
+            for i, row in enumerate(rows)]
 
 
 def matches(row: JobRow, *, queue: str | None = None, status: str | None = None,
@@ -155,21 +146,59 @@ def matches(row: JobRow, *, queue: str | None = None, status: str | None = None,
             and all(row.labels.get(k) == v for k, v in (labels or {}).items()))
 
 
+def _pages(redis: Redis, keys: Keys, *, queue: str | None, status: str | None,
+           labels: Mapping[str, str], limit: int | None) -> Iterator[list[str]]:
+    """Candidate ids, newest first, from the cheapest source that holds every match: the
+    smallest of the job index, the queue's and the labels', or for a status RQ's queue
+    list or registries, when reading them whole costs less than walking the index until
+    `limit` jobs in that state turn up (as many as expected from the two sizes)."""
+    walkers = [keys.jobs_queue_index(queue)] if queue else []
+    walkers += [keys.jobs_label_index(k, v) for k, v in sorted(labels.items())]
+    walkers = walkers or [keys.jobs_index]
+    pipe = redis.pipeline(transaction=False)
+    for key in walkers:
+        pipe.zcard(key)
+    sizes = [int(n) for n in pipe.execute()]
+    walker = walkers[sizes.index(min(sizes))]
+    if status is not None:
+        queues = [queue] if queue else job_index.all_queues(redis)
+        in_state = job_index.state_size(redis, status, queues)
+        walked = min(sizes) if limit is None else min(
+            min(sizes), limit * min(sizes) / max(in_state or 0, 1))
+        if in_state is not None and in_state < walked:
+            ids = job_index.by_score_desc(redis, keys,
+                                          job_index.state_members(redis, status, queues) or [])
+            for i in range(0, len(ids), job_index.PAGE):
+                yield ids[i:i + job_index.PAGE]
+            return
+    yield from job_index.newest_first(redis, walker)
+
+
 def list_jobs(redis: Redis, keys: Keys, *, queue: str | None = None,
               status: str | None = None, labels: Mapping[str, str] | None = None,
-              limit: int | None = None) -> list[JobRow]:
-    """Jobs newest first (RQ's created_at), filtered; item counts read for those shown."""
-    rows = [r for r in scan_jobs(redis)
-            if matches(r, queue=queue, status=status, labels=labels)]
-    rows.sort(key=lambda r: (r.created_at, r.id), reverse=True)
+              limit: int | None = None, prune: bool = True) -> list[JobRow]:
+    """Jobs newest first (by enqueue time), filtered; only the rows shown are read.
+
+    Entries of jobs RQ's TTL deleted are never shown, and removed from the indexes as they
+    are met unless `prune` is False (a reader that must not write: the dashboard).
+    """
+    wanted = dict(labels or {})
+    rows: list[JobRow] = []
+    for page in _pages(redis, keys, queue=queue, status=status, labels=wanted, limit=limit):
+        stale: list[str] = []
+        rows += [r for r in read_rows(redis, keys, page, stale)
+                 if matches(r, queue=queue, status=status, labels=wanted)]
+        if prune:
+            job_index.prune(redis, keys, stale)
+        if limit is not None and len(rows) >= limit:
+            break
     return with_counts(redis, keys, rows[:limit] if limit is not None else rows)
 
 
 def group_status(redis: Redis, keys: Keys, labels: Mapping[str, str]) -> dict[str, Any]:
-    """Totals over every job carrying all of `labels`: jobs by state, and items."""
-    rows = with_counts(redis, keys, [r for r in scan_jobs(redis)
-                                     if matches(r, labels=labels)])
-    return {"labels": dict(labels), **summarize(rows)}
+    """Totals over every job carrying all of `labels`: jobs by state, and items; reads
+    only the jobs of the smallest of those labels' indexes."""
+    return {"labels": dict(labels), **summarize(list_jobs(redis, keys, labels=labels))}
 
 
 def summarize(rows: list[JobRow]) -> dict[str, Any]:
@@ -210,7 +239,8 @@ def cancel(redis: Redis, keys: Keys, job_id: str) -> None:
 
 
 def delete(redis: Redis, keys: Keys, job_id: str) -> frozenset[str]:
-    """Remove a job, its item results, its events and RQ's results; returns its blobs.
+    """Remove a job, its item results, its events, RQ's results and its index entries;
+    returns its blobs.
 
     A job RQ cannot parse is removed key by key (and from its queue), so even garbage a
     foreign producer wrote can be cleaned up.
@@ -218,7 +248,8 @@ def delete(redis: Redis, keys: Keys, job_id: str) -> frozenset[str]:
     fields = redis.hmget(Keys.rq_job(job_id), "origin", "status", "created_at", "data")
     if fields[0] is None and fields[1] is None:
         raise JobNotFound(job_id)
-    row = _row(job_id, fields)
+    meta = job_index.read_meta(redis, keys, [job_id])[0]
+    row = _row(job_id, fields, meta)
     try:
         job = RQJob.fetch(job_id, connection=redis, serializer=JSONSerializer)
     except UNREADABLE_HASH_ERRORS:
@@ -230,9 +261,10 @@ def delete(redis: Redis, keys: Keys, job_id: str) -> frozenset[str]:
     elif row.queue:
         pipe.lrem(Keys.rq_queue(row.queue), 0, job_id)
     _drop_keys(pipe, keys, job_id)
+    job_index.remove(redis, keys, job_id, meta, queue=row.queue, pipeline=pipe)
     pipe.execute()
     BlobStore(redis, keys).release(job_id)  # a failed job's holds (an ended one has none)
-    return row.blobs
+    return _blobs_of(_loose_payload(fields[3]))
 
 
 def abandon(redis: Redis, keys: Keys, job_id: str) -> None:
@@ -262,17 +294,22 @@ def _drop_keys(pipe: Pipeline, keys: Keys, job_id: str) -> None:
                 keys.job_kills(job_id), keys.job_batch(job_id))
 
 
-def referenced_blobs(redis: Redis) -> set[str]:
-    """Blobs named by any job still in Redis (whatever its state): those stay."""
-    out: set[str] = set()
-    for row in scan_jobs(redis):
-        out |= row.blobs
-    return out
-
-
 def purge_blobs(redis: Redis, keys: Keys, candidates: set[str]) -> int:
-    """Delete those of `candidates` that no remaining job refers to; returns how many went."""
-    orphans = sorted(candidates - referenced_blobs(redis))
+    """Delete those of `candidates` that no job holds any more; returns how many went.
+
+    A blob's holders are its `<prefix>:blob-jobs:<sha>` zset (shared/blobs.py): a queued
+    or running job holds it (score inf), a failed one until its record expires. No job
+    is read.
+    """
+    wanted = sorted(candidates)
+    if not wanted:
+        return 0
+    secs, micros = redis.time()
+    now_ms = secs * 1000 + micros // 1000
+    pipe = redis.pipeline(transaction=False)
+    for sha in wanted:
+        pipe.zrangebyscore(keys.blob_jobs(sha), now_ms, "+inf", start=0, num=1)
+    orphans = [sha for sha, live in zip(wanted, pipe.execute(), strict=True) if not live]
     if not orphans:
         return 0
     gone = int(redis.delete(*(keys.blob(sha) for sha in orphans)))

@@ -34,7 +34,9 @@ end
 local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', '10000', '*', unpack(fields))
 redis.call('HSET', KEYS[1], 'vlmq_end', id)
 local ttl = tonumber(ARGV[3])
-for _, key in ipairs({KEYS[2], KEYS[3]}) do
+-- The failed-items set (write_items.lua) lives exactly as long as the items hash.
+local failed_items = string.sub(KEYS[3], 1, #KEYS[3] - #':items') .. ':failed'
+for _, key in ipairs({KEYS[2], KEYS[3], failed_items}) do
   if ttl > 0 then
     redis.call('EXPIRE', key, ttl)
   else

@@ -350,4 +350,33 @@ for sha in pairs(blobs) do
   if redis.call('PTTL', jobs) < hold_ms then redis.call('PEXPIRE', jobs, hold_ms) end
 end
 if next(blobs) then redis.call('PEXPIRE', inputs, hold_ms) end
+-- Job indexes (PROTOCOL.md "Job indexes", shared/job_index.py): listings read these, never
+-- every job hash. Scored by ARGV[8] in epoch µs (exact in a double until the year 2255);
+-- the summary (its created written by hand: cjson would round it) names every index.
+do
+  local y, mo, d, h, mi, sec, frac = string.match(ARGV[8],
+    '^(%d+)%-(%d+)%-(%d+)T(%d+):(%d+):(%d+)%.(%d+)Z$')
+  y, mo, d = tonumber(y), tonumber(mo), tonumber(d)
+  if mo <= 2 then y = y - 1 end  -- days from the civil date (H. Hinnant's algorithm)
+  local era = math.floor(y / 400)
+  local yoe = y - era * 400
+  local doy = math.floor((153 * ((mo + 9) % 12) + 2) / 5) + d - 1
+  local days = era * 146097 + yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + doy
+    - 719468
+  local us = (((days * 24 + tonumber(h)) * 60 + tonumber(mi)) * 60 + tonumber(sec)) * 1000000
+    + tonumber(frac .. string.rep('0', 6 - #frac))
+  local score = string.format('%d', us)
+  local labels = payload.labels
+  if type(labels) ~= 'table' then labels = {} end
+  redis.call('ZADD', prefix .. ':jobs', score, ARGV[1])
+  redis.call('ZADD', prefix .. ':jobs:queue:' .. ARGV[2], score, ARGV[1])
+  for k, v in pairs(labels) do
+    redis.call('ZADD', prefix .. ':jobs:label:' .. #k .. ':' .. k .. '=' .. v, score, ARGV[1])
+  end
+  local meta = cjson.encode({task = payload.task, items = #items, queue = ARGV[2],
+    labels = labels})
+  redis.call('HSET', prefix .. ':jobs:meta', ARGV[1],
+    string.sub(meta, 1, -2) .. ',"created":' .. score .. '}')
+  redis.call('HSET', KEYS[1], 'vlmq_items', #items)  -- summed by one SORT ... GET
+end
 return 1

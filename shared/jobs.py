@@ -21,7 +21,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.utils import current_timestamp, now, utcformat
 
-from vlmq.shared import bounded, lua
+from vlmq.shared import bounded, job_index, lua
 from vlmq.shared import constants as C
 from vlmq.shared import results as R
 from vlmq.shared import settings as S
@@ -77,8 +77,9 @@ def enqueue(redis: Redis, payload: JobPayload, *, queue: str, job_id: str | None
 
     `wire`: the JSON form `payload` was parsed from, sent as it is (no second build).
 
-    The job's hold on its input blobs (shared/blobs.py) is written in the same MULTI as
-    RQ's enqueue, so a job never exists without its holds, nor holds without their job.
+    The job's hold on its input blobs (shared/blobs.py) and its index entries
+    (shared/job_index.py) are written in the same MULTI as RQ's enqueue, so a job never
+    exists without them, nor they without their job.
     A caller-chosen `job_id` that already names a job is refused (PayloadError) instead of
     overwriting it: the new job would otherwise inherit the old one's item results and
     resume from them. The id and its results key are WATCHed from the check to EXEC, so
@@ -99,8 +100,11 @@ def enqueue(redis: Redis, payload: JobPayload, *, queue: str, job_id: str | None
                 raise PayloadError("job_id", f"a job with id {job_id} already exists")
         if pipeline is None:
             pipe.multi()
-        jid = _enqueue_on(pipe, redis, payload, queue=queue, job_id=job_id, timeout=timeout,
+        job = _enqueue_on(pipe, redis, payload, queue=queue, job_id=job_id, timeout=timeout,
                           result_ttl=result_ttl, failure_ttl=failure_ttl, wire=wire)
+        jid = str(job.id)
+        job_index.add(redis, keys, jid, job_index.meta_of(
+            payload, queue, job_index.us_of(job.created_at)), pipeline=pipe)
         BlobStore(redis, keys, ttl_s=int(payload.get("blob_ttl"))).hold(
             jid, (i.blob for i in payload.items if i.blob is not None),
             keep_s=int(payload.get("keep_inputs")), pipeline=pipe)
@@ -116,7 +120,7 @@ def enqueue(redis: Redis, payload: JobPayload, *, queue: str, job_id: str | None
 
 def _enqueue_on(pipe: Pipeline, redis: Redis, payload: JobPayload, *, queue: str,
                 job_id: str | None, timeout: int, result_ttl: int, failure_ttl: int,
-                wire: Mapping[str, Any] | None) -> str:
+                wire: Mapping[str, Any] | None) -> Job:
     q = Queue(queue, connection=redis, serializer=JSONSerializer)
     job = q.enqueue_call(
         func=C.TASK_FUNC,
@@ -129,7 +133,7 @@ def _enqueue_on(pipe: Pipeline, redis: Redis, payload: JobPayload, *, queue: str
         retry=Retry(max=C.CRASH_RETRIES),
         pipeline=pipe,
     )
-    return str(job.id)
+    return job
 
 
 def lua_script() -> str:

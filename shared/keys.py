@@ -98,6 +98,40 @@ class Keys:
         before the job is enqueued; end_job.lua reads it to count the job's end once."""
         return f"{self.prefix}:job:{job_id}:batch"
 
+    # --- job indexes (shared/job_index.py; PROTOCOL.md section "Job indexes") ---------
+
+    @property
+    def jobs_index(self) -> str:
+        """Zset: every indexed job id, scored by its enqueue time (RQ's created_at, epoch µs)."""
+        return f"{self.prefix}:jobs"
+
+    def jobs_queue_index(self, queue: str) -> str:
+        """Zset: the indexed jobs of one queue, scored as jobs_index."""
+        return f"{self.prefix}:jobs:queue:{queue}"
+
+    def jobs_label_index(self, key: str, value: str) -> str:
+        """Zset: the indexed jobs carrying label key=value, scored as jobs_index.
+
+        The key's length in UTF-8 bytes comes first, so any key and value (both may hold
+        '=' or ':') name exactly one zset."""
+        return f"{self.prefix}:jobs:label:{len(key.encode())}:{key}={value}"
+
+    @property
+    def jobs_meta(self) -> str:
+        """Hash: job id -> JSON summary {task, items, queue, labels, created} for listing
+        without the payload; outlives the job hash so stale index entries can be found."""
+        return f"{self.prefix}:jobs:meta"
+
+    @property
+    def jobs_sweep(self) -> str:
+        """String: the jobs_index rank where the last sweep for expired jobs stopped."""
+        return f"{self.prefix}:jobs:sweep"
+
+    def job_failed(self, job_id: str) -> str:
+        """Set: indexes of a job's failed items (write_items.lua); expires with the items
+        hash, so done = HLEN items and failed = SCARD of this."""
+        return f"{self.prefix}:job:{job_id}:failed"
+
     def batch(self, batch_id: str) -> str:
         """Hash: a batch's record (task, created_at, labels, items, jobs, ttl) and, once it
         ends, its status and its jobs' end counts (finished, failed, canceled)."""
@@ -136,20 +170,12 @@ class Keys:
         """Set of worker names that have published stats."""
         return f"{self.prefix}:workers"
 
-    def result_cache(self, digest: str) -> str:
-        """String: one cached item text (JSON), keyed by the digest of everything that
-        decides it (model, input, page, prompt, settings); see worker/result_cache.py."""
-        return f"{self.prefix}:rcache:{digest}"
-
-    @property
-    def result_cache_index(self) -> str:
-        """Zset of cached entries ("<bytes>:<digest>") scored by store time, for eviction."""
-        return f"{self.prefix}:rcache-index"
-
-    @property
-    def result_cache_bytes(self) -> str:
-        """Counter: total bytes of the cached entries, kept under the byte budget."""
-        return f"{self.prefix}:rcache-bytes"
+    def result_cache_gen(self, gen: int) -> str:
+        """Hash: one generation of the result cache (worker/result_cache.py). Field = an
+        item key's digest (128 bits, base64url), value = "<job id> <index> <text hash>",
+        the stored item result holding its text; generation `gen` holds the entries whose
+        target expires in day `gen` (epoch s // span) and expires at that day's end."""
+        return f"{self.prefix}:rcache:gen:{gen}"
 
     @property
     def schedules(self) -> str:

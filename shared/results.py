@@ -33,8 +33,14 @@ def write_item(redis: Redis, keys: Keys, job_id: str, result: ItemResult, *,
                ttl_s: int = C.RESULT_TTL_S, pipeline: Pipeline | None = None) -> None:
     pipe = pipeline if pipeline is not None else redis.pipeline(transaction=True)
     items_key = keys.job_items(job_id)
-    pipe.hset(items_key, str(result.index), json.dumps(result.to_dict()))
+    pipe.hset(items_key, str(result.index), result.to_json())
     pipe.expire(items_key, ttl_s)
+    failed_key = keys.job_failed(job_id)  # as write_items.lua: listings count it
+    if result.ok:
+        pipe.srem(failed_key, str(result.index))
+    else:
+        pipe.sadd(failed_key, str(result.index))
+        pipe.expire(failed_key, ttl_s)
     add_event(redis, keys, job_id, {"type": "item", "index": result.index,
                                     "ok": int(result.ok)}, ttl_s=ttl_s, pipeline=pipe)
     if pipeline is None:

@@ -5,15 +5,24 @@
 -- ARGV[1] = owner token   ARGV[2] = ttl (s)   ARGV[3] = events stream maxlen
 -- ARGV[4], ARGV[5], ARGV[6], ... = (index, result JSON, ok 0|1) per item
 -- Returns 0 (nothing written) unless the job is STARTED and owned by the token, else 1.
+-- The set <prefix>:job:<job_id>:failed (beside KEYS[3]) holds the indexes of failed items,
+-- so listings count done (HLEN) and failed (SCARD) without reading any result.
 if redis.call('HGET', KEYS[1], 'status') ~= 'started'
     or redis.call('GET', KEYS[2]) ~= ARGV[1] then
   return 0
 end
+local failed = string.sub(KEYS[3], 1, #KEYS[3] - #':items') .. ':failed'
 for i = 4, #ARGV, 3 do
   redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
+  if ARGV[i + 2] == '0' then
+    redis.call('SADD', failed, ARGV[i])
+  else
+    redis.call('SREM', failed, ARGV[i])
+  end
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[3], '*',
              'type', 'item', 'index', ARGV[i], 'ok', ARGV[i + 2])
 end
 redis.call('EXPIRE', KEYS[3], ARGV[2])
 redis.call('EXPIRE', KEYS[4], ARGV[2])
+if redis.call('EXISTS', failed) == 1 then redis.call('EXPIRE', failed, ARGV[2]) end
 return 1

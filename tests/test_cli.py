@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import click
 import pytest
 from PIL import Image
 from redis import Redis
@@ -270,9 +271,9 @@ def test_status_overview_queues_and_workers(run_cli, redis: Redis, keys: Keys, d
     res = run_cli("status")
     assert res.exit_code == 0
     lines = res.stdout.splitlines()
-    assert lines[0].split() == ["QUEUE", "QUEUED", "STARTED", "FAILED", "FINISHED"]
-    assert any(ln.split() == ["ocr", "1", "0", "0", "0"] for ln in lines)
-    assert any(ln.split() == ["rush", "1", "0", "0", "0"] for ln in lines)
+    assert lines[0].split() == ["QUEUE", "QUEUED", "ITEMS", "STARTED", "FAILED", "FINISHED"]
+    assert any(ln.split() == ["ocr", "1", "4", "0", "0", "0"] for ln in lines)  # 4 pages
+    assert any(ln.split() == ["rush", "1", "4", "0", "0", "0"] for ln in lines)
     # The worker as one short row: model, queues, batch occupancy, tok/s, items/s,
     # cache hit rate, uptime; the full stats only under --json.
     row = next(ln.split() for ln in lines if ln.startswith("mac-1"))
@@ -280,7 +281,7 @@ def test_status_overview_queues_and_workers(run_cli, redis: Redis, keys: Keys, d
     assert "in_flight" not in res.stdout
     assert "mac-1 blas: openblas /usr/lib/libopenblas.so.0 (system, 1 threads)" in lines
     out = json.loads(run_cli("status", "--json").stdout)
-    assert out["queues"]["ocr"]["queued"] == 1
+    assert out["queues"]["ocr"]["queued"] == 1 and out["queues"]["ocr"]["queued_items"] == 4
     assert out["workers"][0]["stats"]["model"] == "olmOCR-7B"
     assert out["workers"][0]["stats"]["in_flight"] == "12"
     worker.register_death()
@@ -380,8 +381,8 @@ def test_result_of_a_running_job_is_partial(run_cli, redis: Redis, keys: Keys, d
 def test_worker_commands_are_attached_when_present() -> None:
     import importlib.util
 
-    names = set(main.commands)
-    assert {"enqueue", "status", "wait", "result"} <= names
+    names = set(main.list_commands(click.Context(main)))  # every module's, loaded lazily
+    assert {"enqueue", "status", "wait", "result", "reindex", "schedule"} <= names
     if importlib.util.find_spec("vlmq.worker.cli") is not None:
         assert {"worker", "model", "demo"} <= names
 

@@ -86,19 +86,23 @@ def test_jobs_group_status_retry_and_delete(redis_url: str, redis: Redis, tiny_m
     assert rc == 0, out
     assert retry.status() == "finished" and [r.ok for r in retry.results()] == [True]
 
-    # delete: job, items and events go; --purge-blobs keeps blobs other jobs still use.
+    # delete: job, items and events go; --purge-blobs keeps the blobs a job still holds
+    # (queued, running or failed: shared/blobs.py). A finished job let go of its inputs
+    # when it ended (they expire after keep_inputs), so they are purged with a and b.
+    keeper = client.caption(images[:2], options=FAST, queue="later")
     res = json.loads(run("delete", a.id, b.id, "--purge-blobs", "--json").stdout)
-    assert res == {"deleted": [a.id, b.id], "blobs_purged": 1}  # only the PDF was a's/b's alone
+    assert res == {"deleted": [a.id, b.id], "blobs_purged": 2}  # the PDF and image 2
     for job_id in (a.id, b.id):
         assert not redis.exists(Keys.rq_job(job_id), Keys().job_items(job_id),
                                 Keys().job_events(job_id), f"rq:results:{job_id}")
     assert not redis.exists(Keys().blob(sha256_hex(pdf.read_bytes())))
-    assert all(redis.exists(Keys().blob(sha256_hex(p.read_bytes()))) for p in images)
-    assert "not found" in run("delete", "nope", a.id, code=1).stderr
-    # The retry and `other` still use images 0 and 1; image 2 was the full retry's alone.
-    assert full.delete(purge_blobs=True) == 1
     assert not redis.exists(Keys().blob(sha256_hex(images[2].read_bytes())))
-    assert {r.id for r in client.jobs()} == {other.id, retry.id}
+    assert all(redis.exists(Keys().blob(sha256_hex(p.read_bytes()))) for p in images[:2])
+    assert "not found" in run("delete", "nope", a.id, code=1).stderr
+    assert full.delete(purge_blobs=True) == 0  # image 2 is gone; keeper holds 0 and 1
+    assert {r.id for r in client.jobs()} == {keeper.id, other.id, retry.id}
+    keeper.delete(purge_blobs=True)
+    assert not any(redis.exists(Keys().blob(sha256_hex(p.read_bytes()))) for p in images)
 
 
 def test_cancel_queued_and_running_jobs(redis_url: str, redis: Redis, tiny_model: Path,

@@ -110,8 +110,9 @@ def create_app(settings: Settings, *, history: data.History | None = None) -> Fl
         workers = data.workers(client.redis, client.keys)
         hist.sample(workers)
         plots = {w.name: _plots(hist.series(w.name)) for w in workers}
-        return render_template("overview.html", queues=data.queues(client.redis),
-                               states=data.jobs_by_state(client.redis), workers=workers,
+        queues = data.queues(client.redis)
+        return render_template("overview.html", queues=queues,
+                               states=data.jobs_by_state(queues), workers=workers,
                                plots=plots, refresh=REFRESH_S)
 
     @app.get("/jobs")
@@ -125,8 +126,9 @@ def create_app(settings: Settings, *, history: data.History | None = None) -> Fl
             labels = split_labels(raw_labels)
         except ValueError as exc:
             abort(400, str(exc))
+        # prune=False: the dashboard only reads (workers sweep the index of expired jobs)
         rows = manage.list_jobs(client.redis, client.keys, queue=queue, status=state,
-                                labels=labels, limit=JOBS_LIMIT)
+                                labels=labels, limit=JOBS_LIMIT, prune=False)
         return render_template("jobs.html", rows=rows, queue=queue or "", state=state or "",
                                label=" ".join(raw_labels), labels=raw_labels,
                                limit=JOBS_LIMIT, refresh=REFRESH_S)
