@@ -19,6 +19,7 @@ ENQUEUE = "enqueue.lua"
 END_JOB = "end_job.lua"
 WRITE_ITEMS = "write_items.lua"
 RESULT_CACHE_STORE = "result_cache_store.lua"
+RESULT_CACHE_LOOKUP = "result_cache_lookup.lua"
 SCHEDULE_CLAIM = "schedule_claim.lua"
 BLOB_EXTEND_TTL = "blob_extend_ttl.lua"
 

@@ -6,6 +6,7 @@ error names the JSON path of the field that is wrong.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -125,6 +126,10 @@ class JobPayload:
         return parse_payload(raw)
 
 
+# Decimal places of an item result's timings (seconds): 0.1 ms.
+TIMING_DIGITS = 4
+
+
 @dataclass
 class ItemResult:
     """What the worker writes for each item, as soon as that item is done."""
@@ -149,7 +154,25 @@ class ItemResult:
         return self.error is None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The protocol's item result (PROTOCOL.md section 4). Timings are rounded to
+        0.1 ms and `repetition` is left out when null: nothing reads more digits, and
+        every byte here is kept once per item in Redis."""
+        out = asdict(self)
+        out["timings"] = {k: round(v, TIMING_DIGITS) for k, v in self.timings.items()}
+        if self.repetition is None:
+            del out["repetition"]
+        return out
+
+    def to_json(self) -> str:
+        """The stored form (what a worker HSETs into the items hash): compact JSON, text
+        as UTF-8 rather than \\u escapes (a third of the bytes for CJK), unless the text
+        holds what UTF-8 cannot carry (a lone surrogate)."""
+        out = json.dumps(self.to_dict(), separators=(",", ":"), ensure_ascii=False)
+        try:
+            out.encode()
+        except UnicodeEncodeError:
+            return json.dumps(self.to_dict(), separators=(",", ":"))
+        return out
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> ItemResult:

@@ -8,6 +8,7 @@ from dataclasses import fields, replace
 from redis import Redis
 
 from vlmq.shared.keys import Keys
+from vlmq.shared.results import write_item
 from vlmq.shared.schema import Item, ItemResult, JobPayload
 from vlmq.worker.job_settings import (
     DEFAULT_IMAGE_MAX_SIDE,
@@ -57,7 +58,9 @@ def test_a_job_asking_for_the_type_defaults_misses_text_made_under_the_preset(
     cache = ResultCache(redis, Keys("vlmqrc"), "tiny@fingerprint")
 
     ran = _state("under-preset")
-    assert store_results(cache, ran, [_result("text generated under the preset")]) == 1
+    made = _result("text generated under the preset")
+    write_item(redis, cache.keys, ran.job_id, made)  # the cache points at stored results
+    assert store_results(cache, ran, [made]) == 1
 
     explicit = _state("asks-type-defaults", prompt=typed.prompt, max_tokens=typed.max_tokens)
     assert explicit.resolved.max_tokens == typed.max_tokens
