@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 from redis import Redis
+from redis.client import Pipeline
 
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.errors import VlmqError
@@ -106,15 +107,20 @@ class Preparer:
         except ValueError as exc:
             return str(exc)
 
-    def touch_blobs(self, payload: JobPayload, settings: JobSettings) -> None:
+    def touch_blobs(self, payload: JobPayload, settings: JobSettings, *,
+                    pipeline: Pipeline | None = None) -> None:
         """Refresh the TTL of every blob a job reads, and of the set of jobs holding it,
         when the job starts (for as long as the job asked its inputs to be kept): a job
         that waited long in its queue does not find its inputs gone. Never shortens."""
+        shas = {item.blob for item in payload.items if item.blob is not None}
+        if not shas:
+            return
         blobs = BlobStore(self.blobs.redis, self.keys, ttl_s=settings.blob_ttl)
-        pipe = self.blobs.redis.pipeline(transaction=False)
-        for sha in {item.blob for item in payload.items if item.blob is not None}:
+        pipe = pipeline if pipeline is not None else self.blobs.redis.pipeline(transaction=False)
+        for sha in shas:
             blobs.touch(sha, pipeline=pipe)
-        pipe.execute()
+        if pipeline is None:
+            pipe.execute()
 
     def readable(self, payload: JobPayload, indexes: list[int]) -> list[int]:
         """The items among `indexes` whose input this worker may read: blobs, and refs

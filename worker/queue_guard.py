@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,36 +70,76 @@ def decode_entry(raw: bytes | str) -> str | None:
 
 def inspect(conn: Redis, raw: bytes | str) -> Verdict:
     """Check one queue entry and its job hash with bounded reads; see module docstring."""
-    job_id = decode_entry(raw)
-    if job_id is None:
-        return Verdict(None, f"queue entry {raw!r:.80} is not UTF-8 text")
-    key = Keys.rq_job(job_id)
-    if not JOB_ID_RE.fullmatch(job_id):
-        return Verdict(job_id, f"queue entry {job_id!r:.80} is not a valid job id (must match "
-                               "[A-Za-z0-9_-]{1,128})", hash_exists=bool(conn.exists(key)))
+    return inspect_many(conn, [raw])[0][0]
+
+
+def inspect_many(conn: Redis, raws: Sequence[bytes | str]
+                 ) -> list[tuple[Verdict, dict[bytes, bytes] | None]]:
+    """`inspect` for several entries in two round trips: the bounded size checks of every
+    hash in one pipeline, then the whole hash of each that passed in another (HGETALL, read
+    only once its size is known). A safe entry's hash comes back with its verdict, for RQ's
+    Job.restore; None for the others (and when the hash vanished between the two reads)."""
+    out: list[tuple[Verdict, dict[bytes, bytes] | None]] = [(Verdict(None, ""), None)] * len(raws)
+    sized: list[tuple[int, str]] = []
+    for i, raw in enumerate(raws):
+        job_id = decode_entry(raw)
+        if job_id is None:
+            out[i] = (Verdict(None, f"queue entry {raw!r:.80} is not UTF-8 text"), None)
+        elif not JOB_ID_RE.fullmatch(job_id):
+            out[i] = (Verdict(job_id, f"queue entry {job_id!r:.80} is not a valid job id "
+                                      "(must match [A-Za-z0-9_-]{1,128})",
+                              hash_exists=bool(conn.exists(Keys.rq_job(job_id)))), None)
+        else:
+            sized.append((i, job_id))
+    if not sized:
+        return out
     with conn.pipeline(transaction=False) as pipe:
-        pipe.exists(key)
-        pipe.memory_usage(key, samples=0)
-        pipe.hstrlen(key, "data")
-        exists, size, data_len = pipe.execute()
-    if not exists:
-        # RQ would skip it without a word; on an evicting or restarted Redis that hides
-        # a lost job, so it is dead-lettered and logged (no hash to fail).
-        return Verdict(job_id, MISSING_HASH)
-    if size is not None and int(size) > MAX_HASH_BYTES:
-        return Verdict(job_id, f"job hash is {size} bytes, over the "
-                               f"{MAX_HASH_BYTES // (1024 * 1024)} MiB limit", True)
-    if not data_len:
-        return Verdict(job_id, "job hash has no data field (not an RQ job)", True)
-    fields = ["data", "timeout", *_JSON_FIELDS]
-    values: list[Any] = conn.hmget(key, fields)
-    problem = timeout_problem(values[1])
+        for _, job_id in sized:
+            key = Keys.rq_job(job_id)
+            pipe.exists(key)
+            pipe.memory_usage(key, samples=0)
+            pipe.hstrlen(key, "data")
+        sizes = pipe.execute()
+    readable: list[tuple[int, str]] = []
+    for n, (i, job_id) in enumerate(sized):
+        exists, size, data_len = sizes[3 * n:3 * n + 3]
+        if not exists:
+            # RQ would skip it without a word; on an evicting or restarted Redis that hides
+            # a lost job, so it is dead-lettered and logged (no hash to fail).
+            out[i] = (Verdict(job_id, MISSING_HASH), None)
+        elif size is not None and int(size) > MAX_HASH_BYTES:
+            out[i] = (Verdict(job_id, f"job hash is {size} bytes, over the "
+                                      f"{MAX_HASH_BYTES // (1024 * 1024)} MiB limit", True), None)
+        elif not data_len:
+            out[i] = (Verdict(job_id, "job hash has no data field (not an RQ job)", True), None)
+        else:
+            readable.append((i, job_id))
+    if not readable:
+        return out
+    with conn.pipeline(transaction=False) as pipe:
+        for _, job_id in readable:
+            pipe.hgetall(Keys.rq_job(job_id))
+        hashes = pipe.execute()
+    for (i, job_id), fields in zip(readable, hashes, strict=True):
+        if not fields:  # deleted between the two reads: nothing to run or fail
+            out[i] = (Verdict(job_id, None, hash_exists=False), None)
+            continue
+        verdict = check_fields(job_id, fields)
+        out[i] = (verdict, fields if verdict.reason is None else None)
+    return out
+
+
+def check_fields(job_id: str, fields: Mapping[bytes, bytes]) -> Verdict:
+    """The content checks on a hash whose size was checked: a timeout RQ can parse, and
+    data and JSON fields that inflate and parse within bounds."""
+    problem = timeout_problem(fields.get(b"timeout"))
     if problem:
         return Verdict(job_id, problem, True)
     try:
-        payload = bounded.inflate(values[0], what="job data")
+        payload = bounded.inflate(fields.get(b"data", b""), what="job data")
         bounded.loads(payload, what="job data")
-        for name, value in zip(_JSON_FIELDS, values[2:], strict=True):
+        for name in _JSON_FIELDS:
+            value = fields.get(name.encode())
             if value:
                 bounded.loads(value, what=f"job {name}")
     except bounded.BoundError as exc:

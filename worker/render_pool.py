@@ -56,6 +56,11 @@ class _Slot:
         self.docs: OrderedDict[str, None] = OrderedDict()  # what the child probably has open
 
     def _start(self) -> subprocess.Popen[bytes]:
+        self.spawn()
+        return self.await_ready()
+
+    def spawn(self) -> None:
+        """Start the child; await_ready() waits for its hello."""
         # One BLAS thread: the child never multiplies matrices, and idle BLAS threads
         # would reserve address space against its budget.
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
@@ -63,7 +68,10 @@ class _Slot:
             [sys.executable, "-m", "vlmq.worker.render_child", str(self.mem_mb)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self.docs.clear()
-        assert self.proc.stdout is not None
+
+    def await_ready(self) -> subprocess.Popen[bytes]:
+        """The spawned child, once it said it is ready (RuntimeError if it does not)."""
+        assert self.proc is not None and self.proc.stdout is not None
         try:
             fd = self.proc.stdout.fileno()
             deadline = time.monotonic() + _START_TIMEOUT_S
@@ -242,6 +250,23 @@ class RenderPool:
         with self._cond:
             self._free.append(slot)
             self._cond.notify()
+
+    def warm(self) -> None:
+        """Start every child now, all at once, so that the first PDF page of the first job
+        does not wait for an interpreter to start (the worker calls this before it says it
+        is ready). RuntimeError if one does not start; the others stay up."""
+        with self._cond:
+            idle = [s for s in self._free if s.proc is None or s.proc.poll() is not None]
+            for slot in idle:
+                self._free.remove(slot)
+        try:
+            for slot in idle:
+                slot.spawn()
+            for slot in idle:
+                slot.await_ready()
+        finally:
+            for slot in idle:
+                self._release(slot)
 
     @property
     def pids(self) -> list[int]:

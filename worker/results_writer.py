@@ -14,7 +14,6 @@ nothing more for it.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -30,7 +29,7 @@ from vlmq.shared.keys import Keys
 from vlmq.shared.schema import ItemResult, JobSummary
 from vlmq.worker.engine import Finished
 from vlmq.worker.rq_jobs import INCOMPLETE, JobLifecycle, Running
-from vlmq.worker.scheduler import Scheduler
+from vlmq.worker.scheduler import Scheduler, Tally
 from vlmq.worker.stats import WorkerStats
 
 log = logging.getLogger("vlmq.worker")
@@ -67,13 +66,15 @@ class ResultWriter:
 
     def __init__(self, redis: Redis, keys: Keys, lifecycle: JobLifecycle,
                  scheduler: Scheduler[Running], stats: WorkerStats, *,
-                 on_stored: Callable[[Running, list[ItemResult]], None] | None = None) -> None:
+                 on_stored: Callable[[list[tuple[Running, list[ItemResult]]]], None] | None
+                 = None) -> None:
         self.redis = redis
         self.keys = keys
         self.lifecycle = lifecycle
         self.scheduler = scheduler
         self.stats = stats
-        self.on_stored = on_stored  # runs after a job's results are stored (the result cache)
+        # Runs once per flush with the jobs whose results were stored (the result cache).
+        self.on_stored = on_stored
         self._unwritten: dict[str, dict[int, ItemResult]] = {}
         self._write_items = lua.script(redis, lua.WRITE_ITEMS)
 
@@ -114,39 +115,48 @@ class ResultWriter:
     # --- flush ---------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Write held results, one atomic script per job: all of a job's new results and
-        events land together or not at all, and only while the job is still ours.
-        Transient Redis errors propagate (the results stay held); any other error fails
-        only the job whose keys refused the write."""
+        """Write held results, one atomic script per job (all of a job's new results and
+        events land together or not at all, and only while the job is still ours), every
+        job's script in one pipeline. Transient Redis errors propagate (the results stay
+        held); any other error fails only the job whose keys refused the write."""
+        batch: list[tuple[Running, dict[int, ItemResult]]] = []
         for job_id in list(self._unwritten):
-            results = self._unwritten[job_id]
             state = self.scheduler.jobs.get(job_id)
             if state is None:
                 del self._unwritten[job_id]
                 continue
-            args: list[str | int] = [state.token, result_ttl(state), R.EVENTS_MAXLEN]
-            for res in results.values():
-                args += [res.index, json.dumps(res.to_dict()), int(res.ok)]
-            try:
-                owned = self._write_items(
-                    keys=[state.job.key, self.keys.job_owner(job_id),
-                          self.keys.job_items(job_id), self.keys.job_events(job_id)],
-                    args=args)
-            except RedisError as exc:
-                if transient(exc):
-                    raise
-                del self._unwritten[job_id]
-                self.fail(state, f"cannot write this job's results: {exc}")
+            batch.append((state, self._unwritten[job_id]))
+        if not batch:
+            return
+        with self.redis.pipeline(transaction=False) as pipe:
+            for state, results in batch:
+                args: list[str | int] = [state.token, result_ttl(state), R.EVENTS_MAXLEN]
+                for res in results.values():
+                    args += [res.index, res.to_json(), int(res.ok)]
+                self._write_items(keys=[state.job.key, self.keys.job_owner(state.job_id),
+                                        self.keys.job_items(state.job_id),
+                                        self.keys.job_events(state.job_id)],
+                                  args=args, client=pipe)
+            replies = pipe.execute(raise_on_error=False)
+        stored: list[tuple[Running, list[ItemResult]]] = []
+        for (state, results), owned in zip(batch, replies, strict=True):
+            if isinstance(owned, RedisError):
+                if transient(owned):
+                    raise owned
+                del self._unwritten[state.job_id]
+                self.fail(state, f"cannot write this job's results: {owned}")
                 continue
             if not owned:
                 self.drop(state, self._why_lost(state))
                 continue
-            del self._unwritten[job_id]
+            del self._unwritten[state.job_id]
             for res in results.values():
                 self.stats.count_item(res)
+                state.written[res.index] = _tally(res)
             state.finished_here += len(results)
-            if self.on_stored is not None:
-                self.on_stored(state, list(results.values()))
+            stored.append((state, list(results.values())))
+        if stored and self.on_stored is not None:
+            self.on_stored(stored)
 
     def _why_lost(self, state: Running) -> str:
         lost = self.lifecycle.lost([state])
@@ -155,10 +165,22 @@ class ResultWriter:
     # --- end -----------------------------------------------------------------------------
 
     def finish_complete(self) -> None:
-        """End every job whose items have all come back and been written."""
-        for state in [s for s in self.scheduler.jobs.values()
-                      if s.complete and s.job_id not in self._unwritten]:
-            self.finish(state)
+        """End every job whose items have all come back and been written.
+
+        A job whose every item this execution wrote (the common case) is summed from what
+        the worker wrote, and ends with the others in one fenced transaction that checks
+        every item is still stored; the others (resumed jobs, or results that vanished)
+        read their items back first."""
+        done = [s for s in self.scheduler.jobs.values()
+                if s.complete and s.job_id not in self._unwritten]
+        known = [s for s in done if s.already_done == 0 and not s.verify
+                 and len(s.written) == s.total]
+        for state in done:
+            if not any(state is k for k in known):
+                self.finish(state)
+        if known:
+            self._end([(s, self._summary(s, s.written.values())) for s in known],
+                      from_memory=True)
 
     def finish(self, state: Running) -> None:
         """End a job whose items all came back: finished, but only once every item has a
@@ -175,37 +197,54 @@ class ResultWriter:
             log.warning("job %s: %d item result(s) vanished from Redis (%s); computing "
                         "them again", state.job_id, len(missing), _span(missing))
             state.finished_here -= min(state.finished_here, len(missing))
+            for i in missing:
+                state.written.pop(i, None)
             self.scheduler.redo(state.job_id, missing)
             return
-        results = list(stored.values())
-        summary = JobSummary(
-            items=state.total,
-            ok=sum(1 for r in results if r.ok),
-            failed=sum(1 for r in results if not r.ok),
-            prompt_tokens=sum(r.prompt_tokens for r in results),
-            completion_tokens=sum(r.completion_tokens for r in results),
-            wall_s=self._whole_job_wall_s(state),
-            cache_hits=sum(1 for r in results if r.vision_cache_hit),
-            labels=dict(state.payload.labels),
-            result_cache_hits=sum(1 for r in results if r.result_cache_hit),
-        )
-        why = self.lifecycle.succeed(state, summary.to_dict(), require_items=True)
-        if why == INCOMPLETE:
-            return  # results vanished since they were read: the next turn finds which
-        if why is not None:
-            self.drop(state, why)
-            return
-        self.scheduler.remove(state.job_id)
-        log.info("job %s finished: %d ok, %d failed, %d tokens, %.1f s, %d cache hits",
-                 state.job_id, summary.ok, summary.failed, summary.completion_tokens,
-                 summary.wall_s, summary.cache_hits)
+        state.verify = False
+        self._end([(state, self._summary(state, (_tally(r) for r in stored.values())))],
+                  from_memory=False)
+
+    def _summary(self, state: Running, tallies: Iterable[Tally]) -> JobSummary:
+        ok = failed = prompt = completion = hits = cached = 0
+        for t in tallies:
+            ok += t.ok
+            failed += not t.ok
+            prompt += t.prompt_tokens
+            completion += t.completion_tokens
+            hits += t.vision_cache_hit
+            cached += t.result_cache_hit
+        return JobSummary(items=state.total, ok=ok, failed=failed, prompt_tokens=prompt,
+                          completion_tokens=completion, wall_s=self._whole_job_wall_s(state),
+                          cache_hits=hits, labels=dict(state.payload.labels),
+                          result_cache_hits=cached)
+
+    def _end(self, ends: list[tuple[Running, JobSummary]], *, from_memory: bool) -> None:
+        whys = self.lifecycle.succeed_many([(s, summary.to_dict()) for s, summary in ends],
+                                           require_items=True)
+        for (state, summary), why in zip(ends, whys, strict=True):
+            if why == INCOMPLETE:
+                # Results vanished since they were written or read: read them back now
+                # (if they were summed from memory) or next turn, to find which.
+                state.verify = True
+                if from_memory:
+                    self.finish(state)
+                continue
+            if why is not None:
+                self.drop(state, why)
+                continue
+            self.scheduler.remove(state.job_id)
+            log.info("job %s finished: %d ok, %d failed, %d tokens, %.1f s, %d vision-cache "
+                     "hits, %d result-cache hits", state.job_id, summary.ok, summary.failed,
+                     summary.completion_tokens, summary.wall_s, summary.cache_hits,
+                     summary.result_cache_hits)
 
     def _whole_job_wall_s(self, state: Running) -> float:
-        """From the job's first start on any worker: a resumed job's summary covers the
-        whole job, not only this worker's share (which is the fallback)."""
-        first = self.redis.hget(Keys.rq_job(state.job_id), C.FIRST_STARTED_FIELD)
-        wall = _wall_since(first)
-        return wall if wall is not None else round(time.monotonic() - state.started, 3)
+        """From the job's first start on any worker (Redis's clock): a resumed job's
+        summary covers the whole job, not only this worker's share (the fallback)."""
+        if state.first_started is not None:
+            return round(max(0.0, self.lifecycle.clock.now() - state.first_started), 3)
+        return round(time.monotonic() - state.started, 3)
 
     def fail(self, state: Running, message: str) -> None:
         """Fail a job (bad payload, timeout, unwritable results); its held results go."""
@@ -220,14 +259,9 @@ class ResultWriter:
         log.info("job %s failed: %s", state.job_id, message)
 
 
-def _wall_since(first_started: bytes | str | None) -> float | None:
-    """Seconds since the epoch time a job first started, or None if unreadable."""
-    try:
-        first = float(first_started.decode() if isinstance(first_started, bytes)
-                      else first_started or "")
-    except ValueError:
-        return None
-    return round(max(0.0, time.time() - first), 3)
+def _tally(res: ItemResult) -> Tally:
+    return Tally(res.ok, res.prompt_tokens, res.completion_tokens, res.vision_cache_hit,
+                 res.result_cache_hit)
 
 
 def _span(indexes: list[int]) -> str:

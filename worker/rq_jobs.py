@@ -40,6 +40,7 @@ from rq.worker import SimpleWorker, WorkerStatus
 from rq.worker_registration import clean_worker_registry
 
 from vlmq.shared import constants as C
+from vlmq.shared import job_index
 from vlmq.shared import results as R
 from vlmq.shared.connection import RedisClock
 from vlmq.shared.errors import PayloadError
@@ -112,6 +113,9 @@ class Running(JobState):
     queue: Queue
     execution: Execution
     token: str  # this execution's value of the job's owner key (Keys.job_owner)
+    # Epoch seconds (Redis's clock) of the job's first start on any worker: a resumed
+    # job's summary covers the whole job.
+    first_started: float | None = None
 
     def timed_out(self, at: float | None = None) -> bool:
         """True once the job's RQ timeout has passed.
@@ -265,49 +269,111 @@ class JobLifecycle:
     # --- taking jobs ---------------------------------------------------------------------
 
     def take(self) -> Running | Refused | None:
-        """Start the next job, non-blocking; None when every queue is empty.
+        """Start the next job, non-blocking; None when every queue is empty."""
+        taken, _ = self.take_many(1)
+        return taken[0] if taken else None
+
+    def take_many(self, limit: int, *, block_s: float = 0.0
+                  ) -> tuple[list[Running | Refused], bool]:
+        """Start up to `limit` jobs, the first queue drained before the next; returns them
+        and whether every queue was found empty.
 
         Each entry is LMOVEd into the queue's intermediate list, as RQ does for one queue:
         a crash between the pop and the start leaves the job where maintenance finds it
-        instead of losing it (rq#580). The entry and its hash are then checked with bounded
-        raw reads (queue_guard) before RQ loads anything: poison is dead-lettered and its
-        job failed, never raised into this loop.
+        instead of losing it (rq#580). Entries are popped, checked and started several at
+        a time, a few round trips for all of them. The entries and their hashes are
+        checked with bounded raw reads (queue_guard) before RQ loads anything: poison is
+        dead-lettered and its job failed, never raised into this loop.
+
+        `block_s` > 0 with one queue: when it is empty, wait that long for an entry with
+        a blocking BLMOVE (into the same intermediate list), so an idle worker takes a job
+        the moment it is pushed. Several queues cannot be waited on together that way
+        (BLMPOP would lose the intermediate list): the caller polls them instead.
         """
+        out: list[Running | Refused] = []
         for queue in self.queues:
-            while True:
-                raw = self.connection.lmove(queue.key, queue.intermediate_queue_key)
-                if raw is None:
-                    break
-                taken = self._take_entry(queue, raw)
-                if taken is not None:
-                    return taken
-        return None
+            while len(out) < limit:
+                raws = self._pop(queue, limit - len(out))
+                if not raws:
+                    break  # this queue is empty: look at the next
+                out += self._take_entries(queue, raws)
+            if len(out) >= limit:
+                return out, False
+        if not out and block_s > 0 and len(self.queues) == 1:
+            queue = self.queues[0]
+            raw = self.connection.blmove(queue.key, queue.intermediate_queue_key,
+                                         block_s)  # type: ignore[arg-type]  # Redis takes a float
+            if raw is not None:
+                return self._take_entries(queue, [raw]), False
+        return out, True
 
-    def _take_entry(self, queue: Queue, raw: bytes | str) -> Running | Refused | None:
-        """Start one popped entry; None when it was stale (look at the next)."""
-        verdict = guard.inspect(self.connection, raw)
-        if verdict.reason is None and verdict.hash_exists:
-            try:
+    def _pop(self, queue: Queue, want: int) -> list[bytes]:
+        """Move up to `want` entries into the intermediate list: one, with the queue's
+        length, then as many more as it said in one pipeline (an empty queue costs one
+        round trip of two commands)."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            pipe.llen(queue.key)
+            pipe.lmove(queue.key, queue.intermediate_queue_key)
+            length, first = pipe.execute()
+        if first is None:
+            return []
+        more = min(want, int(length)) - 1
+        if more <= 0:
+            return [first]
+        with self.connection.pipeline(transaction=False) as pipe:
+            for _ in range(more):
+                pipe.lmove(queue.key, queue.intermediate_queue_key)
+            return [first, *(raw for raw in pipe.execute() if raw is not None)]
+
+    def _take_entries(self, queue: Queue, raws: Sequence[bytes | str]
+                      ) -> list[Running | Refused]:
+        """Start popped entries (refused ones as Refused; stale ones left out)."""
+        out: list[Running | Refused] = []
+        jobs: list[Job] = []
+        first: dict[str, float | None] = {}  # each job's first start on any worker, if any
+        for raw, (verdict, fields) in zip(raws, guard.inspect_many(self.connection, raws),
+                                          strict=True):
+            if verdict.reason is None and fields is not None:
                 assert verdict.job_id is not None  # a valid id: inspect checked it
-                job = self.worker.job_class.fetch(verdict.job_id, connection=self.connection,
-                                                  serializer=JSONSerializer)
-            except NoSuchJobError:
-                verdict = guard.Verdict(verdict.job_id, None, hash_exists=False)
-            except Exception as exc:  # noqa: BLE001  # whatever RQ raises on a hash it cannot load
-                verdict = guard.Verdict(verdict.job_id, f"RQ cannot read its hash "
-                                        f"({type(exc).__name__}: {exc})", hash_exists=True)
-            else:
-                return self._start(job, queue)
-        if verdict.reason is None:  # deleted since it was pushed: nothing to run or fail
-            self.connection.lrem(queue.intermediate_queue_key, 1, raw)  # type: ignore[arg-type]
-            return None
-        guard.refuse(self.connection, self.keys, queue, raw, verdict, self.worker.name)
-        return Refused(verdict.label, queue.name, verdict.reason)
+                try:
+                    job = self.worker.job_class(verdict.job_id, connection=self.connection,
+                                                serializer=JSONSerializer)
+                    job.restore(fields)  # what Job.fetch does with the hash read above
+                except Exception as exc:  # noqa: BLE001  # whatever RQ raises on a hash it cannot load
+                    verdict = guard.Verdict(verdict.job_id, f"RQ cannot read its hash "
+                                            f"({type(exc).__name__}: {exc})", hash_exists=True)
+                else:
+                    jobs.append(job)
+                    first[str(job.id)] = _float_or_none(
+                        fields.get(C.FIRST_STARTED_FIELD.encode()))
+                    continue
+            if verdict.reason is None:  # deleted since it was pushed: nothing to run or fail
+                self.connection.lrem(queue.intermediate_queue_key, 1, raw)  # type: ignore[arg-type]
+                continue
+            guard.refuse(self.connection, self.keys, queue, raw, verdict, self.worker.name)
+            out.append(Refused(verdict.label, queue.name, verdict.reason))
+        for job, execution, at in self._mark_started(jobs, queue):
+            out.append(self._start(job, queue, execution, first.get(str(job.id)) or at))
+        self._ensure_indexed([r for r in out if isinstance(r, Running)])
+        return out
 
-    def _start(self, job: Job, queue: Queue) -> Running | Refused | None:
-        execution = self._mark_started(job, queue)
-        if execution is None:
-            return None
+    def _ensure_indexed(self, started: Sequence[Running]) -> None:
+        """List jobs a producer wrote without vlmq's indexes (RQ's hash and queue entry by
+        hand, or from before the indexes): writes only, one round trip for the batch."""
+        if not started:
+            return
+        with self.connection.pipeline(transaction=False) as pipe:
+            for r in started:
+                job_index.ensure(self.connection, self.keys, r.job_id, r.payload, r.queue.name,
+                                 job_index.us_of(r.job.created_at), pipeline=pipe)
+            pipe.execute()
+
+    def sweep_index(self) -> int:
+        """One step of the walk that drops index entries of jobs RQ's TTL deleted."""
+        return job_index.sweep(self.connection, self.keys)
+
+    def _start(self, job: Job, queue: Queue, execution: Execution,
+               first_started: float) -> Running | Refused:
         try:
             payload = payload_of(job)
         except PayloadError as exc:
@@ -317,40 +383,65 @@ class JobLifecycle:
             reason = f"vlmq refused job {job.id}: payload validation crashed ({exc!r})"
         else:
             return Running(job_id=str(job.id), payload=payload, job=job, queue=queue,
-                           execution=execution, token=self._token(execution))
+                           execution=execution, token=self._token(execution),
+                           first_started=first_started)
         self._end_failed(job, queue, execution, self._token(execution), reason, retry=False)
         return Refused(str(job.id), queue.name, reason)
 
     def _token(self, execution: Execution) -> str:
         return f"{execution.id} {self.worker.name}"
 
-    def _mark_started(self, job: Job, queue: Queue) -> Execution | None:
-        """What RQ's prepare_execution + prepare_job_execution do, in one transaction.
+    def _mark_started(self, jobs: Sequence[Job], queue: Queue
+                      ) -> list[tuple[Job, Execution, float]]:
+        """What RQ's prepare_execution + prepare_job_execution do, for several jobs in one
+        transaction.
 
         Only a QUEUED job is started, checked under WATCH: an id pushed twice onto a queue
         (a producer's naive retry) or a job started meanwhile by another worker is skipped,
-        never run twice. Returns None for such a stale entry.
+        never run twice. If any of the jobs changes between the check and the start, each
+        is tried again on its own. Returns the jobs started, with their executions and the
+        (Redis) time they started.
         """
+        if not jobs:
+            return []
         worker = self.worker
         with self.connection.pipeline() as pipe:
             try:
-                pipe.watch(job.key)  # type: ignore[no-untyped-call]
-                status = pipe.hget(job.key, "status")
-                if status is not None and as_str(status) != JobStatus.QUEUED.value:
-                    raise _Stale(as_str(status))
-                at = self.clock.measure(pipe)  # immediate: the pipeline is watching
+                pipe.watch(*{job.key for job in jobs})  # type: ignore[no-untyped-call]
+                fresh: list[Job] = []
+                stale: list[tuple[Job, str]] = []
+                statuses = self._watched_reads(lambda rp: [rp.hget(job.key, "status")
+                                                           for job in jobs])
+                for job, status in zip(jobs, statuses, strict=True):
+                    if status is not None and as_str(status) != JobStatus.QUEUED.value:
+                        stale.append((job, f"already {as_str(status)}"))
+                    elif any(job.id == f.id for f in fresh):  # the id twice in one batch
+                        stale.append((job, "already taken here"))
+                    else:
+                        fresh.append(job)
+                at = self.clock.now()
                 pipe.multi()
-                execution = self._queue_start(pipe, job, queue, at)
+                started = [(job, self._queue_start(pipe, job, queue, at), at) for job in fresh]
+                for job, _ in stale:
+                    pipe.lrem(queue.intermediate_queue_key, 1, job.id)
+                if fresh:
+                    worker.heartbeat(pipeline=pipe)
+                    worker.set_state(WorkerStatus.BUSY, pipeline=pipe)
                 pipe.execute()
-            except (_Stale, WatchError) as exc:
+            except WatchError:
                 pipe.reset()
-                self.connection.lrem(queue.intermediate_queue_key, 1, job.id)
-                log.warning("job %s listed in queue %s but %s: stale entry skipped", job.id,
-                            queue.name, f"already {exc}" if isinstance(exc, _Stale)
-                            else "taken by another worker")
-                return None
-        worker.executions[execution.id] = execution
-        return execution
+                if len(jobs) > 1:
+                    return [s for job in jobs for s in self._mark_started([job], queue)]
+                self.connection.lrem(queue.intermediate_queue_key, 1, jobs[0].id)
+                log.warning("job %s listed in queue %s but taken by another worker: stale "
+                            "entry skipped", jobs[0].id, queue.name)
+                return []
+        for job, why in stale:
+            log.warning("job %s listed in queue %s but %s: stale entry skipped", job.id,
+                        queue.name, why)
+        for _, execution, _ in started:
+            worker.executions[execution.id] = execution
+        return started
 
     def _queue_start(self, pipe: Pipeline, job: Job, queue: Queue, at: float) -> Execution:
         worker = self.worker
@@ -369,8 +460,6 @@ class JobLifecycle:
         pipe.hdel(job.key, R.END_FIELD)  # a new run gets its own terminal event
         pipe.persist(job.key)  # a job enqueued with ttl= must not vanish mid-run
         pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-        worker.heartbeat(pipeline=pipe)
-        worker.set_state(WorkerStatus.BUSY, pipeline=pipe)
         return execution
 
     # --- ownership -----------------------------------------------------------------------
@@ -380,6 +469,19 @@ class JobLifecycle:
         """The owner key outlives many missed heartbeats (it is refreshed by each), and
         expires on its own after a worker died holding it."""
         return max(OWNER_TTL_MIN_S, OWNER_TTL_HEARTBEATS * self.worker.heartbeat_ttl)
+
+    def _watched_reads(self, queue: Callable[[Pipeline], object]) -> list[Any]:
+        """The reads of a check-then-write transaction, for many jobs in one round trip.
+
+        The caller WATCHes the keys first; these reads then run pipelined on another
+        connection. Any change to a watched key after the WATCH, before or after these
+        reads, makes the caller's EXEC fail, so what they return still holds when the
+        writes apply: the same guarantee as reading on the watching connection, which
+        redis-py would do one round trip per read.
+        """
+        with self.connection.pipeline(transaction=False) as rp:
+            queue(rp)
+            return list(rp.execute())
 
     def _owned(self, conn: Any, job: Job, token: str) -> str | None:
         """None while `token` is the job's current execution, else why not (for the log).
@@ -465,8 +567,12 @@ class JobLifecycle:
                 try:
                     if watched:
                         pipe.watch(*watched)  # type: ignore[no-untyped-call]
-                    gone = [(r, why) for r in batch
-                            if (why := self._owned(pipe, r.job, r.token)) is not None]
+                    reads = self._watched_reads(lambda rp: [
+                        (rp.hget(r.job.key, "status"), rp.get(self.keys.job_owner(r.job_id)))
+                        for r in batch])
+                    gone = [(r, why) for r, (status, owner, _) in zip(batch, _triples(reads, 2),
+                                                                       strict=True)
+                            if (why := _why_not_ours(status, owner, r.token)) is not None]
                     pipe.multi()
                     worker.heartbeat(pipeline=pipe)  # HSET returns 1 if the worker key was gone
                     for r in batch:
@@ -522,49 +628,85 @@ class JobLifecycle:
         checked in the same transaction, not every item has a stored result (nothing
         written: compute the missing ones); else why the job is not this worker's any more.
         """
-        items_key = self.keys.job_items(running.job_id)
+        return self.succeed_many([(running, summary)], require_items=require_items)[0]
 
-        def complete(pipe: Pipeline) -> str | None:
-            return None if int(pipe.hlen(items_key)) >= running.total else INCOMPLETE
+    def succeed_many(self, ends: Sequence[tuple[Running, Mapping[str, Any]]], *,
+                     require_items: bool = False) -> list[str | None]:
+        """`succeed` for several jobs in one transaction (one WATCH, one MULTI/EXEC): each
+        job is checked on its own and only the ones that pass are finished; returns each
+        job's answer, in order."""
+        if not ends:
+            return []
+        worker = self.worker
+        plans: list[tuple[Running, dict[str, Any], int]] = []
+        for running, summary in ends:
+            value = dict(summary)
+            # RQ would silently store "Unserializable return value" instead of raising.
+            json.dumps(value)
+            plans.append((running, value, running.job.get_result_ttl(worker.default_result_ttl)))
+        watch = [key for r, _, _ in plans
+                 for key in (r.job.key, self.keys.job_owner(r.job_id),
+                             *([self.keys.job_items(r.job_id)] if require_items else []))]
+        with self.connection.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(*watch)  # type: ignore[no-untyped-call]
+                    reads = self._watched_reads(lambda rp: [
+                        (rp.hget(r.job.key, "status"), rp.get(self.keys.job_owner(r.job_id)),
+                         rp.hlen(self.keys.job_items(r.job_id)) if require_items else None)
+                        for r, _, _ in plans])
+                    whys: list[str | None] = []
+                    for (r, _, _), (status, owner, stored) in zip(
+                            plans, _triples(reads, 3 if require_items else 2), strict=True):
+                        why = _why_not_ours(status, owner, r.token)
+                        if why is None and require_items and int(stored) < r.total:
+                            why = INCOMPLETE
+                        whys.append(why)
+                    if all(why is not None for why in whys):
+                        pipe.reset()
+                        break
+                    pipe.multi()
+                    for (r, value, ttl), why in zip(plans, whys, strict=True):
+                        if why is None:
+                            self._finish(pipe, r, value, ttl)
+                    if not worker.executions:  # the last one ended: idle, in the same EXEC
+                        worker.set_state(WorkerStatus.IDLE, pipeline=pipe)
+                    pipe.execute()
+                    break
+                except WatchError:
+                    continue
+        for (r, _, _), why in zip(plans, whys, strict=True):
+            if why is None:
+                r.job.send_webhooks(JobStatus.FINISHED)
+        if any(why != INCOMPLETE for why in whys):
+            self._after_end()
+        return whys
 
-        value = dict(summary)
-        # RQ would silently store "Unserializable return value" instead of raising.
-        json.dumps(value)
+    def _finish(self, pipe: Pipeline, running: Running, value: dict[str, Any],
+                result_ttl: int) -> None:
+        """What RQ's handle_job_success writes (vlmq jobs have no dependents, repeats or
+        rate limits), queued on the caller's fenced transaction instead of RQ's own."""
         job, worker = running.job, self.worker
-        result_ttl = job.get_result_ttl(worker.default_result_ttl)
-
-        def build(pipe: Pipeline) -> None:
-            # What RQ's handle_job_success writes (vlmq jobs have no dependents, repeats
-            # or rate limits), in this fenced transaction instead of RQ's own.
-            job.ended_at = now()
-            job.set_status(JobStatus.FINISHED, pipeline=pipe)
-            job.save(pipeline=pipe, include_meta=False, include_result=False)
-            if result_ttl != 0:
-                Result.create(job, Result.Type.SUCCESSFUL, ttl=result_ttl, return_value=value,
-                              worker_name=worker.name, pipeline=pipe,
-                              execution_id=running.execution.id,
-                              execution_started_at=running.execution.created_at,
-                              execution_ended_at=job.ended_at)
-                job.finished_job_registry.add(job, result_ttl, pipe)
-                if result_ttl > 0:  # RQ scored it by this machine's clock
-                    pipe.zadd(job.finished_job_registry.key,
-                              {str(job.id): self.clock.now() + result_ttl}, xx=True)
-            job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
-            self._close(pipe, running.job, running.execution)
-            R.end_job_event(self.connection, self.keys, running.job_id, "finished",
-                            queue=running.queue.name,
-                            ttl_s=R.ended_ttl(result_ttl, C.RESULT_TTL_S),
-                            fields={**value, "summary": value}, pipeline=pipe)
-            worker.increment_successful_job_count(pipeline=pipe)
-
-        why = self._fenced(job, running.token, build, check=complete if require_items else None,
-                           watch=[items_key] if require_items else [])
-        if why == INCOMPLETE:
-            return why
-        if why is None:
-            job.send_webhooks(JobStatus.FINISHED)
-        self._after_end()
-        return why
+        job.ended_at = now()
+        job.set_status(JobStatus.FINISHED, pipeline=pipe)
+        job.save(pipeline=pipe, include_meta=False, include_result=False)
+        if result_ttl != 0:
+            Result.create(job, Result.Type.SUCCESSFUL, ttl=result_ttl, return_value=value,
+                          worker_name=worker.name, pipeline=pipe,
+                          execution_id=running.execution.id,
+                          execution_started_at=running.execution.created_at,
+                          execution_ended_at=job.ended_at)
+            job.finished_job_registry.add(job, result_ttl, pipe)
+            if result_ttl > 0:  # RQ scored it by this machine's clock
+                pipe.zadd(job.finished_job_registry.key,
+                          {str(job.id): self.clock.now() + result_ttl}, xx=True)
+        job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+        self._close(pipe, running.job, running.execution)
+        R.end_job_event(self.connection, self.keys, running.job_id, "finished",
+                        queue=running.queue.name,
+                        ttl_s=R.ended_ttl(result_ttl, C.RESULT_TTL_S),
+                        fields={**value, "summary": value}, pipeline=pipe)
+        worker.increment_successful_job_count(pipeline=pipe)
 
     def fail(self, running: Running, message: str, *, retry: bool = False) -> str | None:
         """Fail the job, fenced; `message` is its latest_result().exc_string and the `error`
@@ -633,7 +775,7 @@ class JobLifecycle:
             self.worker.increment_total_working_time(job.ended_at - job.started_at, pipe)
 
     def _after_end(self) -> None:
-        if not self.worker.executions:
+        if not self.worker.executions and self.worker.get_state() != WorkerStatus.IDLE:
             self.worker.set_state(WorkerStatus.IDLE)
 
 
@@ -664,6 +806,19 @@ def _why_not_ours(status: Any, owner: Any, token: str) -> str | None:
     if as_str(owner) != token:
         return f"taken over by worker {as_str(owner).split(' ', 1)[-1]}"
     return None
+
+
+def _triples(flat: Sequence[Any], width: int) -> list[tuple[Any, Any, Any]]:
+    """Pipelined replies, `width` per job, as (a, b, c) rows (None where width is 2)."""
+    rows = [tuple(flat[i:i + width]) for i in range(0, len(flat), width)]
+    return [(r[0], r[1], r[2] if width > 2 else None) for r in rows]
+
+
+def _float_or_none(raw: Any) -> float | None:
+    try:
+        return float(as_str(raw)) if raw is not None and as_str(raw) else None
+    except ValueError:
+        return None
 
 
 def _int_or_none(raw: Any) -> int | None:

@@ -17,6 +17,17 @@ from vlmq.shared.schema import JobPayload
 from vlmq.worker.job_settings import JobSettings
 
 
+@dataclass(frozen=True)
+class Tally:
+    """What a job's summary counts of one item written (its text is not kept)."""
+
+    ok: bool
+    prompt_tokens: int
+    completion_tokens: int
+    vision_cache_hit: bool
+    result_cache_hit: bool
+
+
 @dataclass(kw_only=True, eq=False)
 class JobState:
     """One job in flight and where its items stand.
@@ -33,6 +44,10 @@ class JobState:
     outstanding: set[int] = field(default_factory=set)  # being prepared or generated
     already_done: int = 0      # items with a stored result when this worker took the job
     finished_here: int = 0     # items this worker has stored since
+    # Those items, by index, as the summary counts them: a job whose every item is here
+    # ends without reading its results back.
+    written: dict[int, Tally] = field(default_factory=dict)
+    verify: bool = False  # read the stored items back before ending (some went missing)
     started: float = field(default_factory=time.monotonic)
 
     @property

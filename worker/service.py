@@ -30,7 +30,6 @@ from rq.serializers import JSONSerializer
 from rq.worker import WorkerStatus
 
 from vlmq.shared import redis_checks
-from vlmq.shared import results as R
 from vlmq.shared.connection import connect, transient
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import ItemResult
@@ -49,8 +48,8 @@ from vlmq.worker.result_cache import (
     DEFAULT_MAX_BYTES,
     DEFAULT_TTL_S,
     ResultCache,
-    cached_results,
-    store_results,
+    cached_results_many,
+    store_results_many,
 )
 from vlmq.worker.results_writer import ResultWriter
 from vlmq.worker.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
@@ -61,6 +60,12 @@ from vlmq.worker.vision_cache import VisionCache
 log = logging.getLogger("vlmq.worker")
 
 REDIS_RETRY_S = 1.0
+# An idle worker on one queue waits for a job in a blocking BLMOVE this long at most (a
+# stop signal is seen when it returns; Redis times blocked commands in 0.1 s steps).
+IDLE_BLOCK_S = 0.5
+# An idle worker on several queues looks at them all this often (no blocking pop keeps
+# both their priority order and RQ's intermediate list).
+IDLE_POLL_S = 0.01
 RESTART_CHECK_S = 0.5  # how often the loop compares Redis's run_id with the one at start
 T = TypeVar("T")
 
@@ -125,6 +130,7 @@ class WorkerService:
         self._writer: ResultWriter
         self._results: ResultCache
         self._queues_empty = False
+        self._starting: list[Running] = []  # taken, their start cut short by a Redis error
         self._next_heartbeat = self._next_stats = 0.0
         self.stats = WorkerStats(cfg.name, cfg.max_batch, cfg.prep_window)
         self._restarts: redis_checks.RestartWatch | None = None
@@ -288,6 +294,11 @@ class WorkerService:
                                     ttl_s=cfg.result_cache_ttl_s,
                                     max_bytes=cfg.result_cache_bytes)
         self.stats.model = cfg.model
+        try:
+            renderer.warm()  # the first PDF page must not wait for a process to start
+        except RuntimeError as exc:
+            log.warning("%s; PDF pages start their render process when they need one", exc)
+        self.stats.renders = renderer
         log.info("worker %s ready: model %s (%s), queues %s, max batch %d, window %d",
                  cfg.name, cfg.model, info.model_type, ",".join(cfg.queues), cfg.max_batch,
                  cfg.prep_window)
@@ -306,12 +317,12 @@ class WorkerService:
         """Requeue unfinished jobs (their written items stay) and leave the worker registry."""
         cfg = self.cfg
         try:
-            for state in list(self.scheduler.jobs.values()):
+            for state in [*self._starting, *self.scheduler.jobs.values()]:
                 why = lifecycle.requeue(state)
                 if why is None:
                     log.info("job %s requeued with %d/%d items done", state.job_id,
                              state.already_done + state.finished_here, state.total)
-                    self.scheduler.remove(state.job_id)
+                    self.scheduler.jobs.pop(state.job_id, None)
                 else:
                     self._writer.drop(state, why)
             self.stats.publish(self.redis, cfg.keys, engine.state, cache, 0, 0)
@@ -352,16 +363,27 @@ class WorkerService:
         cfg = self.cfg
         now = time.monotonic()
         self._watch_restart(lifecycle, engine, cache)
+        busy = self._in_prep > 0 or engine.state.active > 0 or engine.state.waiting > 0
+        took = 0
         if not self.stop_requested:
-            self._queues_empty = self._pull_jobs(lifecycle, preparer)
+            idle = not (busy or self.scheduler.jobs or self._writer.holding or cfg.burst)
+            block = IDLE_BLOCK_S if idle and len(cfg.queues) == 1 else 0.0
+            took, self._queues_empty = self._pull_jobs(lifecycle, preparer, block_s=block)
             self._schedule(engine, preparer)
         busy = self._in_prep > 0 or engine.state.active > 0 or engine.state.waiting > 0
-        self._collect(engine, lifecycle, timeout=0.01 if busy else 0.1)
+        if took or self._writer.holding:
+            wait = 0.0  # results to write and jobs to end now: no waiting on the engine
+        elif busy:
+            wait = 0.01
+        else:  # idle: the blocking pop waited already; several queues are polled
+            wait = 0.0 if len(cfg.queues) == 1 and not cfg.burst else IDLE_POLL_S
+        self._collect(engine, lifecycle, timeout=wait)
         if now >= self._next_heartbeat:
             self._heartbeat(lifecycle)
             self._next_heartbeat = now + lifecycle.heartbeat_interval
         if now >= self._next_stats:
             self._drop_taken_away(lifecycle)
+            lifecycle.sweep_index()
             self.stats.publish(self.redis, cfg.keys, engine.state, cache, len(self.scheduler),
                                self._in_prep)
             self._next_stats = now + cfg.stats_s
@@ -372,7 +394,7 @@ class WorkerService:
                 return True
             return self.deadline is not None and now >= self.deadline
         if (cfg.burst and self._queues_empty and not self.scheduler.jobs
-                and not self._writer.holding):
+                and not self._starting and not self._writer.holding):
             log.info("burst: queues empty and all work done")
             return True
         return False
@@ -383,57 +405,102 @@ class WorkerService:
         self._writer.flush()
         self._writer.finish_complete()
 
-    def _pull_jobs(self, lifecycle: JobLifecycle, preparer: Preparer) -> bool:
-        """Take jobs while there is room; returns True when the queues were found empty."""
-        while len(self.scheduler) < self.cfg.job_limit:
-            running = lifecycle.take()
-            if running is None:
-                return True
+    def _pull_jobs(self, lifecycle: JobLifecycle, preparer: Preparer, *,
+                   block_s: float = 0.0) -> tuple[int, bool]:
+        """Take jobs while there is room, several per round trip; returns how many were
+        taken and whether the queues were found empty."""
+        if self._starting:  # a Redis error cut their start short: finish it first
+            jobs, self._starting = self._starting, []
+            self._start_jobs(preparer, jobs)
+        room = self.cfg.job_limit - len(self.scheduler)
+        if room <= 0:
+            return 0, False
+        taken, empty = lifecycle.take_many(room, block_s=block_s)
+        started: list[Running] = []
+        for running in taken:
             if isinstance(running, Refused):
                 log.warning("job %s (%s) refused: %s", running.job_id, running.queue,
                             running.reason)
-                continue
-            try:
-                self._start_job(lifecycle, preparer, running)
-            except RedisError as exc:
-                if transient(exc):
-                    raise  # the job stays STARTED; RQ reclaims it if we never come back
-                log.exception("job %s could not be started", running.job_id)
-                self._writer.fail(running, f"Redis refused a command for this job: {exc}")
-            except Exception as exc:  # a job must never take the worker down
-                log.exception("job %s could not be started", running.job_id)
-                self._writer.fail(running, f"worker error starting the job: "
-                                           f"{type(exc).__name__}: {exc}")
-        return False
+            else:
+                started.append(running)
+        if started:
+            self._start_jobs(preparer, started)
+        return len(taken), empty
 
-    def _start_job(self, lifecycle: JobLifecycle, preparer: Preparer, running: Running) -> None:
-        earlier = self.scheduler.jobs.get(running.job_id)
-        if earlier is not None:
-            # take() only starts a QUEUED job: it was requeued (by hand, or by RQ's cleanup
-            # after this worker missed its heartbeats), so the earlier execution is stale.
-            self._writer.drop(earlier, "requeued while running here; its new run resumes")
-        settings = preparer.check_job(running.payload)
-        if isinstance(settings, str):
-            self._writer.fail(running, settings)
+    def _start_jobs(self, preparer: Preparer, jobs: list[Running]) -> None:
+        """Resolve each job's settings, then read what every one needs in one round trip:
+        its blobs' lifetimes refreshed (a long wait in the queue must not expire them) and
+        the items already done (a resumed job)."""
+        ready: list[Running] = []
+        for running in jobs:
+            try:
+                earlier = self.scheduler.jobs.get(running.job_id)
+                if earlier is not None:
+                    # take() only starts a QUEUED job: it was requeued (by hand, or by RQ's
+                    # cleanup after this worker missed its heartbeats), so the earlier
+                    # execution is stale.
+                    self._writer.drop(earlier, "requeued while running here; its new run "
+                                               "resumes")
+                settings = preparer.check_job(running.payload)
+                if isinstance(settings, str):
+                    self._writer.fail(running, settings)
+                    continue
+                running.settings = settings
+                ready.append(running)
+            except Exception as exc:  # noqa: BLE001  # handled as one job's failure below
+                self._start_failed(running, exc)
+        if not ready:
             return
-        running.settings = settings
-        # A long wait in the queue must not expire them.
-        preparer.touch_blobs(running.payload, settings)
-        n = len(running.payload.items)
-        done = {i for i in R.done_indexes(self.redis, self.cfg.keys, running.job_id) if i < n}
-        todo = [i for i in range(n) if i not in done]
+        # Started in Redis but not yet here: a transient error below leaves them for the
+        # next turn (and for the requeue at shutdown), not lost until RQ's cleanup.
+        self._starting = ready
+        with self.redis.pipeline(transaction=False) as pipe:
+            for running in ready:
+                pipe.hkeys(self.cfg.keys.job_items(running.job_id))
+            for running in ready:
+                preparer.touch_blobs(running.payload, running.resolved, pipeline=pipe)
+            done_of = pipe.execute()[:len(ready)]
+        todo_of: list[list[int]] = []
+        for running, done_raw in zip(ready, done_of, strict=True):
+            n = len(running.payload.items)
+            done = {i for i in map(int, done_raw) if i < n}
+            running.already_done = len(done)
+            todo_of.append([i for i in range(n) if i not in done])
         # A bad reference fails even when its content's text is cached.
-        hits = cached_results(self._results, running, preparer.readable(running.payload, todo))
+        hits_of = cached_results_many(self._results, [
+            (running, preparer.readable(running.payload, todo))
+            for running, todo in zip(ready, todo_of, strict=True)])
+        self._starting = []
+        for running, todo, hits in zip(ready, todo_of, hits_of, strict=True):
+            try:
+                self._start_job(running, todo, hits)
+            except Exception as exc:  # noqa: BLE001  # handled as one job's failure below
+                self._start_failed(running, exc)
+
+    def _start_failed(self, running: Running, exc: Exception) -> None:
+        """A job that could not start fails alone: never the worker."""
+        if isinstance(exc, RedisError):
+            if transient(exc):
+                raise exc  # the job stays STARTED; RQ reclaims it if we never come back
+            log.error("job %s could not be started", running.job_id, exc_info=exc)
+            self._writer.fail(running, f"Redis refused a command for this job: {exc}")
+            return
+        log.error("job %s could not be started", running.job_id, exc_info=exc)
+        self._writer.fail(running, f"worker error starting the job: "
+                                   f"{type(exc).__name__}: {exc}")
+
+    def _start_job(self, running: Running, todo: list[int],
+                   hits: dict[int, ItemResult]) -> None:
         running.pending = deque(i for i in todo if i not in hits)
-        running.already_done = len(done)
+        done = running.already_done
         log.info("job %s started: %s, %d items%s", running.job_id, running.payload.task,
-                 running.total, f" ({len(done)} already done, resuming)" if done else "")
+                 running.total, f" ({done} already done, resuming)" if done else "")
         self.scheduler.add(running)
         self._writer.hold(running.job_id, hits.values())
 
-    def _store_in_result_cache(self, state: Running, results: list[ItemResult]) -> None:
-        """Best effort, once the results count as written."""
-        self.stats.result_cache_stores += store_results(self._results, state, results)
+    def _store_in_result_cache(self, stored: list[tuple[Running, list[ItemResult]]]) -> None:
+        """Best effort, once the results count as written (every job's in one go)."""
+        self.stats.result_cache_stores += store_results_many(self._results, stored)
 
     def _drop_taken_away(self, lifecycle: JobLifecycle) -> None:
         """Stop work on jobs canceled, deleted or lost meanwhile, within a stats tick

@@ -39,6 +39,13 @@ class _CacheView(Protocol):
     def stats(self) -> dict[str, int]: ...
 
 
+class _RenderView(Protocol):
+    """What the stats read of the PDF render pool (worker/render_pool.RenderPool)."""
+
+    @property
+    def pids(self) -> list[int]: ...
+
+
 class WorkerStats:
     def __init__(self, name: str, max_batch: int, window: int) -> None:
         self.name = name
@@ -54,6 +61,7 @@ class WorkerStats:
         self.peak_waiting = 0
         self.result_cache_hits = 0
         self.result_cache_stores = 0
+        self.renders: _RenderView | None = None  # set once the render processes are up
         self._samples: deque[tuple[float, int, int]] = deque()
         # Preprocessing counters are process-wide; report this worker's share only.
         self._work_base = P.COUNTERS.snapshot()
@@ -116,6 +124,8 @@ class WorkerStats:
             "engine_peak_waiting": engine.peak_waiting,
             "tower_calls": engine.tower_calls,
             "mlx_busy_s": round(engine.busy_s, 3),
+            # PDF render processes running (started before the worker says it is ready).
+            "render_procs": len(self.renders.pids) if self.renders is not None else 0,
             **{k: v - self._work_base.get(k, 0) for k, v in P.COUNTERS.snapshot().items()},
             "uptime_s": round(now - self.started, 1),
         }
