@@ -78,6 +78,11 @@ def report(runs: dict[int, list[C.WorkerRun]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    with C.redis_url_or_private(args.redis_url) as args.redis_url:
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     model = C.ensure_model(args.model)
     C.connect(args.redis_url).close()

@@ -146,6 +146,11 @@ def report(runs: list[list[Row]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    with C.redis_url_or_private(args.redis_url) as args.redis_url:
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     model = C.ensure_model(args.model)
     C.connect(args.redis_url).close()
     with tempfile.TemporaryDirectory(prefix="vlmq-bench-cache-") as tmp:

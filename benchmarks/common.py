@@ -15,7 +15,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -37,8 +38,9 @@ COLORS = [(220, 40, 40), (40, 160, 60), (40, 70, 200), (230, 200, 40), (160, 60,
 
 def add_common_args(parser: argparse.ArgumentParser, *, items: int = 16,
                     max_tokens: int = 64, side: int = 224) -> None:
-    parser.add_argument("--redis-url", default=DEFAULT_REDIS_URL,
-                        help=f"Redis db to use; it is FLUSHED first (default {DEFAULT_REDIS_URL})")
+    parser.add_argument("--redis-url", default=None,
+                        help="a Redis db to use; it is FLUSHED first (default: a private "
+                             "redis-server on a free port)")
     parser.add_argument("--model", default=None,
                         help="model folder or hub id (default: build the tiny random-weight model)")
     parser.add_argument("--items", type=int, default=items,
@@ -49,6 +51,22 @@ def add_common_args(parser: argparse.ArgumentParser, *, items: int = 16,
                         help=f"longest image side in px; keep ~224 on mlx[cpu] (default {side})")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where inputs and caches go (default: a fresh temp dir)")
+
+
+@contextmanager
+def redis_url_or_private(url: str | None) -> Iterator[str]:
+    """`url` as given, else a private redis-server on a free port for the block: a
+    benchmark on a shared db can be flushed mid-run by anything else that uses it."""
+    if url is not None:
+        yield url
+        return
+    from vlmq.worker.redis_server import start_private
+
+    server = start_private()
+    try:
+        yield server.url
+    finally:
+        server.stop()
 
 
 def print_header(model: str, items: int, side: int, detail: str) -> None:

@@ -3,15 +3,20 @@
 Eight jobs of 1, 2, 3, 4, 6, 8, 12 and 24 items arrive at fixed offsets (the biggest
 first, as when one producer drops a batch and others trickle in). Items mix PDF pages and
 photos of three sizes. Every system gets the same items, arrivals, prompt, max_tokens,
-and greedy decoding, in this one run:
+greedy decoding and repetition guard (off for all by default, `--guard`: the worker's
+default guard in all), in this one run:
 
   A  a plain RQ service: one job at a time, `mlx_vlm.generate` per item, model loaded once;
   B  per-job batching: one `mlx_vlm.batch_generate` call per job, in arrival order;
   C  the vlmq Engine fed the same arrivals in-process (no Redis);
   D  vlmq end to end: client enqueue, real Redis, one `vlmq worker` process;
+  E  mlx-vlm's own server (`python -m mlx_vlm.server`, continuous batching), one
+     streamed OpenAI-style HTTP request per item from concurrent clients (no guard:
+     its HTTP API takes no custom stopping rule);
   D_ref  D with `--blas reference` (bench model only): what Linux users got before.
 
-    python benchmarks/run.py --quick --model bench
+    python benchmarks/run.py --ocr --model bench      # the headline: OCR-shaped work
+    python benchmarks/run.py --quick --model bench    # CI-sized
     python benchmarks/run.py --model tiny --json-out out.json
 
 Prints a table, then one JSON line. Nothing here is asserted: ratios measured side by
@@ -42,11 +47,15 @@ from redis import Redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C
+import server_e
+
+from vlmq.worker.repetition import RepetitionGuard
 
 JOB_SIZES = (24, 1, 12, 2, 8, 3, 6, 4)  # in arrival order
 SMALL = 4  # the 4 smallest jobs: what a latency-sensitive producer sends
 PHOTO_SIZES = ((224, 168), (126, 224), (112, 112))  # landscape, portrait, square
 ENQUEUE_ITEMS = 5000
+OCR_TOKENS, OCR_SIDE = 256, 448  # --ocr: a page of text, pages rendered at 448 px
 
 
 @dataclass
@@ -95,23 +104,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
                    help="fewer new tokens and tighter arrivals (a few minutes on 2 cores)")
+    p.add_argument("--ocr", action="store_true",
+                   help=f"OCR-shaped headline: {OCR_TOKENS} new tokens, {OCR_SIDE} px pages, "
+                        "the staggered jobs (slow on 2 cores)")
+    p.add_argument("--guard", action="store_true",
+                   help="the worker's default repetition guard in every system (E cannot "
+                        "have it); default: off in all")
     p.add_argument("--model", default="tiny",
                    help="tiny, bench (random-weight models built offline) or a model folder")
     p.add_argument("--json-out", type=Path, default=None, help="also write the JSON here")
-    p.add_argument("--redis-url", default=C.DEFAULT_REDIS_URL,
-                   help=f"Redis db to use; it is FLUSHED first (default {C.DEFAULT_REDIS_URL})")
+    p.add_argument("--redis-url", default=None,
+                   help="a Redis db to use; it is FLUSHED first (default: a private "
+                        "redis-server on a free port, so nothing else can flush it mid-run)")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="new tokens per item (default 16 with --quick, else 64)")
-    p.add_argument("--max-batch", type=int, default=16, help="rows for C and D (default 16)")
+                   help=f"new tokens per item (default 16 with --quick, {OCR_TOKENS} with "
+                        "--ocr, else 64)")
+    p.add_argument("--max-batch", type=int, default=16,
+                   help="rows for C, D and E (its --max-num-seqs; default 16)")
     p.add_argument("--prep-threads", type=int, default=None,
                    help="D's --prep-threads and C's pool (default: the worker's default)")
     p.add_argument("--spacing", type=float, default=None,
                    help="seconds between arrivals (default 0.25 with --quick, else 0.5)")
-    p.add_argument("--systems", default="A,B,C,D,D_ref",
+    p.add_argument("--systems", default="A,B,C,D,E,D_ref",
                    help="which systems to run (comma-separated; default all)")
     p.add_argument("--sizes", default=None,
                    help="job sizes in arrival order instead of 24,1,12,2,8,3,6,4 (for tests)")
-    p.add_argument("--side", type=int, default=224, help="longest side in px (default 224)")
+    p.add_argument("--side", type=int, default=None,
+                   help=f"longest side in px (default {OCR_SIDE} with --ocr, else 224)")
     p.add_argument("--workdir", type=Path, default=None,
                    help="where inputs and caches go (default: a fresh temp dir)")
     p.add_argument("--blas-threads", type=int, default=None,
@@ -121,7 +140,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="use the db as it is, unflushed (any db; the test suite passes its own)")
     p.add_argument("--no-enqueue-bench", action="store_true",
                    help=f"skip the {ENQUEUE_ITEMS}-item enqueue throughput figure")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.quick and args.ocr:
+        p.error("--quick and --ocr are two different workloads: pick one")
+    if args.side is None:
+        args.side = OCR_SIDE if args.ocr else 224
+    return args
 
 
 # ---------------------------------------------------------------- inputs
@@ -182,50 +206,117 @@ def _arrivals(jobs: Sequence[Job], t0: float) -> Callable[[Job], None]:
     return wait
 
 
+def _generate_guarded(model: Any, processor: Any, prompt_text: str, img: Image.Image,
+                      max_tokens: int, guard: RepetitionGuard) -> tuple[int, bool]:
+    """`generate` for one item, stopped where the engine would cut a loop: (tokens
+    generated, cut). stream_generate is what `generate` runs; leaving it early stops it."""
+    from mlx_vlm import stream_generate
+
+    tokens: list[int] = []
+    for r in stream_generate(model, processor, prompt_text, image=[img],
+                             max_tokens=max_tokens, temperature=0.0):
+        if r.finish_reason is not None:  # the closing result lists every token, EOS too
+            return len(r.token_ids or tokens), False
+        tokens.append(int(r.token))
+        if guard.find(tokens) is not None:
+            return len(tokens), True
+    return len(tokens), False
+
+
 def run_a(model: Any, processor: Any, prompt_text: str, jobs: Sequence[Job],
-          max_tokens: int) -> SystemRun:
+          max_tokens: int, guard: RepetitionGuard | None) -> SystemRun:
     """A plain RQ service: FIFO jobs, one `generate` per item."""
     from mlx_vlm import generate
 
     t0 = time.perf_counter()
     wait = _arrivals(jobs, t0)
-    tokens, lat = 0, []
+    tokens, cuts, lat = 0, 0, []
     for job in jobs:
         wait(job)
         for img in job.images:
-            r = generate(model, processor, prompt_text, image=[img], max_tokens=max_tokens,
-                         temperature=0.0)
-            tokens += len(r.token_ids or [])
+            if guard is None:
+                r = generate(model, processor, prompt_text, image=[img],
+                             max_tokens=max_tokens, temperature=0.0)
+                tokens += len(r.token_ids or [])
+            else:
+                n, cut = _generate_guarded(model, processor, prompt_text, img, max_tokens,
+                                           guard)
+                tokens, cuts = tokens + n, cuts + cut
         lat.append(time.perf_counter() - (t0 + job.offset))
     return SystemRun("A plain RQ (generate per item)", time.perf_counter() - t0,
-                     sum(j.size for j in jobs), tokens, lat, [j.size for j in jobs])
+                     sum(j.size for j in jobs), tokens, lat, [j.size for j in jobs],
+                     {"guard_cuts": cuts})
+
+
+class GuardToEos:
+    """The repetition guard as a logits processor for `batch_generate` (B).
+
+    batch_generate has no per-row stop hook, but it takes logits processors (cloned per
+    row) and ends a row on EOS. Once a row's generated tail loops, its next token is
+    forced to EOS: the row ends one token after the step where the engine cuts it.
+    `cuts` is shared by the clones, so the caller can count the rows cut.
+    """
+
+    def __init__(self, guard: RepetitionGuard, eos: int, cuts: list[int] | None = None) -> None:
+        self.guard, self.eos = guard, eos
+        self.cuts = cuts if cuts is not None else []
+        self.tokens: list[int] = []
+
+    def clone(self) -> GuardToEos:
+        return GuardToEos(self.guard, self.eos, self.cuts)
+
+    def __call__(self, context: Any, logits: Any) -> Any:
+        return logits  # end of prefill: the context is the prompt, nothing generated yet
+
+    def process_last_token(self, token: int, logits: Any) -> Any:
+        """Decode steps: `token` is the row's previous token."""
+        import mlx.core as mx
+
+        self.tokens.append(int(token))
+        if self.guard.find(self.tokens) is None:
+            return logits
+        self.cuts.append(len(self.tokens))
+        only_eos = mx.arange(logits.shape[-1]) == self.eos
+        return mx.broadcast_to(mx.where(only_eos, 0.0, -mx.inf), logits.shape).astype(
+            logits.dtype)
+
+
+def _eos_id(model: Any) -> int:
+    eos = model.config.eos_token_id
+    return int(eos[0] if isinstance(eos, (list, tuple)) else eos)
 
 
 def run_b(model: Any, processor: Any, prompt: str, jobs: Sequence[Job],
-          max_tokens: int) -> SystemRun:
+          max_tokens: int, guard: RepetitionGuard | None) -> SystemRun:
     """Per-job batching: one `batch_generate` per job, FIFO."""
     from mlx_vlm import batch_generate
 
+    cuts: list[int] = []
+    kw: dict[str, Any] = {}
+    if guard is not None:
+        kw["logits_processors"] = [GuardToEos(guard, _eos_id(model), cuts)]
     t0 = time.perf_counter()
     wait = _arrivals(jobs, t0)
     tokens, lat = 0, []
     for job in jobs:
         wait(job)
         out = batch_generate(model, processor, images=list(job.images),
-                             prompts=[prompt] * job.size, max_tokens=max_tokens)
+                             prompts=[prompt] * job.size, max_tokens=max_tokens, **kw)
         tokens += int(out.stats.generation_tokens)
         lat.append(time.perf_counter() - (t0 + job.offset))
     return SystemRun("B per-job batch_generate", time.perf_counter() - t0,
-                     sum(j.size for j in jobs), tokens, lat, [j.size for j in jobs])
+                     sum(j.size for j in jobs), tokens, lat, [j.size for j in jobs],
+                     {"guard_cuts": len(cuts)})
 
 
 def run_c(model_path: str, prompt: str, stop: tuple[str, ...], jobs: Sequence[Job],
-          max_tokens: int, max_batch: int, prep_threads: int) -> SystemRun:
+          max_tokens: int, max_batch: int, prep_threads: int,
+          guard: RepetitionGuard | None) -> SystemRun:
     """The vlmq Engine in-process, fed at the arrival times, prep on a thread pool."""
     from vlmq.worker import mlx_adapter as A
     from vlmq.worker.engine import Engine, Request
 
-    engine = Engine(model_path, max_batch=max_batch)
+    engine = Engine(model_path, max_batch=max_batch, repetition=guard)
     engine.wait_ready(timeout=300)
     processor, config = engine.processor, engine.model_config
 
@@ -244,7 +335,7 @@ def run_c(model_path: str, prompt: str, stop: tuple[str, ...], jobs: Sequence[Jo
         tokens = 0
         with ThreadPoolExecutor(prep_threads) as pool:
             t0 = time.perf_counter()
-            busy0 = engine.state.busy_s
+            busy0, reps0 = engine.state.busy_s, engine.state.repetitions
 
             def feed() -> None:
                 wait = _arrivals(jobs, t0)
@@ -268,11 +359,12 @@ def run_c(model_path: str, prompt: str, stop: tuple[str, ...], jobs: Sequence[Jo
             feeder.join()
             wall = max(done_at.values()) - t0
             busy = (engine.state.busy_s - busy0) / wall
+            cuts = engine.state.repetitions - reps0
     finally:
         engine.close(timeout=30)
     lat = [done_at[j] - (t0 + job.offset) for j, job in enumerate(jobs)]
     return SystemRun("C vlmq Engine in-process", wall, sum(j.size for j in jobs), tokens, lat,
-                     [j.size for j in jobs], {"busy": round(busy, 3)})
+                     [j.size for j in jobs], {"busy": round(busy, 3), "guard_cuts": cuts})
 
 
 # ---------------------------------------------------------------- D (Redis + worker)
@@ -300,8 +392,19 @@ def _stats_after(redis: Any, name: str, cond: Callable[[dict[str, str]], bool],
     raise TimeoutError(f"worker {name}: stats not as expected after {timeout} s")
 
 
+def guard_flags(guard: RepetitionGuard | None) -> list[str]:
+    """`vlmq worker` flags for this guard (the worker's own default is on)."""
+    if guard is None:
+        return ["--repetition-repeats", "0"]
+    return ["--repetition-repeats", str(guard.min_repeats),
+            "--repetition-min-span", str(guard.min_span),
+            "--repetition-period", str(guard.max_period),
+            "--on-repetition", guard.on_repetition]
+
+
 def run_d(args: argparse.Namespace, model_path: str, jobs: Sequence[Job], workdir: Path,
-          max_tokens: int, blas_choice: str, label: str) -> SystemRun:
+          max_tokens: int, blas_choice: str, label: str,
+          guard: RepetitionGuard | None) -> SystemRun:
     """Client enqueue at the arrival times, real Redis, one long-lived worker process."""
     from vlmq.producer.client import Client
 
@@ -310,7 +413,7 @@ def run_d(args: argparse.Namespace, model_path: str, jobs: Sequence[Job], workdi
     cache = workdir / f"cache-{tag}"
     cmd = C.worker_cmd(args.redis_url, model_path, queue, max_batch=args.max_batch,
                        cache_dir=cache / "vision", name=tag, burst=False)
-    cmd += ["--blas", blas_choice]
+    cmd += ["--blas", blas_choice, *guard_flags(guard)]
     if args.prep_threads:
         cmd += ["--prep-threads", str(args.prep_threads)]
     proc = subprocess.Popen(cmd, env=C.worker_env(cache), stdout=subprocess.PIPE,
@@ -339,6 +442,7 @@ def run_d(args: argparse.Namespace, model_path: str, jobs: Sequence[Job], workdi
         for h in handles:
             h.wait(timeout=1800)
         runs = [C.job_run(args.redis_url, h.id) for h in handles]
+        cuts = sum(1 for h in handles for item in h.results() if item.repetition)
         rss = _vm_hwm_mb(proc.pid)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
@@ -359,7 +463,49 @@ def run_d(args: argparse.Namespace, model_path: str, jobs: Sequence[Job], workdi
     return SystemRun(name, wall, sum(r.items for r in runs), sum(r.tokens for r in runs),
                      lat, [j.size for j in jobs],
                      {"busy": round(busy, 3), "peak_rss_mb": round(rss, 1),
-                           "blas": blas_line, "failed": sum(r.items - r.ok for r in runs)})
+                      "blas": blas_line, "failed": sum(r.items - r.ok for r in runs),
+                      "guard_cuts": cuts})
+
+
+# ---------------------------------------------------------------- E (mlx-vlm's server)
+
+
+def run_e(model_path: str, prompt: str, jobs: Sequence[Job], workdir: Path, max_tokens: int,
+          max_batch: int) -> SystemRun:
+    """mlx_vlm.server with as many rows as C and D; at each job's arrival, one client
+    thread per item sends its request (the exact pixels A, B and C get, as PNG)."""
+    bodies = [[server_e.request_body(model_path, server_e.data_url(im), prompt, max_tokens)
+               for im in job.images] for job in jobs]
+    with server_e.Server(model_path, max_num_seqs=max_batch, max_tokens=max_tokens,
+                         log_path=workdir / "server-e.log") as server:
+        server.wait_ready()
+        warm = _photo(10_000, PHOTO_SIZES[0])  # untimed, not one of the timed items
+        server_e.chat(server.port, server_e.request_body(
+            model_path, server_e.data_url(warm), prompt, max_tokens))
+        # A thread per item, so every request is in flight from its job's arrival.
+        with ThreadPoolExecutor(sum(j.size for j in jobs)) as pool:
+            futures = {}
+            t0 = time.perf_counter()
+            wait = _arrivals(jobs, t0)
+            for j, job in enumerate(jobs):
+                wait(job)
+                for k, body in enumerate(bodies[j]):
+                    futures[(j, k)] = pool.submit(server_e.chat, server.port, body)
+            replies = {key: f.result() for key, f in futures.items()}
+        rss = server.vm_hwm_mb()
+        blas_line = next((ln.split("BLAS: ", 1)[1] for ln in server.log().splitlines()
+                          if ln.startswith("BLAS: ")), "?")
+    done = [max(replies[(j, k)].done_at for k in range(job.size))
+            for j, job in enumerate(jobs)]
+    lat = [d - (t0 + job.offset) for d, job in zip(done, jobs, strict=True)]
+    reasons: dict[str, int] = {}
+    for r in replies.values():
+        reasons[str(r.finish_reason)] = reasons.get(str(r.finish_reason), 0) + 1
+    return SystemRun("E mlx_vlm.server, HTTP per item", max(done) - t0,
+                     sum(j.size for j in jobs), sum(r.completion_tokens for r in replies.values()),
+                     lat, [j.size for j in jobs],
+                     {"peak_rss_mb": round(rss, 1), "blas": blas_line,
+                      "finish_reasons": reasons, "guard": "none"})
 
 
 def enqueue_throughput(redis_url: str, folder: Path, n: int) -> float:
@@ -381,6 +527,13 @@ def enqueue_throughput(redis_url: str, folder: Path, n: int) -> float:
 # ---------------------------------------------------------------- main
 
 
+def _guard_line(guard: RepetitionGuard | None) -> str:
+    if guard is None:
+        return "off"
+    return (f"on (period <= {guard.max_period}, repeats >= {guard.min_repeats}, span >= "
+            f"{guard.min_span}, {guard.on_repetition})")
+
+
 def resolve_model(name: str) -> str:
     from vlmq.worker.cli import default_cache_dir
     from vlmq.worker.tiny_model import build_tiny_model
@@ -393,6 +546,11 @@ def resolve_model(name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    with C.redis_url_or_private(args.redis_url) as args.redis_url:
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     from vlmq.worker import blas
 
     prep_threads = args.prep_threads or min(4, os.cpu_count() or 2)
@@ -403,7 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = {s.strip() for s in args.systems.split(",") if s.strip()}
     if args.model != "bench":
         systems.discard("D_ref")
-    max_tokens = args.max_tokens or (16 if args.quick else 64)
+    max_tokens = args.max_tokens or (16 if args.quick else OCR_TOKENS if args.ocr else 64)
+    guard = RepetitionGuard() if args.guard else None  # the worker's default settings
     spacing = args.spacing if args.spacing is not None else (0.25 if args.quick else 0.5)
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else list(JOB_SIZES)
     model_path = resolve_model(args.model)
@@ -424,6 +583,10 @@ def main(argv: list[str] | None = None) -> int:
               f"({items} in all: PDF pages + photos {PHOTO_SIZES}), arrivals every "
               f"{spacing} s, max {max_tokens} new tokens, greedy, max batch {args.max_batch}, "
               f"prep threads {prep_threads}", flush=True)
+        print("repetition guard: off in every system" if guard is None else
+              f"repetition guard: {_guard_line(guard)} in A, B, C, D"
+              + ("; E has none (its HTTP API takes no custom stopping rule)"
+                 if "E" in systems else ""), flush=True)
         runs: dict[str, SystemRun] = {}
         loaded = A.load_model(model_path)
         spec = resolve(loaded.model_type, "ocr", None, max_tokens, 0.0, ())
@@ -435,22 +598,28 @@ def main(argv: list[str] | None = None) -> int:
             generate(loaded.model, loaded.processor, prompt_text, image=[jobs[0].images[0]],
                      max_tokens=4, temperature=0.0)  # warm-up, untimed
         if "A" in systems:
-            runs["A"] = run_a(loaded.model, loaded.processor, prompt_text, jobs, max_tokens)
+            runs["A"] = run_a(loaded.model, loaded.processor, prompt_text, jobs, max_tokens,
+                              guard)
             print(f"  A: {runs['A'].wall_s:.1f} s", flush=True)
         if "B" in systems:
-            runs["B"] = run_b(loaded.model, loaded.processor, spec.prompt, jobs, max_tokens)
+            runs["B"] = run_b(loaded.model, loaded.processor, spec.prompt, jobs, max_tokens,
+                              guard)
             print(f"  B: {runs['B'].wall_s:.1f} s", flush=True)
         del loaded
         if "C" in systems:
             runs["C"] = run_c(model_path, spec.prompt, tuple(spec.stop), jobs, max_tokens,
-                              args.max_batch, prep_threads)
+                              args.max_batch, prep_threads, guard)
             print(f"  C: {runs['C'].wall_s:.1f} s", flush=True)
         for label, choice in (("D", "auto"), ("D_ref", "reference")):
             if label in systems:
                 runs[label] = run_d(args, model_path, jobs, workdir, max_tokens,
                                     os.environ.get("VLMQ_BLAS", "auto") if label == "D"
-                                    else choice, label)
+                                    else choice, label, guard)
                 print(f"  {label}: {runs[label].wall_s:.1f} s", flush=True)
+            if label == "D" and "E" in systems:  # after D, before the slow D_ref
+                runs["E"] = run_e(model_path, spec.prompt, jobs, workdir, max_tokens,
+                                  args.max_batch)
+                print(f"  E: {runs['E'].wall_s:.1f} s", flush=True)
         enq = None
         if not args.no_enqueue_bench:
             enq = enqueue_throughput(args.redis_url, workdir / "enqueue", ENQUEUE_ITEMS)
@@ -459,9 +628,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(C.table(
         ["system", "s", "items", "tokens", "tok/s", "items/s", "p50 s", "p95 s",
-         "small p50 s", "small p95 s", "busy", "peak RSS MB"],
+         "small p50 s", "small p95 s", "busy", "peak RSS MB", "guard cuts"],
         [[r.name, r.wall_s, r.items, r.tokens, r.tok_s, r.items_s, r.p(50), r.p(95),
-          r.p(50, True), r.p(95, True), r.extra.get("busy", ""), r.extra.get("peak_rss_mb", "")]
+          r.p(50, True), r.p(95, True), r.extra.get("busy", ""), r.extra.get("peak_rss_mb", ""),
+          r.extra.get("guard_cuts", "")]
          for r in runs.values()]))
     if enq is not None:
         print(f"enqueue: {ENQUEUE_ITEMS} tiny items in one caption job: {enq:.0f} items/s")
@@ -472,18 +642,28 @@ def main(argv: list[str] | None = None) -> int:
             return round(runs[a].tok_s / runs[b].tok_s, 3)
         return None
 
+    def small_p95(a: str, b: str) -> float | None:
+        if a in runs and b in runs:
+            return round(runs[a].p(95, True) / runs[b].p(95, True), 3)
+        return None
+
     d = runs.get("D")
     summary = {
         "D_over_A": ratio("D", "A"),
         "D_over_B": ratio("D", "B"),
         "D_over_C": ratio("D", "C"),
+        "D_over_E": ratio("D", "E"),
         "D_over_D_ref": ratio("D", "D_ref"),
-        "small_job_p95_D_over_B": (round(d.p(95, True) / runs["B"].p(95, True), 3)
-                                   if d and "B" in runs else None),
+        "small_job_p95_D_over_B": small_p95("D", "B"),
+        "small_job_p95_D_over_C": small_p95("D", "C"),
+        "small_job_p95_D_over_E": small_p95("D", "E"),
+        "guard": _guard_line(guard),
+        "E_guard": None if "E" not in runs else "none" if guard is not None else "off",
         "busy": d.extra["busy"] if d else None,
         "enqueue_items_per_s": round(enq, 1) if enq is not None else None,
         "peak_rss_mb": d.extra["peak_rss_mb"] if d else None,
-        "model": args.model, "quick": args.quick, "max_tokens": max_tokens,
+        "model": args.model, "quick": args.quick, "ocr": args.ocr, "max_tokens": max_tokens,
+        "side": args.side,
         "blas_threads": threads, "prep_threads": prep_threads,
         "machine": C.machine(), "harness_s": round(total, 1),
         "raw": {k: r.figures() for k, r in runs.items()},
