@@ -15,7 +15,6 @@ worker's stats hash `vlmq:worker:<name>:stats` (tower calls, PDF renders, image 
 from __future__ import annotations
 
 import argparse
-import signal
 import subprocess
 import tempfile
 import time
@@ -102,12 +101,7 @@ def long_lived(args: argparse.Namespace, model: str, inputs: list[Path],
             rows.append(Row(label, job, delta, job.last_item_at - started if not n else None))
             before = after
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+        C.stop(proc)
         redis.close()
     return rows
 

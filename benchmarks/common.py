@@ -8,8 +8,10 @@ same items, model and machine minutes apart do say which is faster here.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 from PIL import Image, ImageDraw
@@ -321,3 +324,22 @@ def _fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
     return str(value)
+
+
+def stop(proc: subprocess.Popen[str], *, signum: int = signal.SIGTERM,
+         timeout: float = 60.0) -> None:
+    """Stop a worker (or server) the way an operator would, killing it if it hangs."""
+    proc.send_signal(signum)
+    try:
+        proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+
+
+def emit_json(figures: dict[str, Any], json_out: Path | None) -> None:
+    """The last line of every harness: its figures as one JSON line (also to a file)."""
+    line = json.dumps(figures)
+    if json_out:
+        json_out.write_text(line + "\n")
+    print(line)

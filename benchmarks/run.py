@@ -26,7 +26,6 @@ side in one run say which path is faster on this machine, not how fast another i
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -668,10 +667,7 @@ def run(args: argparse.Namespace) -> int:
         "machine": C.machine(), "harness_s": round(total, 1),
         "raw": {k: r.figures() for k, r in runs.items()},
     }
-    line = json.dumps(summary)
-    if args.json_out:
-        args.json_out.write_text(line + "\n")
-    print(line)
+    C.emit_json(summary, args.json_out)
     return 0
 
 

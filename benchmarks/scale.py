@@ -24,7 +24,6 @@ Targets (issue 17) are printed beside the figures, never asserted. The last line
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -197,12 +196,7 @@ def worker_rss(url: str, model: str, work: Path, stores_spec: str, window_s: flo
         stats = C.read_stats(redis, name)
         left = int(redis.llen(f"rq:queue:{QUEUE}"))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        C.stop(proc)
         redis.close()
     return {"backlog_items": backlog, "rss_ready_mb": round(ready, 1),
             "rss_working_max_mb": round(max(samples, default=ready), 1),
@@ -341,10 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     report(fig, [int(x) for x in args.sizes.split(",")])
     print(f"harness wall time: {fig['harness_s']:.0f} s")
-    line = json.dumps(fig)
-    if args.json_out:
-        args.json_out.write_text(line + "\n")
-    print(line)
+    C.emit_json(fig, args.json_out)
     return 0
 
 

@@ -241,12 +241,7 @@ def pickup_latency(redis_url: str, *, samples: int = 20, model: str | None = Non
                     waits.append(started - queued)
                 time.sleep(gap_s)
     finally:
-        proc.terminate()
-        try:
-            proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+        common.stop(proc)
         redis.close()
     waits.sort()
     return {

@@ -17,6 +17,7 @@ from redis import Redis
 
 from vlmq.shared.keys import Keys
 from vlmq.worker import blas
+from vlmq.worker.redis_server import start_private
 
 from . import helpers
 
@@ -86,6 +87,22 @@ def redis(redis_url: str) -> Iterator[Redis]:
     conn = Redis.from_url(redis_url)
     yield conn
     conn.close()
+
+
+@pytest.fixture
+def own_redis() -> Iterator[Redis]:
+    """A redis-server of this test's own, on a free port: for figures that are server-wide
+    (used_memory, command counts) or settings the shared server must not get."""
+    try:
+        server = start_private()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    conn = Redis.from_url(server.url)
+    try:
+        yield conn
+    finally:
+        conn.close()
+        server.stop()
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,7 +17,6 @@ from vlmq.shared.jobs import enqueue, enqueue_lua, fetch_job
 from vlmq.shared.keys import Keys
 from vlmq.shared.results import write_item
 from vlmq.shared.schema import Item, ItemResult, JobPayload
-from vlmq.worker.redis_server import start_private
 from vlmq.worker.rq_jobs import BatchWorker, JobLifecycle, Running
 
 from .helpers import raw_enqueue, wait_for, worker_lifecycle
@@ -301,33 +299,18 @@ def test_purge_keeps_blobs_a_live_job_holds(redis: Redis) -> None:
     assert manage.purge_blobs(redis, KEYS, {SHA}) == 1
 
 
-@pytest.fixture
-def private() -> Iterator[Redis]:
-    """A Redis of this test's own: its command counts are this test's alone."""
-    try:
-        server = start_private()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    conn = Redis.from_url(server.url)
-    try:
-        yield conn
-    finally:
-        conn.close()
-        server.stop()
-
-
-def test_a_page_reads_only_what_it_shows(private: Redis) -> None:
+def test_a_page_reads_only_what_it_shows(own_redis: Redis) -> None:
     """`--limit 20` reads one index page and the rows it shows, however many jobs there
     are: counted in Redis commands (INFO commandstats), not in seconds."""
-    private.set(KEYS.blob(SHA), b"x")
-    pipe = private.pipeline(transaction=False)
+    own_redis.set(KEYS.blob(SHA), b"x")
+    pipe = own_redis.pipeline(transaction=False)
     for i in range(600):
-        enqueue(private, payload(1, {"g": str(i % 10)}), queue=f"q{i % 4}", pipeline=pipe)
+        enqueue(own_redis, payload(1, {"g": str(i % 10)}), queue=f"q{i % 4}", pipeline=pipe)
     pipe.execute()
-    private.config_resetstat()
-    rows = manage.list_jobs(private, KEYS, queue="q1", labels={"g": "5"}, limit=20)
+    own_redis.config_resetstat()
+    rows = manage.list_jobs(own_redis, KEYS, queue="q1", labels={"g": "5"}, limit=20)
     assert len(rows) == 20 and all(r.labels == {"g": "5"} and r.queue == "q1" for r in rows)
-    stats = private.info("commandstats")
+    stats = own_redis.info("commandstats")
     calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()}
     # The label's index (60 jobs, the smallest) is walked: one page of it, no more.
     assert calls["zrevrangebyscore"] == 1
@@ -336,18 +319,18 @@ def test_a_page_reads_only_what_it_shows(private: Redis) -> None:
     assert not {"hvals", "scan", "hgetall", "hget", "keys"} & set(calls)
 
 
-def test_a_state_filter_reads_rqs_registry_only_when_that_is_cheaper(private: Redis) -> None:
-    private.set(KEYS.blob(SHA), b"x")
-    pipe = private.pipeline(transaction=False)
-    made = [enqueue(private, payload(1), queue="q", pipeline=pipe) for _ in range(600)]
+def test_a_state_filter_reads_rqs_registry_only_when_that_is_cheaper(own_redis: Redis) -> None:
+    own_redis.set(KEYS.blob(SHA), b"x")
+    pipe = own_redis.pipeline(transaction=False)
+    made = [enqueue(own_redis, payload(1), queue="q", pipeline=pipe) for _ in range(600)]
     pipe.execute()
     for job_id in made[:3]:
-        manage.cancel(private, KEYS, job_id)
+        manage.cancel(own_redis, KEYS, job_id)
 
     def calls(**filters: Any) -> tuple[list[str], dict[str, int]]:
-        private.config_resetstat()
-        rows = manage.list_jobs(private, KEYS, limit=20, **filters)
-        stats = private.info("commandstats")
+        own_redis.config_resetstat()
+        rows = manage.list_jobs(own_redis, KEYS, limit=20, **filters)
+        stats = own_redis.info("commandstats")
         return ids(rows), {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()}
 
     rare, used = calls(status="canceled")  # 3 of 600: RQ's registry, not the index

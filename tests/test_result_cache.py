@@ -11,7 +11,6 @@ import json
 import math
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,6 @@ from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import Item, ItemResult, JobPayload, parse_payload
 from vlmq.worker.job_settings import resolve_job
-from vlmq.worker.redis_server import start_private
 from vlmq.worker.result_cache import (
     ResultCache,
     cached_results,
@@ -298,18 +296,6 @@ def test_expired_generations_leave_nothing_counted(redis: Redis) -> None:
     assert store_results(tight, again, _done(redis, keys, again, ["u"] * 3)) == 3
 
 
-@pytest.fixture
-def private_redis() -> Iterator[Redis]:
-    """used_memory is server-wide: measure real memory where nobody else writes."""
-    server = start_private()
-    conn = Redis.from_url(server.url)
-    try:
-        yield conn
-    finally:
-        conn.close()
-        server.stop()
-
-
 def _used(redis: Redis) -> int:
     """used_memory, read twice: the first INFO after a burst of writes still counts
     buffers the server frees lazily."""
@@ -318,8 +304,8 @@ def _used(redis: Redis) -> int:
 
 
 @pytest.mark.parametrize("entries", [500, 6000])  # a listpack, and a hash table
-def test_the_budget_counts_what_redis_really_uses(private_redis: Redis, entries: int) -> None:
-    redis = private_redis
+def test_the_budget_counts_what_redis_really_uses(own_redis: Redis, entries: int) -> None:
+    redis = own_redis
     keys = Keys("vlmqrc")
     budget = 256 * 1024
     cache = ResultCache(redis, keys, "tiny@fp", ttl_s=30 * 86400, max_bytes=budget)

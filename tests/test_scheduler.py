@@ -53,3 +53,19 @@ def test_items_whose_results_vanished_are_scheduled_again_first() -> None:
     s.redo("a", [3, 1])
     assert not s.jobs["a"].complete
     assert [s.next_item()[1], s.next_item()[1]] == [1, 3]
+
+
+def test_a_small_job_is_prepared_past_a_full_window_and_a_big_one_is_not() -> None:
+    s: Scheduler[JobState] = Scheduler()
+    s.add(_state("big", 40))
+    window, small = 8, 4
+    assert s.next_item_within(window - 1, window, small) is not None  # room: anyone
+    assert s.next_item_within(window, window, small) is None  # full: 39 left is not small
+    s.add(_state("small", 3))
+    taken = [s.next_item_within(window + k, window, small) for k in range(3)]
+    assert [(st.job_id, i) for st, i in taken if st] == [("small", 0), ("small", 1),
+                                                          ("small", 2)]
+    assert s.next_item_within(window, window, small) is None  # only the big job is left
+    s.remove("small")
+    s.add(_state("tiny", 1))
+    assert s.next_item_within(window + small, window, small) is None  # past the allowance

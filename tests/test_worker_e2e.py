@@ -234,13 +234,15 @@ def test_backpressure_keeps_a_window_and_a_small_job_overtakes_a_big_one(
     proc = start_worker(redis_url, tiny_model, tmp_path, "--burst", "--max-batch", "4",
                         name="bp")
     peak_seen = 0
+    # The window (2 x max batch), and a small job's allowance past it (max batch).
+    bound = 8 + 4
 
     def progressed() -> bool:
         nonlocal peak_seen
         s = stats(redis, "bp")
         if s:
             peak_seen = max(peak_seen, int(s["waiting"]))
-            assert int(s["waiting"]) <= int(s["window"]) == 8
+            assert int(s["window"]) == 8 and int(s["waiting"]) <= bound
         return big.progress()[0] >= 10
 
     wait_for(progressed, 90, "the big job to get going")
@@ -268,10 +270,10 @@ def test_backpressure_keeps_a_window_and_a_small_job_overtakes_a_big_one(
     assert any(_sid(i) > small_first for i in big_items[:big_before + 1])
 
     final = stats(redis, "bp")
-    assert 0 < int(final["peak_waiting"]) <= int(final["window"]) == 8
+    assert 0 < int(final["peak_waiting"]) <= bound
     # The engine's own count of submitted-but-not-batched requests agrees.
-    assert 0 < int(final["engine_peak_waiting"]) <= 8
-    assert peak_seen <= 8
+    assert 0 < int(final["engine_peak_waiting"]) <= bound
+    assert peak_seen <= bound
 
 
 def _rss_mb(pid: int) -> float:

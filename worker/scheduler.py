@@ -90,19 +90,38 @@ class Scheduler(Generic[S]):
     def outstanding(self) -> int:
         return sum(len(j.outstanding) for j in self.jobs.values())
 
-    def next_item(self) -> tuple[S, int] | None:
-        """Pop one pending item of the job with the fewest left, or None if nothing is."""
+    def best(self) -> S | None:
+        """The job next_item would take from: the one with the fewest items left among
+        those with a pending item (ties to the earliest job), or None."""
         best: S | None = None
         for state in self.jobs.values():  # insertion order: ties go to the earliest job
             left = len(state.pending) + len(state.outstanding)
             if state.pending and (best is None or
                                   left < len(best.pending) + len(best.outstanding)):
                 best = state
+        return best
+
+    def next_item(self) -> tuple[S, int] | None:
+        """Pop one pending item of the job with the fewest left, or None if nothing is."""
+        best = self.best()
         if best is None:
             return None
         idx = best.pending.popleft()
         best.outstanding.add(idx)
         return best, idx
+
+    def next_item_within(self, ahead: int, window: int, small: int) -> tuple[S, int] | None:
+        """next_item, when `ahead` items prepared but not yet batched leave room: fewer
+        than `window`, or, for a small job (at most `small` items left), fewer than
+        window + small. The engine admits by items left, so a small job's items then pass
+        the big jobs' already waiting there, as if the window had had room at its arrival.
+        """
+        best = self.best()
+        if best is None or ahead >= window + small:
+            return None
+        if ahead >= window and len(best.pending) + len(best.outstanding) > small:
+            return None
+        return self.next_item()
 
     def retry_item(self, job_id: str, idx: int) -> None:
         """Put an item whose preparation hit a transient error back at the head of its job."""

@@ -524,14 +524,13 @@ class WorkerService:
         lifecycle.maintain()
 
     def _schedule(self, engine: Engine, preparer: Preparer) -> None:
-        """Prepare items while fewer than `window` are prepared-but-not-batched."""
+        """Prepare items while fewer than `window` are prepared-but-not-batched (a small
+        job may go max_batch past it: Scheduler.next_item_within)."""
         for job_id, idx in _drain(self._prep_retry):
             self.scheduler.retry_item(job_id, idx)
-        window = self.cfg.prep_window
-        while self._in_prep + engine.state.waiting < window:
-            nxt = self.scheduler.next_item()
-            if nxt is None:
-                break
+        window, small = self.cfg.prep_window, self.cfg.max_batch
+        while (nxt := self.scheduler.next_item_within(self._in_prep + engine.state.waiting,
+                                                      window, small)) is not None:
             state, idx = nxt
             with self._prep_lock:
                 self._in_prep += 1
