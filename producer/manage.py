@@ -9,7 +9,6 @@ leniently from its payload, so an unreadable one is still listed (task "?").
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -55,7 +54,7 @@ class JobRow:
     failed: int = 0
 
     def age_s(self, now: datetime | None = None) -> float | None:
-        created = parse_rq_time(self.created_at)
+        created = job_index.parse_rq_time(self.created_at)
         if created is None:
             return None
         return max(0.0, ((now or datetime.now(timezone.utc)) - created).total_seconds())
@@ -64,18 +63,6 @@ class JobRow:
         return {"id": self.id, "queue": self.queue, "task": self.task, "status": self.status,
                 "created_at": self.created_at, "done": self.done, "failed": self.failed,
                 "total": self.total, "labels": self.labels}
-
-
-def parse_rq_time(text: str) -> datetime | None:
-    for fmt in ("%Y-%m-%dT%H:%M:%S.%fZ", "%Y-%m-%dT%H:%M:%SZ"):
-        with contextlib.suppress(ValueError):
-            return datetime.strptime(text, fmt).replace(tzinfo=timezone.utc)
-    return None
-
-
-def _loose_payload(data: bytes | str | None) -> Mapping[str, Any]:
-    """The payload dict of a job's `data`, or {}: JSON only, never unpickled."""
-    return job_index.loose_payload(data)
 
 
 def _blobs_of(payload: Mapping[str, Any]) -> frozenset[str]:
@@ -90,7 +77,7 @@ def _row(job_id: str, fields: list[Any], meta: job_index.Meta | None) -> JobRow:
     job has no summary: enqueued before the indexes, or by hand)."""
     origin, status, created = fields[:3]
     if meta is None:
-        meta = job_index.meta_of(_loose_payload(fields[3] if len(fields) > 3 else None),
+        meta = job_index.meta_of(job_index.loose_payload(fields[3] if len(fields) > 3 else None),
                                  as_str(origin or b""), 0)
     return JobRow(id=job_id, queue=as_str(origin or b"") or meta.queue, task=meta.task,
                   status=as_str(status or b"?"), created_at=as_str(created or b""),
@@ -264,7 +251,7 @@ def delete(redis: Redis, keys: Keys, job_id: str) -> frozenset[str]:
     job_index.remove(redis, keys, job_id, meta, queue=row.queue, pipeline=pipe)
     pipe.execute()
     BlobStore(redis, keys).release(job_id)  # a failed job's holds (an ended one has none)
-    return _blobs_of(_loose_payload(fields[3]))
+    return _blobs_of(job_index.loose_payload(fields[3]))
 
 
 def abandon(redis: Redis, keys: Keys, job_id: str) -> None:

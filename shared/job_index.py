@@ -102,12 +102,18 @@ def us_of(when: datetime) -> int:
     return (when - EPOCH) // timedelta(microseconds=1)
 
 
-def us_of_rq_time(text: str) -> int | None:
-    """Epoch µs of RQ's `%Y-%m-%dT%H:%M:%S.%fZ` (or without fraction), else None."""
+def parse_rq_time(text: str) -> datetime | None:
+    """RQ's `%Y-%m-%dT%H:%M:%S.%fZ` (or without fraction) as an aware UTC time, else None."""
     for fmt in ("%Y-%m-%dT%H:%M:%S.%fZ", "%Y-%m-%dT%H:%M:%SZ"):
         with contextlib.suppress(ValueError):
-            return us_of(datetime.strptime(text, fmt))
+            return datetime.strptime(text, fmt).replace(tzinfo=timezone.utc)
     return None
+
+
+def us_of_rq_time(text: str) -> int | None:
+    """Epoch µs of an RQ time (parse_rq_time), else None."""
+    when = parse_rq_time(text)
+    return None if when is None else us_of(when)
 
 
 def index_keys(keys: Keys, meta: Meta) -> list[str]:

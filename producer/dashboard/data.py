@@ -17,7 +17,8 @@ from typing import Any
 
 from redis import Redis
 
-from vlmq.shared.keys import RQ_QUEUES, RQ_REGISTRIES, RQ_WORKERS, Keys
+from vlmq.shared import job_index
+from vlmq.shared.keys import RQ_REGISTRIES, RQ_WORKERS, Keys
 from vlmq.shared.text import as_str
 
 HISTORY_S = 600.0
@@ -43,7 +44,7 @@ class WorkerRow:
 
 
 def queues(redis: Redis) -> list[QueueRow]:
-    names = sorted(Keys.rq_name(as_str(k)) for k in redis.smembers(RQ_QUEUES))
+    names = job_index.all_queues(redis)
     pipe = redis.pipeline(transaction=False)
     for name in names:
         pipe.llen(Keys.rq_queue(name))
