@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   {threads} thread(s): " + ", ".join(row))
     blas.set_threads(chosen.threads or blas.cores())
 
-    model_path = R.resolve_model(args.model)
+    model_path = C.resolve_model(args.model)
     print(f"machine: {C.machine()}\nBLAS: {chosen.describe()}\nmodel: {model_path}")
     loaded = A.load_model(model_path)
     model, processor, config = loaded.model, loaded.processor, loaded.model.config

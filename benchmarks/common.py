@@ -107,6 +107,17 @@ def ensure_model(model: str | None) -> str:
     return str(build_tiny_model(default_cache_dir() / "models" / "tiny-qwen2_vl"))
 
 
+def resolve_model(name: str) -> str:
+    """"tiny" or "bench" (built once, reused after), else the model as given."""
+    from vlmq.worker.cli import default_cache_dir
+    from vlmq.worker.tiny_model import build_tiny_model
+
+    if name in ("tiny", "bench"):
+        folder = default_cache_dir() / "models" / f"{name}-qwen2_vl"
+        return str(build_tiny_model(folder, arch="qwen2_vl", seed=0, size=name))
+    return name
+
+
 def connect(redis_url: str, *, flush: bool = True) -> Redis:
     """Connect to the benchmark db; refuse the test suite's dbs, flush only this one."""
     path = urlparse(redis_url).path.strip("/")

@@ -533,16 +533,6 @@ def _guard_line(guard: RepetitionGuard | None) -> str:
             f"{guard.min_span}, {guard.on_repetition})")
 
 
-def resolve_model(name: str) -> str:
-    from vlmq.worker.cli import default_cache_dir
-    from vlmq.worker.tiny_model import build_tiny_model
-
-    if name in ("tiny", "bench"):
-        folder = default_cache_dir() / "models" / f"{name}-qwen2_vl"
-        return str(build_tiny_model(folder, arch="qwen2_vl", seed=0, size=name))
-    return name
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with C.redis_url_or_private(args.redis_url) as args.redis_url:
@@ -564,7 +554,7 @@ def run(args: argparse.Namespace) -> int:
     guard = RepetitionGuard() if args.guard else None  # the worker's default settings
     spacing = args.spacing if args.spacing is not None else (0.25 if args.quick else 0.5)
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else list(JOB_SIZES)
-    model_path = resolve_model(args.model)
+    model_path = C.resolve_model(args.model)
     if (systems & {"D", "D_ref"} or not args.no_enqueue_bench) and not args.no_flush:
         C.connect(args.redis_url).close()
 

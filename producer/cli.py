@@ -202,7 +202,7 @@ def _set_command(task: str) -> Callable[..., None]:
 
     @click.argument("paths", nargs=-1, required=True)
     @click.option("--pages", metavar="RANGE",
-                  help="Pages of each PDF, e.g. 1-3,7 (default all).")
+                  help="Pages of each PDF and TIFF, e.g. 1-3,7 (default all).")
     @click.option("--recursive", "-r", is_flag=True, help="Descend into folders.")
     @click.option("--skip-bad", is_flag=True,
                   help="Enqueue the good files and report the bad ones (default: reject all).")
@@ -233,8 +233,8 @@ def _set_command(task: str) -> Callable[..., None]:
     return command
 
 
-enqueue.command("ocr", help="OCR PDFs (one item per page) and page images, given as files, "
-                            "folders or globs.")(_set_command("ocr"))
+enqueue.command("ocr", help="OCR PDFs and TIFFs (one item per page) and page images, given "
+                            "as files, folders or globs.")(_set_command("ocr"))
 enqueue.command("caption", help="Caption images given as files, folders or globs. A PDF is "
                                 "captioned page by page (each page one item).")(
     _set_command("caption"))

@@ -175,7 +175,8 @@ def export_results(results: Iterable[ItemResult], root: Path, fmt: str = "md",
                    overwrite: bool = False) -> ExportReport:
     """Write one job's results under root; later writes of the same source replace earlier.
 
-    A PDF becomes `<source>.<fmt>`, an image `<source>.txt` (`<source>.json` in json);
+    A PDF or TIFF (any paged item) becomes `<source>.<fmt>`, its pages in order after
+    page markers; an image `<source>.txt` (`<source>.json` in json);
     what a file holds is the format's own (vlmq.producer.formats, Format.file). Failed
     images are not written (reported in `failed`); a failed PDF page is reported too and
     keeps its place in the document. A target that exists and is not vlmq's own unchanged

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmq.producer.client import Job
-from vlmq.shared.schema import ItemResult
+from vlmq.shared.schema import TEXT_FROM_LAYER, ItemResult
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def _text(r: ItemResult) -> str:
 
 
 def _pages(pages: Sequence[ItemResult], marker: Callable[[int | None], str]) -> str:
-    """A PDF's pages in page order, each after a marker naming it; a failed page shows its
+    """A PDF's or TIFF's pages in page order, each after a marker naming it; a failed page shows its
     error in place, so the document keeps its page order."""
     parts: list[str] = []
     for r in sorted(pages, key=lambda r: (r.page or 0, r.index)):
@@ -202,7 +202,18 @@ def _md_section(r: ItemResult | None, state: str, error: str | None) -> str:
         return f"> **Error:** {r.error}\n"
     if not r.text:
         return "_(no text)_\n"
+    if r.text_source == TEXT_FROM_LAYER:
+        return f"> _{layer_note(r)}_\n\n" + _text(r)
     return _text(r)
+
+
+def layer_note(r: ItemResult) -> str:
+    """Says that an item's text is its page's text layer, and why the model's is not."""
+    if r.model_error is not None:
+        return f"from the PDF's text layer; the model failed: {one_line(r.model_error)}"
+    if r.model_text is not None:
+        return f"from the PDF's text layer; the model's text was cut ({r.finish_reason})"
+    return "from the PDF's text layer"
 
 
 @_format("txt", "text/plain", several_jobs=True, omits_failed=True, file=_txt_file)

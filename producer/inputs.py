@@ -11,6 +11,7 @@ import glob
 import io
 import os
 import re
+import struct
 import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -24,6 +25,7 @@ from PIL import Image, UnidentifiedImageError
 
 from vlmq.producer.written import MANIFEST_MAX, MANIFEST_NAME, parse_manifest, written_by_vlmq
 from vlmq.shared import constants as C
+from vlmq.shared import image_formats
 from vlmq.shared.blobs import sha256_hex
 from vlmq.shared.errors import InputError
 from vlmq.shared.pdfium import PDFIUM_LOCK, open_problem
@@ -33,6 +35,10 @@ from vlmq.shared.stores import S3Store, Store, StoreError, StoreMissing, Stores,
 PDF_MAGIC = b"%PDF-"
 # The PDF spec lets the header sit anywhere in the first 1024 bytes (PDFium agrees).
 PDF_HEADER_WINDOW = 1024
+# TIFF and BigTIFF, little- and big-endian, plus the two swapped marks Pillow also reads.
+TIFF_MAGICS = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+", b"MM*\x00", b"II\x00*")
+# A TIFF's pages become items; the payload's page numbers stop here (shared/schema.py).
+MAX_TIFF_PAGES = 1_000_000
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _RANGE_PART = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?")
 
@@ -57,11 +63,13 @@ class InputErrors(InputError):
 
 
 class PagesWithoutPdf(InputError):
-    """A page range was given but no input is a PDF: it would select nothing, silently."""
+    """A page range was given but no input has pages (a PDF or a TIFF): it would select
+    nothing, silently."""
 
     def __init__(self, option: str = "pages") -> None:
         self.option = option
-        super().__init__(option, "applies to PDFs, and none of the inputs is a PDF")
+        super().__init__(option, "applies to PDFs and multi-page TIFFs, and none of the "
+                                 "inputs is one")
 
     def __str__(self) -> str:
         return f"{self.option} {self.problem}"
@@ -102,8 +110,8 @@ class CheckedFile:
 
     path: Path
     source: str
-    kind: str  # "pdf" | "image"
-    pages: int  # PDF page count; 1 for an image
+    kind: str  # "pdf" | "tiff" | "image"
+    pages: int  # page count of a PDF or TIFF (C.PAGED_KINDS); 1 for an image
     sha256: str
     size: int
     ref: Ref | None = None  # where it is, when it lies in a store: enqueued by reference
@@ -215,6 +223,7 @@ def _check_image(data: bytes | IO[bytes], source: str) -> None:
     """Open lazily, refuse by header size before decoding, then decode to catch truncation."""
     limit = C.MAX_IMAGE_PIXELS
     too_big = f"image is larger than the {limit}-pixel limit (possible decompression bomb)"
+    image_formats.register_plugins()  # HEIC/HEIF (pillow-heif), before the first open
     try:
         with warnings.catch_warnings():
             # Pillow warns (then errors) on huge images from inside Image.open; turn the
@@ -238,10 +247,86 @@ def _check_image(data: bytes | IO[bytes], source: str) -> None:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise InputError(source, f"{too_big} ({exc})") from exc
     except UnidentifiedImageError as exc:
-        raise InputError(source, "is neither a PDF nor an image Pillow can read") from exc
+        # Name the format from its magic bytes where it is known (JPEG XL, DjVu, SVG...).
+        head = _stream(data).read(image_formats.HEAD_BYTES)
+        raise InputError(source, image_formats.unreadable_problem(head)) from exc
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
-        # Pillow reports truncation/corruption with these, depending on the codec.
-        raise InputError(source, f"is a corrupt or truncated image ({exc})") from exc
+        # Pillow reports truncation/corruption with these, depending on the codec
+        # (libheif's messages end in a newline).
+        raise InputError(source, f"is a corrupt or truncated image ({str(exc).strip()})"
+                         ) from exc
+
+
+def is_tiff(head: bytes) -> bool:
+    """A TIFF or BigTIFF, by its first four bytes (every byte-order mark Pillow accepts)."""
+    return head[:4] in TIFF_MAGICS
+
+
+def _check_tiff(data: bytes | IO[bytes], source: str) -> int:
+    """Check every page (frame) of a TIFF, one at a time; returns the page count.
+
+    A TIFF is a document, each page an item, so each page is checked as an image is: its
+    header size against the pixel limit before any decode (a bomb can hide in page 40 of a
+    fax), its aspect ratio, then a full decode to catch truncation. Only the current frame
+    is ever decoded, so memory is one page's however many pages there are. Errors name
+    the page.
+    """
+    page = 1
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            # Pillow only warns when a page's directory runs past the end of the file:
+            # that is a truncated file, refused like any other.
+            for message in ("Corrupt EXIF data", "Truncated File Read"):
+                warnings.filterwarnings("error", message=message, category=UserWarning)
+            with Image.open(_stream(data)) as im:
+                if im.format != "TIFF":
+                    raise InputError(source, f"starts like a TIFF but Pillow reads it as "
+                                             f"{im.format}")
+                count = 0
+                while True:
+                    page = count + 1
+                    try:
+                        im.seek(count)  # reads only this page's directory
+                    except EOFError:
+                        if count and im.n_frames == count:
+                            break
+                        raise
+                    count = page
+                    if count > MAX_TIFF_PAGES:
+                        raise InputError(source, f"has more than {MAX_TIFF_PAGES} pages")
+                    _check_tiff_page(im, source, page)
+    except InputError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise InputError(source, f"page {page}: image is larger than the "
+                                 f"{C.MAX_IMAGE_PIXELS}-pixel limit (possible "
+                                 f"decompression bomb) ({exc})") from exc
+    except UnidentifiedImageError as exc:
+        raise InputError(source, "starts like a TIFF but Pillow cannot read it") from exc
+    except (OSError, SyntaxError, ValueError, EOFError, TypeError, KeyError, IndexError,
+            struct.error, UserWarning) as exc:
+        # Pillow reports a corrupt directory or truncated strip with any of these.
+        raise InputError(source, f"page {page}: is a corrupt or truncated TIFF page "
+                                 f"({exc})") from exc
+    return count
+
+
+def _check_tiff_page(im: Image.Image, source: str, page: int) -> None:
+    """The current frame of an open TIFF: size and aspect from its header, then decoded."""
+    width, height = im.size
+    if width < 1 or height < 1:
+        raise InputError(source, f"page {page}: has an empty size ({width}x{height})")
+    if width * height > C.MAX_IMAGE_PIXELS:
+        raise InputError(source, f"page {page}: image is larger than the "
+                                 f"{C.MAX_IMAGE_PIXELS}-pixel limit (possible decompression "
+                                 f"bomb): {width}x{height}")
+    ratio = max(width, height) / min(width, height)
+    if ratio >= C.MAX_ASPECT_RATIO:
+        raise InputError(source, f"page {page}: is {width}x{height}, an aspect ratio of "
+                                 f"{ratio:.1f}; the vision processor needs it under "
+                                 f"{C.MAX_ASPECT_RATIO}")
+    im.load()  # replaces the previous page's pixels: one page in memory at a time
 
 
 def check_file(path: str | os.PathLike[str], *, source: str | None = None) -> CheckedFile:
@@ -251,6 +336,8 @@ def check_file(path: str | os.PathLike[str], *, source: str | None = None) -> Ch
     data = _read(p, name)
     if PDF_MAGIC in data[:PDF_HEADER_WINDOW]:
         kind, pages = "pdf", _pdf_page_count(data, name)
+    elif is_tiff(data):
+        kind, pages = "tiff", _check_tiff(data, name)
     else:
         _check_image(data, name)
         kind, pages = "image", 1
@@ -279,9 +366,12 @@ def check_stored(store: Store, path: str, source: str, *, name: str | None = Non
             if not size:
                 raise InputError(shown, "is empty")
             fh.seek(0)
-            if PDF_MAGIC in fh.read(PDF_HEADER_WINDOW):
-                fh.seek(0)
+            head = fh.read(PDF_HEADER_WINDOW)
+            fh.seek(0)
+            if PDF_MAGIC in head:
                 kind, pages = "pdf", _pdf_page_count(fh, shown)
+            elif is_tiff(head):
+                kind, pages = "tiff", _check_tiff(fh, shown)
             else:
                 _check_image(fh, shown)
                 kind, pages = "image", 1
@@ -579,10 +669,11 @@ def prepare(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
             stores: Stores | None = None,
             limit: int | None = C.MAX_ITEMS_PER_JOB,
             on_file: Callable[[int, int], None] | None = None) -> Prepared:
-    """Check every file and build items: an image is one item, a PDF one item per page.
+    """Check every file and build items: an image is one item, a PDF or TIFF one item per
+    page.
 
-    `pages` applies to each PDF (an image is always its one page); given with no PDF
-    among the inputs it is refused (PagesWithoutPdf). All bad files are
+    `pages` applies to each PDF and TIFF (an image is always its one page); given with
+    none among the inputs it is refused (PagesWithoutPdf). All bad files are
     collected first; unless skip_bad, any bad file rejects the whole set (InputErrors).
     Files are read one at a time and only their hash kept (upload reads them again). The
     item `limit` (one job's; None for a set that becomes a batch, producer/batch.py) is
@@ -604,8 +695,8 @@ def prepare(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
             # Errors name the path as found; the item carries the relative source.
             checked = check_found(f, stores)
             page_list: list[int | None] = (
-                list(parse_pages(pages, checked.pages, name)) if checked.kind == "pdf"
-                else [None])
+                list(parse_pages(pages, checked.pages, name))
+                if checked.kind in C.PAGED_KINDS else [None])
         except InputError as exc:
             errors.append(exc)
             continue
@@ -627,7 +718,7 @@ def prepare(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
         if errors:
             raise InputErrors(errors)
         raise InputError("(no files)", "nothing to enqueue")
-    if pages is not None and not any(i.kind == "pdf" for i in prepared.items):
+    if pages is not None and not any(i.kind in C.PAGED_KINDS for i in prepared.items):
         # An image is always its one page, so the range would be dropped without a word;
         # more likely the user meant a different file.
         raise PagesWithoutPdf()

@@ -158,11 +158,13 @@ def read_manifest(path: str | Path, base: JobOptions, *, skip_bad: bool = False,
                 raise PayloadError("custom_id", f"{req.custom_id!r} is already used on line "
                                                 f"{seen[req.custom_id]}")
             checked = check_file(req.file, source=str(req.file))
-            if req.pages is not None and checked.kind != "pdf":
-                raise PayloadError("pages", f"applies to PDFs; {req.file} is an image")
+            paged = checked.kind in C.PAGED_KINDS
+            if req.pages is not None and not paged:
+                raise PayloadError("pages", f"applies to PDFs and multi-page TIFFs; "
+                                            f"{req.file} is an image")
             pages: list[int | None] = (list(parse_pages(req.pages, checked.pages,
                                                         str(req.file)))
-                                       if checked.kind == "pdf" else [None])
+                                       if paged else [None])
         except PayloadError as exc:
             errors.append((number, f"field {exc.field!r} {exc.problem}"))
             continue

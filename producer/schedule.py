@@ -56,6 +56,7 @@ from vlmq.producer.inputs import (
     expand_inputs,
 )
 from vlmq.producer.options import JobOptions
+from vlmq.shared import constants as C
 from vlmq.shared import lua
 from vlmq.shared import settings as S
 from vlmq.shared.errors import InputError, VlmqError
@@ -68,6 +69,9 @@ log = logging.getLogger("vlmq.scheduler")
 
 HISTORY = 50
 TICK_S = 0.5
+# Ends each known-file entry ("size:mtime:sha256:kind:pages:t2"): entries from before a
+# TIFF had pages lack it, and are read again once.
+ENTRY_MARK = "t2"
 RUN_LOCK_S = 600  # a run that takes longer (reading a huge tree) lets another start
 # Hashed even when unset, as schedules hashed them before the settings table: an upgrade
 # must not make every file of a schedule due again.
@@ -214,14 +218,20 @@ def _checked(f: FoundFile, known: str | None, stores: Stores | None = None
         except OSError as exc:
             raise InputError(f.source, f"cannot be read: {exc.strerror or exc}") from exc
         stamp = f"{st.st_size}:{st.st_mtime_ns}"
-    if known is not None and known.count(":") == 4:
-        size, mtime, sha256, kind, pages = known.split(":")
-        if f"{size}:{mtime}" == stamp:
+    fields = known.split(":") if known is not None else []
+    # An entry without the ENTRY_MARK was written before TIFFs had pages: its "image:1"
+    # may be a 5-page TIFF, so such an entry is read again once (a "pdf" one still holds).
+    fresh = (len(fields) == 6 and fields[5] == ENTRY_MARK) or (
+        len(fields) == 5 and fields[3] == "pdf")
+    if known is not None and fresh:
+        size, mtime, sha256, kind, pages = fields[:5]
+        if f"{size}:{mtime}" == stamp and kind in C.ITEM_KINDS:
             ref = _ref_of(f, stores)
             return CheckedFile(path=Path(f.path), source=f.source, kind=kind, pages=int(pages),
                                sha256=sha256, size=int(size), ref=ref), known
     checked = check_found(f, stores)
-    return checked, f"{stamp}:{checked.sha256}:{checked.kind}:{checked.pages}"
+    return checked, (f"{stamp}:{checked.sha256}:{checked.kind}:{checked.pages}:"
+                     f"{ENTRY_MARK}")
 
 
 def _ref_of(f: FoundFile, stores: Stores) -> Ref | None:
@@ -397,7 +407,7 @@ class ScheduleStore:
             read += entry != known.get(f.path)
             seen[f.path] = entry
             pages: list[int | None] = (list(range(1, checked.pages + 1))
-                                       if checked.kind == "pdf" else [None])
+                                       if checked.kind in C.PAGED_KINDS else [None])
             for page in pages:
                 unit = _unit(settings, f.source, checked.sha256, page)
                 current.add(unit)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 PROTOCOL_VERSION = 1
 TASKS = ("ocr", "caption", "generate")
-ITEM_KINDS = ("image", "pdf")
+ITEM_KINDS = ("image", "pdf", "tiff")
+# Kinds that are documents: each item is one 1-based page of the file (a TIFF page is a
+# frame). Every TIFF is one, even with a single frame, so its kind never depends on count.
+PAGED_KINDS = ("pdf", "tiff")
 
 # The RQ function every vlmq job names; the worker dispatches on it.
 TASK_FUNC = "vlmq.worker.task.run"

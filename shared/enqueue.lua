@@ -109,6 +109,7 @@ local SETTINGS = {
   {name = 'generation.stop', path = {'generation', 'stop'}, kind = 'strs', max_len = 256, max_count = 16},
   {name = 'labels', path = {'labels'}, kind = 'labels', max_count = 64},
   {name = 'result_cache', path = {'result_cache'}, kind = 'choice', values = {true, false, 'sampled'}, shown = 'true, false or "sampled"'},
+  {name = 'text_layer', path = {'text_layer'}, kind = 'choice', values = {'off', 'fallback', 'prefer'}, shown = '"off", "fallback" or "prefer"'},
   {name = 'blob_ttl', path = {'blob_ttl'}, kind = 'int', lo = 1, hi = 31622400},
   {name = 'keep_inputs', path = {'keep_inputs'}, kind = 'int', lo = 1, hi = 31622400},
   {name = 'batch', path = {'batch'}, kind = 'str', max_len = 128},
@@ -236,8 +237,8 @@ for i, item in ipairs(items) do
       return redis.error_reply(at .. ': unknown field ' .. tostring(k))
     end
   end
-  if item.kind ~= 'image' and item.kind ~= 'pdf' then
-    return redis.error_reply(at .. '.kind: must be one of image, pdf')
+  if item.kind ~= 'image' and item.kind ~= 'pdf' and item.kind ~= 'tiff' then
+    return redis.error_reply(at .. '.kind: must be one of image, pdf, tiff')
   end
   if item.ref ~= nil then
     -- A reference: read by the worker from its own store, so no blob to look up.
@@ -278,12 +279,13 @@ for i, item in ipairs(items) do
       blob_order[#blob_order + 1] = item.blob
     end
   end
-  if item.kind == 'pdf' then
+  -- pdf and tiff are paged kinds (constants.PAGED_KINDS): one item per 1-based page.
+  if item.kind == 'pdf' or item.kind == 'tiff' then
     if not is_int(item.page, 1, 1000000) then
       return redis.error_reply(at .. '.page: must be an integer from 1 to 1000000 (1-based)')
     end
   elseif item.page ~= nil and item.page ~= cjson.null then
-    return redis.error_reply(at .. '.page: is only allowed on pdf items')
+    return redis.error_reply(at .. '.page: is only allowed on pdf and tiff items')
   end
   if item.source ~= nil and (type(item.source) ~= 'string' or utf8_len(item.source) > 4096) then
     return redis.error_reply(at .. '.source: must be a string of at most 4096 characters')

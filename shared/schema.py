@@ -128,6 +128,8 @@ class JobPayload:
 
 # Decimal places of an item result's timings (seconds): 0.1 ms.
 TIMING_DIGITS = 4
+TEXT_FROM_MODEL = "model"
+TEXT_FROM_LAYER = "text_layer"
 
 
 @dataclass
@@ -148,6 +150,13 @@ class ItemResult:
     repetition: str | None = None  # what the repetition guard did (cut, retried), if anything
     # True when the text came from the shared result cache: nothing was generated.
     result_cache_hit: bool = False
+    # Where `text` came from: the model, or the PDF page's own text layer ("text_layer":
+    # with text_layer prefer, or fallback after the model failed the page).
+    text_source: str = TEXT_FROM_MODEL
+    # Fallback only (the model failed the page and `text` is the page's text layer): the
+    # model's error, or what it wrote before max_tokens or the repetition guard cut it.
+    model_error: str | None = None
+    model_text: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -159,8 +168,9 @@ class ItemResult:
         every byte here is kept once per item in Redis."""
         out = asdict(self)
         out["timings"] = {k: round(v, TIMING_DIGITS) for k, v in self.timings.items()}
-        if self.repetition is None:
-            del out["repetition"]
+        for name, default in _LEFT_OUT:
+            if out[name] == default:
+                del out[name]
         return out
 
     def to_json(self) -> str:
@@ -190,7 +200,15 @@ class ItemResult:
             custom_id=None if raw.get("custom_id") is None else str(raw["custom_id"]),
             repetition=raw.get("repetition"),
             result_cache_hit=bool(raw.get("result_cache_hit")),
+            text_source=str(raw.get("text_source") or TEXT_FROM_MODEL),
+            model_error=raw.get("model_error"),
+            model_text=raw.get("model_text"),
         )
+
+
+# ItemResult fields left out of the stored JSON while they hold these (the common case).
+_LEFT_OUT = (("repetition", None), ("text_source", TEXT_FROM_MODEL), ("model_error", None),
+             ("model_text", None))
 
 
 @dataclass(frozen=True)
@@ -206,10 +224,13 @@ class JobSummary:
     cache_hits: int
     labels: Mapping[str, str] = field(default_factory=dict)  # the job's own, echoed back
     result_cache_hits: int = 0  # items answered from the shared result cache
+    # Items with text, by where it came from ({"model": 48, "text_layer": 52}).
+    text_sources: Mapping[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["labels"] = dict(self.labels)
+        out["text_sources"] = dict(self.text_sources)
         return out
 
 
@@ -280,12 +301,12 @@ def _parse_item(raw: Any, path: str) -> Item:
         default_source = blob[:12]
     source = S.check_str(raw.get("source", default_source), f"{path}.source", 4096)
     page: int | None = None
-    if kind == "pdf":
+    if kind in C.PAGED_KINDS:
         if "page" not in raw:
-            raise PayloadError(f"{path}.page", "is required for a pdf item (1-based)")
+            raise PayloadError(f"{path}.page", f"is required for a {kind} item (1-based)")
         page = _int(raw["page"], f"{path}.page", 1, 1_000_000)
     elif raw.get("page") is not None:
-        raise PayloadError(f"{path}.page", "is only allowed on pdf items")
+        raise PayloadError(f"{path}.page", "is only allowed on pdf and tiff items")
     custom_id = raw.get("custom_id")
     if custom_id is not None:
         custom_id = S.check_str(custom_id, f"{path}.custom_id", C.MAX_CUSTOM_ID_CHARS)

@@ -225,6 +225,17 @@ SETTINGS: tuple[Setting, ...] = (
                       Switch("--result-cache-sampled", "sampled",
                              "Also cache (and reuse) items generated with temperature > 0; by "
                              "default only deterministic (temperature 0) items are."))),
+    # fallback by default: it never replaces what the model wrote, costs nothing on pages
+    # the model reads, and turns a page the model failed into its exact embedded text.
+    # prefer changes what good pages look like (plain text, not the model's markdown), so
+    # it is asked for.
+    Setting("text_layer", "choice", "A PDF page's own text layer: off (never used), "
+            "fallback (the layer's text beside the model's failure on a page the model "
+            "fails; the default) or prefer (a page whose layer passes the quality check "
+            "skips the model).", wire="text_layer", default="fallback",
+            choices=("off", "fallback", "prefer"),
+            wire_values=(("off", "off"), ("fallback", "fallback"), ("prefer", "prefer")),
+            metavar="MODE", decides_text=True),
     Setting("blob_ttl", "int", f"Keep the uploaded inputs S seconds "
             f"(default {C.BLOB_TTL_S // 86400} days).", wire="blob_ttl",
             default=C.BLOB_TTL_S, lo=1, hi=MAX_TTL_S, metavar="S", manifest=False),

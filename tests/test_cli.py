@@ -719,7 +719,8 @@ def test_pages_with_no_pdf_among_the_inputs_exits_2(run_cli, redis: Redis, doc: 
     res = run_cli("enqueue", "ocr", str(img), "--pages", "1-3")
     assert res.exit_code == 2, res.output
     assert res.stderr.strip().splitlines() == [
-        "vlmq: error: --pages applies to PDFs, and none of the inputs is a PDF",
+        "vlmq: error: --pages applies to PDFs and multi-page TIFFs, and none of the inputs "
+        "is one",
         "nothing was enqueued"]
     assert res.stdout == "" and redis.dbsize() == before
     # With a PDF among them it applies to the PDF; the image stays its one page.

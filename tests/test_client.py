@@ -339,7 +339,8 @@ def test_pages_without_a_pdf_is_refused(client: Client, redis: Redis, tmp_path: 
     img.write_bytes(png_bytes((9, 9, 9)))
     before = redis.dbsize()
     with pytest.raises(PagesWithoutPdf,
-                       match=r"^pages applies to PDFs, and none of the inputs is a PDF$"):
+                       match=r"^pages applies to PDFs and multi-page TIFFs, and none of the "
+                             r"inputs is one$"):
         client.ocr([img], pages="1")
     with pytest.raises(InputError):  # an InputError like any other bad input
         client.ocr([img], pages=[1, 2])

@@ -204,7 +204,7 @@ PAYLOAD_CASES = [
          _payload(items=_img(kind="pdf", page=0))),
     Case("payload: page as a string", "job", "items[0].page: must be an integer",
          _payload(items=_img(kind="pdf", page="1"))),
-    Case("payload: page on an image", "job", "is only allowed on pdf items",
+    Case("payload: page on an image", "job", "is only allowed on pdf and tiff items",
          _payload(items=_img(page=1))),
     Case("payload: unknown item field", "job", "items[0]: unknown field(s) ['url']",
          _payload(items=_img(url="http://x"))),

@@ -83,8 +83,14 @@ def test_every_setting_that_decides_text_is_in_the_result_cache_key(redis: Redis
     cache = ResultCache(redis, Keys("vlmqrc"), "tiny@fingerprint")
     base = _state("k", max_side=500).resolved
     other = {"prompt": "Other.", "max_tokens": 9, "temperature": 0.5, "stop": ("</y>",),
-             "max_side": 600, "result_cache": "sampled", "blob_ttl": 60}
+             "max_side": 600, "result_cache": "sampled", "blob_ttl": 60, "text_layer": "off"}
     assert set(other) == {f.name for f in fields(JobSettings)}, "a new field needs a value"
-    for name, value in other.items():
-        changed = cache.digest(ITEM, replace(base, **{name: value})) != cache.digest(ITEM, base)
-        assert changed == (name not in NOT_DECIDING_TEXT), name
+    image = Item(kind="image", blob="b" * 64, source="a.png", page=None)
+    for item in (ITEM, image):
+        for name, value in other.items():
+            changed = (cache.digest(item, replace(base, **{name: value}))
+                       != cache.digest(item, base))
+            # Only a PDF page has a text layer: an image's key ignores the mode.
+            decides = name not in NOT_DECIDING_TEXT and (name != "text_layer"
+                                                         or item.kind == "pdf")
+            assert changed == decides, (item.kind, name)

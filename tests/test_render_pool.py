@@ -39,7 +39,8 @@ def test_pages_match_in_process_render_and_open_once(pool: RenderPool) -> None:
         assert got.size == want.size and got.mode == "RGB"
         assert np.array_equal(np.asarray(got), np.asarray(want))
     assert len(fetches) == 1  # the child kept the document: bytes sent once
-    assert P.COUNTERS.snapshot() == {"pdf_opens": 1, "pdf_renders": 3, "image_decodes": 0}
+    assert P.COUNTERS.snapshot() == {"pdf_opens": 1, "pdf_renders": 3, "image_decodes": 0,
+                                     "text_extracts": 0}
 
 
 def test_a_page_over_the_memory_limit_fails_alone(pool: RenderPool) -> None:

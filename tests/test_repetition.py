@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from vlmq.producer.options import JobOptions
 from vlmq.worker import mlx_adapter as A
 from vlmq.worker.engine import Engine, Finished, Request
 from vlmq.worker.repetition import RepetitionGuard
@@ -175,3 +176,48 @@ def test_worker_writes_the_repetition_outcome_into_item_results(
         assert (r.repetition is not None) == (r.finish_reason == "repetition")
         if r.repetition is not None:
             assert "cut at token" in r.repetition and r.completion_tokens < MAX_TOKENS
+
+
+def test_a_page_cut_for_repetition_falls_back_to_its_text_layer(
+        gemma: Path, redis_url: str, tmp_path: Path) -> None:
+    """text_layer fallback (the default) on born-digital pages the guard cuts: the item
+    keeps the model's cut text and the guard's note, and its text is the page's layer."""
+    import fpdf
+
+    from vlmq.producer.client import Client
+
+    from . import helpers
+
+    words = "The ledger lists payments to suppliers and the totals for each month."
+    pdf = fpdf.FPDF(unit="mm", format=(148, 210))
+    for i in range(4):
+        pdf.add_page()
+        noise = np.random.default_rng(10 + i).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+        pdf.image(Image.fromarray(noise), x=10, y=80, w=60, h=60)  # under half the page
+        pdf.set_font("helvetica", size=11)
+        pdf.set_xy(10, 10)
+        pdf.multi_cell(120, 6, f"{words} Page {i + 1}.")
+    path = tmp_path / "ledger.pdf"
+    pdf.output(str(path))
+    client = Client(redis_url)
+    job = client.submit("generate", [path], JobOptions(
+        prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, max_side=112))
+    plain = client.submit("generate", [path], JobOptions(
+        prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, max_side=112,
+        text_layer="off"))
+    proc = helpers.start_worker(redis_url, gemma, tmp_path, "--burst", "--max-batch", "4",
+                                "--repetition-repeats", "4", "--repetition-period", "8",
+                                "--repetition-min-span", "12")
+    try:
+        rc, out = helpers.finish(proc, timeout=240)
+    finally:
+        helpers.stop_all([proc])
+    assert rc == 0, out
+    cut = [r for r in plain.results() if r.finish_reason == "repetition"]
+    assert cut, [r.finish_reason for r in plain.results()]
+    by_page = {r.page: r for r in job.results()}
+    for model in cut:
+        r = by_page[model.page]
+        assert r.ok and r.finish_reason == "repetition" and r.repetition == model.repetition
+        assert r.text_source == "text_layer" and r.model_text == model.text
+        assert " ".join((r.text or "").split()) == f"{words} Page {model.page}."

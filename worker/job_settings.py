@@ -32,18 +32,22 @@ class JobSettings(Resolved):
     max_side: int | None = None  # None: the worker's default for the item's kind
     result_cache: str = "on"  # "on", "off" or "sampled"
     blob_ttl: int = C.BLOB_TTL_S
+    text_layer: str = "fallback"  # "off", "fallback" or "prefer" (PDF pages only)
 
     def deciding_text(self, kind: str) -> dict[str, Any]:
         """Every setting that can change an item's text, as the result-cache key holds
         them: a field added here is in the key unless it is listed as not deciding text."""
         out = {k: v for k, v in asdict(self).items() if k not in NOT_DECIDING_TEXT}
         out["max_side"] = self.side_for(kind)
+        if kind != "pdf":  # only a PDF page has a text layer: other items share one key
+            del out["text_layer"]
         return out
 
     def side_for(self, kind: str) -> int:
         if self.max_side is not None:
             return self.max_side
-        return DEFAULT_PDF_MAX_SIDE if kind == "pdf" else DEFAULT_IMAGE_MAX_SIDE
+        # A TIFF page is a document page (a scan, a fax), sized as a PDF page is.
+        return DEFAULT_PDF_MAX_SIDE if kind in C.PAGED_KINDS else DEFAULT_IMAGE_MAX_SIDE
 
 
 def resolve_job(payload: JobPayload, model_type: str, model_id: str | None) -> JobSettings:
@@ -53,4 +57,5 @@ def resolve_job(payload: JobPayload, model_type: str, model_id: str | None) -> J
                   payload.get("temperature"), payload.get("stop"), model_id=model_id)
     return JobSettings(**asdict(res), max_side=payload.get("max_side"),
                        result_cache=str(payload.get("result_cache")),
-                       blob_ttl=int(payload.get("blob_ttl")))
+                       blob_ttl=int(payload.get("blob_ttl")),
+                       text_layer=str(payload.get("text_layer")))

@@ -8,11 +8,14 @@ the tower's features back through `on_features` so they are cached for next time
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ from typing import Any
 import numpy as np
 from redis import Redis
 from redis.client import Pipeline
+from redis.exceptions import RedisError
 
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.errors import VlmqError
@@ -28,6 +32,7 @@ from vlmq.shared.schema import Item, JobPayload
 from vlmq.shared.stores import StoreError, Stores
 from vlmq.worker import mlx_adapter as A
 from vlmq.worker import preprocess as P
+from vlmq.worker import text_layer as TL
 from vlmq.worker.engine import Engine, EngineInfo, Request
 from vlmq.worker.job_settings import JobSettings, resolve_job
 from vlmq.worker.poison import RiskLog
@@ -35,14 +40,27 @@ from vlmq.worker.render_pool import RenderPool
 from vlmq.worker.scheduler import JobState
 from vlmq.worker.vision_cache import Entry, VisionCache, cache_key
 
+log = logging.getLogger("vlmq.worker")
+
 # How long an item waits for another item's pending tower run on the same image.
 SINGLE_FLIGHT_WAIT_S = 60.0
+MAX_REMEMBERED_LAYERS = 4096
 # Bump when rendering or resizing changes in a way that changes pixels.
 PREPROCESS_VERSION = 1
 
 
 class PrepError(VlmqError):
     """An item cannot be prepared; the message names the problem, the job goes on."""
+
+
+@dataclass(frozen=True)
+class FromLayer:
+    """An item answered by its PDF page's text layer (text_layer prefer): no model run."""
+
+    text: str
+
+
+Prepared = Request | FromLayer
 
 
 def model_matches(requested: str, served: str) -> bool:
@@ -78,6 +96,8 @@ class Preparer:
         self._flights: dict[str, threading.Event] = {}  # cache key -> its tower run is pending
         self._flight_of: dict[tuple[str, int], str] = {}  # owning item -> cache key
         self._flights_lock = threading.Lock()
+        # Item -> its layer's fallback text, as the prefer check read it (None: unusable).
+        self._layers: OrderedDict[tuple[str, int], str | None] = OrderedDict()
 
     @staticmethod
     def _processor_params(processor: Any) -> dict[str, object]:
@@ -137,7 +157,7 @@ class Preparer:
             out.append(idx)
         return out
 
-    def submit(self, state: JobState, idx: int) -> Future[tuple[Request, float]]:
+    def submit(self, state: JobState, idx: int) -> Future[tuple[Prepared, float]]:
         return self.pool.submit(self.prepare, state.job_id, state.payload, state.resolved, idx)
 
     def key_for(self, settings: JobSettings, item: Item) -> str:
@@ -146,7 +166,7 @@ class Preparer:
         return cache_key(self.model_identity, item.sha256, item.page, params)
 
     def prepare(self, job_id: str, payload: JobPayload, settings: JobSettings,
-                idx: int) -> tuple[Request, float]:
+                idx: int) -> tuple[Prepared, float]:
         t0 = time.perf_counter()
         item = payload.items[idx]
         processor, config = self.engine.processor, self.engine.model_config
@@ -159,6 +179,13 @@ class Preparer:
                 self.stores.check(item.ref)
             except StoreError as exc:
                 raise PrepError(str(exc)) from exc
+        if item.kind == "pdf" and settings.text_layer == "prefer":
+            layer = self.text_layer(item)
+            if layer is not None and layer.usable("prefer"):
+                return FromLayer(layer.text), time.perf_counter() - t0
+            # Should the model fail the page, the fallback needs no second read.
+            self._remember_layer((job_id, idx), layer.text if layer is not None
+                                 and layer.usable("fallback") else None)
         key = self.key_for(settings, item) if self.info.cacheable else None
         entry = self._lookup(key, (job_id, idx)) if key is not None else None
         if entry is not None:
@@ -166,9 +193,10 @@ class Preparer:
             req = Request(prepared=prepared, cached_features=(entry.features, entry.dtype_name),
                           **common)
             return req, time.perf_counter() - t0
-        # PDF pages render in child processes; an image decodes here, at this job's risk.
+        # PDF pages render in child processes; an image or TIFF page decodes here, at this
+        # job's risk.
         risky: AbstractContextManager[None] = nullcontext()
-        if self.risk is not None and item.kind == "image":
+        if self.risk is not None and item.kind in ("image", "tiff"):
             risky = self.risk.step(job_id, idx, "image decode")
         try:
             with risky:
@@ -225,9 +253,50 @@ class Preparer:
                 if self.renderer is not None:
                     return self.renderer.render(fetch, item.page, side, doc_key=item.sha256)
                 return P.render_pdf_page(fetch, item.page, side, doc_key=item.sha256)
+            if item.kind == "tiff":
+                assert item.page is not None
+                return P.decode_tiff_page(fetch, item.page, side, doc_key=item.sha256)
             return P.decode_image(fetch(), side)
         except VlmqError as exc:
             raise PrepError(str(exc)) from exc
+
+    def text_layer(self, item: Item) -> TL.Layer | None:
+        """A PDF item's page text layer, judged; None when it cannot be read (the page then
+        goes to the model, which says what is wrong with it)."""
+        assert item.page is not None
+        fetch: Callable[[], bytes] = (partial(self.stores.read, item) if item.ref is not None
+                                      else partial(P.fetch_blob, self.blobs, item.sha256))
+        try:
+            if self.renderer is not None:
+                return self.renderer.text_layer(fetch, item.page, doc_key=item.sha256)
+            return P.pdf_text_layer(fetch, item.page, doc_key=item.sha256)
+        except VlmqError as exc:
+            log.info("%s page %d: no text layer read: %s", item.source, item.page, exc)
+            return None
+
+    def _remember_layer(self, owner: tuple[str, int], text: str | None) -> None:
+        with self._flights_lock:
+            self._layers[owner] = text
+            while len(self._layers) > MAX_REMEMBERED_LAYERS:  # items of dropped jobs
+                self._layers.popitem(last=False)
+
+    def known_layer(self, job_id: str, idx: int) -> tuple[bool, str | None]:
+        """What the prefer check already read of the item's layer, forgotten once asked:
+        (True, text or None), or (False, None) when it read nothing."""
+        with self._flights_lock:
+            if (job_id, idx) in self._layers:
+                return True, self._layers.pop((job_id, idx))
+        return False, None
+
+    def fallback_text(self, item: Item) -> str | None:
+        """The text a page the model failed falls back to, if its layer is usable. Runs on
+        a pool thread; a Redis error here only costs the fallback."""
+        try:
+            layer = self.text_layer(item)
+        except RedisError as exc:
+            log.warning("%s page %s: text layer not read: %s", item.source, item.page, exc)
+            return None
+        return layer.text if layer is not None and layer.usable("fallback") else None
 
     def _storer(self, key: str, grid: np.ndarray) -> Callable[[np.ndarray, str], None]:
         """Called on the MLX thread: keep the features in memory now, write disk in the pool."""

@@ -18,9 +18,11 @@ import pypdfium2 as pdfium
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from vlmq.shared import constants as C
+from vlmq.shared import image_formats
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.errors import VlmqError
 from vlmq.shared.pdfium import PDFIUM_LOCK, open_problem
+from vlmq.worker import text_layer as TL
 
 # Every pypdfium2 call holds the process-wide PDFIUM_LOCK (see vlmq.shared.pdfium).
 
@@ -40,7 +42,7 @@ class PreprocessError(VlmqError):
 class Counters:
     """Thread-safe work counters, so the worker and tests can prove a cache hit did no work."""
 
-    NAMES = ("image_decodes", "pdf_renders", "pdf_opens")
+    NAMES = ("image_decodes", "pdf_renders", "pdf_opens", "text_extracts")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -83,10 +85,14 @@ def decode_image(data: bytes, max_side: int | None) -> Image.Image:
     if max_side is not None and max_side < 1:
         raise ValueError(f"max_side must be >= 1, got {max_side}")
     COUNTERS.incr("image_decodes")
+    image_formats.register_plugins()  # HEIC/HEIF (pillow-heif), before the first open
     try:
         im = Image.open(io.BytesIO(data))
     except UnidentifiedImageError as exc:
-        raise PreprocessError("not an image (cannot identify image file)") from exc
+        # Name the format where its magic bytes are known (JPEG XL, DjVu, SVG...).
+        what = image_formats.describe(data[:image_formats.HEAD_BYTES])
+        raise PreprocessError("not an image (cannot identify image file)"
+                              + (f": {what}" if what else "")) from exc
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         # Pillow's own guard (about 89 Mpx) fires inside open(), before ours can; it warns
         # rather than raises unless warnings are errors, so both forms are handled.
@@ -165,6 +171,96 @@ def _bound(im: Image.Image, max_side: int | None) -> Image.Image:
     return im.resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
 
 
+# -- TIFF pages ------------------------------------------------------------------------
+
+
+# The bytes of the TIFFs whose pages are being decoded, so a 500-page fax is fetched once,
+# not once per page (PDFs get the same from their render process's open documents).
+TIFF_BYTES_BUDGET = 256 * 1024 * 1024
+_TIFFS: OrderedDict[str, bytes] = OrderedDict()
+_TIFFS_LOCK = threading.Lock()
+
+
+def _tiff_bytes(data: bytes | Callable[[], bytes], doc_key: str | None) -> bytes:
+    if not callable(data):
+        return data
+    if doc_key is None:
+        return data()
+    with _TIFFS_LOCK:
+        kept = _TIFFS.get(doc_key)
+        if kept is not None:
+            _TIFFS.move_to_end(doc_key)
+            return kept
+    fetched = data()  # outside the lock: other pages go on meanwhile
+    with _TIFFS_LOCK:
+        _TIFFS[doc_key] = fetched
+        _TIFFS.move_to_end(doc_key)
+        while len(_TIFFS) > 1 and sum(map(len, _TIFFS.values())) > TIFF_BYTES_BUDGET:
+            _TIFFS.popitem(last=False)
+    return fetched
+
+
+def decode_tiff_page(data: bytes | Callable[[], bytes], page: int, max_side: int | None, *,
+                     doc_key: str | None = None) -> Image.Image:
+    """Decode 1-based `page` (frame) of a TIFF to RGB, upright, longest side <= max_side.
+
+    Only that frame's directory is checked (pixel limit, aspect) and only its pixels
+    decoded, so a fax's page 40 costs one page of memory, and a bomb on another page is
+    not this item's problem. `data` may be a function fetching the bytes: with `doc_key`
+    (the blob's sha256) they are fetched once for all the pages that follow.
+    """
+    if max_side is not None and max_side < 1:
+        raise ValueError(f"max_side must be >= 1, got {max_side}")
+    if page < 1:
+        raise PreprocessError(f"page {page} is out of range (pages are numbered from 1)")
+    COUNTERS.incr("image_decodes")
+    data = _tiff_bytes(data, doc_key)
+    try:
+        im = Image.open(io.BytesIO(data), formats=["TIFF"])
+    except UnidentifiedImageError as exc:
+        raise PreprocessError("not a TIFF (cannot identify image file)") from exc
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        # Pillow checks page 1 inside open(), for every page asked for: such a file is
+        # refused whole (the producer refuses it too).
+        raise PreprocessError(f"page 1 of the TIFF rejected as a decompression bomb: {exc}"
+                              ) from exc
+    except OSError as exc:
+        raise PreprocessError(f"corrupt TIFF header ({exc})") from exc
+    with im:
+        try:
+            im.seek(page - 1)
+        except EOFError as exc:
+            raise PreprocessError(f"page {page} is out of range: the TIFF has "
+                                  f"{_frames(data)} page(s)") from exc
+        except (OSError, SyntaxError, ValueError, TypeError, KeyError, IndexError) as exc:
+            raise PreprocessError(f"page {page}: corrupt TIFF directory ({exc})") from exc
+        w, h = im.size
+        if w < 1 or h < 1:
+            raise PreprocessError(f"page {page} has an empty size ({w}x{h})")
+        if w * h > C.MAX_IMAGE_PIXELS:
+            raise PreprocessError(f"page {page} is {w}x{h} = {w * h} pixels, over the limit "
+                                  f"of {C.MAX_IMAGE_PIXELS} (decompression bomb guard)")
+        check_aspect(w, h, f"page {page}")
+        try:
+            im.load()
+            upright = ImageOps.exif_transpose(im)
+            rgb = _to_rgb(upright)
+        except (OSError, SyntaxError, ValueError, EOFError) as exc:
+            raise PreprocessError(f"page {page}: corrupt or truncated TIFF page ({exc})"
+                                  ) from exc
+    return _bound(rgb, max_side)
+
+
+def _frames(data: bytes) -> int | str:
+    """A TIFF's page count for a message, from a fresh open: after a seek past the end,
+    Pillow 13's n_frames counts one page too many. "?" when it cannot be walked."""
+    try:
+        with Image.open(io.BytesIO(data), formats=["TIFF"]) as im:
+            return int(getattr(im, "n_frames", 1))
+    except (OSError, SyntaxError, ValueError, EOFError, TypeError) as exc:
+        return f"? ({exc})"
+
+
 # -- PDFs ------------------------------------------------------------------------------
 
 
@@ -198,6 +294,40 @@ def render_pdf_page(data: bytes | Callable[[], bytes], page: int, max_side: int,
         finally:
             if owned:
                 pdf.close()
+
+
+def pdf_text_layer(data: bytes | Callable[[], bytes], page: int, *,
+                   doc_key: str | None = None) -> TL.Layer:
+    """Page `page`'s text layer, judged (worker/text_layer.py); the same document cache
+    and lock as render_pdf_page, so a page rendered and read shares one open document."""
+    if page < 1:
+        raise PreprocessError(f"page {page} is out of range (pages are numbered from 1)")
+    COUNTERS.incr("text_extracts")
+    if callable(data):
+        if doc_key is not None:
+            with PDFIUM_LOCK:
+                cached = _DOCS.get(doc_key)
+                if cached is not None:
+                    _DOCS.move_to_end(doc_key)
+                    return _extract(cached, page)
+        data = data()
+    with PDFIUM_LOCK:
+        pdf, owned = _open_pdf(data, doc_key)
+        try:
+            return _extract(pdf, page)
+        finally:
+            if owned:
+                pdf.close()
+
+
+def _extract(pdf: pdfium.PdfDocument, page: int) -> TL.Layer:
+    """PDFIUM_LOCK held."""
+    try:
+        return TL.extract(pdf, page)
+    except IndexError as exc:
+        raise PreprocessError(str(exc)) from exc
+    except pdfium.PdfiumError as exc:
+        raise PreprocessError(f"page {page}'s text cannot be read ({exc})") from exc
 
 
 def has_open_pdf(doc_key: str) -> bool:

@@ -1,5 +1,7 @@
 """One PDF render process: `python -m vlmq.worker.render_child MEM_MB`.
 
+It renders pages, and reads their text layers (`"op": "text"`), for the worker.
+
 PDFium is not thread-safe and a crafted page (millions of drawing operations) can take
 gigabytes and minutes, or abort the process outright. So the worker never renders in its
 own process: each of these children holds its own open documents, caps its own memory,
@@ -79,13 +81,19 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
         if msg is None:
             return
         header, data = msg
-        key, page, side = str(header["key"]), int(header["page"]), int(header["max_side"])
+        key, page = str(header["key"]), int(header["page"])
         if not data and not P.has_open_pdf(key):
             write_msg(out, {"need": "data"})
             continue
         opens = P.COUNTERS.snapshot()["pdf_opens"]
         try:
-            img = P.render_pdf_page(data or _no_data, page, side, doc_key=key)
+            if header.get("op") == "text":
+                layer = P.pdf_text_layer(data or _no_data, page, doc_key=key)
+                opened = P.COUNTERS.snapshot()["pdf_opens"] > opens
+                write_msg(out, {"layer": layer.to_wire(), "opened": opened})
+                continue
+            img = P.render_pdf_page(data or _no_data, page, int(header["max_side"]),
+                                    doc_key=key)
         except P.PreprocessError as exc:
             write_msg(out, {"error": str(exc)})
             continue

@@ -7,6 +7,7 @@ budget (`mem_mb`), and gets `timeout_s` per page. A page that runs out of either
 crashes its child, becomes that item's PreprocessError; the child is replaced on the next
 request and the worker, and every other job, go on.
 
+The children also read pages' text layers (worker/text_layer.py), for the same reasons.
 Pages of one PDF prefer the child that already has that document open (no re-send, no
 re-parse); pages of different PDFs render in parallel in different children.
 """
@@ -27,6 +28,7 @@ from typing import Any
 from PIL import Image
 
 from vlmq.worker import preprocess as P
+from vlmq.worker import text_layer as TL
 from vlmq.worker.render_wire import (
     EXIT_OVER_MEMORY,
     PREFIX_SIZE,
@@ -87,9 +89,19 @@ class _Slot:
 
     def render(self, data: bytes | Callable[[], bytes], key: str, page: int, side: int,
                timeout_s: float) -> tuple[Image.Image, bool]:
+        header: dict[str, Any] = {"key": key, "page": page, "max_side": side}
+        reply, pixels = self.request(data, header, timeout_s, "too complex to render")
+        size = (int(reply["w"]), int(reply["h"]))
+        return Image.frombytes("RGB", size, pixels), bool(reply.get("opened"))
+
+    def request(self, data: bytes | Callable[[], bytes], header: dict[str, Any],
+                timeout_s: float, failing: str) -> tuple[dict[str, Any], bytes]:
+        """One answered request about page `header["page"]` of document `header["key"]`;
+        the child's own error, a timeout or its death is that page's PreprocessError,
+        `failing` saying what went wrong ("too complex to render")."""
         proc = self.proc if self.proc is not None and self.proc.poll() is None else self._start()
         deadline = time.monotonic() + timeout_s
-        header: dict[str, Any] = {"key": key, "page": page, "max_side": side}
+        key, page = str(header["key"]), header["page"]
         body = b"" if key in self.docs else _bytes(data)
         try:
             reply, pixels = self._ask(proc, header, body, deadline)
@@ -97,18 +109,17 @@ class _Slot:
                 reply, pixels = self._ask(proc, header, _bytes(data), deadline)
         except TimeoutError:
             self.stop(kill=True)
-            raise P.PreprocessError(f"page {page} too complex to render: over the "
-                                    f"{timeout_s:g} s render time limit") from None
+            raise P.PreprocessError(f"page {page} {failing}: over the {timeout_s:g} s "
+                                    "render time limit") from None
         except _Died as exc:
-            raise P.PreprocessError(f"page {page} too complex to render: {exc}") from None
+            raise P.PreprocessError(f"page {page} {failing}: {exc}") from None
         self.docs[key] = None
         self.docs.move_to_end(key)
         while len(self.docs) > P.PDF_DOC_CACHE_SIZE:
             self.docs.popitem(last=False)
         if "error" in reply:
             raise P.PreprocessError(str(reply["error"]))
-        size = (int(reply["w"]), int(reply["h"]))
-        return Image.frombytes("RGB", size, pixels), bool(reply.get("opened"))
+        return reply, pixels
 
     def _ask(self, proc: subprocess.Popen[bytes], header: dict[str, Any], body: bytes,
              deadline: float) -> tuple[dict[str, Any], bytes]:
@@ -232,6 +243,25 @@ class RenderPool:
         if opened:
             P.COUNTERS.incr("pdf_opens")
         return img
+
+    def text_layer(self, data: bytes | Callable[[], bytes], page: int, *,
+                   doc_key: str) -> TL.Layer:
+        """Same contract as preprocess.pdf_text_layer, out of process."""
+        if page < 1:
+            raise P.PreprocessError(f"page {page} is out of range (pages are numbered from 1)")
+        P.COUNTERS.incr("text_extracts")
+        slot = self._acquire(doc_key)
+        try:
+            reply, _ = slot.request(data, {"op": "text", "key": doc_key, "page": page},
+                                    self.timeout_s, "text layer cannot be read")
+        finally:
+            self._release(slot)
+        if reply.get("opened"):
+            P.COUNTERS.incr("pdf_opens")
+        layer = reply.get("layer")
+        if not isinstance(layer, dict):
+            raise P.PreprocessError(f"page {page}: its render process sent no text layer")
+        return TL.Layer.from_wire(layer)
 
     def _acquire(self, doc_key: str) -> _Slot:
         with self._cond:

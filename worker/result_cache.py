@@ -38,7 +38,7 @@ from redis.exceptions import RedisError
 
 from vlmq.shared import lua
 from vlmq.shared.keys import Keys
-from vlmq.shared.schema import Item, ItemResult
+from vlmq.shared.schema import TEXT_FROM_MODEL, Item, ItemResult
 from vlmq.worker.job_settings import JobSettings
 from vlmq.worker.prepare import PREPROCESS_VERSION
 from vlmq.worker.scheduler import JobState
@@ -64,6 +64,7 @@ MAX_REMEMBERED = 100_000
 class CachedText:
     text: str
     finish_reason: str | None
+    text_source: str = TEXT_FROM_MODEL
 
 
 def text_hash(text: str) -> str:
@@ -235,15 +236,18 @@ def _verified(raw: bytes | None, target: tuple[str, int, str]) -> CachedText | N
         res = ItemResult.from_dict(json.loads(raw))
     except (ValueError, KeyError, TypeError):
         return None
-    if (res.index != target[1] or res.text is None or not cacheable(res.finish_reason, res.error)
+    if (res.index != target[1] or res.text is None or not cacheable(res)
             or text_hash(res.text) != target[2]):
         return None
-    return CachedText(text=res.text, finish_reason=res.finish_reason)
+    return CachedText(text=res.text, finish_reason=res.finish_reason,
+                      text_source=res.text_source)
 
 
-def cacheable(finish_reason: str | None, error: str | None) -> bool:
-    """Only items that ended normally are kept: never a failure or an item cut short."""
-    return error is None and finish_reason in ("stop", "length")
+def cacheable(res: ItemResult) -> bool:
+    """Only items that ended normally are kept: never a failure, an item cut short, or a
+    text layer standing in for a model that failed (the failure may not recur)."""
+    return (res.error is None and res.finish_reason in ("stop", "length")
+            and res.model_error is None and res.model_text is None)
 
 
 def _digests(cache: ResultCache, state: JobState, indexes: Sequence[int]) -> list[str] | None:
@@ -277,7 +281,7 @@ def cached_results_many(cache: ResultCache, jobs: Sequence[tuple[JobState, Seque
             index=idx, source=item.source, page=item.page, text=hit.text,
             finish_reason=hit.finish_reason, prompt_tokens=0, completion_tokens=0,
             vision_cache_hit=False, error=None, timings={}, custom_id=item.custom_id,
-            result_cache_hit=True)
+            result_cache_hit=True, text_source=hit.text_source)
     return out
 
 
@@ -297,7 +301,7 @@ def store_results_many(cache: ResultCache,
     todo: list[tuple[str, list[tuple[str, int, str]]]] = []
     for state, results in jobs:
         kept = [r for r in results
-                if r.text is not None and cacheable(r.finish_reason, r.error)]
+                if r.text is not None and cacheable(r)]
         digests = _digests(cache, state, [r.index for r in kept]) or []
         entries = [(d, r.index, r.text or "") for d, r in zip(digests, kept, strict=False)
                    if not r.result_cache_hit or cache.needs_moving(d)]

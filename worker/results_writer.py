@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from redis import Redis
 from redis.exceptions import RedisError
@@ -26,7 +27,7 @@ from vlmq.shared import lua
 from vlmq.shared import results as R
 from vlmq.shared.connection import transient
 from vlmq.shared.keys import Keys
-from vlmq.shared.schema import ItemResult, JobSummary
+from vlmq.shared.schema import TEXT_FROM_LAYER, ItemResult, JobSummary
 from vlmq.worker.engine import Finished
 from vlmq.worker.rq_jobs import INCOMPLETE, JobLifecycle, Running
 from vlmq.worker.scheduler import Scheduler, Tally
@@ -35,24 +36,47 @@ from vlmq.worker.stats import WorkerStats
 log = logging.getLogger("vlmq.worker")
 
 
-def finished_result(state: Running, idx: int, f: Finished, prep_s: float) -> ItemResult:
+def finished_result(state: Running, idx: int, f: Finished, prep_s: float,
+                    layer: str | None = None) -> ItemResult:
+    """The engine's output for an item; with `layer` (the model failed a PDF page and the
+    job falls back to its text layer) the layer's text, the model's failure kept beside."""
     item = state.payload.items[idx]
     timings = dict(f.timings)
     timings["preprocess_s"] = round(prep_s, 4)
-    return ItemResult(
+    res = ItemResult(
         index=idx, source=item.source, page=item.page,
         text=None if f.error else f.text, finish_reason=f.finish_reason,
         prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
         vision_cache_hit=f.vision_cache_hit, error=f.error, timings=timings,
         custom_id=item.custom_id, repetition=f.repetition)
+    return res if layer is None else _from_layer(res, layer)
 
 
-def failed_result(state: Running, idx: int, message: str) -> ItemResult:
+def failed_result(state: Running, idx: int, message: str,
+                  layer: str | None = None) -> ItemResult:
     item = state.payload.items[idx]
-    return ItemResult(
+    res = ItemResult(
         index=idx, source=item.source, page=item.page, text=None, finish_reason="error",
         prompt_tokens=0, completion_tokens=0, vision_cache_hit=False, error=message,
         timings={}, custom_id=item.custom_id)
+    return res if layer is None else _from_layer(res, layer)
+
+
+def layer_result(state: Running, idx: int, text: str, prep_s: float) -> ItemResult:
+    """A page read from its text layer alone (text_layer prefer): no model, no tokens."""
+    item = state.payload.items[idx]
+    return ItemResult(
+        index=idx, source=item.source, page=item.page, text=text, finish_reason="stop",
+        prompt_tokens=0, completion_tokens=0, vision_cache_hit=False, error=None,
+        timings={"preprocess_s": round(prep_s, 4)}, custom_id=item.custom_id,
+        text_source=TEXT_FROM_LAYER)
+
+
+def _from_layer(res: ItemResult, layer: str) -> ItemResult:
+    """The failed `res` answered by the page's text layer: ok, the failure kept visible
+    (finish_reason, repetition, model_error, model_text)."""
+    return replace(res, text=layer, error=None, text_source=TEXT_FROM_LAYER,
+                   model_error=res.error, model_text=res.text or None)
 
 
 def result_ttl(running: Running) -> int:
@@ -85,18 +109,29 @@ class ResultWriter:
 
     # --- record --------------------------------------------------------------------------
 
-    def record_finished(self, job_id: str, idx: int, f: Finished, prep_s: float) -> bool:
+    def record_finished(self, job_id: str, idx: int, f: Finished, prep_s: float, *,
+                        layer: str | None = None) -> bool:
         state = self.scheduler.item_returned(job_id, idx)
         if state is None:
             return False  # the job was dropped meanwhile, or this item came back already
-        self._unwritten.setdefault(job_id, {})[idx] = finished_result(state, idx, f, prep_s)
+        self._unwritten.setdefault(job_id, {})[idx] = finished_result(state, idx, f, prep_s,
+                                                                      layer)
         return True
 
-    def record_failure(self, job_id: str, idx: int, message: str) -> bool:
+    def record_failure(self, job_id: str, idx: int, message: str, *,
+                       layer: str | None = None) -> bool:
         state = self.scheduler.item_returned(job_id, idx)
         if state is None:
             return False
-        self._unwritten.setdefault(job_id, {})[idx] = failed_result(state, idx, message)
+        self._unwritten.setdefault(job_id, {})[idx] = failed_result(state, idx, message,
+                                                                    layer)
+        return True
+
+    def record_layer(self, job_id: str, idx: int, text: str, prep_s: float) -> bool:
+        state = self.scheduler.item_returned(job_id, idx)
+        if state is None:
+            return False
+        self._unwritten.setdefault(job_id, {})[idx] = layer_result(state, idx, text, prep_s)
         return True
 
     def hold(self, job_id: str, results: Iterable[ItemResult]) -> None:
@@ -207,7 +242,10 @@ class ResultWriter:
 
     def _summary(self, state: Running, tallies: Iterable[Tally]) -> JobSummary:
         ok = failed = prompt = completion = hits = cached = 0
+        sources: dict[str, int] = {}
         for t in tallies:
+            if t.text_source is not None:
+                sources[t.text_source] = sources.get(t.text_source, 0) + 1
             ok += t.ok
             failed += not t.ok
             prompt += t.prompt_tokens
@@ -217,7 +255,7 @@ class ResultWriter:
         return JobSummary(items=state.total, ok=ok, failed=failed, prompt_tokens=prompt,
                           completion_tokens=completion, wall_s=self._whole_job_wall_s(state),
                           cache_hits=hits, labels=dict(state.payload.labels),
-                          result_cache_hits=cached)
+                          result_cache_hits=cached, text_sources=sources)
 
     def _end(self, ends: list[tuple[Running, JobSummary]], *, from_memory: bool) -> None:
         whys = self.lifecycle.succeed_many([(s, summary.to_dict()) for s, summary in ends],
@@ -234,10 +272,12 @@ class ResultWriter:
                 self.drop(state, why)
                 continue
             self.scheduler.remove(state.job_id)
+            layers = summary.text_sources.get(TEXT_FROM_LAYER, 0)
             log.info("job %s finished: %d ok, %d failed, %d tokens, %.1f s, %d vision-cache "
-                     "hits, %d result-cache hits", state.job_id, summary.ok, summary.failed,
+                     "hits, %d result-cache hits%s", state.job_id, summary.ok, summary.failed,
                      summary.completion_tokens, summary.wall_s, summary.cache_hits,
-                     summary.result_cache_hits)
+                     summary.result_cache_hits,
+                     f", {layers} from text layers" if layers else "")
 
     def _whole_job_wall_s(self, state: Running) -> float:
         """From the job's first start on any worker (Redis's clock): a resumed job's
@@ -261,7 +301,7 @@ class ResultWriter:
 
 def _tally(res: ItemResult) -> Tally:
     return Tally(res.ok, res.prompt_tokens, res.completion_tokens, res.vision_cache_hit,
-                 res.result_cache_hit)
+                 res.result_cache_hit, None if res.text is None else res.text_source)
 
 
 def _span(indexes: list[int]) -> str:

@@ -26,6 +26,7 @@ class Tally:
     completion_tokens: int
     vision_cache_hit: bool
     result_cache_hit: bool
+    text_source: str | None = None  # where its text came from; None: it has none
 
 
 @dataclass(kw_only=True, eq=False)

@@ -13,7 +13,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -36,10 +36,10 @@ from vlmq.shared.schema import ItemResult
 from vlmq.shared.stores import Stores
 from vlmq.shared.urls import redact_url
 from vlmq.worker import blas
-from vlmq.worker.engine import Engine, EngineError, Finished, Request
+from vlmq.worker.engine import Engine, EngineError, Finished
 from vlmq.worker.mlx_adapter import family_of
 from vlmq.worker.poison import DEFAULT_POISON_KILLS, RiskLog
-from vlmq.worker.prepare import Preparer, PrepError
+from vlmq.worker.prepare import FromLayer, Prepared, Preparer, PrepError
 from vlmq.worker.render_pool import DEFAULT_MEM_MB as DEFAULT_RENDER_MEM_MB
 from vlmq.worker.render_pool import DEFAULT_TIMEOUT_S as DEFAULT_RENDER_TIMEOUT_S
 from vlmq.worker.render_pool import RenderPool
@@ -66,6 +66,8 @@ IDLE_BLOCK_S = 0.5
 # An idle worker on several queues looks at them all this often (no blocking pop keeps
 # both their priority order and RQ's intermediate list).
 IDLE_POLL_S = 0.01
+# Ends of a model run that leave a page unread: a text layer may stand in (text_layer).
+MODEL_FAILED = ("length", "repetition", "error")
 RESTART_CHECK_S = 0.5  # how often the loop compares Redis's run_id with the one at start
 T = TypeVar("T")
 
@@ -126,6 +128,10 @@ class WorkerService:
         self._prep_failed: SimpleQueue[tuple[str, int, str]] = SimpleQueue()
         self._prep_retry: SimpleQueue[tuple[str, int]] = SimpleQueue()
         self._prep_time: dict[tuple[str, int], float] = {}
+        # Pages answered by their text layer (prefer), and model failures whose page's text
+        # layer was read (fallback): pool threads put them here for the main thread.
+        self._from_layer: SimpleQueue[tuple[str, int, str, float]] = SimpleQueue()
+        self._fell_back: SimpleQueue[tuple[Callable[..., bool], str | None]] = SimpleQueue()
         self._preparer: Preparer
         self._writer: ResultWriter
         self._results: ResultCache
@@ -402,6 +408,10 @@ class WorkerService:
     def _collect(self, engine: Engine, lifecycle: JobLifecycle, timeout: float) -> None:
         """Write what finished (engine results, prep failures) and finish complete jobs."""
         self._record(engine.get_finished(timeout=timeout), _drain(self._prep_failed))
+        for job_id, idx, text, prep_s in _drain(self._from_layer):
+            self._writer.record_layer(job_id, idx, text, prep_s)
+        for record, layer in _drain(self._fell_back):
+            record(layer=layer)
         self._writer.flush()
         self._writer.finish_complete()
 
@@ -541,7 +551,7 @@ class WorkerService:
             self.stats.observe_waiting(self._in_prep + engine.state.waiting)
 
     def _prepared(self, engine: Engine, job_id: str, idx: int, left: int,
-                  fut: Future[tuple[Request, float]]) -> None:
+                  fut: Future[tuple[Prepared, float]]) -> None:
         """Pool callback: hand the request to the engine at once, so MLX never waits on us."""
         moved = False
         try:
@@ -550,6 +560,9 @@ class WorkerService:
             exc = fut.exception()
             if exc is None:
                 req, prep_s = fut.result()
+                if isinstance(req, FromLayer):
+                    self._from_layer.put((job_id, idx, req.text, prep_s))
+                    return  # in_prep drops after the put: a stopping loop sees the result
                 self._prep_time[(job_id, idx)] = prep_s
                 with self._prep_lock:  # from in-prep to waiting in one step, for readers
                     engine.submit(replace(req, priority=left))
@@ -578,9 +591,51 @@ class WorkerService:
             job_id, idx = cast(tuple[str, int], f.key)
             self._preparer.item_done(job_id, idx)
             prep_s = self._prep_time.pop((job_id, idx), 0.0)
-            self._writer.record_finished(job_id, idx, f, prep_s)
+            record = partial(self._writer.record_finished, job_id, idx, f, prep_s)
+            if f.error is not None or f.finish_reason in MODEL_FAILED:
+                self._fall_back(job_id, idx, record)
+            else:
+                self._preparer.known_layer(job_id, idx)  # not needed: forget it
+                record()
         for job_id, idx, msg in failures:
-            self._writer.record_failure(job_id, idx, msg)
+            self._fall_back(job_id, idx, partial(self._writer.record_failure, job_id, idx, msg))
+
+    def _fall_back(self, job_id: str, idx: int, record: Callable[..., bool]) -> None:
+        """Record a page the model failed, with its text layer's text when the job asks for
+        it (text_layer fallback or prefer) and it is usable: read on a pool thread, since
+        it may wait on a render process (unless the prefer check read it already)."""
+        state = self.scheduler.jobs.get(job_id)
+        item = state.payload.items[idx] if state is not None else None
+        known, text = self._preparer.known_layer(job_id, idx)
+        if state is None or item is None or item.kind != "pdf" or (
+                state.resolved.text_layer == "off"):
+            record()
+            return
+        if known:
+            record(layer=text)
+            return
+        with self._prep_lock:
+            self._in_prep += 1  # keeps the loop busy (and a stop waiting) until it is back
+        try:
+            fut = self._preparer.pool.submit(self._preparer.fallback_text, item)
+        except RuntimeError:  # the pool is shutting down: record the failure as it is
+            with self._prep_lock:
+                self._in_prep -= 1
+            record()
+            return
+        fut.add_done_callback(partial(self._layer_read, record))
+
+    def _layer_read(self, record: Callable[..., bool], fut: Future[str | None]) -> None:
+        layer = None
+        if not fut.cancelled():
+            exc = fut.exception()
+            if exc is None:
+                layer = fut.result()
+            else:  # a bug: the item keeps the model's failure alone
+                log.error("text layer fallback failed", exc_info=exc)
+        self._fell_back.put((record, layer))
+        with self._prep_lock:
+            self._in_prep -= 1
 
 
 def _drain(q: SimpleQueue[T]) -> list[T]:

@@ -55,7 +55,7 @@ class PreviewCache:
 
 def render(data: bytes, kind: str, page: int | None, max_px: int = MAX_PX, *,
            timeout_s: float = RENDER_TIMEOUT_S) -> bytes:
-    """PNG preview of an image blob, or of one page (1-based) of a PDF blob."""
+    """PNG preview of an image blob, or of one page (1-based) of a PDF or TIFF blob."""
     # The file itself, not `-m`: the child then imports no vlmq package (faster start).
     cmd = [sys.executable, "-I", __file__, kind, str(page or 0), str(max_px)]
     try:
@@ -91,11 +91,48 @@ def _render_pdf(data: bytes, page: int, max_px: int) -> bytes:
 
 
 def _render_image(data: bytes, max_px: int) -> bytes:
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    # Only this small module of vlmq's: HEIC/HEIF through pillow-heif, and the formats
+    # that still cannot be read named in the reason.
+    from vlmq.shared import image_formats
+
+    image_formats.register_plugins()
+    Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
+    try:
+        image = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        what = image_formats.describe(data[:image_formats.HEAD_BYTES])
+        raise RenderError(what or "it is not an image Pillow can read") from None
+    with image:
+        image.draft("RGB", (max_px, max_px))  # JPEG: decode at a reduced size
+        image.thumbnail((max_px, max_px))
+        # Upright as the model sees it (JPEG EXIF orientation; HEIF's irot is applied by
+        # libheif, which leaves no EXIF orientation behind to apply twice).
+        upright = ImageOps.exif_transpose(image)
+        out = io.BytesIO()
+        upright.convert("RGB").save(out, "PNG")
+        return out.getvalue()
+
+
+def _render_tiff(data: bytes, page: int, max_px: int) -> bytes:
+    """One page (frame) of a TIFF; the pixel cap is checked on that page, since Pillow's
+    own guard looks at the first page only."""
     from PIL import Image
 
     Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
-    with Image.open(io.BytesIO(data)) as image:
-        image.draft("RGB", (max_px, max_px))  # JPEG: decode at a reduced size
+    with Image.open(io.BytesIO(data), formats=["TIFF"]) as image:
+        try:
+            image.seek(page - 1)
+        except EOFError:
+            # Counted on a fresh open: after a seek past the end, n_frames is one too many.
+            with Image.open(io.BytesIO(data), formats=["TIFF"]) as fresh:
+                count = getattr(fresh, "n_frames", 1)
+            raise RenderError(f"the TIFF has {count} pages, not {page}") from None
+        width, height = image.size
+        if width * height > MAX_IMAGE_PIXELS:
+            raise RenderError(f"page {page} is {width}x{height}, over the "
+                              f"{MAX_IMAGE_PIXELS}-pixel preview limit")
         image.thumbnail((max_px, max_px))
         out = io.BytesIO()
         image.convert("RGB").save(out, "PNG")
@@ -112,8 +149,12 @@ def _child(argv: list[str]) -> int:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a decompression-bomb warning is a refusal
-            png = (_render_pdf(data, page, max_px) if kind == "pdf"
-                   else _render_image(data, max_px))
+            if kind == "pdf":
+                png = _render_pdf(data, page, max_px)
+            elif kind == "tiff":
+                png = _render_tiff(data, max(page, 1), max_px)
+            else:
+                png = _render_image(data, max_px)
     except Exception as exc:  # noqa: BLE001 - any failure of a hostile file is one line
         print(f"cannot render this {kind}: {type(exc).__name__}: {exc}".strip(),
               file=sys.stderr)
