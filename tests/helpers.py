@@ -23,6 +23,8 @@ from redis import Redis
 if TYPE_CHECKING:
     from click.testing import Result
 
+    from vlmq.producer.client import Client
+    from vlmq.shared.schema import ItemResult
     from vlmq.worker.rq_jobs import JobLifecycle
 
 VLMQ = str(Path(sys.executable).parent / "vlmq")
@@ -103,6 +105,13 @@ def finish(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str]
         out, _ = proc.communicate()
         raise AssertionError(f"worker did not exit in {timeout} s; output:\n{out}") from None
     return proc.returncode, out
+
+
+def finished_results(client: Client, job_id: str, timeout: float = 180) -> list[ItemResult]:
+    """A job's item results once it finished (its error fails the test), in item order."""
+    job = client.job(job_id)
+    assert job.wait(timeout=timeout) == "finished", job.error()
+    return sorted(job.results(), key=lambda r: r.index)
 
 
 def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:

@@ -150,7 +150,6 @@ def test_worker_writes_the_repetition_outcome_into_item_results(
     """Through Redis and a real worker: CLI flags reach the guard, results say what it did."""
     from vlmq.producer.client import Client
 
-    from . import helpers
 
     paths = []
     for i in range(4):
@@ -160,14 +159,7 @@ def test_worker_writes_the_repetition_outcome_into_item_results(
         paths.append(path)
     job = Client(redis_url).generate(paths, PROMPT, max_tokens=MAX_TOKENS, temperature=0.0,
                                      max_side=112)
-    proc = helpers.start_worker(redis_url, gemma, tmp_path, "--burst", "--max-batch", "4",
-                                "--repetition-repeats", "4", "--repetition-period", "8",
-                                "--repetition-min-span", "12")
-    try:
-        rc, out = helpers.finish(proc, timeout=240)
-    finally:
-        helpers.stop_all([proc])
-    assert rc == 0, out
+    _run_guarded_worker(redis_url, gemma, tmp_path)
     results = list(job.results())
     looped = [r for r in results if r.finish_reason == "repetition"]
     assert looped, [r.finish_reason for r in results]
@@ -186,7 +178,6 @@ def test_a_page_cut_for_repetition_falls_back_to_its_text_layer(
 
     from vlmq.producer.client import Client
 
-    from . import helpers
 
     words = "The ledger lists payments to suppliers and the totals for each month."
     pdf = fpdf.FPDF(unit="mm", format=(148, 210))
@@ -205,14 +196,7 @@ def test_a_page_cut_for_repetition_falls_back_to_its_text_layer(
     plain = client.submit("generate", [path], JobOptions(
         prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, max_side=112,
         text_layer="off"))
-    proc = helpers.start_worker(redis_url, gemma, tmp_path, "--burst", "--max-batch", "4",
-                                "--repetition-repeats", "4", "--repetition-period", "8",
-                                "--repetition-min-span", "12")
-    try:
-        rc, out = helpers.finish(proc, timeout=240)
-    finally:
-        helpers.stop_all([proc])
-    assert rc == 0, out
+    _run_guarded_worker(redis_url, gemma, tmp_path)
     cut = [r for r in plain.results() if r.finish_reason == "repetition"]
     assert cut, [r.finish_reason for r in plain.results()]
     by_page = {r.page: r for r in job.results()}
@@ -221,3 +205,17 @@ def test_a_page_cut_for_repetition_falls_back_to_its_text_layer(
         assert r.ok and r.finish_reason == "repetition" and r.repetition == model.repetition
         assert r.text_source == "text_layer" and r.model_text == model.text
         assert " ".join((r.text or "").split()) == f"{words} Page {model.page}."
+
+
+def _run_guarded_worker(redis_url: str, gemma: Path, tmp_path: Path) -> None:
+    """A burst worker whose repetition guard trips on the tiny gemma3 within MAX_TOKENS."""
+    from . import helpers
+
+    proc = helpers.start_worker(redis_url, gemma, tmp_path, "--burst", "--max-batch", "4",
+                                "--repetition-repeats", "4", "--repetition-period", "8",
+                                "--repetition-min-span", "12")
+    try:
+        rc, out = helpers.finish(proc, timeout=240)
+    finally:
+        helpers.stop_all([proc])
+    assert rc == 0, out

@@ -28,7 +28,6 @@ from vlmq.producer.inputs import prepare
 from vlmq.producer.options import JobOptions
 from vlmq.producer.schedule import Schedule, ScheduleStore
 from vlmq.shared.jobs import enqueue_lua
-from vlmq.shared.schema import ItemResult
 from vlmq.shared.stores import FolderStore, S3Store, Stores
 from vlmq.worker.redis_server import free_port
 
@@ -98,10 +97,7 @@ def world(module_redis_url: str, tiny_model: Path,
         helpers.stop_all(procs)
 
 
-def _results(client: Client, job_id: str) -> list[ItemResult]:
-    job = client.job(job_id)
-    assert job.wait(timeout=180) == "finished", job.error()
-    return sorted(job.results(), key=lambda r: r.index)
+_results = helpers.finished_results
 
 
 def _blob_keys(redis_url: str) -> set[bytes]:

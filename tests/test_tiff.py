@@ -38,7 +38,7 @@ from vlmq.shared import constants as C
 from vlmq.shared.errors import InputError, PayloadError
 from vlmq.shared.jobs import lua_script
 from vlmq.shared.keys import RQ_QUEUES, Keys
-from vlmq.shared.schema import ItemResult, parse_payload
+from vlmq.shared.schema import parse_payload
 from vlmq.shared.stores import FolderStore
 from vlmq.worker import preprocess as P
 from vlmq.worker.job_settings import DEFAULT_IMAGE_MAX_SIDE, DEFAULT_PDF_MAX_SIDE, JobSettings
@@ -292,10 +292,7 @@ def worker(module_redis_url: str, tiny_model: Path,
         helpers.stop_all(procs)
 
 
-def _results(client: Client, job_id: str) -> list[ItemResult]:
-    job = client.job(job_id)
-    assert job.wait(timeout=180) == "finished", job.error()
-    return sorted(job.results(), key=lambda r: r.index)
+_results = helpers.finished_results
 
 
 @pytest.mark.slow

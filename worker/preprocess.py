@@ -12,6 +12,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import pypdfium2 as pdfium
@@ -23,6 +24,8 @@ from vlmq.shared.blobs import BlobStore
 from vlmq.shared.errors import VlmqError
 from vlmq.shared.pdfium import PDFIUM_LOCK, open_problem
 from vlmq.worker import text_layer as TL
+
+T = TypeVar("T")
 
 # Every pypdfium2 call holds the process-wide PDFIUM_LOCK (see vlmq.shared.pdfium).
 
@@ -279,21 +282,7 @@ def render_pdf_page(data: bytes | Callable[[], bytes], page: int, max_side: int,
     if page < 1:
         raise PreprocessError(f"page {page} is out of range (pages are numbered from 1)")
     COUNTERS.incr("pdf_renders")
-    if callable(data):
-        if doc_key is not None:
-            with PDFIUM_LOCK:
-                cached = _DOCS.get(doc_key)
-                if cached is not None:
-                    _DOCS.move_to_end(doc_key)
-                    return _render(cached, page, max_side)
-        data = data()  # outside the lock: other pages keep rendering meanwhile
-    with PDFIUM_LOCK:
-        pdf, owned = _open_pdf(data, doc_key)
-        try:
-            return _render(pdf, page, max_side)
-        finally:
-            if owned:
-                pdf.close()
+    return _with_pdf(data, doc_key, lambda pdf: _render(pdf, page, max_side))
 
 
 def pdf_text_layer(data: bytes | Callable[[], bytes], page: int, *,
@@ -303,18 +292,25 @@ def pdf_text_layer(data: bytes | Callable[[], bytes], page: int, *,
     if page < 1:
         raise PreprocessError(f"page {page} is out of range (pages are numbered from 1)")
     COUNTERS.incr("text_extracts")
+    return _with_pdf(data, doc_key, lambda pdf: _extract(pdf, page))
+
+
+def _with_pdf(data: bytes | Callable[[], bytes], doc_key: str | None,
+              use: Callable[[pdfium.PdfDocument], T]) -> T:
+    """`use` the document under PDFIUM_LOCK: the open one for `doc_key` if any, else
+    opened from `data` (fetched outside the lock, so other pages go on meanwhile)."""
     if callable(data):
         if doc_key is not None:
             with PDFIUM_LOCK:
                 cached = _DOCS.get(doc_key)
                 if cached is not None:
                     _DOCS.move_to_end(doc_key)
-                    return _extract(cached, page)
+                    return use(cached)
         data = data()
     with PDFIUM_LOCK:
         pdf, owned = _open_pdf(data, doc_key)
         try:
-            return _extract(pdf, page)
+            return use(pdf)
         finally:
             if owned:
                 pdf.close()
