@@ -229,7 +229,7 @@ SETTINGS: tuple[Setting, ...] = (
     # the model reads, and turns a page the model failed into its exact embedded text.
     # prefer changes what good pages look like (plain text, not the model's markdown), so
     # it is asked for.
-    Setting("text_layer", "choice", "A PDF page's own text layer: off (never used), "
+    Setting("text_layer", "choice", "OCR and a PDF page's own text layer: off (never used), "
             "fallback (the layer's text beside the model's failure on a page the model "
             "fails; the default) or prefer (a page whose layer passes the quality check "
             "skips the model).", wire="text_layer", default="fallback",

@@ -180,6 +180,7 @@ class Run:
     wide_off: Job
     searchable_cut: Job
     searchable_plain: Job
+    summary_prefer: Job
     mixed: Path
     stats: dict[str, str]
 
@@ -215,6 +216,8 @@ def run(module_redis_url: str, tiny_model: Path, tmp_path_factory: pytest.TempPa
                 text_layer="prefer", max_tokens=2)),
             searchable_plain=client.ocr([searchable], options=opts.with_(
                 text_layer="off", max_tokens=2)),
+            summary_prefer=client.submit("generate", [mixed], opts.with_(
+                prompt="Summarise this page.", text_layer="prefer")),
             mixed=mixed, stats=_run_worker(module_redis_url, tiny_model, tmp, "tl1", procs))
         yield jobs
     finally:
@@ -239,6 +242,12 @@ def test_prefer_reads_born_digital_pages_and_sends_scans_to_the_model(run: Run) 
     summary = run.prefer.summary() or {}
     assert summary["text_sources"] == {"text_layer": 2, "model": 2}, summary
     assert summary["completion_tokens"] == sum(r.completion_tokens for r in scans)
+
+
+def test_only_ocr_jobs_use_the_layer(run: Run) -> None:
+    results = list(run.summary_prefer.results())
+    assert len(results) == 4 and all(r.ok for r in results)
+    assert all(r.text_source == "model" and r.completion_tokens > 0 for r in results)
 
 
 def test_off_runs_the_model_on_every_page_and_shares_no_cache_with_prefer(run: Run) -> None:

@@ -179,7 +179,7 @@ class Preparer:
                 self.stores.check(item.ref)
             except StoreError as exc:
                 raise PrepError(str(exc)) from exc
-        if item.kind == "pdf" and settings.text_layer == "prefer":
+        if item.kind == "pdf" and payload.task == "ocr" and settings.text_layer == "prefer":
             layer = self.text_layer(item)
             if layer is not None and layer.usable("prefer"):
                 return FromLayer(layer.text), time.perf_counter() - t0

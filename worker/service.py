@@ -607,8 +607,9 @@ class WorkerService:
         state = self.scheduler.jobs.get(job_id)
         item = state.payload.items[idx] if state is not None else None
         known, text = self._preparer.known_layer(job_id, idx)
+        # A page's text is an OCR answer: a caption or an extraction it is not.
         if state is None or item is None or item.kind != "pdf" or (
-                state.resolved.text_layer == "off"):
+                state.payload.task != "ocr" or state.resolved.text_layer == "off"):
             record()
             return
         if known:
