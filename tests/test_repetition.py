@@ -172,8 +172,9 @@ def test_worker_writes_the_repetition_outcome_into_item_results(
 
 def test_a_page_cut_for_repetition_falls_back_to_its_text_layer(
         gemma: Path, redis_url: str, tmp_path: Path) -> None:
-    """text_layer fallback (the default) on born-digital pages the guard cuts: the item
-    keeps the model's cut text and the guard's note, and its text is the page's layer."""
+    """text_layer fallback (the default) on born-digital pages the guard cuts in an ocr
+    job: the item keeps the model's cut text and the guard's note, and its text is the
+    page's layer."""
     import fpdf
 
     from vlmq.producer.client import Client
@@ -191,9 +192,9 @@ def test_a_page_cut_for_repetition_falls_back_to_its_text_layer(
     path = tmp_path / "ledger.pdf"
     pdf.output(str(path))
     client = Client(redis_url)
-    job = client.submit("generate", [path], JobOptions(
+    job = client.submit("ocr", [path], JobOptions(
         prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, max_side=112))
-    plain = client.submit("generate", [path], JobOptions(
+    plain = client.submit("ocr", [path], JobOptions(
         prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, max_side=112,
         text_layer="off"))
     _run_guarded_worker(redis_url, gemma, tmp_path)
