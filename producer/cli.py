@@ -197,8 +197,11 @@ def enqueue(ctx: click.Context, manifest: str | None, queue: str | None, skip_ba
 
 
 def _set_command(task: str) -> Callable[..., None]:
-    prompt_help = ("Prompt text (required)." if task == "generate"
-                   else "Prompt text (default: the model's own for the task).")
+    prompt_help = {"generate": "Prompt text (required).",
+                   "extract": "Prompt text (default: one built from the schema, naming its "
+                              "fields)."}.get(task, "Prompt text (default: the model's own "
+                                                    "for the task).")
+    extract = task == "extract"
 
     @click.argument("paths", nargs=-1, required=True)
     @click.option("--pages", metavar="RANGE",
@@ -210,9 +213,11 @@ def _set_command(task: str) -> Callable[..., None]:
     @_job_size
     @_max_pending
     @_allow_eviction
-    @job_options(exclude=("batch",),  # vlmq sets it when a set becomes a batch
+    # batch: vlmq sets it when a set becomes a batch; schema: extract's alone.
+    @job_options(exclude=("batch",) if extract else ("batch", "schema"),
                  prompt={"help": prompt_help, "required": task == "generate"},
-                 queue={"default": C.DEFAULT_QUEUE[task], "show_default": True})
+                 queue={"default": C.DEFAULT_QUEUE[task], "show_default": True},
+                 schema={"required": extract})
     @store_option
     @click.pass_context
     @_handle_errors
@@ -240,6 +245,10 @@ enqueue.command("caption", help="Caption images given as files, folders or globs
     _set_command("caption"))
 enqueue.command("generate", help="Run one prompt (--prompt, required) over images and PDF "
                                  "pages.")(_set_command("generate"))
+enqueue.command("extract", help="Extract structured data from images and PDF/TIFF pages: "
+                                "each item's answer is a JSON object that follows --schema "
+                                "(a JSON Schema file), enforced while it is decoded.")(
+    _set_command("extract"))
 
 
 # --- jobs / status ---------------------------------------------------------------------------

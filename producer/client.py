@@ -1,4 +1,4 @@
-"""Python client: enqueue OCR/caption/generate jobs, follow them, read their results.
+"""Python client: enqueue OCR/caption/generate/extract jobs, follow them, read their results.
 
 Order of work is validate everything, then upload blobs, then enqueue: a bad input
 leaves Redis untouched, and a job never names a blob that is not there yet.
@@ -29,7 +29,7 @@ from vlmq.producer.options import JOB_FIELDS, JobOptions
 from vlmq.producer.progress import display
 from vlmq.producer.upload import DEFAULT_MAX_PENDING_MB, Uploader
 from vlmq.shared import constants as C
-from vlmq.shared import job_index, redis_checks
+from vlmq.shared import job_index, json_schema, redis_checks
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.connection import check_url, connect, transient
 from vlmq.shared.constants import DEFAULT_REDIS_URL
@@ -178,6 +178,19 @@ class Client:
         """Run one prompt over every image (and PDF page) in the set."""
         opts = _options(options, values).with_(prompt=prompt)
         return self.submit("generate", paths, opts, recursive=recursive, skip_bad=skip_bad)
+
+    def extract(self, paths: Inputs, schema: Any, pages: PageSpec = None,
+                options: JobOptions | None = None, *, recursive: bool = False,
+                skip_bad: bool = False, **values: Any) -> Job:
+        """Extract a JSON object per image and PDF/TIFF page, following `schema`: a dict,
+        JSON text, or a pydantic model class or instance (its `model_json_schema()`).
+
+        Each item's result carries the object as `json` (its text as `text`). A bad schema
+        raises PayloadError naming the problem, before anything is uploaded.
+        """
+        opts = _options(options, values).with_(schema=json_schema.as_schema(schema))
+        return self.submit("extract", paths, opts, pages=pages, recursive=recursive,
+                           skip_bad=skip_bad)
 
     def submit(self, task: str, inputs: Inputs | Prepared, options: JobOptions | None = None,
                *, pages: PageSpec = None, recursive: bool = False,

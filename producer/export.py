@@ -1,4 +1,5 @@
-"""Results back into files: `OUT/<source>.md|.txt|.json`, or sidecars next to the inputs.
+"""Results back into files: `OUT/<source>.md|.txt|.json`, or sidecars next to the inputs
+(an extract job's are always `<source>.json`, its objects).
 
 An item's `source` is its path relative to the folder given when the job was enqueued,
 so the output tree mirrors the input tree. A source comes from a payload that any
@@ -172,7 +173,7 @@ class _Tree:
 
 
 def export_results(results: Iterable[ItemResult], root: Path, fmt: str = "md",
-                   overwrite: bool = False) -> ExportReport:
+                   overwrite: bool = False, *, extract: bool = False) -> ExportReport:
     """Write one job's results under root; later writes of the same source replace earlier.
 
     A PDF or TIFF (any paged item) becomes `<source>.<fmt>`, its pages in order after
@@ -181,10 +182,18 @@ def export_results(results: Iterable[ItemResult], root: Path, fmt: str = "md",
     images are not written (reported in `failed`); a failed PDF page is reported too and
     keeps its place in the document. A target that exists and is not vlmq's own unchanged
     output is left alone and reported in `kept`, unless `overwrite`.
+
+    `extract` (the results are an extract job's): every source becomes `<source>.json`
+    holding its objects (formats.extract_file), whatever fmt; an object is the output
+    there, and a .md or .txt of it would only be its JSON text again.
     """
     render = formats.FORMATS[fmt].file if fmt in formats.FORMATS else None
     if render is None:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    if extract:
+        render = formats.extract_file
+    image_suffix = ".json" if fmt == "json" or extract else ".txt"
+    doc_suffix = ".json" if extract else f".{fmt}"
     report = ExportReport()
     docs: dict[str, list[ItemResult]] = {}
     images: list[ItemResult] = []
@@ -199,12 +208,11 @@ def export_results(results: Iterable[ItemResult], root: Path, fmt: str = "md",
             if not r.ok:
                 report.failed.append((r.source, r.error or "failed"))
                 continue
-            _emit(report, tree, r.source, ".json" if fmt == "json" else ".txt", render([r]),
-                  overwrite)
+            _emit(report, tree, r.source, image_suffix, render([r]), overwrite)
         for source, pages in docs.items():
             report.failed += [(f"{source} page {p.page}", p.error or "failed")
                               for p in pages if not p.ok]
-            _emit(report, tree, source, f".{fmt}", render(pages), overwrite)
+            _emit(report, tree, source, doc_suffix, render(pages), overwrite)
     finally:
         tree.close()
     return report

@@ -12,6 +12,7 @@ import click
 from vlmq.producer.batch import expand
 from vlmq.producer.client import Client
 from vlmq.producer.export import FORMATS, ExportReport, export_results
+from vlmq.producer.formats import EXTRACT
 from vlmq.shared.clitools import EXIT_BAD_INPUT, EXIT_FAILED, fail
 
 
@@ -40,7 +41,8 @@ def print_report(report: ExportReport, where: Path, as_json: bool) -> None:
                    "the folder the job was enqueued from.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="md", show_default=True,
               help="md: a PDF becomes <source>.md with page markers, an image <source>.txt; "
-                   "txt: plain text for both; json: <source>.json with every item field.")
+                   "txt: plain text for both; json: <source>.json with every item field. "
+                   "An extract job's sources are always <source>.json, their objects.")
 @click.option("--overwrite", is_flag=True,
               help="Replace files at the targets even when vlmq did not write them (or "
                    "they changed since); without it they are kept and listed.")
@@ -68,8 +70,13 @@ def export_cmd(ctx: click.Context, job_ids: tuple[str, ...], out_dir: Path | Non
         sets = [expand(client, [j]) for j in job_ids]
         root.mkdir(parents=True, exist_ok=True)
         for jobs in sets:
-            report.merge(export_results(chain.from_iterable(j.results() for j in jobs),
-                                        root, fmt, overwrite))
+            # An extract job's files are its objects (<source>.json); a batch is one task,
+            # and ids of both kinds each export as their own.
+            for extract in (False, True):
+                part = [j for j in jobs if (j.task == EXTRACT) == extract]
+                if part:
+                    report.merge(export_results(chain.from_iterable(j.results() for j in part),
+                                                root, fmt, overwrite, extract=extract))
     print_report(report, root, as_json)
     if report.failed or report.refused or report.kept:
         sys.exit(EXIT_FAILED)

@@ -4,11 +4,17 @@
 so a format gives the same bytes wherever it is asked for. A new format is one entry:
 a function from a job's results to text, registered with `@_format`; its docstring's
 first paragraph is the help text the CLI shows for it.
+
+An extract job's items carry `json`, the parsed object: jsonl gives every item a `json`
+key, csv flattens the objects' top-level fields into columns, and export writes each
+source's objects as `<source>.json` (extract_file).
 """
 
 from __future__ import annotations
 
+import csv
 import inspect
+import io
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -37,6 +43,9 @@ class JobResults:
 
 
 Render = Callable[[JobResults], str]
+# Several jobs' results as one output, for a format whose renderings cannot simply be
+# concatenated (csv has one header).
+RenderMany = Callable[[Sequence[JobResults]], str]
 # One source's results (an image's one result, or a PDF's pages) as one exported file.
 RenderFile = Callable[[Sequence[ItemResult]], str]
 
@@ -49,6 +58,13 @@ class Format:
     several_jobs: bool  # renderings of several jobs, concatenated, are one valid output
     omits_failed: bool = False  # failed items are left out (the CLI names them on stderr)
     file: RenderFile | None = None  # None: `vlmq export` does not offer this format
+    many: RenderMany | None = None  # None: several jobs are their renderings concatenated
+
+    def render_jobs(self, views: Sequence[JobResults]) -> str:
+        """Several jobs (ids, or a batch's jobs) as one output, in the order given."""
+        if self.many is not None:
+            return self.many(views)
+        return "".join(self.render(v) for v in views)
 
     @property
     def summary(self) -> str:
@@ -60,9 +76,10 @@ FORMATS: dict[str, Format] = {}
 
 
 def _format(name: str, mimetype: str, *, several_jobs: bool, omits_failed: bool = False,
-            file: RenderFile | None = None) -> Callable[[Render], Render]:
+            file: RenderFile | None = None,
+            many: RenderMany | None = None) -> Callable[[Render], Render]:
     def register(render: Render) -> Render:
-        FORMATS[name] = Format(name, mimetype, render, several_jobs, omits_failed, file)
+        FORMATS[name] = Format(name, mimetype, render, several_jobs, omits_failed, file, many)
         return render
 
     return register
@@ -119,8 +136,21 @@ def _json_file(results: Sequence[ItemResult]) -> str:
     return json.dumps([p.to_dict() for p in pages], indent=2) + "\n"
 
 
+# The task whose items carry `json`, the parsed object (shared.constants.TASKS).
+EXTRACT = "extract"
+
+
 def _row(job_id: str, fields: dict[str, Any]) -> str:
     return json.dumps({"job_id": job_id, **fields}) + "\n"
+
+
+def _fields(view: JobResults, r: ItemResult) -> dict[str, Any]:
+    """An item's protocol fields; an extract job's items all have `json` (null when the
+    item failed), so a reader of the lines need not know which were left out."""
+    out = r.to_dict()
+    if view.job.task == EXTRACT:
+        out.setdefault("json", None)
+    return out
 
 
 @_format("jsonl", "application/x-ndjson", several_jobs=True)
@@ -130,7 +160,7 @@ def render_jsonl(view: JobResults) -> str:
     Lines come in item order, failed items included with their error; it is the format
     other programs read, so every field an item has is there.
     """
-    return "".join(_row(view.job.id, r.to_dict()) for r in view.results)
+    return "".join(_row(view.job.id, _fields(view, r)) for r in view.results)
 
 
 def jsonl_split(view: JobResults) -> tuple[str, str]:
@@ -139,8 +169,8 @@ def jsonl_split(view: JobResults) -> tuple[str, str]:
     A failed job's unfinished items count as failures, so the errors file names every
     item that has no text.
     """
-    ok = "".join(_row(view.job.id, r.to_dict()) for r in view.results if r.ok)
-    bad = {r.index: _row(view.job.id, r.to_dict()) for r in view.results if not r.ok}
+    ok = "".join(_row(view.job.id, _fields(view, r)) for r in view.results if r.ok)
+    bad = {r.index: _row(view.job.id, _fields(view, r)) for r in view.results if not r.ok}
     if view.error is not None:
         reason = f"no result: the job failed: {last_line(view.error)}"
         done = {r.index for r in view.results}
@@ -148,7 +178,8 @@ def jsonl_split(view: JobResults) -> tuple[str, str]:
             if index not in done:
                 bad[index] = _row(view.job.id, {
                     "index": index, "source": item.source, "page": item.page,
-                    "custom_id": item.custom_id, "text": None, "error": reason})
+                    "custom_id": item.custom_id, "text": None, "error": reason,
+                    **({"json": None} if view.job.task == EXTRACT else {})})
     return ok, "".join(bad[i] for i in sorted(bad))
 
 
@@ -163,7 +194,7 @@ def render_json(view: JobResults) -> str:
     return json.dumps({"id": job.id, "status": view.state, "labels": job.labels,
                        "summary": job.summary() if view.state == "finished" else None,
                        "error": view.error,
-                       "items": [r.to_dict() for r in view.results]}, indent=2) + "\n"
+                       "items": [_fields(view, r) for r in view.results]}, indent=2) + "\n"
 
 
 @_format("md", "text/markdown", several_jobs=False, file=_md_file)
@@ -225,3 +256,108 @@ def render_txt(view: JobResults) -> str:
     shows its error in place.
     """
     return "".join(_text(r) + "\n" for r in view.results if r.ok)
+
+
+# --- csv: one row per item, for spreadsheets ----------------------------------------------
+
+# What a spreadsheet runs as a formula when a cell starts with it (OWASP's list): such a
+# cell gets a leading ' and stays text. A JSON number is written as JSON writes it ("-3.5"),
+# never a formula, so it keeps its sign unguarded.
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+_FIXED = ("source", "page", "custom_id")
+
+
+def _guard(text: str) -> str:
+    return "'" + text if text.startswith(_FORMULA_START) else text
+
+
+def csv_cell(value: Any) -> str:
+    """One cell: null empty, a string as it is, a number or boolean as JSON writes it, a
+    nested object or array as its compact JSON."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return json.dumps(value)
+    if isinstance(value, str):
+        return _guard(value)
+    return _guard(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
+
+
+def _unique(names: Sequence[str], taken: set[str]) -> list[str]:
+    """Column headers for the objects' fields: a field named like a fixed column (a schema
+    with its own "source" or "error") becomes json.source, so no header repeats."""
+    headers = []
+    for name in names:
+        header = name
+        while header in taken:
+            header = "json." + header
+        taken.add(header)
+        headers.append(header)
+    return headers
+
+
+def render_csv_jobs(views: Sequence[JobResults]) -> str:
+    """Several jobs as one table: one header, the columns of every job's items."""
+    rows = [(view.job.task == EXTRACT, r) for view in views for r in view.results]
+    fields: dict[str, None] = {}  # the objects' top-level fields, in first-seen order
+    whole = False  # some object is not a JSON object (a top-level array): a json column
+    for extract, r in rows:
+        if extract and isinstance(r.json, dict):
+            fields.update(dict.fromkeys(r.json))
+        elif extract and r.json is not None:
+            whole = True
+    texts = any(view.job.task != EXTRACT for view in views)
+    tail = ["json"] * whole + ["text"] * texts + ["error"]
+    headers = [*_FIXED, *_unique(list(fields), {*_FIXED, *tail}), *tail]
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\r\n")  # RFC 4180: CRLF, quotes where needed
+    writer.writerow([csv_cell(h) for h in headers])
+    for extract, r in rows:
+        obj = r.json if extract and isinstance(r.json, dict) else {}
+        cells: list[Any] = [r.source, r.page, r.custom_id, *(obj.get(f) for f in fields)]
+        if whole:
+            cells.append(r.json if extract and not isinstance(r.json, dict) else None)
+        if texts:
+            cells.append(None if extract else r.text)
+        writer.writerow([csv_cell(c) for c in [*cells, r.error]])
+    return out.getvalue()
+
+
+@_format("csv", "text/csv", several_jobs=True, many=render_csv_jobs)
+def render_csv(view: JobResults) -> str:
+    """One row per item (source, page, custom_id, text, error); an extract job's rows
+    hold its objects' fields, a column each, in place of text.
+
+    The columns of an extract job are its objects' top-level fields in first-seen order.
+    For spreadsheets: RFC 4180 quoting, UTF-8; a nested object or array is its compact
+    JSON, null is empty, and a cell that a spreadsheet would run as a formula (starting
+    with = + - @, a tab or CR) gets a leading '. Several jobs make one table with one header.
+    """
+    return render_csv_jobs([view])
+
+
+# --- an extract job's files for `vlmq export` -------------------------------------------------
+
+
+def _pretty(value: Any) -> str:
+    """Indented JSON with text as UTF-8; \\u escapes only where UTF-8 cannot carry the text
+    (a lone surrogate from a model's \\ud800)."""
+    out = json.dumps(value, indent=2, ensure_ascii=False)
+    try:
+        out.encode()
+    except UnicodeEncodeError:
+        out = json.dumps(value, indent=2)
+    return out + "\n"
+
+
+def extract_file(results: Sequence[ItemResult]) -> str:
+    """An extract job's source as `<source>.json`: an image's object; a PDF's or TIFF's
+    pages as an array in page order, each {"page": n, "json": object}, or {"page": n,
+    "error": why} for a failed page, so the array keeps every page's place."""
+    if results[0].page is None:
+        return _pretty(results[0].json)
+    pages = sorted(results, key=lambda r: (r.page or 0, r.index))
+    return _pretty([{"page": p.page, "json": p.json} if p.ok
+                    else {"page": p.page, "error": p.error or "failed"} for p in pages])

@@ -2,6 +2,8 @@
 
 Each line is one request: {"custom_id", "task", "file", "pages"?} and any of the settings
 a manifest may carry ("prompt", "max_tokens", "max_side", ...: see shared/settings.py).
+An extract line's "schema" is a JSON Schema object, or the path of a .json file holding
+one (relative to the manifest's folder, like "file").
 Every line is checked before anything is written; errors name the line and the field.
 Lines with the same task and settings become one job, so a manifest's items share
 batches on the worker; every item carries its line's custom_id into its result.
@@ -18,8 +20,9 @@ from typing import Any
 
 from vlmq.producer.batch import JOB_ITEMS, split_prepared
 from vlmq.producer.inputs import Prepared, check_file, parse_pages
-from vlmq.producer.options import JobOptions
+from vlmq.producer.options import JobOptions, read_schema_file
 from vlmq.shared import constants as C
+from vlmq.shared import json_schema
 from vlmq.shared import settings as S
 from vlmq.shared.errors import InputError, PayloadError
 
@@ -96,12 +99,31 @@ def _own_fields(raw: dict[str, Any]) -> tuple[str, str, str, str | None]:
     return custom_id, task, file, pages
 
 
-def parse_line(number: int, text: str, base: Path) -> Request:
+def _schema(value: Any, base: Path, files: dict[Path, dict[str, Any]]) -> Any:
+    """A line's "schema": an object as it is; a string is a file relative to `base`, read
+    once per manifest however many lines name it (`files`)."""
+    if not isinstance(value, str):
+        return value
+    path = Path(value).expanduser()
+    path = path if path.is_absolute() else base / path
+    if path not in files:
+        try:
+            files[path] = read_schema_file(path)
+        except PayloadError as exc:
+            raise PayloadError("schema", f"{exc.field}: {exc.problem}") from None
+    return files[path]
+
+
+def parse_line(number: int, text: str, base: Path,
+               schemas: dict[Path, dict[str, Any]] | None = None) -> Request:
     raw = _object(text)
     custom_id, task, file, pages = _own_fields(raw)
+    if raw.get("schema") is not None:
+        raw["schema"] = _schema(raw["schema"], base, {} if schemas is None else schemas)
     settings = {s.name: s.check(raw[s.name]) for s in S.rows("manifest") if s.name in raw}
     if raw.get("prompt") is not None and not settings.get("prompt"):
         raise PayloadError("prompt", "must not be empty")
+    json_schema.check_task(task, settings.get("schema"))
     if task == "generate" and not settings.get("prompt"):
         raise PayloadError("prompt", "is required for task generate")
     path = Path(file).expanduser()
@@ -145,6 +167,7 @@ def read_manifest(path: str | Path, base: JobOptions, *, skip_bad: bool = False,
     groups: dict[tuple[Any, ...], Group] = {}
     errors: list[tuple[int, str]] = []
     seen: dict[str, int] = {}
+    schemas: dict[Path, dict[str, Any]] = {}  # schema files, read once each
     for number, line in _lines(manifest):
         if line is None:
             errors.append((number, f"is longer than the {MAX_LINE_BYTES}-byte limit for a "
@@ -153,7 +176,7 @@ def read_manifest(path: str | Path, base: JobOptions, *, skip_bad: bool = False,
         if not line.strip():
             continue
         try:
-            req = parse_line(number, line, manifest.parent)
+            req = parse_line(number, line, manifest.parent, schemas)
             if req.custom_id in seen:
                 raise PayloadError("custom_id", f"{req.custom_id!r} is already used on line "
                                                 f"{seen[req.custom_id]}")

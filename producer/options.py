@@ -8,12 +8,15 @@ turns into the payload in one step and a retry can copy every setting by walking
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
 from vlmq.shared import constants as C
+from vlmq.shared import json_schema
 from vlmq.shared import settings as S
 from vlmq.shared.clitools import EXIT_BAD_INPUT, fail, parse_labels
 from vlmq.shared.errors import PayloadError
@@ -70,7 +73,7 @@ class JobOptions:
 
     def key(self) -> tuple[Any, ...]:
         """What must be equal for two requests to share one job (all but the inputs)."""
-        return tuple((k, _frozen(v)) for k, v in sorted(self._values.items()))
+        return tuple((k, _frozen(v, S.BY_NAME[k].kind)) for k, v in sorted(self._values.items()))
 
 
     def payload(self, task: str, items: Sequence[Item]) -> tuple[dict[str, Any], JobPayload]:
@@ -95,10 +98,51 @@ class JobOptions:
         return cls.build(**values)
 
 
-def _frozen(value: Any) -> Any:
+def _frozen(value: Any, kind: str) -> Any:
+    if kind == "schema":  # nested, and its key order is the order the model writes
+        return json_schema.schema_text(value)
     if isinstance(value, Mapping):
         return tuple(sorted(value.items()))
     return tuple(value) if isinstance(value, list) else value
+
+
+# A schema file may be pretty-printed, so it may be larger than the cap on its compact
+# JSON; past this it is refused unread.
+MAX_SCHEMA_FILE_BYTES = 16 * C.MAX_SCHEMA_BYTES
+
+
+def read_schema_file(path: str | Path) -> dict[str, Any]:
+    """A JSON Schema file (`--schema FILE`, a manifest's "schema": "FILE"), checked as the
+    worker will check it; PayloadError names the file and the problem."""
+    where = str(path)
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_SCHEMA_FILE_BYTES + 1)
+    except OSError as exc:
+        raise PayloadError(where, f"cannot read the schema: {exc.strerror or exc}") from None
+    if len(raw) > MAX_SCHEMA_FILE_BYTES:
+        raise PayloadError(where, f"is over {MAX_SCHEMA_FILE_BYTES} bytes; a schema is at "
+                                  f"most {C.MAX_SCHEMA_BYTES} bytes of compact JSON")
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise PayloadError(where, f"is not UTF-8 text ({exc.reason} at byte {exc.start})"
+                           ) from None
+    except (ValueError, RecursionError) as exc:
+        raise PayloadError(where, f"is not JSON: {exc}") from None
+    return json_schema.check_schema(value, where)
+
+
+def _schema_option(_ctx: click.Context, _param: click.Parameter,
+                   value: str | None) -> dict[str, Any] | None:
+    """Click callback of `--schema FILE`: the file read and checked before anything else
+    runs, so a bad schema exits 2 with Redis untouched."""
+    if value is None:
+        return None
+    try:
+        return read_schema_file(value)
+    except PayloadError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 # --- click flags, from the table ------------------------------------------------------------
@@ -124,6 +168,8 @@ def _click_options(s: S.Setting, override: Mapping[str, Any]) -> list[Callable[[
         kw["multiple"] = True
     if s.kind == "labels":
         kw["callback"] = parse_labels
+    if s.kind == "schema":
+        kw["callback"] = _schema_option
     kind = _click_type(s)
     if kind is not None:
         kw["type"] = kind

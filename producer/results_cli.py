@@ -108,7 +108,8 @@ def _write(path: str | None, text: str) -> None:
         click.echo(text, nl=False)
         return
     try:
-        with open(path, "w", encoding="utf-8") as fh:
+        # newline="": the text's own line ends (csv's CRLF) are written as they are.
+        with open(path, "w", encoding="utf-8", newline="") as fh:
             fh.write(text)
     except OSError as exc:
         fail(f"error: cannot write {path}: {exc.strerror or exc}", EXIT_BAD_INPUT)
@@ -182,7 +183,7 @@ def result_cmd(ctx: click.Context, job_ids: tuple[str, ...], fmt: str, output: s
             _write(errors_path, "".join(bad for _, bad in split))
             text = "".join(ok for ok, _ in split)
         else:
-            text = "".join(form.render(v) for v in views)
+            text = form.render_jobs(views)
     _write(output, text)
     for view in views:
         for note in _notes(view, form):

@@ -1,4 +1,4 @@
-"""Schedules: caption/OCR runs over folders, fired exactly once per due time, incremental.
+"""Schedules: caption/OCR/extract runs over folders, fired exactly once per due time, incremental.
 
 A schedule lives in Redis (any machine adds one, any scheduler fires it). Due times come
 from `--every SECONDS` (slots anchored at creation) or a cron expression (croniter). A
@@ -57,9 +57,9 @@ from vlmq.producer.inputs import (
 )
 from vlmq.producer.options import JobOptions
 from vlmq.shared import constants as C
-from vlmq.shared import lua
+from vlmq.shared import json_schema, lua
 from vlmq.shared import settings as S
-from vlmq.shared.errors import InputError, VlmqError
+from vlmq.shared.errors import InputError, PayloadError, VlmqError
 from vlmq.shared.keys import Keys
 from vlmq.shared.schema import Ref
 from vlmq.shared.stores import Stores
@@ -76,6 +76,8 @@ RUN_LOCK_S = 600  # a run that takes longer (reading a huge tree) lets another s
 # Hashed even when unset, as schedules hashed them before the settings table: an upgrade
 # must not make every file of a schedule due again.
 _HASHED_ALWAYS = ("prompt", "max_tokens", "max_side", "model")
+# The tasks a schedule runs: those over folders of files without a per-run prompt.
+TASKS = ("caption", "ocr", "extract")
 NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 
 
@@ -103,8 +105,9 @@ class Schedule:
     def __post_init__(self) -> None:
         if not self.name or not set(self.name) <= NAME_CHARS or len(self.name) > 64:
             raise ScheduleError(f"schedule name {self.name!r}: use 1-64 letters, digits, _ . -")
-        if self.task not in ("caption", "ocr"):
-            raise ScheduleError(f"task must be caption or ocr, got {self.task!r}")
+        if self.task not in TASKS:
+            raise ScheduleError(f"task must be {', '.join(TASKS[:-1])} or {TASKS[-1]}, "
+                                f"got {self.task!r}")
         if (self.every is None) == (self.cron is None):
             raise ScheduleError("give exactly one of --cron and --every")
         if self.every is not None and not (math.isfinite(self.every) and self.every >= 1):
@@ -120,6 +123,10 @@ class Schedule:
         if not self.paths:
             raise ScheduleError("give at least one path")
         self.options()  # refuses bad job options now, not at 3 a.m.
+        try:
+            json_schema.check_task(self.task, self.settings.get("schema"))
+        except PayloadError as exc:  # named as the flag that gives it
+            raise ScheduleError(f"--schema {exc.problem}") from None
 
     def options(self) -> JobOptions:
         unknown = set(self.settings) - {r.name for r in S.rows("schedule")}
@@ -132,7 +139,7 @@ class Schedule:
         """What decides an item's text; a change makes every file due again."""
         given = self.options().given
         parts = {"task": self.task, **dict.fromkeys(_HASHED_ALWAYS),
-                 **{s.name: given[s.name] for s in S.SETTINGS
+                 **{s.name: _hashed(s, given[s.name]) for s in S.SETTINGS
                     if s.decides_text and s.name in given}}
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -171,6 +178,12 @@ class Schedule:
         nxt = float(croniter(self.cron, datetime.fromtimestamp(prev, ZoneInfo(self.tz)))
                     .get_next(float))
         return nxt if nxt <= now else prev
+
+
+def _hashed(setting: S.Setting, value: Any) -> Any:
+    """A setting's value as the settings hash takes it: a schema as its text, since its
+    key order (the order the model writes fields in) changes the items' text."""
+    return json_schema.schema_text(value) if setting.kind == "schema" else value
 
 
 def _ms(t: float) -> str:

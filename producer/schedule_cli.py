@@ -17,6 +17,7 @@ from vlmq.producer.export import FORMATS
 from vlmq.producer.inputs import S3_SCHEME
 from vlmq.producer.options import JobOptions, job_options
 from vlmq.producer.schedule import (
+    TASKS,
     TICK_S,
     Schedule,
     ScheduleError,
@@ -38,13 +39,13 @@ def _store(ctx: click.Context) -> tuple[Client, ScheduleStore]:
 
 @click.group("schedule")
 def schedule_group() -> None:
-    """Scheduled, incremental caption/OCR runs over folders (stored in Redis; fired by
+    """Scheduled, incremental caption/OCR/extract runs over folders (stored in Redis; fired by
     `vlmq scheduler` or `vlmq worker --with-scheduler`, each due time exactly once)."""
 
 
 @schedule_group.command("add")
 @click.argument("name")
-@click.argument("task", type=click.Choice(["caption", "ocr"]))
+@click.argument("task", type=click.Choice(TASKS))
 @click.argument("paths", nargs=-1, required=True)
 @click.option("--cron", help='Cron expression, e.g. "0 3 * * *" (in --tz).')
 @click.option("--every", type=click.FloatRange(min=1), metavar="SECONDS",
@@ -70,7 +71,8 @@ def add_cmd(ctx: click.Context, name: str, task: str, paths: tuple[str, ...],
             cron: str | None, every: float | None, tz: str, recursive: bool,
             options: JobOptions, export_dir: str | None, export_format: str, sidecar: bool,
             replace: bool, stores: Stores) -> None:
-    """Add a schedule NAME running TASK over PATHS (folders, files, quoted globs).
+    """Add a schedule NAME running TASK over PATHS (folders, files, quoted globs); task
+    extract needs --schema FILE.
 
     Paths (and s3://bucket/prefix URLs) are read by the scheduler, on its machine: files
     in its stores (`vlmq scheduler --store`) are enqueued by reference, the rest uploaded.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 PROTOCOL_VERSION = 1
-TASKS = ("ocr", "caption", "generate")
+TASKS = ("ocr", "caption", "generate", "extract")
 ITEM_KINDS = ("image", "pdf", "tiff")
 # Kinds that are documents: each item is one 1-based page of the file (a TIFF page is a
 # frame). Every TIFF is one, even with a single frame, so its kind never depends on count.
@@ -12,7 +12,8 @@ PAGED_KINDS = ("pdf", "tiff")
 # The RQ function every vlmq job names; the worker dispatches on it.
 TASK_FUNC = "vlmq.worker.task.run"
 
-DEFAULT_QUEUE = {"ocr": "ocr", "caption": "caption", "generate": "generate"}
+DEFAULT_QUEUE = {"ocr": "ocr", "caption": "caption", "generate": "generate",
+                 "extract": "extract"}
 
 # Where producers and workers look for Redis when neither --redis-url nor REDIS_URL is set.
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
@@ -33,6 +34,10 @@ MAX_IMAGE_PIXELS = 64_000_000
 MAX_ASPECT_RATIO = 200
 MAX_ITEMS_PER_JOB = 10_000
 MAX_PROMPT_CHARS = 20_000
+# An extract job's JSON Schema: UTF-8 bytes of its compact JSON (shared/json_schema.py).
+# Real schemas are a few KB; the cap keeps a job hash, the matcher and the default prompt
+# (which quotes the schema) small.
+MAX_SCHEMA_BYTES = 65_536
 MAX_TOKENS_LIMIT = 32_768
 MAX_STOP_STRINGS = 16
 MAX_SIDE_RANGE = (28, 8192)

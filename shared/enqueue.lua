@@ -102,6 +102,7 @@ end
 -- BEGIN SETTINGS: generated from vlmq/shared/settings.py by `python -m vlmq.shared.settings --write-lua`; do not edit by hand.
 local SETTINGS = {
   {name = 'prompt', path = {'prompt'}, kind = 'str', max_len = 20000},
+  {name = 'schema', path = {'schema'}, kind = 'schema', max_bytes = 65536},
   {name = 'model', path = {'model'}, kind = 'str', max_len = 512},
   {name = 'generation.max_tokens', path = {'generation', 'max_tokens'}, kind = 'int', lo = 1, hi = 32768},
   {name = 'max_side', path = {'max_side'}, kind = 'int', lo = 28, hi = 8192},
@@ -176,6 +177,23 @@ local function check_setting(s, x)
     if s.max_count and n > s.max_count then
       return 'has more than ' .. s.max_count .. ' entries'
     end
+  elseif s.kind == 'schema' then
+    -- A JSON Schema object (task extract). cjson reads {} and [] as the same empty table,
+    -- so an empty one is refused whichever it was; Python refuses {} too (it constrains
+    -- nothing). Its size is cjson's compact encoding less the \/ escapes Python does not
+    -- write, so within a few bytes of Python's count (cjson writes 1.0 as 1). Whether it
+    -- is a valid schema the matcher takes is checked by the worker (shared/json_schema.py).
+    if type(x) ~= 'table' or #x > 0 or next(x) == nil then
+      return 'must be a non-empty JSON object (a JSON Schema)'
+    end
+    local ok, text = pcall(cjson.encode, x)
+    if not ok then return 'is not JSON: ' .. tostring(text) end
+    local _, escapes = string.gsub(text, '\\/', '')
+    local size = #text - escapes
+    if size > s.max_bytes then
+      return 'is ' .. size .. ' bytes of compact JSON, over the ' .. s.max_bytes ..
+        '-byte limit'
+    end
   end
   return nil
 end
@@ -193,9 +211,16 @@ end
 if payload.v ~= 1 then
   return redis.error_reply('v: must be 1 (protocol version)')
 end
-local tasks = {ocr = 1, caption = 1, generate = 1}
+local tasks = {ocr = 1, caption = 1, generate = 1, extract = 1}
 if type(payload.task) ~= 'string' or not tasks[payload.task] then
-  return redis.error_reply('task: must be one of ocr, caption, generate')
+  return redis.error_reply('task: must be one of ocr, caption, generate, extract')
+end
+local has_schema = payload.schema ~= nil and payload.schema ~= cjson.null
+if payload.task == 'extract' and not has_schema then
+  return redis.error_reply('schema: is required for task extract')
+end
+if payload.task ~= 'extract' and has_schema then
+  return redis.error_reply('schema: is only allowed with task extract, not ' .. payload.task)
 end
 if payload.task == 'generate' and (type(payload.prompt) ~= 'string' or payload.prompt == '') then
   return redis.error_reply('prompt: is required for task generate')

@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from vlmq.shared import constants as C
+from vlmq.shared import json_schema
 from vlmq.shared import settings as S
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import SHA256_RE
@@ -157,6 +158,8 @@ class ItemResult:
     # model's error, or what it wrote before max_tokens or the repetition guard cut it.
     model_error: str | None = None
     model_text: str | None = None
+    # An extract item's parsed object (`text` holds the same JSON as text).
+    json: Any = None
 
     @property
     def ok(self) -> bool:
@@ -203,12 +206,13 @@ class ItemResult:
             text_source=str(raw.get("text_source") or TEXT_FROM_MODEL),
             model_error=raw.get("model_error"),
             model_text=raw.get("model_text"),
+            json=raw.get("json"),
         )
 
 
 # ItemResult fields left out of the stored JSON while they hold these (the common case).
 _LEFT_OUT = (("repetition", None), ("text_source", TEXT_FROM_MODEL), ("model_error", None),
-             ("model_text", None))
+             ("model_text", None), ("json", None))
 
 
 @dataclass(frozen=True)
@@ -350,6 +354,7 @@ def parse_payload(raw: Any) -> JobPayload:
         raise PayloadError("items", f"has more than {C.MAX_ITEMS_PER_JOB} entries")
     items = tuple(_parse_item(it, f"items[{i}]") for i, it in enumerate(items_raw))
     settings = S.values_from_wire(raw)
+    json_schema.check_task(task, settings.get("schema"))  # extract needs one; others none
     if task == "generate" and not settings.get("prompt"):
         raise PayloadError("prompt", "is required for task 'generate'")
     created_at = S.check_str(raw.get("created_at") or utc_now_iso(), "created_at", 64)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmq.shared import constants as C
+from vlmq.shared import json_schema
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import JOB_ID_RE, QUEUE_NAME_RE
 
@@ -32,7 +33,8 @@ KEEP_INPUTS_S = 3600
 MAX_STOP_CHARS = 256
 MAX_MODEL_CHARS = 512
 
-KINDS = ("int", "float", "str", "strs", "labels", "choice")
+# schema: a JSON Schema object (task extract), checked by shared/json_schema.py.
+KINDS = ("int", "float", "str", "strs", "labels", "choice", "schema")
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,8 @@ class Setting:
     default: Any = None  # None: the model's (or the worker's) own
     lo: float | None = None
     hi: float | None = None
-    max_len: int | None = None  # str: characters; strs: characters of each entry
+    # str: characters; strs: characters of each entry; schema: bytes of compact JSON
+    max_len: int | None = None
     max_count: int | None = None  # strs, labels: entries
     pattern: re.Pattern[str] | None = None
     invalid: str = ""  # str with a pattern: the refusal, formatted with {value!r}
@@ -191,13 +194,22 @@ def _check_choice(s: Setting, value: Any, where: str) -> str:
     return str(value)
 
 
+def _check_schema(s: Setting, value: Any, where: str) -> dict[str, Any]:
+    del s  # the cap is C.MAX_SCHEMA_BYTES, the row's max_len only copies it for Lua
+    return json_schema.check_schema(value, where)
+
+
 _CHECKS = {"int": _check_int, "float": _check_float, "str": _check_str, "strs": _check_strs,
-           "labels": _check_labels, "choice": _check_choice}
+           "labels": _check_labels, "choice": _check_choice, "schema": _check_schema}
 
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("prompt", "str", "Prompt text (default: the model's own for the task).",
             wire="prompt", max_len=C.MAX_PROMPT_CHARS, decides_text=True),
+    # Task extract only (required there): the worker constrains each item's output to it.
+    Setting("schema", "schema", "JSON Schema file the answer must follow (task extract; "
+            f"at most {C.MAX_SCHEMA_BYTES // 1024} KiB).", wire="schema",
+            max_len=C.MAX_SCHEMA_BYTES, metavar="FILE", decides_text=True),
     Setting("model", "str", "Model id the worker should use (default: its own).",
             wire="model", max_len=MAX_MODEL_CHARS, decides_text=True),
     Setting("max_tokens", "int", "Most tokens to generate per item.",
@@ -345,8 +357,9 @@ def _lua_row(s: Setting) -> str:
               f"kind = {_lua_literal(s.kind)}"]
     for attr in ("lo", "hi", "max_len", "max_count"):
         value = getattr(s, attr)
-        if value is not None:
-            fields.append(f"{attr} = {_lua_literal(value)}")
+        if value is not None:  # a schema's max_len counts bytes: named so for Lua
+            name = "max_bytes" if s.kind == "schema" and attr == "max_len" else attr
+            fields.append(f"{name} = {_lua_literal(value)}")
     if s.wire_values:
         fields.append("values = {" + ", ".join(_lua_literal(v) for _, v in s.wire_values)
                       + "}")

@@ -83,7 +83,8 @@ def test_every_setting_that_decides_text_is_in_the_result_cache_key(redis: Redis
     cache = ResultCache(redis, Keys("vlmqrc"), "tiny@fingerprint")
     base = _state("k", max_side=500).resolved
     other = {"prompt": "Other.", "max_tokens": 9, "temperature": 0.5, "stop": ("</y>",),
-             "max_side": 600, "result_cache": "sampled", "blob_ttl": 60, "text_layer": "off"}
+             "max_side": 600, "result_cache": "sampled", "blob_ttl": 60, "text_layer": "off",
+             "schema": '{"type":"object","properties":{"a":{"type":"integer"}}}'}
     assert set(other) == {f.name for f in fields(JobSettings)}, "a new field needs a value"
     image = Item(kind="image", blob="b" * 64, source="a.png", page=None)
     for item in (ITEM, image):

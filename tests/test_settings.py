@@ -34,8 +34,16 @@ def _base() -> dict[str, Any]:
     return {"v": 1, "task": "ocr", "items": [{"kind": "image", "blob": SHA, "source": "a.png"}]}
 
 
+def _schema_of_bytes(n: int) -> dict[str, Any]:
+    """A valid schema whose compact JSON is exactly n bytes."""
+    return {"description": "x" * (n - len('{"description":""}'))}
+
+
 def _bad_values(s: S.Setting) -> list[Any]:
     """Values each kind must refuse: out of range, wrong type, too long, too many."""
+    if s.kind == "schema":  # what enqueue.lua can see: the type and the size
+        assert s.max_len is not None
+        return ["{}", 5, True, ["a"], {}, [], _schema_of_bytes(s.max_len + 1)]
     if s.kind in ("int", "float"):
         assert s.lo is not None and s.hi is not None
         out: list[Any] = [s.lo - 1, s.hi + 1, "7", True]
@@ -62,11 +70,15 @@ def _good_values(s: S.Setting) -> list[Any]:
         return [[], ["x" * (s.max_len or 1)] * (s.max_count or 1)]
     if s.kind == "labels":
         return [{}, {f"k{i}": "v" for i in range(s.max_count or 1)}]
+    if s.kind == "schema":
+        return [{"type": "object"}, _schema_of_bytes(s.max_len or 1)]
     return [v for _, v in s.wire_values]
 
 
 def _with(s: S.Setting, value: Any) -> dict[str, Any]:
     payload = copy.deepcopy(_base())
+    if s.kind == "schema":  # the one task that takes a schema
+        payload["task"] = "extract"
     *parents, leaf = s.path
     node = payload
     for part in parents:
@@ -152,7 +164,9 @@ def _non_default(s: S.Setting) -> Any:
         value: Any = (s.lo + s.hi) / 4 if s.kind == "float" else int(s.lo) + 7
     else:
         value = {"str": "retry-7", "strs": ("</page>",), "labels": {"team": "a"},
-                 "choice": next((c for c in s.choices if c != s.default), None)}[s.kind]
+                 "choice": next((c for c in s.choices if c != s.default), None),
+                 "schema": {"type": "object", "properties": {"a": {"type": "string"}}}
+                 }[s.kind]
     assert value is not None and value != s.default
     assert s.check(value) == value
     return value
@@ -162,7 +176,8 @@ def test_a_retry_carries_every_setting(redis_url: str, redis: Redis, tmp_path: P
     make_images(tmp_path / "in", 2)
     values = {s.name: _non_default(s) for s in S.SETTINGS}
     client = Client(redis_url)
-    job = client.submit("caption", [tmp_path / "in"], JobOptions(**values))
+    # extract: the one task that takes every setting (schema included)
+    job = client.submit("extract", [tmp_path / "in"], JobOptions(**values))
     again = job.retry()
     original = JobOptions.of_job(job.payload(), _job_fields(redis, job.id))
     retried = JobOptions.of_job(again.payload(), _job_fields(redis, again.id))
@@ -199,7 +214,7 @@ def test_every_command_and_file_format_follows_the_table() -> None:
 def test_json_options_build_the_payload_once_and_round_trip() -> None:
     values = {s.name: _non_default(s) for s in S.WIRE}
     item = Item(kind="image", blob=SHA, source="a.png")
-    wire, payload = JobOptions(**values).payload("ocr", [item])
+    wire, payload = JobOptions(**values).payload("extract", [item])
     assert parse_payload(json.loads(json.dumps(wire))) == payload
     assert dict(payload.settings) == values
     assert wire["v"] == C.PROTOCOL_VERSION

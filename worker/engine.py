@@ -26,10 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from vlmq.worker import blas, kv_budget
+from vlmq.worker import blas, kv_budget, structured
 from vlmq.worker import mlx_adapter as adapter
 from vlmq.worker.mlx_adapter import LoadedModel, Prepared
 from vlmq.worker.repetition import RepetitionGuard
+from vlmq.worker.structured import RowConstraint
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ class Request:
     # Lower is admitted first when rows free up, FIFO among equals. The worker passes its
     # job's items left, so a small job's items overtake a big job's queued ones.
     priority: int = 0
+    # An extract item's schema matcher (worker/structured.py): masks each step's logits,
+    # and decides at the end whether the output is a whole JSON value.
+    constraint: RowConstraint | None = None
 
 
 @dataclass
@@ -68,6 +72,7 @@ class Finished:
     timings: dict[str, float]  # queue_s, vision_s, embed_s, prefill_s, generate_s
     tokens: list[int] = field(default_factory=list)
     repetition: str | None = None  # what the repetition guard did, if anything
+    json: Any = None  # a constrained row's value, parsed from `text`
 
 
 @dataclass(frozen=True)
@@ -483,7 +488,10 @@ class _Loop:
             timings["embed_s"] = time.perf_counter() - te
             prompt_tokens = len(ids)
             max_tokens = self._check_budget(req, prompt_tokens)
-            procs = [_Temperature(req.temperature)] if req.temperature > 0 else []
+            procs: list[Any] = [_Temperature(req.temperature)] if req.temperature > 0 else []
+            if req.constraint is not None:
+                req.constraint.reset()  # a retried row starts its value again
+                procs.append(req.constraint)
             (uid,) = self.gen.insert(
                 [ids], max_tokens=[max_tokens], prompt_kwargs=[kwargs], logits_processors=[procs]
             )
@@ -643,6 +651,10 @@ class _Loop:
             cut = _earliest(text, lv.req.stop)  # a stop string completed by the last token
         if cut is not None:
             text, reason = text[:cut], "stop"
+        value, problem = None, None
+        if lv.req.constraint is not None:
+            timings["mask_s"] = lv.req.constraint.mask_s
+            value, problem = _json_outcome(lv.req.constraint, lv.tokens, reason, text)
         self.state.emit(
             Finished(
                 key=lv.req.key,
@@ -651,13 +663,30 @@ class _Loop:
                 prompt_tokens=lv.prompt_tokens,
                 completion_tokens=len(lv.tokens),
                 vision_cache_hit=lv.hit,
-                error=None,
+                error=problem,
                 timings=timings,
                 tokens=list(lv.tokens),
                 repetition=note,
+                json=value,
             ),
             active=-1,
         )
+
+
+def _json_outcome(constraint: RowConstraint, tokens: list[int], reason: str,
+                  text: str) -> tuple[Any, str | None]:
+    """A constrained row's value, or why it has none: a value cut short is never returned
+    as if it were whole."""
+    if reason == "repetition":
+        return None, ("output cut by the repetition guard before the JSON was complete "
+                      "(the model looped inside the value)")
+    if reason == "length" and not constraint.complete(tokens):
+        return None, ("output cut at max_tokens before the JSON was complete: raise "
+                      "--max-tokens")
+    try:
+        return structured.parse(text), None
+    except ValueError as exc:
+        return None, f"output is not a complete JSON value (a stop string cut it?): {exc}"
 
 
 def _earliest(text: str, stops: tuple[str, ...]) -> int | None:

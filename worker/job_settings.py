@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vlmq.shared import constants as C
+from vlmq.shared import json_schema
 from vlmq.shared.schema import JobPayload
 from vlmq.worker.model_defaults import Resolved, resolve
 
@@ -33,6 +34,9 @@ class JobSettings(Resolved):
     result_cache: str = "on"  # "on", "off" or "sampled"
     blob_ttl: int = C.BLOB_TTL_S
     text_layer: str = "fallback"  # "off", "fallback" or "prefer" (PDF pages only)
+    # extract: the JSON Schema every item's value obeys, as its canonical text (hashable,
+    # and what the result-cache key and the matcher's grammar cache hold)
+    schema: str | None = None
 
     def deciding_text(self, kind: str) -> dict[str, Any]:
         """Every setting that can change an item's text, as the result-cache key holds
@@ -53,9 +57,14 @@ class JobSettings(Resolved):
 def resolve_job(payload: JobPayload, model_type: str, model_id: str | None) -> JobSettings:
     """The settings `payload`'s items run with on this model; ValueError when the job
     cannot run here (a task with no prompt for this model type)."""
-    res = resolve(model_type, payload.task, payload.get("prompt"), payload.get("max_tokens"),
+    schema = payload.get("schema")
+    prompt = payload.get("prompt")
+    if payload.task == "extract" and not prompt and schema is not None:
+        prompt = json_schema.default_prompt(schema)
+    res = resolve(model_type, payload.task, prompt, payload.get("max_tokens"),
                   payload.get("temperature"), payload.get("stop"), model_id=model_id)
     return JobSettings(**asdict(res), max_side=payload.get("max_side"),
                        result_cache=str(payload.get("result_cache")),
                        blob_ttl=int(payload.get("blob_ttl")),
-                       text_layer=str(payload.get("text_layer")))
+                       text_layer=str(payload.get("text_layer")),
+                       schema=None if schema is None else json_schema.schema_text(schema))

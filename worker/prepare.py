@@ -38,6 +38,7 @@ from vlmq.worker.job_settings import JobSettings, resolve_job
 from vlmq.worker.poison import RiskLog
 from vlmq.worker.render_pool import RenderPool
 from vlmq.worker.scheduler import JobState
+from vlmq.worker.structured import Structured
 from vlmq.worker.vision_cache import Entry, VisionCache, cache_key
 
 log = logging.getLogger("vlmq.worker")
@@ -93,6 +94,8 @@ class Preparer:
         self.pool = pool
         self.model_identity = f"{info.model_id}@{info.fingerprint}"
         self._proc_params = self._processor_params(engine.processor)
+        self.structured = Structured(engine.processor.tokenizer,
+                                     A.eos_token_ids(engine.processor))
         self._flights: dict[str, threading.Event] = {}  # cache key -> its tower run is pending
         self._flight_of: dict[tuple[str, int], str] = {}  # owning item -> cache key
         self._flights_lock = threading.Lock()
@@ -123,9 +126,12 @@ class Preparer:
             return (f"job asks for model {payload.get('model')!r} but this worker serves "
                     f"{self.info.model_id!r}; enqueue it on a queue that worker serves")
         try:
-            return resolve_job(payload, self.info.model_type, self.info.model_id)
-        except ValueError as exc:
+            settings = resolve_job(payload, self.info.model_type, self.info.model_id)
+            if settings.schema is not None:
+                self.structured.grammar(settings.schema)  # compiled once, here
+        except ValueError as exc:  # ConstraintError too: a schema this matcher refuses
             return str(exc)
+        return settings
 
     def touch_blobs(self, payload: JobPayload, settings: JobSettings, *,
                     pipeline: Pipeline | None = None) -> None:
@@ -172,6 +178,11 @@ class Preparer:
         processor, config = self.engine.processor, self.engine.model_config
         common: dict[str, Any] = {"key": (job_id, idx), "max_tokens": settings.max_tokens,
                                   "temperature": settings.temperature, "stop": settings.stop}
+        if settings.schema is not None:
+            try:  # on this pool thread: the MLX thread only steps the matcher
+                common["constraint"] = self.structured.row(settings.schema)
+            except ValueError as exc:
+                raise PrepError(str(exc)) from exc
         if self.risk is not None:
             common["risky"] = partial(self.risk.step, job_id, idx)
         if item.ref is not None:  # before any cache: a bad reference fails, cached or not

@@ -65,6 +65,7 @@ class CachedText:
     text: str
     finish_reason: str | None
     text_source: str = TEXT_FROM_MODEL
+    json: Any = None  # an extract item's value
 
 
 def text_hash(text: str) -> str:
@@ -240,7 +241,7 @@ def _verified(raw: bytes | None, target: tuple[str, int, str]) -> CachedText | N
             or text_hash(res.text) != target[2]):
         return None
     return CachedText(text=res.text, finish_reason=res.finish_reason,
-                      text_source=res.text_source)
+                      text_source=res.text_source, json=res.json)
 
 
 def cacheable(res: ItemResult) -> bool:
@@ -281,7 +282,7 @@ def cached_results_many(cache: ResultCache, jobs: Sequence[tuple[JobState, Seque
             index=idx, source=item.source, page=item.page, text=hit.text,
             finish_reason=hit.finish_reason, prompt_tokens=0, completion_tokens=0,
             vision_cache_hit=False, error=None, timings={}, custom_id=item.custom_id,
-            result_cache_hit=True, text_source=hit.text_source)
+            result_cache_hit=True, text_source=hit.text_source, json=hit.json)
     return out
 
 

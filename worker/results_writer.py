@@ -48,7 +48,8 @@ def finished_result(state: Running, idx: int, f: Finished, prep_s: float,
         text=None if f.error else f.text, finish_reason=f.finish_reason,
         prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
         vision_cache_hit=f.vision_cache_hit, error=f.error, timings=timings,
-        custom_id=item.custom_id, repetition=f.repetition)
+        custom_id=item.custom_id, repetition=f.repetition,
+        json=None if f.error else f.json)
     return res if layer is None else _from_layer(res, layer)
 
 

@@ -29,7 +29,7 @@ from vlmq.producer.client import Client, Job
 from vlmq.producer.dashboard import data, markup, trust
 from vlmq.producer.dashboard.render import PreviewCache, RenderError
 from vlmq.producer.errors import JobNotFound
-from vlmq.producer.formats import FORMATS, JobResults
+from vlmq.producer.formats import EXTRACT, FORMATS, JobResults
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.clitools import split_labels
 from vlmq.shared.errors import BlobError, PayloadError, VlmqError
@@ -95,6 +95,7 @@ def create_app(settings: Settings, *, history: data.History | None = None) -> Fl
                 "host": urlsplit(settings.redis_url).hostname or "?", "downloads": FORMATS}
 
     app.add_template_filter(duration, "duration")
+    app.add_template_filter(markup.compact_json, "compact_json")
 
     @app.after_request
     def _headers(resp: BaseResponse) -> BaseResponse:
@@ -154,7 +155,9 @@ def create_app(settings: Settings, *, history: data.History | None = None) -> Fl
         result = results.get(i, {})
         text = result.get("text")
         rendered = None
-        if isinstance(text, str) and text:
+        if payload.task == EXTRACT and result.get("json") is not None:
+            rendered = markup.json_block(result["json"])
+        elif isinstance(text, str) and text:
             rendered = markup.markdown(text) if payload.task == "ocr" else markup.plain(text)
         first = i // ITEMS_PER_PAGE * ITEMS_PER_PAGE
         rows = range(first, min(first + ITEMS_PER_PAGE, len(payload.items)))

@@ -80,7 +80,7 @@ class TaskDefaults:
 def task_rows(ocr_prompt: str = MARKDOWN_OCR_PROMPT, ocr_max_tokens: int = 4096, *,
               caption: str = CAPTION_PROMPT,
               stop: tuple[str, ...] = ()) -> dict[str, TaskDefaults]:
-    """One row per task (ocr, caption, generate); the OCR prompt of general models by default.
+    """One row per task (ocr, caption, generate, extract); general models' OCR prompt by default.
 
     Greedy everywhere (temperature 0): batched output equals sequential output and a
     re-run gives the same text; the repetition guard handles greedy loops.
@@ -90,6 +90,8 @@ def task_rows(ocr_prompt: str = MARKDOWN_OCR_PROMPT, ocr_max_tokens: int = 4096,
         "ocr": TaskDefaults(prompt=ocr_prompt, max_tokens=ocr_max_tokens, stop=stops),
         "caption": TaskDefaults(prompt=caption, max_tokens=256, stop=stops),
         "generate": TaskDefaults(prompt=None, max_tokens=1024, stop=stops),
+        # Its prompt is made from the job's schema (shared/json_schema.default_prompt).
+        "extract": TaskDefaults(prompt=None, max_tokens=1024, stop=stops),
     }
 
 
