@@ -94,8 +94,10 @@ def ensure_chromium() -> None:
 
 
 def ensure_test_tools() -> None:
-    """redis-sentinel (the failover test) and faketime (the clock-skew test)."""
-    for binary, package in (("redis-sentinel", "redis-sentinel"), ("faketime", "faketime")):
+    """redis-sentinel (the failover test), faketime (the clock-skew test) and prometheus
+    (the metrics test scrapes a worker with a real one)."""
+    for binary, package in (("redis-sentinel", "redis-sentinel"), ("faketime", "faketime"),
+                            ("prometheus", "prometheus")):
         if shutil.which(binary) is None:
             apt_install(package, f"for the tests that need {binary}")
 

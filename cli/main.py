@@ -28,7 +28,7 @@ from vlmq.shared.clitools import EXIT_BAD_INPUT, EXIT_FAILED, fail, one_line
 # list is shown): `vlmq jobs` starts without importing the worker's, the schedules', the
 # exports' or the dashboard's modules. Each has register(group), as producer_cli.
 LATER = ("vlmq.producer.export_cli", "vlmq.producer.schedule_cli", "vlmq.worker.cli",
-         "vlmq.producer.dashboard.cli")
+         "vlmq.producer.dashboard.cli", "vlmq.producer.metrics_exporter", "vlmq.cli.service")
 
 
 class _Main(click.Group):

@@ -9,7 +9,10 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -18,7 +21,8 @@ from vlmq.producer.batch import JOB_ITEMS, Batch, Part, is_batch, submit_parts
 from vlmq.producer.client import Client, Job, QueueInfo, WorkerInfo
 from vlmq.producer.inputs import PagesWithoutPdf
 from vlmq.producer.manage import CannotCancel
-from vlmq.producer.manifest import read_manifest
+from vlmq.producer.manifest import Group, read_manifest
+from vlmq.producer.openai_batch import read_openai_batch
 from vlmq.producer.options import JobOptions, job_options
 from vlmq.producer.results_cli import result_cmd, wait_cmd
 from vlmq.producer.upload import DEFAULT_MAX_PENDING_MB, retention
@@ -148,12 +152,20 @@ def _max_pending(func: F) -> F:
                        f'"{s.name}"?' for s in S.rows("manifest"))
                    + "; files are relative to the manifest's folder. Lines with the same "
                      "task and settings share a job.")
+@click.option("--openai-batch", metavar="FILE.jsonl", type=click.Path(dir_okay=False),
+              help='Enqueue an OpenAI Batch input file: one chat request per line, '
+                   '{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body"}, '
+                   "each with one image (a data: URI or a file:// path; http(s) is refused) "
+                   "and a prompt; a json_schema response_format is task extract. Read the "
+                   "answers with vlmq result --format openai-batch.")
 @click.option("--queue", metavar="NAME",
-              help="With --manifest: one queue for every job (default: each task's own).")
+              help="With --manifest or --openai-batch: one queue for every job (default: "
+                   "each task's own).")
 @click.option("--skip-bad", is_flag=True,
-              help="With --manifest: enqueue the good lines and list the bad ones.")
+              help="With --manifest or --openai-batch: enqueue the good lines and list the "
+                   "bad ones.")
 @click.option("--label", "labels", multiple=True, callback=parse_labels, metavar="K=V",
-              help="With --manifest: label every job (repeatable).")
+              help="With --manifest or --openai-batch: label every job (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 @_job_size
 @_max_pending
@@ -161,23 +173,45 @@ def _max_pending(func: F) -> F:
 @store_option
 @click.pass_context
 @_handle_errors
-def enqueue(ctx: click.Context, manifest: str | None, queue: str | None, skip_bad: bool,
-            labels: dict[str, str], as_json: bool, job_size: int, max_pending_mb: float,
-            allow_eviction: bool, stores: Stores) -> None:
-    """Validate inputs, upload them once, and enqueue: a task subcommand, or --manifest."""
+def enqueue(ctx: click.Context, manifest: str | None, openai_batch: str | None,
+            queue: str | None, skip_bad: bool, labels: dict[str, str], as_json: bool,
+            job_size: int, max_pending_mb: float, allow_eviction: bool,
+            stores: Stores) -> None:
+    """Validate inputs, upload them once, and enqueue: a task subcommand, --manifest or
+    --openai-batch."""
     if ctx.invoked_subcommand is not None:
         ctx.meta["vlmq.allow_eviction"] = allow_eviction  # before the task or after it
         given = ctx.get_parameter_source("stores") == click.core.ParameterSource.COMMANDLINE
-        if manifest or queue or skip_bad or labels or as_json or given:
-            raise click.UsageError("--manifest/--queue/--skip-bad/--label/--json/--store "
-                                   "before the task go with --manifest only; put them after "
-                                   "the task")
+        if manifest or openai_batch or queue or skip_bad or labels or as_json or given:
+            raise click.UsageError("--manifest/--openai-batch/--queue/--skip-bad/--label/"
+                                   "--json/--store before the task go with --manifest or "
+                                   "--openai-batch only; put them after the task")
         return
-    if manifest is None:
+    if manifest is not None and openai_batch is not None:
+        raise click.UsageError("give --manifest or --openai-batch, not both")
+    if manifest is None and openai_batch is None:
         click.echo(ctx.get_help())
         ctx.exit(EXIT_BAD_INPUT)
     base = JobOptions.build(queue=queue, labels=labels or None)
-    groups, rejected = read_manifest(manifest, base, skip_bad=skip_bad, job_size=job_size)
+    with ExitStack() as stack:
+        if openai_batch is not None:
+            # Its data: images wait here, checked, until they are uploaded.
+            spool = stack.enter_context(tempfile.TemporaryDirectory(prefix="vlmq-batch-"))
+            groups, rejected = read_openai_batch(openai_batch, base, spool=Path(spool),
+                                                 skip_bad=skip_bad, job_size=job_size)
+        else:
+            assert manifest is not None
+            groups, rejected = read_manifest(manifest, base, skip_bad=skip_bad,
+                                             job_size=job_size)
+        _submit_groups(ctx, groups, rejected, labels, as_json, stores, max_pending_mb,
+                       allow_eviction)
+
+
+def _submit_groups(ctx: click.Context, groups: Sequence[Group],
+                   rejected: Sequence[tuple[int, str]], labels: dict[str, str],
+                   as_json: bool, stores: Stores, max_pending_mb: float,
+                   allow_eviction: bool) -> None:
+    """Enqueue a manifest's (or an OpenAI batch's) jobs and print what was made."""
     for group in groups:  # files in a store go by reference
         group.prepared = group.prepared.by_reference(stores)
     with _client(ctx, stores, max_pending_mb, allow_eviction) as client:

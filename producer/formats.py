@@ -19,10 +19,13 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from vlmq.producer.client import Job
-from vlmq.shared.schema import TEXT_FROM_LAYER, ItemResult
+from vlmq.shared.keys import Keys
+from vlmq.shared.schema import TEXT_FROM_LAYER, ItemResult, JobPayload
+from vlmq.shared.text import as_str
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ Render = Callable[[JobResults], str]
 RenderMany = Callable[[Sequence[JobResults]], str]
 # One source's results (an image's one result, or a PDF's pages) as one exported file.
 RenderFile = Callable[[Sequence[ItemResult]], str]
+# A job's output as (successes, failures), for `vlmq result --errors FILE`.
+Split = Callable[[JobResults], tuple[str, str]]
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class Format:
     omits_failed: bool = False  # failed items are left out (the CLI names them on stderr)
     file: RenderFile | None = None  # None: `vlmq export` does not offer this format
     many: RenderMany | None = None  # None: several jobs are their renderings concatenated
+    split: Split | None = None  # None: this format has no errors file
 
     def render_jobs(self, views: Sequence[JobResults]) -> str:
         """Several jobs (ids, or a batch's jobs) as one output, in the order given."""
@@ -76,10 +82,11 @@ FORMATS: dict[str, Format] = {}
 
 
 def _format(name: str, mimetype: str, *, several_jobs: bool, omits_failed: bool = False,
-            file: RenderFile | None = None,
-            many: RenderMany | None = None) -> Callable[[Render], Render]:
+            file: RenderFile | None = None, many: RenderMany | None = None,
+            split: Split | None = None) -> Callable[[Render], Render]:
     def register(render: Render) -> Render:
-        FORMATS[name] = Format(name, mimetype, render, several_jobs, omits_failed, file, many)
+        FORMATS[name] = Format(name, mimetype, render, several_jobs, omits_failed, file, many,
+                               split)
         return render
 
     return register
@@ -153,16 +160,6 @@ def _fields(view: JobResults, r: ItemResult) -> dict[str, Any]:
     return out
 
 
-@_format("jsonl", "application/x-ndjson", several_jobs=True)
-def render_jsonl(view: JobResults) -> str:
-    """One item result per line (with job_id and custom_id).
-
-    Lines come in item order, failed items included with their error; it is the format
-    other programs read, so every field an item has is there.
-    """
-    return "".join(_row(view.job.id, _fields(view, r)) for r in view.results)
-
-
 def jsonl_split(view: JobResults) -> tuple[str, str]:
     """(successes, failures) as jsonl, for the OpenAI Batch convention of an errors file.
 
@@ -181,6 +178,16 @@ def jsonl_split(view: JobResults) -> tuple[str, str]:
                     "custom_id": item.custom_id, "text": None, "error": reason,
                     **({"json": None} if view.job.task == EXTRACT else {})})
     return ok, "".join(bad[i] for i in sorted(bad))
+
+
+@_format("jsonl", "application/x-ndjson", several_jobs=True, split=jsonl_split)
+def render_jsonl(view: JobResults) -> str:
+    """One item result per line (with job_id and custom_id).
+
+    Lines come in item order, failed items included with their error; it is the format
+    other programs read, so every field an item has is there.
+    """
+    return "".join(_row(view.job.id, _fields(view, r)) for r in view.results)
 
 
 @_format("json", "application/json", several_jobs=False, file=_json_file)
@@ -361,3 +368,120 @@ def extract_file(results: Sequence[ItemResult]) -> str:
     pages = sorted(results, key=lambda r: (r.page or 0, r.index))
     return _pretty([{"page": p.page, "json": p.json} if p.ok
                     else {"page": p.page, "error": p.error or "failed"} for p in pages])
+
+
+# --- openai-batch: the OpenAI Batch output file -------------------------------------------
+
+# vlmq's finish reasons as OpenAI's: the repetition guard cuts a looping answer before the
+# model ended it, as max_tokens does, so both are "length"; a failed item ("error") is an
+# error line, never a choice.
+OPENAI_FINISH = {"stop": "stop", "length": "length", "repetition": "length"}
+# A job's items that never ran, by how the job ended: OpenAI's error code and why.
+_NOT_RUN = {"canceled": "batch_cancelled", "stopped": "batch_cancelled"}
+
+
+def _epoch(value: bytes | str | None) -> int | None:
+    """An RQ or payload ISO timestamp as Unix seconds (None: missing or unreadable)."""
+    if value is None:
+        return None
+    try:
+        return int(datetime.fromisoformat(as_str(value).replace("Z", "+00:00")).timestamp())
+    except ValueError:
+        return None
+
+
+def _openai_context(view: JobResults, payload: JobPayload) -> tuple[str, dict[int, int], int]:
+    """(model, finish time by item index, the job's own time) for a job's lines.
+
+    The model is the one its worker served (its live stats, while they last), else the
+    job's model setting. An item's time is its result event's (the stream id is Redis's
+    clock in ms); the job's end, start or enqueue time stands in for one trimmed away.
+    """
+    job, redis, keys = view.job, view.job.client.redis, view.job.client.keys
+    worker, ended, started, enqueued = redis.hmget(
+        Keys.rq_job(job.id), ["worker_name", "ended_at", "started_at", "enqueued_at"])
+    served = redis.hget(keys.worker_stats(as_str(worker)), "model") if worker else None
+    model = as_str(served) if served else str(payload.get("model") or "unknown")
+    times: dict[int, int] = {}
+    entries: Any = redis.xrange(keys.job_events(job.id))
+    for entry_id, fields in entries:
+        event = {as_str(k): as_str(v) for k, v in fields.items()}
+        if event.get("type") == "item" and event.get("index", "").isdigit():
+            times[int(event["index"])] = int(as_str(entry_id).split("-")[0]) // 1000
+    when = next((t for t in map(_epoch, (ended, started, enqueued, payload.created_at))
+                 if t is not None), 0)
+    return model, times, when
+
+
+def _completion(key: str, r: ItemResult, model: str, created: int) -> dict[str, Any]:
+    """An item's answer as OpenAI's chat.completion object."""
+    return {"id": f"chatcmpl-{key}", "object": "chat.completion", "created": created,
+            "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text or "",
+                                                 "refusal": None},
+                         "logprobs": None,
+                         "finish_reason": OPENAI_FINISH.get(r.finish_reason or "", "stop")}],
+            "usage": {"prompt_tokens": r.prompt_tokens,
+                      "completion_tokens": r.completion_tokens,
+                      "total_tokens": r.prompt_tokens + r.completion_tokens}}
+
+
+def openai_lines(view: JobResults) -> list[tuple[bool, str]]:
+    """(ok, line) per item in item order, as OpenAI's Batch output and error files hold
+    them; ids are built from the job id and item index, so a rerender gives the same bytes.
+
+    An answer is status 200 with a chat.completion body. A failed item is the error file's
+    form of a request that ran and failed: status 500 and an {"error"} body. An item that
+    never ran, of a failed or canceled job, has no response and an error with OpenAI's
+    code (batch_cancelled; batch_failed for a failed job). Items still to run in a job
+    that has not ended are left out (`vlmq result` says the output is partial). An item
+    enqueued without a custom_id gets its source (and #page=N) as one.
+    """
+    job = view.job
+    payload = job.payload()
+    model, times, when = _openai_context(view, payload)
+    done = {r.index: r for r in view.results}
+    if view.error is not None:
+        not_run: tuple[str, str] | None = ("batch_failed", f"not run: the job failed: "
+                                                          f"{last_line(view.error)}")
+    elif view.state in _NOT_RUN:
+        not_run = (_NOT_RUN[view.state], f"not run: the job was {view.state}")
+    else:
+        not_run = None
+    out: list[tuple[bool, str]] = []
+    for index, item in enumerate(payload.items):
+        key = f"{job.id}_{index}"
+        head = {"id": f"batch_req_{key}", "custom_id": item.custom_id or (
+            item.source if item.page is None else f"{item.source}#page={item.page}")}
+        r = done.get(index)
+        if r is None:
+            if not_run is not None:
+                out.append((False, json.dumps({**head, "response": None, "error": {
+                    "code": not_run[0], "message": not_run[1]}}) + "\n"))
+            continue
+        if r.ok:
+            response = {"status_code": 200, "request_id": f"req_{key}",
+                        "body": _completion(key, r, model, times.get(index, when))}
+        else:
+            response = {"status_code": 500, "request_id": f"req_{key}", "body": {"error": {
+                "message": r.error, "type": "server_error", "param": None,
+                "code": "item_failed"}}}
+        out.append((r.ok, json.dumps({**head, "response": response, "error": None}) + "\n"))
+    return out
+
+
+def openai_split(view: JobResults) -> tuple[str, str]:
+    lines = openai_lines(view)
+    return ("".join(line for ok, line in lines if ok),
+            "".join(line for ok, line in lines if not ok))
+
+
+@_format("openai-batch", "application/x-ndjson", several_jobs=True, split=openai_split)
+def render_openai_batch(view: JobResults) -> str:
+    """One OpenAI Batch output line per request: its custom_id and a chat.completion.
+
+    The format OpenAI's Batch API and vLLM's run-batch write (id, custom_id, response
+    {status_code, request_id, body}, error), in item order; with --errors FILE the failed
+    requests go there, the way OpenAI splits its output and error files.
+    """
+    return "".join(line for _, line in openai_lines(view))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,16 @@ class Request:
     file: Path
     pages: str | None
     settings: dict[str, Any]  # the line's own settings, checked, by name
+    # Another line format (producer/openai_batch.py) names its input elsewhere: the
+    # item's source (default: the path), the field errors about the file name, and
+    # whether the request must be one item (a document of several pages is refused).
+    source: str | None = None
+    field: str = "file"
+    one_item: bool = False
+
+
+# One line (number, text) as a Request; raises PayloadError naming the field.
+LineParser = Callable[[int, str], Request]
 
 
 @dataclass
@@ -81,12 +91,16 @@ def _object(text: str) -> dict[str, Any]:
     return raw
 
 
-def _own_fields(raw: dict[str, Any]) -> tuple[str, str, str, str | None]:
-    custom_id = raw["custom_id"]
+def check_custom_id(custom_id: Any) -> str:
     if not isinstance(custom_id, str) or not custom_id \
             or len(custom_id) > C.MAX_CUSTOM_ID_CHARS:
         raise PayloadError("custom_id", f"must be a string of 1 to {C.MAX_CUSTOM_ID_CHARS} "
                                         "characters")
+    return custom_id
+
+
+def _own_fields(raw: dict[str, Any]) -> tuple[str, str, str, str | None]:
+    custom_id = check_custom_id(raw["custom_id"])
     task = raw["task"]
     if task not in C.TASKS:
         raise PayloadError("task", f"must be one of {', '.join(C.TASKS)}, got {task!r}")
@@ -132,17 +146,17 @@ def parse_line(number: int, text: str, base: Path,
                    settings={k: v for k, v in settings.items() if v is not None})
 
 
-def _lines(manifest: Path) -> Iterator[tuple[int, str | None]]:
-    """(number, text) per line, None for a line over MAX_LINE_BYTES: read with a bounded
-    readline, so a 500 MB line costs at most MAX_LINE_BYTES of memory, never the line."""
+def _lines(manifest: Path, limit: int = MAX_LINE_BYTES) -> Iterator[tuple[int, str | None]]:
+    """(number, text) per line, None for a line over `limit` bytes: read with a bounded
+    readline, so a 500 MB line costs at most `limit` bytes of memory, never the line."""
     try:
         with manifest.open("rb") as fh:
             for number in itertools.count(1):
-                raw = fh.readline(MAX_LINE_BYTES + 1)
+                raw = fh.readline(limit + 1)
                 if not raw:
                     return
-                if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
-                    while (rest := fh.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                if len(raw) > limit and not raw.endswith(b"\n"):
+                    while (rest := fh.readline(limit)) and not rest.endswith(b"\n"):
                         pass  # the rest of the long line, a bounded piece at a time
                     yield number, None
                     continue
@@ -156,32 +170,42 @@ def _lines(manifest: Path) -> Iterator[tuple[int, str | None]]:
 
 
 def read_manifest(path: str | Path, base: JobOptions, *, skip_bad: bool = False,
-                  job_size: int = JOB_ITEMS) -> tuple[list[Group], list[tuple[int, str]]]:
+                  job_size: int = JOB_ITEMS, parse: LineParser | None = None,
+                  max_line_bytes: int = MAX_LINE_BYTES
+                  ) -> tuple[list[Group], list[tuple[int, str]]]:
     """Check every line; returns the jobs to enqueue (at most `job_size` items each: more
     than one become a batch) and the rejected lines.
 
     Without skip_bad any bad line raises ManifestError listing them all, and nothing is
     enqueued. Files are checked (type, pages) here, so the worker gets no surprises.
+    `parse` reads another line format into the same Requests (default: a manifest line's,
+    relative to the manifest's folder), so checks, grouping and errors are these.
     """
     manifest = Path(path)
     groups: dict[tuple[Any, ...], Group] = {}
     errors: list[tuple[int, str]] = []
     seen: dict[str, int] = {}
     schemas: dict[Path, dict[str, Any]] = {}  # schema files, read once each
-    for number, line in _lines(manifest):
+    for number, line in _lines(manifest, max_line_bytes):
         if line is None:
-            errors.append((number, f"is longer than the {MAX_LINE_BYTES}-byte limit for a "
+            errors.append((number, f"is longer than the {max_line_bytes}-byte limit for a "
                                    "manifest line"))
             continue
         if not line.strip():
             continue
+        req: Request | None = None
         try:
-            req = parse_line(number, line, manifest.parent, schemas)
+            req = (parse(number, line) if parse is not None
+                   else parse_line(number, line, manifest.parent, schemas))
             if req.custom_id in seen:
                 raise PayloadError("custom_id", f"{req.custom_id!r} is already used on line "
                                                 f"{seen[req.custom_id]}")
-            checked = check_file(req.file, source=str(req.file))
+            checked = check_file(req.file, source=req.source or str(req.file))
             paged = checked.kind in C.PAGED_KINDS
+            if req.one_item and checked.pages > 1:
+                raise PayloadError(req.field, f"is a {checked.kind.upper()} of "
+                                              f"{checked.pages} pages, and a request is one "
+                                              "item: give one page per request")
             if req.pages is not None and not paged:
                 raise PayloadError("pages", f"applies to PDFs and multi-page TIFFs; "
                                             f"{req.file} is an image")
@@ -192,7 +216,8 @@ def read_manifest(path: str | Path, base: JobOptions, *, skip_bad: bool = False,
             errors.append((number, f"field {exc.field!r} {exc.problem}"))
             continue
         except InputError as exc:
-            errors.append((number, f"field 'file' {exc.path}: {exc.problem}"))
+            shown = "file" if req is None else req.field
+            errors.append((number, f"field {shown!r} {exc.path}: {exc.problem}"))
             continue
         seen[req.custom_id] = number
         options = base.with_(**req.settings)

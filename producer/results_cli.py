@@ -157,8 +157,8 @@ def _format_help() -> str:
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True),
               help="Write here instead of stdout.")
 @click.option("--errors", "errors_path", type=click.Path(dir_okay=False, writable=True),
-              help="jsonl: write failed items here, successes to -o/stdout (the OpenAI "
-                   "Batch convention).")
+              help="jsonl and openai-batch: write failed items here, successes to "
+                   "-o/stdout (the OpenAI Batch convention).")
 @click.pass_context
 def result_cmd(ctx: click.Context, job_ids: tuple[str, ...], fmt: str, output: str | None,
                errors_path: str | None) -> None:
@@ -170,16 +170,17 @@ def result_cmd(ctx: click.Context, job_ids: tuple[str, ...], fmt: str, output: s
     """
     form = FORMATS[fmt]
     several = " or ".join(f.name for f in FORMATS.values() if f.several_jobs)
-    if (not form.several_jobs and len(job_ids) > 1) or (fmt != "jsonl" and errors_path):
+    splits = " or ".join(f.name for f in FORMATS.values() if f.split is not None)
+    if (not form.several_jobs and len(job_ids) > 1) or (form.split is None and errors_path):
         raise click.UsageError(f"several job ids need --format {several}; --errors needs "
-                               "--format jsonl")
+                               f"--format {splits}")
     with _client(ctx) as client:
         jobs = expand(client, job_ids)  # every id checked before any is read
         if not form.several_jobs and len(jobs) > 1:
             raise click.UsageError(f"a batch of several jobs needs --format {several}")
         views = [_read(job) for job in jobs]
-        if errors_path is not None:
-            split = [formats.jsonl_split(v) for v in views]
+        if errors_path is not None and form.split is not None:
+            split = [form.split(v) for v in views]
             _write(errors_path, "".join(bad for _, bad in split))
             text = "".join(ok for ok, _ in split)
         else:

@@ -111,6 +111,10 @@ def _split_queues(values: tuple[str, ...]) -> list[str]:
 @click.option("--allow-eviction", is_flag=True,
               help="Run even though Redis's maxmemory-policy may evict keys (a warning "
                    "still says what that loses); also $VLMQ_ALLOW_EVICTION=1.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=0, show_default=True,
+              help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: off).")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True,
+              help="Interface the metrics endpoint listens on (0.0.0.0: every interface).")
 @store_option
 @click.pass_context
 def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burst: bool,
@@ -122,7 +126,8 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burs
                result_cache_ttl: int, result_cache_mb: float, with_scheduler: bool,
                render_mem_mb: int, render_timeout: float, render_procs: int | None,
                max_kv_tokens: int | None, poison_kills: int,
-               blas_choice: str | None, allow_eviction: bool, stores: Stores) -> None:
+               blas_choice: str | None, allow_eviction: bool, metrics_port: int,
+               metrics_host: str, stores: Stores) -> None:
     """Serve jobs with one loaded model and a continuous batcher.
 
     Items from every job in flight share one batch; each result is written the moment it
@@ -165,6 +170,8 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burs
         blas=blas_choice,
         allow_eviction=allow_eviction or None,
         stores=stores,
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
     )
     if not with_scheduler:
         ctx.exit(run_worker(cfg))

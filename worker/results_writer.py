@@ -187,7 +187,7 @@ class ResultWriter:
                 continue
             del self._unwritten[state.job_id]
             for res in results.values():
-                self.stats.count_item(res)
+                self.stats.count_item(res, state.payload.task)
                 state.written[res.index] = _tally(res)
             state.finished_here += len(results)
             stored.append((state, list(results.values())))
@@ -273,6 +273,7 @@ class ResultWriter:
                 self.drop(state, why)
                 continue
             self.scheduler.remove(state.job_id)
+            self.stats.count_job(state.queue.name, "finished")
             layers = summary.text_sources.get(TEXT_FROM_LAYER, 0)
             log.info("job %s finished: %d ok, %d failed, %d tokens, %.1f s, %d vision-cache "
                      "hits, %d result-cache hits%s", state.job_id, summary.ok, summary.failed,
@@ -297,6 +298,7 @@ class ResultWriter:
                         message)
             self.lifecycle.drop(state, why)
             return
+        self.stats.count_job(state.queue.name, "failed")
         log.info("job %s failed: %s", state.job_id, message)
 
 

@@ -2,11 +2,13 @@
 
 Threads: this (main) thread owns Redis and RQ bookkeeping; a small CPU pool fetches,
 decodes, renders and tokenizes; the engine's thread owns every MLX call. The main
-thread never touches MLX and the MLX thread never touches Redis.
+thread never touches MLX and the MLX thread never touches Redis. With --metrics-port, an
+HTTP thread (worker/metrics.py) reads counters, and touches neither.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import signal
 import tempfile
@@ -37,6 +39,7 @@ from vlmq.shared.stores import Stores
 from vlmq.shared.urls import redact_url
 from vlmq.worker import blas
 from vlmq.worker.engine import Engine, EngineError, Finished
+from vlmq.worker.metrics import MetricsError, WorkerMetrics
 from vlmq.worker.mlx_adapter import family_of
 from vlmq.worker.poison import DEFAULT_POISON_KILLS, RiskLog
 from vlmq.worker.prepare import FromLayer, Prepared, Preparer, PrepError
@@ -68,6 +71,7 @@ IDLE_BLOCK_S = 0.5
 IDLE_POLL_S = 0.01
 # Ends of a model run that leave a page unread: a text layer may stand in (text_layer).
 MODEL_FAILED = ("length", "repetition", "error")
+STOP_DUMP_AFTER_S = 10.0
 RESTART_CHECK_S = 0.5  # how often the loop compares Redis's run_id with the one at start
 T = TypeVar("T")
 
@@ -102,6 +106,8 @@ class WorkerConfig:
     poison_kills: int = DEFAULT_POISON_KILLS  # worker deaths a job may cause before it fails
     blas: str | None = None  # auto | reference | a library path; None: $VLMQ_BLAS, else auto
     allow_eviction: bool | None = None  # None: $VLMQ_ALLOW_EVICTION
+    metrics_port: int = 0  # Prometheus /metrics (worker/metrics.py); 0: not served
+    metrics_host: str = "127.0.0.1"
     # The stores referenced items are read from (machine configuration, --store).
     stores: Stores = field(default_factory=Stores)
     keys: Keys = field(default_factory=Keys.from_env)
@@ -124,6 +130,9 @@ class WorkerService:
         self.stop_requested = False
         self.deadline: float | None = None
         self._in_prep = 0
+        # Failed pages whose text layer is being read (text_layer fallback): in flight, but
+        # not in the prep window, which bounds what waits for the engine.
+        self._in_fallback = 0
         self._prep_lock = threading.Lock()
         self._prep_failed: SimpleQueue[tuple[str, int, str]] = SimpleQueue()
         self._prep_retry: SimpleQueue[tuple[str, int]] = SimpleQueue()
@@ -151,6 +160,9 @@ class WorkerService:
             return
         self.stop_requested = True
         self.deadline = time.monotonic() + self.cfg.grace_s
+        # A worker still alive well past its grace says where each thread is (stderr):
+        # a stop that hangs is a bug, and this is what finding it needs.
+        faulthandler.dump_traceback_later(self.cfg.grace_s + STOP_DUMP_AFTER_S, exit=False)
         log.info("%s: taking no more jobs; finishing in-flight items (grace %.0f s)",
                  signal.Signals(signum).name, self.cfg.grace_s)
 
@@ -175,9 +187,14 @@ class WorkerService:
         if problem:
             log.error("%s", problem)
             return 1
+        metrics = self._serve_metrics()  # before the model load: a busy port fails fast
+        if isinstance(metrics, str):
+            log.error("%s", metrics)
+            return 1
         log.info("loading model %s", cfg.model)
         engine = Engine(cfg.model, max_batch=cfg.max_batch, repetition=cfg.repetition,
                         max_kv_tokens=cfg.max_kv_tokens)
+        self.stats.engine = engine.state  # plain counters: the metrics thread reads them
         try:
             return self._serve(engine)
         except StartupError as exc:
@@ -185,6 +202,21 @@ class WorkerService:
             return 1
         finally:
             engine.close(timeout=10)
+            if metrics is not None:
+                metrics.close()
+
+    def _serve_metrics(self) -> WorkerMetrics | str | None:
+        """The /metrics endpoint when asked for (else None), or why it cannot start."""
+        cfg = self.cfg
+        if not cfg.metrics_port:
+            return None
+        metrics = WorkerMetrics(self.stats, lambda: (len(self.scheduler), self._in_prep))
+        try:
+            port = metrics.serve(cfg.metrics_host, cfg.metrics_port)
+        except MetricsError as exc:
+            return str(exc)
+        log.info("metrics: http://%s:%d/metrics", cfg.metrics_host, port)
+        return metrics
 
     def _preflight(self) -> str | None:
         """Problems worth reporting before a model load that can take minutes."""
@@ -300,6 +332,8 @@ class WorkerService:
                                     ttl_s=cfg.result_cache_ttl_s,
                                     max_bytes=cfg.result_cache_bytes)
         self.stats.model = cfg.model
+        self.stats.model_type = info.model_type
+        self.stats.cache = cache
         try:
             renderer.warm()  # the first PDF page must not wait for a process to start
         except RuntimeError as exc:
@@ -328,6 +362,7 @@ class WorkerService:
                 if why is None:
                     log.info("job %s requeued with %d/%d items done", state.job_id,
                              state.already_done + state.finished_here, state.total)
+                    self.stats.count_job(state.queue.name, "requeued")
                     self.scheduler.jobs.pop(state.job_id, None)
                 else:
                     self._writer.drop(state, why)
@@ -369,14 +404,16 @@ class WorkerService:
         cfg = self.cfg
         now = time.monotonic()
         self._watch_restart(lifecycle, engine, cache)
-        busy = self._in_prep > 0 or engine.state.active > 0 or engine.state.waiting > 0
+        busy = (self._in_prep > 0 or self._in_fallback > 0 or engine.state.active > 0
+                or engine.state.waiting > 0)
         took = 0
         if not self.stop_requested:
             idle = not (busy or self.scheduler.jobs or self._writer.holding or cfg.burst)
             block = IDLE_BLOCK_S if idle and len(cfg.queues) == 1 else 0.0
             took, self._queues_empty = self._pull_jobs(lifecycle, preparer, block_s=block)
             self._schedule(engine, preparer)
-        busy = self._in_prep > 0 or engine.state.active > 0 or engine.state.waiting > 0
+        busy = (self._in_prep > 0 or self._in_fallback > 0 or engine.state.active > 0
+                or engine.state.waiting > 0)
         if took or self._writer.holding:
             wait = 0.0  # results to write and jobs to end now: no waiting on the engine
         elif busy:
@@ -394,7 +431,8 @@ class WorkerService:
                                self._in_prep)
             self._next_stats = now + cfg.stats_s
         if self.stop_requested:
-            in_flight = self._in_prep + engine.state.active + engine.state.waiting
+            in_flight = (self._in_prep + self._in_fallback + engine.state.active
+                         + engine.state.waiting)
             if in_flight == 0:
                 self._collect(engine, lifecycle, timeout=0)  # what finished since the last look
                 return True
@@ -431,8 +469,10 @@ class WorkerService:
             if isinstance(running, Refused):
                 log.warning("job %s (%s) refused: %s", running.job_id, running.queue,
                             running.reason)
+                self.stats.count_job(running.queue, "refused")
             else:
                 started.append(running)
+                self.stats.count_job(running.queue.name, "taken")
         if started:
             self._start_jobs(preparer, started)
         return len(taken), empty
@@ -477,9 +517,13 @@ class WorkerService:
             running.already_done = len(done)
             todo_of.append([i for i in range(n) if i not in done])
         # A bad reference fails even when its content's text is cached.
-        hits_of = cached_results_many(self._results, [
-            (running, preparer.readable(running.payload, todo))
-            for running, todo in zip(ready, todo_of, strict=True)])
+        asked = [(running, preparer.readable(running.payload, todo))
+                 for running, todo in zip(ready, todo_of, strict=True)]
+        hits_of = cached_results_many(self._results, asked)
+        self.stats.result_cache_misses += sum(
+            len(indexes) - len(hits) for (running, indexes), hits in zip(asked, hits_of,
+                                                                         strict=True)
+            if self._results.applies(running.resolved))
         self._starting = []
         for running, todo, hits in zip(ready, todo_of, hits_of, strict=True):
             try:
@@ -616,12 +660,12 @@ class WorkerService:
             record(layer=text)
             return
         with self._prep_lock:
-            self._in_prep += 1  # keeps the loop busy (and a stop waiting) until it is back
+            self._in_fallback += 1  # keeps the loop busy (and a stop waiting) until back
         try:
             fut = self._preparer.pool.submit(self._preparer.fallback_text, item)
         except RuntimeError:  # the pool is shutting down: record the failure as it is
             with self._prep_lock:
-                self._in_prep -= 1
+                self._in_fallback -= 1
             record()
             return
         fut.add_done_callback(partial(self._layer_read, record))
@@ -636,7 +680,7 @@ class WorkerService:
                 log.error("text layer fallback failed", exc_info=exc)
         self._fell_back.put((record, layer))
         with self._prep_lock:
-            self._in_prep -= 1
+            self._in_fallback -= 1
 
 
 def _drain(q: SimpleQueue[T]) -> list[T]:

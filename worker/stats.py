@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 from redis import Redis
@@ -18,6 +20,11 @@ log = logging.getLogger("vlmq.worker")
 
 RATE_WINDOW_S = 30.0
 LOG_EVERY_S = 10.0
+# What worker/render_pool.py says of a page its render process could not finish: its
+# memory limit, a crash, or (RENDER_TIMED_OUT) its time limit. Counted from item errors.
+RENDER_FAILED = "too complex to render"
+RENDER_TIMED_OUT = "render time limit"
+JOB_EVENTS = ("taken", "refused", "finished", "failed", "requeued")
 
 
 class _EngineView(Protocol):
@@ -33,6 +40,10 @@ class _EngineView(Protocol):
     def peak_waiting(self) -> int: ...
     @property
     def busy_s(self) -> float: ...
+    @property
+    def repetitions(self) -> int: ...
+    @property
+    def kv_in_flight(self) -> int: ...
 
 
 class _CacheView(Protocol):
@@ -61,21 +72,68 @@ class WorkerStats:
         self.peak_waiting = 0
         self.result_cache_hits = 0
         self.result_cache_stores = 0
+        self.result_cache_misses = 0  # items looked up and not found
         self.renders: _RenderView | None = None  # set once the render processes are up
+        # Set as the worker starts, for the metrics thread to read (never to call MLX).
+        self.model_type = ""
+        self.engine: _EngineView | None = None
+        self.cache: _CacheView | None = None
+        # Totals the metrics thread reads (worker/metrics.py): guarded by _lock, since a
+        # new label value adds a key while a scrape copies the dict.
+        self._lock = threading.Lock()
+        self._items: dict[tuple[str, str], int] = {}  # (task, ok|failed) -> items
+        self._tokens: dict[tuple[str, str], int] = {}  # (task, prompt|generated) -> tokens
+        self._phase_s: dict[str, float] = {}  # timing name (queue_s...) -> seconds
+        self._jobs: dict[tuple[str, str], int] = {}  # (queue, JOB_EVENTS) -> jobs
+        self.render_failures = 0
+        self.render_timeouts = 0
+        # Called with each stored item result and its job's task (the metrics' histograms).
+        self.on_item: Callable[[ItemResult, str], None] | None = None
         self._samples: deque[tuple[float, int, int]] = deque()
         # Preprocessing counters are process-wide; report this worker's share only.
         self._work_base = P.COUNTERS.snapshot()
         self._next_log = time.monotonic() + LOG_EVERY_S
 
-    def count_item(self, result: ItemResult) -> None:
+    def count_item(self, result: ItemResult, task: str = "") -> None:
+        """One stored item result (the one hook the result writer calls)."""
         if result.ok:
             self.items_ok += 1
         else:
             self.items_failed += 1
+        error = result.error or result.model_error or ""
+        if RENDER_FAILED in error:
+            self.render_failures += 1
+            self.render_timeouts += RENDER_TIMED_OUT in error
+        with self._lock:
+            key = (task, "ok" if result.ok else "failed")
+            self._items[key] = self._items.get(key, 0) + 1
+            if not result.result_cache_hit:
+                for kind, n in (("prompt", result.prompt_tokens),
+                                ("generated", result.completion_tokens)):
+                    self._tokens[task, kind] = self._tokens.get((task, kind), 0) + n
+                for name, seconds in result.timings.items():
+                    self._phase_s[name] = self._phase_s.get(name, 0.0) + seconds
+        if self.on_item is not None:
+            self.on_item(result, task)
         if result.result_cache_hit:
             self.result_cache_hits += 1  # nothing was generated: no tokens to count
             return
         self.tokens += result.completion_tokens
+
+    def count_job(self, queue: str, event: str) -> None:
+        """A job taken, refused, finished, failed or requeued here (JOB_EVENTS)."""
+        with self._lock:
+            self._jobs[queue, event] = self._jobs.get((queue, event), 0) + 1
+
+    def totals(self) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], int],
+                              dict[str, float], dict[tuple[str, str], int]]:
+        """Copies of the labelled totals: items, tokens, seconds by phase, jobs."""
+        with self._lock:
+            return dict(self._items), dict(self._tokens), dict(self._phase_s), dict(self._jobs)
+
+    def work_counts(self) -> dict[str, int]:
+        """This worker's preprocessing counters (image decodes, PDF renders, ...)."""
+        return {k: v - self._work_base.get(k, 0) for k, v in P.COUNTERS.snapshot().items()}
 
     def observe_waiting(self, n: int) -> None:
         self.peak_waiting = max(self.peak_waiting, n)
@@ -126,7 +184,7 @@ class WorkerStats:
             "mlx_busy_s": round(engine.busy_s, 3),
             # PDF render processes running (started before the worker says it is ready).
             "render_procs": len(self.renders.pids) if self.renders is not None else 0,
-            **{k: v - self._work_base.get(k, 0) for k, v in P.COUNTERS.snapshot().items()},
+            **self.work_counts(),
             "uptime_s": round(now - self.started, 1),
         }
         out: dict[FieldT, EncodableT] = {k: str(v) for k, v in fields.items()}
