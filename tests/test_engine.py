@@ -209,3 +209,45 @@ def test_lower_priority_number_is_admitted_first(tiny_model: Path, refs: dict) -
     finally:
         eng.close(timeout=10)
     assert order == ["small", "mid", "big-1", "big-2"]
+
+
+_SIGNALLED_WAIT = """
+import queue, signal, sys, time
+from vlmq.worker.engine import EngineState
+outbox = EngineState().outbox
+seen = []
+signal.signal(signal.SIGUSR1, lambda *_: seen.append(1))
+print("ready", flush=True)
+while len(seen) < int(sys.argv[1]):
+    try:
+        outbox.get(timeout=0.01)  # what the worker's main loop does while it idles
+    except queue.Empty:
+        pass
+print("done", flush=True)
+"""
+
+
+def test_a_signal_during_the_main_loops_wait_never_wedges_it() -> None:
+    """The main thread waits on the outbox with a timeout, and SIGTERM lands there. On
+    CPython 3.11 a SimpleQueue.get(timeout=) interrupted by a signal can block for good
+    (a worker that never stopped, 1 stop in 4 right after start); the outbox must return."""
+    import random
+    import signal
+    import subprocess
+    import sys
+
+    signals = 300
+    proc = subprocess.Popen([sys.executable, "-c", _SIGNALLED_WAIT, str(signals)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        rng = random.Random(0)
+        for _ in range(signals):
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(rng.uniform(0.001, 0.012))
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert out.strip() == "done"

@@ -96,3 +96,21 @@ def test_pages_of_different_pdfs_render_in_different_processes(pool: RenderPool)
         t.join()
     assert not errors
     assert len(pool.pids) == 2
+
+
+def test_children_are_out_of_the_workers_process_group() -> None:
+    """A Ctrl-C or `kill -TERM -<pgid>` reaches a whole process group: were the render
+    children in the worker's, a page mid-render would die and its item fail for good while
+    the worker itself stops gracefully. They run in sessions of their own instead."""
+    import os
+
+    pool = RenderPool(2)
+    try:
+        pool.warm()
+        pids = pool.pids
+        assert len(pids) == 2
+        for pid in pids:
+            assert os.getpgid(pid) != os.getpgrp()
+            assert os.getsid(pid) == pid  # its own session (and group)
+    finally:
+        pool.close()

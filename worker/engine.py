@@ -133,7 +133,10 @@ class EngineState:
 
     inbox: queue.SimpleQueue[tuple[Request, float] | None] = field(
         default_factory=queue.SimpleQueue)
-    outbox: queue.SimpleQueue[Finished] = field(default_factory=queue.SimpleQueue)
+    # A Queue, not a SimpleQueue: the main thread waits on it with a timeout, and on
+    # CPython 3.11 a signal (SIGTERM) landing in SimpleQueue.get(timeout=...) can leave
+    # that call blocked for good, so the worker never stops (tests/test_engine.py).
+    outbox: queue.Queue[Finished] = field(default_factory=queue.Queue)
     closing: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     waiting: int = 0  # submitted, not yet inserted or failed

@@ -66,9 +66,12 @@ class _Slot:
         # One BLAS thread: the child never multiplies matrices, and idle BLAS threads
         # would reserve address space against its budget.
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        # A session of its own: a Ctrl-C or a SIGTERM sent to the worker's process group
+        # must not kill a page mid-render (its item would fail for good). The worker stops
+        # its children itself, and a child exits when the worker is gone (render_child).
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vlmq.worker.render_child", str(self.mem_mb)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True)
         self.docs.clear()
 
     def await_ready(self) -> subprocess.Popen[bytes]:
