@@ -358,7 +358,7 @@ def test_render_failures_and_timeouts_are_counted_from_the_pool_s_errors() -> No
     stats = WorkerStats("w", 4, 8)
     pool = RenderPool(1, mem_mb=256, timeout_s=0.5)
     try:
-        for data, timeout in ((drawing_bomb_pdf(2_000_000), 0.5),  # over the memory limit
+        for data, timeout in ((drawing_bomb_pdf(2_000_000), 30.0),  # over the memory limit
                               (drawing_bomb_pdf(2_000_000), 0.001)):  # over the time limit
             pool.timeout_s = timeout
             with pytest.raises(PreprocessError) as caught:
