@@ -75,17 +75,20 @@ class Group:
     prepared: Prepared
 
 
-def _object(text: str) -> dict[str, Any]:
+def line_object(text: str, fields: Sequence[str] = FIELDS,
+                required: Sequence[str] = REQUIRED) -> dict[str, Any]:
+    """One line as a JSON object holding only `fields`, every `required` one among them
+    (PayloadError naming the field): the first check of a manifest or batch-file line."""
     try:
         raw: Any = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as exc:
         raise PayloadError("(line)", f"is not JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise PayloadError("(line)", f"must be a JSON object, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - set(FIELDS))
+    unknown = sorted(set(raw) - set(fields))
     if unknown:
-        raise PayloadError(unknown[0], f"unknown field (allowed: {', '.join(FIELDS)})")
-    for name in REQUIRED:
+        raise PayloadError(unknown[0], f"unknown field (allowed: {', '.join(fields)})")
+    for name in required:
         if name not in raw:
             raise PayloadError(name, "is required")
     return raw
@@ -130,7 +133,7 @@ def _schema(value: Any, base: Path, files: dict[Path, dict[str, Any]]) -> Any:
 
 def parse_line(number: int, text: str, base: Path,
                schemas: dict[Path, dict[str, Any]] | None = None) -> Request:
-    raw = _object(text)
+    raw = line_object(text)
     custom_id, task, file, pages = _own_fields(raw)
     if raw.get("schema") is not None:
         raw["schema"] = _schema(raw["schema"], base, {} if schemas is None else schemas)

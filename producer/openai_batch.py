@@ -42,7 +42,13 @@ from typing import Any
 from urllib.parse import unquote
 
 from vlmq.producer.batch import JOB_ITEMS
-from vlmq.producer.manifest import Group, Request, check_custom_id, read_manifest
+from vlmq.producer.manifest import (
+    Group,
+    Request,
+    check_custom_id,
+    line_object,
+    read_manifest,
+)
 from vlmq.producer.options import JobOptions
 from vlmq.shared import constants as C
 from vlmq.shared import settings as S
@@ -82,7 +88,7 @@ def read_openai_batch(path: str | Path, base: JobOptions, *, spool: Path,
 
 def parse_request(number: int, text: str, *, folder: Path, spool: Path) -> Request:
     """One line as a manifest Request; PayloadError names the field (body.messages[0]...)."""
-    raw = _object(text)
+    raw = line_object(text, LINE_FIELDS, ())
     for name in LINE_FIELDS:
         if name not in raw:
             raise PayloadError(name, "is required")
@@ -115,19 +121,6 @@ def parse_request(number: int, text: str, *, folder: Path, spool: Path) -> Reque
     return Request(line=number, custom_id=custom_id, task=task, file=file, pages=None,
                    settings={k: v for k, v in settings.items() if v is not None},
                    source=source, field=field, one_item=True)
-
-
-def _object(text: str) -> dict[str, Any]:
-    try:
-        raw: Any = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise PayloadError("(line)", f"is not JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise PayloadError("(line)", f"must be a JSON object, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - set(LINE_FIELDS))
-    if unknown:
-        raise PayloadError(unknown[0], f"unknown field (allowed: {', '.join(LINE_FIELDS)})")
-    return raw
 
 
 def _check_body_fields(body: Mapping[str, Any]) -> None:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import errno
 import importlib.metadata as md
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import TypeVar
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, start_http_server
@@ -33,6 +34,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 BEFORE_FIRST_TOKEN = ("preprocess_s", "queue_s", "vision_s", "embed_s", "prefill_s")
 AFTER_FIRST_TOKEN = ("generate_s",)
 
+Labels = TypeVar("Labels", bound=tuple[str, ...])
 InFlight = Callable[[], tuple[int, int]]  # (jobs in flight, items in preparation)
 
 
@@ -61,29 +63,15 @@ class WorkerCollector(Collector):
                                value={"name": s.name, "model": s.model,
                                       "model_type": s.model_type, "blas": s.blas,
                                       "version": version()})
-        items = CounterMetricFamily("vlmq_items", "Item results stored, by task and outcome.",
-                                    labels=["task", "outcome"])
-        for (task, outcome), n in sorted(items_by.items()):
-            items.add_metric([task, outcome], n)
-        yield items
-        tokens = CounterMetricFamily("vlmq_tokens", "Tokens of items the model ran (not "
-                                     "result-cache hits), by task and kind.",
-                                     labels=["task", "kind"])
-        for (task, kind), n in sorted(tokens_by.items()):
-            tokens.add_metric([task, kind], n)
-        yield tokens
-        phases = CounterMetricFamily("vlmq_item_phase_seconds", "Seconds items spent in each "
-                                     "phase (preprocess, queue, vision, embed, prefill, "
-                                     "generate, ...), summed.", labels=["phase"])
-        for name, seconds in sorted(phase_s.items()):
-            phases.add_metric([name.removesuffix("_s")], seconds)
-        yield phases
-        jobs = CounterMetricFamily("vlmq_jobs", "Jobs taken, refused, finished, failed or "
-                                   "requeued by this worker, by queue.",
-                                   labels=["queue", "event"])
-        for (queue, event), n in sorted(jobs_by.items()):
-            jobs.add_metric([queue, event], n)
-        yield jobs
+        yield _labelled("vlmq_items", "Item results stored, by task and outcome.",
+                        ["task", "outcome"], items_by)
+        yield _labelled("vlmq_tokens", "Tokens of items the model ran (not result-cache "
+                        "hits), by task and kind.", ["task", "kind"], tokens_by)
+        yield _labelled("vlmq_item_phase_seconds", "Seconds items spent in each phase "
+                        "(preprocess, queue, vision, embed, prefill, generate, ...), summed.",
+                        ["phase"], {(name.removesuffix("_s"),): v for name, v in phase_s.items()})
+        yield _labelled("vlmq_jobs", "Jobs taken, refused, finished, failed or requeued by "
+                        "this worker, by queue.", ["queue", "event"], jobs_by)
         yield from self._caches()
         yield from self._work()
         yield from self._engine()
@@ -148,6 +136,15 @@ class WorkerCollector(Collector):
                        "attempt counts).", e.repetitions if e is not None else 0)
         yield _counter("vlmq_mlx_busy_seconds", "Seconds the MLX thread spent in model work.",
                        e.busy_s if e is not None else 0.0)
+
+
+def _labelled(name: str, doc: str, labels: list[str],
+             values: Mapping[Labels, float]) -> CounterMetricFamily:
+    """A counter with one sample per label tuple, in label order."""
+    out = CounterMetricFamily(name, doc, labels=labels)
+    for key, value in sorted(values.items()):
+        out.add_metric(list(key), value)
+    return out
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

@@ -255,9 +255,7 @@ class Preparer:
 
     def _load_image(self, settings: JobSettings, item: Item) -> Any:
         side = settings.side_for(item.kind)
-        # Called only when the bytes are needed (a render child may have the PDF open).
-        fetch: Callable[[], bytes] = (partial(self.stores.read, item) if item.ref is not None
-                                      else partial(P.fetch_blob, self.blobs, item.sha256))
+        fetch = self._fetcher(item)
         try:
             if item.kind == "pdf":
                 assert item.page is not None
@@ -271,12 +269,18 @@ class Preparer:
         except VlmqError as exc:
             raise PrepError(str(exc)) from exc
 
+    def _fetcher(self, item: Item) -> Callable[[], bytes]:
+        """What reads the item's bytes, called only when they are needed (a render child
+        may have the PDF open, the TIFF cache its pages)."""
+        if item.ref is not None:
+            return partial(self.stores.read, item)
+        return partial(P.fetch_blob, self.blobs, item.sha256)
+
     def text_layer(self, item: Item) -> TL.Layer | None:
         """A PDF item's page text layer, judged; None when it cannot be read (the page then
         goes to the model, which says what is wrong with it)."""
         assert item.page is not None
-        fetch: Callable[[], bytes] = (partial(self.stores.read, item) if item.ref is not None
-                                      else partial(P.fetch_blob, self.blobs, item.sha256))
+        fetch = self._fetcher(item)
         try:
             if self.renderer is not None:
                 return self.renderer.text_layer(fetch, item.page, doc_key=item.sha256)

@@ -103,24 +103,35 @@ def decode_image(data: bytes, max_side: int | None) -> Image.Image:
     except OSError as exc:
         raise PreprocessError(f"corrupt image header ({exc})") from exc
     with im:
-        w, h = im.size
-        if w < 1 or h < 1:
-            raise PreprocessError(f"image has an empty size ({w}x{h})")
-        if w * h > C.MAX_IMAGE_PIXELS:
-            raise PreprocessError(f"image is {w}x{h} = {w * h} pixels, over the limit of "
-                                  f"{C.MAX_IMAGE_PIXELS} (decompression bomb guard)")
-        check_aspect(w, h, "image")
+        w, h = _check_frame(im, "image")
         if max_side is not None and im.format == "JPEG" and max(w, h) > 2 * max_side:
             # Let libjpeg decode at 1/2, 1/4 or 1/8 scale; the result is still >= target.
             s = max_side / max(w, h)
             im.draft(None, (math.ceil(w * s), math.ceil(h * s)))
-        try:
-            im.load()
-            upright = ImageOps.exif_transpose(im)
-            rgb = _to_rgb(upright)
-        except (OSError, SyntaxError, ValueError, EOFError) as exc:
-            raise PreprocessError(f"corrupt or truncated image ({exc})") from exc
+        rgb = _upright_rgb(im, "corrupt or truncated image")
     return _bound(rgb, max_side)
+
+
+def _check_frame(im: Image.Image, what: str) -> tuple[int, int]:
+    """The open frame's size, refused (PreprocessError naming `what`) when it is empty,
+    over the pixel limit or too far from square; read from its header, nothing decoded."""
+    w, h = im.size
+    if w < 1 or h < 1:
+        raise PreprocessError(f"{what} has an empty size ({w}x{h})")
+    if w * h > C.MAX_IMAGE_PIXELS:
+        raise PreprocessError(f"{what} is {w}x{h} = {w * h} pixels, over the limit of "
+                              f"{C.MAX_IMAGE_PIXELS} (decompression bomb guard)")
+    check_aspect(w, h, what)
+    return w, h
+
+
+def _upright_rgb(im: Image.Image, failing: str) -> Image.Image:
+    """The open frame decoded, EXIF-upright, in RGB; a decode error is `failing (why)`."""
+    try:
+        im.load()
+        return _to_rgb(ImageOps.exif_transpose(im))
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:
+        raise PreprocessError(f"{failing} ({exc})") from exc
 
 
 def aspect_problem(w: float, h: float, what: str) -> str | None:
@@ -237,20 +248,8 @@ def decode_tiff_page(data: bytes | Callable[[], bytes], page: int, max_side: int
                                   f"{_frames(data)} page(s)") from exc
         except (OSError, SyntaxError, ValueError, TypeError, KeyError, IndexError) as exc:
             raise PreprocessError(f"page {page}: corrupt TIFF directory ({exc})") from exc
-        w, h = im.size
-        if w < 1 or h < 1:
-            raise PreprocessError(f"page {page} has an empty size ({w}x{h})")
-        if w * h > C.MAX_IMAGE_PIXELS:
-            raise PreprocessError(f"page {page} is {w}x{h} = {w * h} pixels, over the limit "
-                                  f"of {C.MAX_IMAGE_PIXELS} (decompression bomb guard)")
-        check_aspect(w, h, f"page {page}")
-        try:
-            im.load()
-            upright = ImageOps.exif_transpose(im)
-            rgb = _to_rgb(upright)
-        except (OSError, SyntaxError, ValueError, EOFError) as exc:
-            raise PreprocessError(f"page {page}: corrupt or truncated TIFF page ({exc})"
-                                  ) from exc
+        _check_frame(im, f"page {page}")
+        rgb = _upright_rgb(im, f"page {page}: corrupt or truncated TIFF page")
     return _bound(rgb, max_side)
 
 

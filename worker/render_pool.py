@@ -90,13 +90,6 @@ class _Slot:
             raise RuntimeError(f"a PDF render process failed to start: {self._death()}") from exc
         return self.proc
 
-    def render(self, data: bytes | Callable[[], bytes], key: str, page: int, side: int,
-               timeout_s: float) -> tuple[Image.Image, bool]:
-        header: dict[str, Any] = {"key": key, "page": page, "max_side": side}
-        reply, pixels = self.request(data, header, timeout_s, "too complex to render")
-        size = (int(reply["w"]), int(reply["h"]))
-        return Image.frombytes("RGB", size, pixels), bool(reply.get("opened"))
-
     def request(self, data: bytes | Callable[[], bytes], header: dict[str, Any],
                 timeout_s: float, failing: str) -> tuple[dict[str, Any], bytes]:
         """One answered request about page `header["page"]` of document `header["key"]`;
@@ -235,36 +228,36 @@ class RenderPool:
         function that fetches it) is used only when no child has the document open."""
         if max_side < 1:
             raise ValueError(f"max_side must be >= 1, got {max_side}")
-        if page < 1:
-            raise P.PreprocessError(f"page {page} is out of range (pages are numbered from 1)")
-        P.COUNTERS.incr("pdf_renders")
-        slot = self._acquire(doc_key)
-        try:
-            img, opened = slot.render(data, doc_key, page, max_side, self.timeout_s)
-        finally:
-            self._release(slot)
-        if opened:
-            P.COUNTERS.incr("pdf_opens")
-        return img
+        reply, pixels = self._ask(data, {"key": doc_key, "page": page, "max_side": max_side},
+                                  "pdf_renders", "too complex to render")
+        return Image.frombytes("RGB", (int(reply["w"]), int(reply["h"])), pixels)
 
     def text_layer(self, data: bytes | Callable[[], bytes], page: int, *,
                    doc_key: str) -> TL.Layer:
         """Same contract as preprocess.pdf_text_layer, out of process."""
-        if page < 1:
-            raise P.PreprocessError(f"page {page} is out of range (pages are numbered from 1)")
-        P.COUNTERS.incr("text_extracts")
-        slot = self._acquire(doc_key)
-        try:
-            reply, _ = slot.request(data, {"op": "text", "key": doc_key, "page": page},
-                                    self.timeout_s, "text layer cannot be read")
-        finally:
-            self._release(slot)
-        if reply.get("opened"):
-            P.COUNTERS.incr("pdf_opens")
+        reply, _ = self._ask(data, {"op": "text", "key": doc_key, "page": page},
+                             "text_extracts", "text layer cannot be read")
         layer = reply.get("layer")
         if not isinstance(layer, dict):
             raise P.PreprocessError(f"page {page}: its render process sent no text layer")
         return TL.Layer.from_wire(layer)
+
+    def _ask(self, data: bytes | Callable[[], bytes], header: dict[str, Any], counter: str,
+             failing: str) -> tuple[dict[str, Any], bytes]:
+        """One request about page `header["page"]` of document `header["key"]`, on the child
+        that best fits it; counted as `counter` (and a document opened, as pdf_opens)."""
+        page = int(header["page"])
+        if page < 1:
+            raise P.PreprocessError(f"page {page} is out of range (pages are numbered from 1)")
+        P.COUNTERS.incr(counter)
+        slot = self._acquire(str(header["key"]))
+        try:
+            reply, body = slot.request(data, header, self.timeout_s, failing)
+        finally:
+            self._release(slot)
+        if reply.get("opened"):
+            P.COUNTERS.incr("pdf_opens")
+        return reply, body
 
     def _acquire(self, doc_key: str) -> _Slot:
         with self._cond:
