@@ -234,34 +234,11 @@ def _worker_params(args: Sequence[str]) -> dict[str, Any]:
 
 def build_spec(ctx: click.Context, kind: str, name: str, system: bool, env_opts: Sequence[str],
                env_file: Path | None, run_as: str | None, worker_args: Sequence[str]) -> Spec:
-    if not NAME_RE.fullmatch(name):
-        raise click.BadParameter(f"{name!r}: letters, digits, _ . - (at most 100)",
-                                 param_hint="--name")
-    if kind == "launchd" and system:
-        raise click.UsageError("launchd: only a LaunchAgent (it runs as you); drop --system")
-    if run_as is not None and not system:
-        raise click.UsageError("--run-as goes with --system")
+    _check_unit_options(kind, name, system, run_as)
     params = _worker_params(worker_args)
-    model = str(params["model"])
-    cache_arg = params.get("cache_dir")
-    if (Path(model).exists() and not Path(model).is_absolute()) or (
-            cache_arg is not None and not Path(cache_arg).is_absolute()):
-        raise click.UsageError("worker arguments: give --model and --cache-dir as absolute "
-                               "paths; the service runs in its cache directory")
-    root = ctx.find_root().obj or {}
-    env = {"REDIS_URL": str(root.get("redis_url") or C.DEFAULT_REDIS_URL)}
-    # The VLMQ_* settings of this shell (prefix, stores, BLAS...), so the service is the
-    # worker `vlmq worker` would run here; --env has the last word.
-    env.update({k: v for k, v in sorted(os.environ.items()) if k.startswith("VLMQ_")})
-    env["PYTHONUNBUFFERED"] = "1"  # log lines reach the log file as they happen
-    env.update(_parse_env(env_opts))
-    system_cache = system and "VLMQ_CACHE" not in env
-    if system_cache:
-        cache_dir = Path("/var/cache") / SYSTEM_CACHE
-    elif "VLMQ_CACHE" in env:
-        cache_dir = Path(env["VLMQ_CACHE"]).expanduser().absolute()
-    else:
-        cache_dir = default_cache_dir().absolute()
+    _check_absolute_paths(params)
+    env = _service_env(ctx, env_opts)
+    cache_dir, system_cache = _cache_dir(env, system)
     env["VLMQ_CACHE"] = str(cache_dir)  # the worker's default would follow $HOME/XDG
     if system:
         run_as = run_as or os.environ.get("SUDO_USER") or getpass.getuser()
@@ -269,6 +246,50 @@ def build_spec(ctx: click.Context, kind: str, name: str, system: bool, env_opts:
                 program=[vlmq_executable(), "worker", *worker_args], env=env,
                 grace=float(params["grace"]), cache_dir=cache_dir, env_file=env_file,
                 run_as=run_as, system_cache=system_cache)
+
+
+def _check_unit_options(kind: str, name: str, system: bool, run_as: str | None) -> None:
+    """Refuse a unit name or a combination the init system cannot run."""
+    if not NAME_RE.fullmatch(name):
+        raise click.BadParameter(f"{name!r}: letters, digits, _ . - (at most 100)",
+                                 param_hint="--name")
+    if kind == "launchd" and system:
+        raise click.UsageError("launchd: only a LaunchAgent (it runs as you); drop --system")
+    if run_as is not None and not system:
+        raise click.UsageError("--run-as goes with --system")
+
+
+def _check_absolute_paths(params: dict[str, Any]) -> None:
+    """The service runs in its cache directory, so a relative local path would name another
+    file there."""
+    model = str(params["model"])
+    cache_arg = params.get("cache_dir")
+    if (Path(model).exists() and not Path(model).is_absolute()) or (
+            cache_arg is not None and not Path(cache_arg).is_absolute()):
+        raise click.UsageError("worker arguments: give --model and --cache-dir as absolute "
+                               "paths; the service runs in its cache directory")
+
+
+def _service_env(ctx: click.Context, env_opts: Sequence[str]) -> dict[str, str]:
+    """The environment of the worker `vlmq worker` would run here: this root's Redis URL,
+    this shell's VLMQ_* settings (prefix, stores, BLAS...), then --env, which has the last
+    word."""
+    root = ctx.find_root().obj or {}
+    env = {"REDIS_URL": str(root.get("redis_url") or C.DEFAULT_REDIS_URL)}
+    env.update({k: v for k, v in sorted(os.environ.items()) if k.startswith("VLMQ_")})
+    env["PYTHONUNBUFFERED"] = "1"  # log lines reach the log file as they happen
+    env.update(_parse_env(env_opts))
+    return env
+
+
+def _cache_dir(env: dict[str, str], system: bool) -> tuple[Path, bool]:
+    """(the service's cache and working directory, whether systemd makes it): VLMQ_CACHE
+    when set, else systemd's CacheDirectory= for a system unit, else the user's default."""
+    if system and "VLMQ_CACHE" not in env:
+        return Path("/var/cache") / SYSTEM_CACHE, True
+    if "VLMQ_CACHE" in env:
+        return Path(env["VLMQ_CACHE"]).expanduser().absolute(), False
+    return default_cache_dir().absolute(), False
 
 
 def render(spec: Spec) -> bytes:

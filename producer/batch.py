@@ -166,11 +166,7 @@ def submit_parts(client: Client, parts: Sequence[Part], *,
         job = client.submit(parts[0].task, parts[0].prepared, parts[0].options)
         job.rejected = list(rejected)
         return job
-    for part in parts:
-        if part.options.job_id is not None:
-            raise PayloadError("job_id", f"names one job, and this set makes {len(parts)} "
-                                         "jobs (drop --job-id, or raise --job-size)")
-        part.options.payload(part.task, part.prepared.items)  # refused before any write
+    _check_parts(parts)
     batch_id = new_batch_id()
     job_ids = [uuid.uuid4().hex for _ in parts]
     shown = labels if labels is not None else parts[0].options.labels
@@ -183,14 +179,30 @@ def submit_parts(client: Client, parts: Sequence[Part], *,
                 continue  # the batch was canceled while this producer was enqueueing it
             jobs.append(client.submit(part.task, part.prepared,
                                       part.options.with_(batch=batch_id, job_id=job_id)))
-    finally:  # jobs not enqueued (an error, Ctrl-C) are counted out: the batch still ends
-        enqueued = {j.id for j in jobs}
-        for job_id in job_ids:
-            if job_id not in enqueued and client.redis.sismember(pending, job_id) \
-                    and not client.redis.exists(Keys.rq_job(job_id)):
-                manage.abandon(client.redis, client.keys, job_id)
+    finally:
+        _count_out(client, pending, job_ids, {j.id for j in jobs})
     blobs = {sha for p in parts for sha in p.prepared.blobs}
     return Batch(client, batch_id, jobs=jobs, rejected=rejected, blobs=len(blobs))
+
+
+def _check_parts(parts: Sequence[Part]) -> None:
+    """Refuse the set before anything is written: a job id cannot name several jobs, and
+    every part's payload must be valid."""
+    for part in parts:
+        if part.options.job_id is not None:
+            raise PayloadError("job_id", f"names one job, and this set makes {len(parts)} "
+                                         "jobs (drop --job-id, or raise --job-size)")
+        part.options.payload(part.task, part.prepared.items)
+
+
+def _count_out(client: Client, pending: str, job_ids: Sequence[str],
+               enqueued: set[str]) -> None:
+    """Count out the batch's jobs that were not enqueued (an error, Ctrl-C), so the batch
+    still ends once the others have."""
+    for job_id in job_ids:
+        if job_id not in enqueued and client.redis.sismember(pending, job_id) \
+                and not client.redis.exists(Keys.rq_job(job_id)):
+            manage.abandon(client.redis, client.keys, job_id)
 
 
 def submit_set(client: Client, task: str, prepared: Prepared, options: JobOptions, *,

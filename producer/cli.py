@@ -181,11 +181,7 @@ def enqueue(ctx: click.Context, manifest: str | None, openai_batch: str | None,
     --openai-batch."""
     if ctx.invoked_subcommand is not None:
         ctx.meta["vlmq.allow_eviction"] = allow_eviction  # before the task or after it
-        given = ctx.get_parameter_source("stores") == click.core.ParameterSource.COMMANDLINE
-        if manifest or openai_batch or queue or skip_bad or labels or as_json or given:
-            raise click.UsageError("--manifest/--openai-batch/--queue/--skip-bad/--label/"
-                                   "--json/--store before the task go with --manifest or "
-                                   "--openai-batch only; put them after the task")
+        _refuse_file_options(ctx, manifest, openai_batch, queue, skip_bad, labels, as_json)
         return
     if manifest is not None and openai_batch is not None:
         raise click.UsageError("give --manifest or --openai-batch, not both")
@@ -194,17 +190,35 @@ def enqueue(ctx: click.Context, manifest: str | None, openai_batch: str | None,
         ctx.exit(EXIT_BAD_INPUT)
     base = JobOptions.build(queue=queue, labels=labels or None)
     with ExitStack() as stack:
-        if openai_batch is not None:
-            # Its data: images wait here, checked, until they are uploaded.
-            spool = stack.enter_context(tempfile.TemporaryDirectory(prefix="vlmq-batch-"))
-            groups, rejected = read_openai_batch(openai_batch, base, spool=Path(spool),
-                                                 skip_bad=skip_bad, job_size=job_size)
-        else:
-            assert manifest is not None
-            groups, rejected = read_manifest(manifest, base, skip_bad=skip_bad,
-                                             job_size=job_size)
+        groups, rejected = _read_request_file(stack, manifest, openai_batch, base,
+                                              skip_bad=skip_bad, job_size=job_size)
         _submit_groups(ctx, groups, rejected, labels, as_json, stores, max_pending_mb,
                        allow_eviction)
+
+
+def _refuse_file_options(ctx: click.Context, *given: object) -> None:
+    """The options of --manifest/--openai-batch given before a task subcommand: refused,
+    since the task would not see them (its own go after it)."""
+    stores_given = (ctx.get_parameter_source("stores")
+                    == click.core.ParameterSource.COMMANDLINE)
+    if any(given) or stores_given:
+        raise click.UsageError("--manifest/--openai-batch/--queue/--skip-bad/--label/"
+                               "--json/--store before the task go with --manifest or "
+                               "--openai-batch only; put them after the task")
+
+
+def _read_request_file(stack: ExitStack, manifest: str | None, openai_batch: str | None,
+                       base: JobOptions, *, skip_bad: bool, job_size: int
+                       ) -> tuple[list[Group], list[tuple[int, str]]]:
+    """The jobs of a manifest or an OpenAI Batch file (exactly one is given), and its
+    rejected lines. An OpenAI batch's data: images wait, checked, in a spool folder that
+    `stack` removes once they are uploaded."""
+    if openai_batch is not None:
+        spool = stack.enter_context(tempfile.TemporaryDirectory(prefix="vlmq-batch-"))
+        return read_openai_batch(openai_batch, base, spool=Path(spool), skip_bad=skip_bad,
+                                 job_size=job_size)
+    assert manifest is not None
+    return read_manifest(manifest, base, skip_bad=skip_bad, job_size=job_size)
 
 
 def _submit_groups(ctx: click.Context, groups: Sequence[Group],

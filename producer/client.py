@@ -26,7 +26,7 @@ from vlmq.producer import manage
 from vlmq.producer.errors import JobNotFound
 from vlmq.producer.inputs import PageSpec, Prepared, prepare
 from vlmq.producer.options import JOB_FIELDS, JobOptions
-from vlmq.producer.progress import display
+from vlmq.producer.progress import ProgressBar, ProgressLines, display
 from vlmq.producer.upload import DEFAULT_MAX_PENDING_MB, Uploader
 from vlmq.shared import constants as C
 from vlmq.shared import job_index, json_schema, redis_checks
@@ -522,11 +522,7 @@ def wait_all(jobs: Sequence[Job], *, timeout: float | None = None,
         shown = display(stack, total, "items") if progress else None
         while True:
             try:
-                statuses = {j.id: j.status() for j in jobs}
-                done = sum(j.progress()[0] for j in jobs)
-                ended = all(s in TERMINAL for s in statuses.values())
-                if shown is not None:
-                    shown.update(done, final=ended)
+                statuses, done, ended = _look(jobs, shown)
                 if ended:
                     return statuses
                 wait_s = _wait_s(deadline, poll_s)
@@ -537,6 +533,18 @@ def wait_all(jobs: Sequence[Job], *, timeout: float | None = None,
                 if not transient(exc):
                     raise
                 _ride_out(client, exc, deadline, timeout, poll_s)
+
+
+def _look(jobs: Sequence[Job], shown: ProgressBar | ProgressLines | None
+          ) -> tuple[dict[str, str], int, bool]:
+    """One look at every job: (statuses, items done, whether all have ended); the bar, when
+    shown, moves to it."""
+    statuses = {j.id: j.status() for j in jobs}
+    done = sum(j.progress()[0] for j in jobs)
+    ended = all(s in TERMINAL for s in statuses.values())
+    if shown is not None:
+        shown.update(done, final=ended)
+    return statuses, done, ended
 
 
 def _wait_s(deadline: float | None, poll_s: float) -> float:

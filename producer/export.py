@@ -187,21 +187,9 @@ def export_results(results: Iterable[ItemResult], root: Path, fmt: str = "md",
     holding its objects (formats.extract_file), whatever fmt; an object is the output
     there, and a .md or .txt of it would only be its JSON text again.
     """
-    render = formats.FORMATS[fmt].file if fmt in formats.FORMATS else None
-    if render is None:
-        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
-    if extract:
-        render = formats.extract_file
-    image_suffix = ".json" if fmt == "json" or extract else ".txt"
-    doc_suffix = ".json" if extract else f".{fmt}"
+    render, image_suffix, doc_suffix = _file_form(fmt, extract)
     report = ExportReport()
-    docs: dict[str, list[ItemResult]] = {}
-    images: list[ItemResult] = []
-    for r in results:
-        if r.page is not None:
-            docs.setdefault(r.source, []).append(r)
-        else:
-            images.append(r)
+    docs, images = _by_file(results)
     tree = _Tree(root)
     try:
         for r in images:
@@ -216,6 +204,33 @@ def export_results(results: Iterable[ItemResult], root: Path, fmt: str = "md",
     finally:
         tree.close()
     return report
+
+
+def _file_form(fmt: str, extract: bool) -> tuple[formats.RenderFile, str, str]:
+    """(what renders a file, an image's suffix, a paged document's suffix) for a format; an
+    extract job's files are its objects, `.json`, whatever the format."""
+    render = formats.FORMATS[fmt].file if fmt in formats.FORMATS else None
+    if render is None:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    if extract:
+        render = formats.extract_file
+    image_suffix = ".json" if fmt == "json" or extract else ".txt"
+    doc_suffix = ".json" if extract else f".{fmt}"
+    return render, image_suffix, doc_suffix
+
+
+def _by_file(results: Iterable[ItemResult]
+             ) -> tuple[dict[str, list[ItemResult]], list[ItemResult]]:
+    """(each paged source's pages, in the order given; the images): a document is one file,
+    an image one file each."""
+    docs: dict[str, list[ItemResult]] = {}
+    images: list[ItemResult] = []
+    for r in results:
+        if r.page is not None:
+            docs.setdefault(r.source, []).append(r)
+        else:
+            images.append(r)
+    return docs, images
 
 
 def _emit(report: ExportReport, tree: _Tree, source: str, suffix: str, text: str,

@@ -308,28 +308,44 @@ def _unique(names: Sequence[str], taken: set[str]) -> list[str]:
 def render_csv_jobs(views: Sequence[JobResults]) -> str:
     """Several jobs as one table: one header, the columns of every job's items."""
     rows = [(view.job.task == EXTRACT, r) for view in views for r in view.results]
-    fields: dict[str, None] = {}  # the objects' top-level fields, in first-seen order
-    whole = False  # some object is not a JSON object (a top-level array): a json column
+    fields, whole, texts = _csv_columns(views, rows)
+    tail = ["json"] * whole + ["text"] * texts + ["error"]
+    headers = [*_FIXED, *_unique(fields, {*_FIXED, *tail}), *tail]
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\r\n")  # RFC 4180: CRLF, quotes where needed
+    writer.writerow([csv_cell(h) for h in headers])
+    for extract, r in rows:
+        writer.writerow([csv_cell(c) for c in _csv_row(extract, r, fields, whole, texts)])
+    return out.getvalue()
+
+
+def _csv_columns(views: Sequence[JobResults], rows: Sequence[tuple[bool, ItemResult]]
+                 ) -> tuple[list[str], bool, bool]:
+    """What the table needs columns for: (the extract objects' top-level fields in
+    first-seen order, whether some object is not a JSON object (a top-level array: a json
+    column), whether some job has text (a text column))."""
+    fields: dict[str, None] = {}
+    whole = False
     for extract, r in rows:
         if extract and isinstance(r.json, dict):
             fields.update(dict.fromkeys(r.json))
         elif extract and r.json is not None:
             whole = True
     texts = any(view.job.task != EXTRACT for view in views)
-    tail = ["json"] * whole + ["text"] * texts + ["error"]
-    headers = [*_FIXED, *_unique(list(fields), {*_FIXED, *tail}), *tail]
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\r\n")  # RFC 4180: CRLF, quotes where needed
-    writer.writerow([csv_cell(h) for h in headers])
-    for extract, r in rows:
-        obj = r.json if extract and isinstance(r.json, dict) else {}
-        cells: list[Any] = [r.source, r.page, r.custom_id, *(obj.get(f) for f in fields)]
-        if whole:
-            cells.append(r.json if extract and not isinstance(r.json, dict) else None)
-        if texts:
-            cells.append(None if extract else r.text)
-        writer.writerow([csv_cell(c) for c in [*cells, r.error]])
-    return out.getvalue()
+    return list(fields), whole, texts
+
+
+def _csv_row(extract: bool, r: ItemResult, fields: Sequence[str], whole: bool,
+             texts: bool) -> list[Any]:
+    """One item's cells under _csv_columns' headers; a column the item has no value for is
+    empty."""
+    obj = r.json if extract and isinstance(r.json, dict) else {}
+    cells: list[Any] = [r.source, r.page, r.custom_id, *(obj.get(f) for f in fields)]
+    if whole:
+        cells.append(r.json if extract and not isinstance(r.json, dict) else None)
+    if texts:
+        cells.append(None if extract else r.text)
+    return [*cells, r.error]
 
 
 @_format("csv", "text/csv", several_jobs=True, many=render_csv_jobs)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmq.producer.batch import JOB_ITEMS, split_prepared
-from vlmq.producer.inputs import Prepared, check_file, parse_pages
+from vlmq.producer.inputs import CheckedFile, Prepared, check_file, parse_pages
 from vlmq.producer.options import JobOptions, read_schema_file
 from vlmq.shared import constants as C
 from vlmq.shared import json_schema
@@ -203,18 +203,7 @@ def read_manifest(path: str | Path, base: JobOptions, *, skip_bad: bool = False,
             if req.custom_id in seen:
                 raise PayloadError("custom_id", f"{req.custom_id!r} is already used on line "
                                                 f"{seen[req.custom_id]}")
-            checked = check_file(req.file, source=req.source or str(req.file))
-            paged = checked.kind in C.PAGED_KINDS
-            if req.one_item and checked.pages > 1:
-                raise PayloadError(req.field, f"is a {checked.kind.upper()} of "
-                                              f"{checked.pages} pages, and a request is one "
-                                              "item: give one page per request")
-            if req.pages is not None and not paged:
-                raise PayloadError("pages", f"applies to PDFs and multi-page TIFFs; "
-                                            f"{req.file} is an image")
-            pages: list[int | None] = (list(parse_pages(req.pages, checked.pages,
-                                                        str(req.file)))
-                                       if paged else [None])
+            checked, pages = _checked_pages(req)
         except PayloadError as exc:
             errors.append((number, f"field {exc.field!r} {exc.problem}"))
             continue
@@ -232,6 +221,23 @@ def read_manifest(path: str | Path, base: JobOptions, *, skip_bad: bool = False,
     if not groups:
         raise ManifestError(str(path), errors or [(0, "no requests in the manifest")])
     return _split(groups.values(), job_size), errors
+
+
+def _checked_pages(req: Request) -> tuple[CheckedFile, list[int | None]]:
+    """The request's file checked (type, pages), and the items it asks for: the pages given
+    of a paged file (a one-item request may not name several), else the image itself."""
+    checked = check_file(req.file, source=req.source or str(req.file))
+    paged = checked.kind in C.PAGED_KINDS
+    if req.one_item and checked.pages > 1:
+        raise PayloadError(req.field, f"is a {checked.kind.upper()} of "
+                                      f"{checked.pages} pages, and a request is one "
+                                      "item: give one page per request")
+    if req.pages is not None and not paged:
+        raise PayloadError("pages", f"applies to PDFs and multi-page TIFFs; "
+                                    f"{req.file} is an image")
+    pages: list[int | None] = (list(parse_pages(req.pages, checked.pages, str(req.file)))
+                               if paged else [None])
+    return checked, pages
 
 
 def _split(groups: Iterable[Group], job_size: int = JOB_ITEMS) -> list[Group]:

@@ -36,7 +36,7 @@ import binascii
 import functools
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -180,24 +180,8 @@ def _messages(value: Any) -> tuple[str, tuple[str, str]]:
     image: tuple[str, str] | None = None
     for i, msg in enumerate(value):
         where = f"body.messages[{i}]"
-        if not isinstance(msg, dict):
-            raise PayloadError(where, f"must be an object, got {type(msg).__name__}")
-        unknown = sorted(set(msg) - set(MESSAGE_FIELDS))
-        if unknown:
-            raise PayloadError(f"{where}.{unknown[0]}", "is not supported by vlmq")
-        role = msg.get("role")
-        if role not in ROLES:
-            raise PayloadError(f"{where}.role", f"must be one of {', '.join(ROLES)}, got "
-                                                f"{role!r} (vlmq sends one prompt with one "
-                                                "image, not a conversation)")
-        content = msg.get("content")
-        if isinstance(content, str):
-            texts.append(content)
-            continue
-        if not isinstance(content, list):
-            raise PayloadError(f"{where}.content", "must be a string or a list of parts")
-        for j, part in enumerate(content):
-            text, ref = _part(part, f"{where}.content[{j}]", role)
+        role, content = _message(msg, where)
+        for text, ref in _parts(content, where, role):
             if text is not None:
                 texts.append(text)
             elif ref is not None:
@@ -209,6 +193,34 @@ def _messages(value: Any) -> tuple[str, tuple[str, str]]:
         raise PayloadError("body.messages", "has no image: each request is one image (an "
                                             "image_url part) or one PDF page")
     return "\n\n".join(t for t in texts if t.strip()), image
+
+
+def _message(msg: Any, where: str) -> tuple[str, Any]:
+    """(role, content) of a message with only the fields and roles of one prompt."""
+    if not isinstance(msg, dict):
+        raise PayloadError(where, f"must be an object, got {type(msg).__name__}")
+    unknown = sorted(set(msg) - set(MESSAGE_FIELDS))
+    if unknown:
+        raise PayloadError(f"{where}.{unknown[0]}", "is not supported by vlmq")
+    role = msg.get("role")
+    if role not in ROLES:
+        raise PayloadError(f"{where}.role", f"must be one of {', '.join(ROLES)}, got "
+                                            f"{role!r} (vlmq sends one prompt with one "
+                                            "image, not a conversation)")
+    return role, msg.get("content")
+
+
+def _parts(content: Any, where: str, role: str
+           ) -> Iterator[tuple[str | None, tuple[str, str] | None]]:
+    """A message's content as parts, checked one at a time in order (a string is one text
+    part), so the first problem in the file is the one reported."""
+    if isinstance(content, str):
+        yield content, None
+        return
+    if not isinstance(content, list):
+        raise PayloadError(f"{where}.content", "must be a string or a list of parts")
+    for j, part in enumerate(content):
+        yield _part(part, f"{where}.content[{j}]", role)
 
 
 def _part(part: Any, where: str, role: str) -> tuple[str | None, tuple[str, str] | None]:

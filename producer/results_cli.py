@@ -169,25 +169,37 @@ def result_cmd(ctx: click.Context, job_ids: tuple[str, ...], fmt: str, output: s
     said once on stderr (and in the json and md output).
     """
     form = FORMATS[fmt]
-    several = " or ".join(f.name for f in FORMATS.values() if f.several_jobs)
-    splits = " or ".join(f.name for f in FORMATS.values() if f.split is not None)
     if (not form.several_jobs and len(job_ids) > 1) or (form.split is None and errors_path):
-        raise click.UsageError(f"several job ids need --format {several}; --errors needs "
-                               f"--format {splits}")
+        raise click.UsageError(f"several job ids need --format {_several_jobs_formats()}; "
+                               f"--errors needs --format {_split_formats()}")
     with _client(ctx) as client:
         jobs = expand(client, job_ids)  # every id checked before any is read
         if not form.several_jobs and len(jobs) > 1:
-            raise click.UsageError(f"a batch of several jobs needs --format {several}")
+            raise click.UsageError("a batch of several jobs needs --format "
+                                   f"{_several_jobs_formats()}")
         views = [_read(job) for job in jobs]
-        if errors_path is not None and form.split is not None:
-            split = [form.split(v) for v in views]
-            _write(errors_path, "".join(bad for _, bad in split))
-            text = "".join(ok for ok, _ in split)
-        else:
-            text = form.render_jobs(views)
+        text = _render(form, views, errors_path)
     _write(output, text)
     for view in views:
         for note in _notes(view, form):
             click.echo(note, err=True)
     if any(v.error is not None for v in views):
         sys.exit(EXIT_FAILED)
+
+
+def _several_jobs_formats() -> str:
+    return " or ".join(f.name for f in FORMATS.values() if f.several_jobs)
+
+
+def _split_formats() -> str:
+    return " or ".join(f.name for f in FORMATS.values() if f.split is not None)
+
+
+def _render(form: formats.Format, views: Sequence[JobResults], errors_path: str | None) -> str:
+    """The text for -o/stdout. With --errors (a format that splits), the failed items go to
+    that file now and the text holds the successes."""
+    if errors_path is None or form.split is None:
+        return form.render_jobs(views)
+    split = [form.split(v) for v in views]
+    _write(errors_path, "".join(bad for _, bad in split))
+    return "".join(ok for ok, _ in split)

@@ -61,7 +61,7 @@ from vlmq.shared import json_schema, lua
 from vlmq.shared import settings as S
 from vlmq.shared.errors import InputError, PayloadError, VlmqError
 from vlmq.shared.keys import Keys
-from vlmq.shared.schema import Ref
+from vlmq.shared.schema import ItemResult, Ref
 from vlmq.shared.stores import Stores
 from vlmq.shared.text import as_str
 
@@ -108,6 +108,20 @@ class Schedule:
         if self.task not in TASKS:
             raise ScheduleError(f"task must be {', '.join(TASKS[:-1])} or {TASKS[-1]}, "
                                 f"got {self.task!r}")
+        self._check_when()
+        if self.export_dir is not None and self.sidecar:
+            raise ScheduleError("give at most one of --export and --sidecar")
+        if not self.paths:
+            raise ScheduleError("give at least one path")
+        self.options()  # refuses bad job options now, not at 3 a.m.
+        try:
+            json_schema.check_task(self.task, self.settings.get("schema"))
+        except PayloadError as exc:  # named as the flag that gives it
+            raise ScheduleError(f"--schema {exc.problem}") from None
+
+    def _check_when(self) -> None:
+        """Due times it can compute: one of --every (at least a second) and --cron, in a
+        known time zone; refused when the schedule is made, not when it would fire."""
         if (self.every is None) == (self.cron is None):
             raise ScheduleError("give exactly one of --cron and --every")
         if self.every is not None and not (math.isfinite(self.every) and self.every >= 1):
@@ -118,15 +132,6 @@ class Schedule:
             ZoneInfo(self.tz)
         except (KeyError, ValueError) as exc:
             raise ScheduleError(f"--tz {self.tz!r} is not a known time zone") from exc
-        if self.export_dir is not None and self.sidecar:
-            raise ScheduleError("give at most one of --export and --sidecar")
-        if not self.paths:
-            raise ScheduleError("give at least one path")
-        self.options()  # refuses bad job options now, not at 3 a.m.
-        try:
-            json_schema.check_task(self.task, self.settings.get("schema"))
-        except PayloadError as exc:  # named as the flag that gives it
-            raise ScheduleError(f"--schema {exc.problem}") from None
 
     def options(self) -> JobOptions:
         unknown = set(self.settings) - {r.name for r in S.rows("schedule")}
@@ -253,6 +258,17 @@ def _ref_of(f: FoundFile, stores: Stores) -> Ref | None:
     if hit is not None:
         return Ref(hit[0].name, hit[1])
     return stores.ref_for_path(f.path) if stores else None
+
+
+# A unit of work a run may enqueue: (file, its checking, page or None, unit hash).
+_Candidate = tuple[FoundFile, CheckedFile, int | None, str]
+
+
+def _units(settings: str, f: FoundFile, checked: CheckedFile) -> list[tuple[int | None, str]]:
+    """(page, unit) of each item a checked file makes: a paged file's pages, else one."""
+    pages: list[int | None] = (list(range(1, checked.pages + 1))
+                               if checked.kind in C.PAGED_KINDS else [None])
+    return [(page, _unit(settings, f.source, checked.sha256, page)) for page in pages]
 
 
 def _unit(settings: str, source: str, sha256: str, page: int | None) -> str:
@@ -399,16 +415,12 @@ class ScheduleStore:
         found, missing = scan(sched, stores)
         settings = sched.settings_hash()
         done_key = self.keys.schedule_done(sched.name)
-        pending_key = self.keys.schedule_pending(sched.name)
-        in_flight: set[str] = set()
-        for raw in self.redis.hvals(pending_key):
-            in_flight.update(json.loads(raw)["units"])
+        in_flight = self._in_flight(sched.name)
         current: set[str] = set()
-        candidates: list[tuple[FoundFile, CheckedFile, int | None, str]] = []
+        candidates: list[_Candidate] = []
         bad: list[list[str]] = []
         skipped = 0
-        known = {as_str(k): as_str(v) for k, v in self.redis.hgetall(
-            self.keys.schedule_files(sched.name)).items()}
+        known = self._known_files(sched.name)
         seen: dict[FieldT, EncodableT] = {}  # this run's entries, for the next run
         read = 0
         for f in found:
@@ -419,26 +431,16 @@ class ScheduleStore:
                 continue
             read += entry != known.get(f.path)
             seen[f.path] = entry
-            pages: list[int | None] = (list(range(1, checked.pages + 1))
-                                       if checked.kind in C.PAGED_KINDS else [None])
-            for page in pages:
-                unit = _unit(settings, f.source, checked.sha256, page)
+            for page, unit in _units(settings, f, checked):
                 current.add(unit)
                 if unit in in_flight:
                     skipped += 1
                 else:
                     candidates.append((f, checked, page, unit))
-        flags = (self.redis.smismember(done_key, [c[3] for c in candidates])
-                 if candidates else [])
-        todo = [c for c, flag in zip(candidates, flags, strict=True) if not flag]
+        todo = self._not_done(done_key, candidates)
         skipped += len(candidates) - len(todo)
         self._prune_done(done_key, current)
-        files_key = self.keys.schedule_files(sched.name)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(files_key)  # files gone drop out
-        if seen:
-            pipe.hset(files_key, mapping=seen)
-        pipe.execute()
+        self._save_readings(sched.name, seen)
         out: dict[str, Any] = {"skipped": skipped, "missing": missing, "bad": bad,
                                "files": len(found), "read": read}
         if not todo:
@@ -447,6 +449,34 @@ class ScheduleStore:
         for _, checked, page, _ in todo:
             prepared.add(checked, [page])
         return {**out, **self._submit(sched, prepared, [(c[3], c[0].root) for c in todo])}
+
+    def _in_flight(self, name: str) -> set[str]:
+        """Units in the schedule's jobs still running: not enqueued twice."""
+        in_flight: set[str] = set()
+        for raw in self.redis.hvals(self.keys.schedule_pending(name)):
+            in_flight.update(json.loads(raw)["units"])
+        return in_flight
+
+    def _known_files(self, name: str) -> dict[str, str]:
+        """The last run's reading of each file, by path (see _checked)."""
+        return {as_str(k): as_str(v)
+                for k, v in self.redis.hgetall(self.keys.schedule_files(name)).items()}
+
+    def _save_readings(self, name: str, seen: dict[FieldT, EncodableT]) -> None:
+        """This run's readings replace the last run's, so files gone drop out."""
+        files_key = self.keys.schedule_files(name)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(files_key)
+        if seen:
+            pipe.hset(files_key, mapping=seen)
+        pipe.execute()
+
+    def _not_done(self, done_key: str, candidates: list[_Candidate]) -> list[_Candidate]:
+        """The candidates no earlier run has done (one SMISMEMBER for them all)."""
+        if not candidates:
+            return []
+        flags = self.redis.smismember(done_key, [c[3] for c in candidates])
+        return [c for c, flag in zip(candidates, flags, strict=True) if not flag]
 
     def _submit(self, sched: Schedule, prepared: Prepared,
                 units: list[tuple[str, str]]) -> dict[str, Any]:
@@ -507,23 +537,7 @@ class ScheduleStore:
         except ScheduleError:
             return
         if sched.export_dir is not None or sched.sidecar:
-            report = ExportReport()
-            try:
-                if sched.export_dir is not None:
-                    report = export_results(results, Path(sched.export_dir),
-                                            sched.export_format)
-                else:
-                    for root in sorted(set(roots)):
-                        report.merge(export_results(
-                            [r for r in results
-                             if r.index < len(roots) and roots[r.index] == root],
-                            Path(root), "md"))
-            except OSError as exc:  # a full disk, a read-only folder: say so in the run
-                update["export_error"] = f"{type(exc).__name__}: {exc}"
-                log.warning("schedule %s: export of job %s failed: %s", name, job_id, exc)
-            update.update(exported=len(report.written),
-                          refused=[s for s, _ in report.refused],
-                          kept=[str(k) for k in report.kept])
+            update.update(_export(sched, job_id, results, roots))
         self._update_run(name, job_id, update)
 
     def _update_run(self, name: str, job_id: str, update: dict[str, Any]) -> None:
@@ -538,6 +552,36 @@ class ScheduleStore:
                 continue
             self.redis.hset(key, field_name, json.dumps(run))
             return
+
+
+def _export(sched: Schedule, job_id: str, results: list[ItemResult], roots: list[str]
+            ) -> dict[str, Any]:
+    """Write a finished job's results where the schedule exports them; what its run record
+    says of that. A write error (a full disk, a read-only folder) is said in the record,
+    beside what was written before it."""
+    update: dict[str, Any] = {}
+    report = ExportReport()
+    try:
+        _write_exports(sched, results, roots, report)
+    except OSError as exc:
+        update["export_error"] = f"{type(exc).__name__}: {exc}"
+        log.warning("schedule %s: export of job %s failed: %s", sched.name, job_id, exc)
+    update.update(exported=len(report.written), refused=[s for s, _ in report.refused],
+                  kept=[str(k) for k in report.kept])
+    return update
+
+
+def _write_exports(sched: Schedule, results: list[ItemResult], roots: list[str],
+                   report: ExportReport) -> None:
+    """Into --export's folder, or (--sidecar) beside the inputs: each item's under the root
+    it was found in (`roots`, by item index). `report` gathers each tree as it is done."""
+    if sched.export_dir is not None:
+        report.merge(export_results(results, Path(sched.export_dir), sched.export_format))
+        return
+    for root in sorted(set(roots)):
+        report.merge(export_results(
+            [r for r in results if r.index < len(roots) and roots[r.index] == root],
+            Path(root), "md"))
 
 
 def _add_job_end(run: dict[str, Any], job_id: str, update: dict[str, Any]) -> None:

@@ -78,17 +78,7 @@ def add_cmd(ctx: click.Context, name: str, task: str, paths: tuple[str, ...],
     in its stores (`vlmq scheduler --store`) are enqueued by reference, the rest uploaded.
     Each run enqueues only files (and PDF pages) not yet done under the current settings.
     """
-    remote = [p for p in paths if p.startswith(S3_SCHEME)]
-    for path in paths:
-        if path in remote:
-            if stores and stores.for_url(path) is None:
-                click.echo(f"vlmq: warning: {path} is in none of the stores given here; "
-                           "the scheduler needs a --store holding it", err=True)
-        elif not os.path.exists(path) and not _GLOB & set(path):
-            fail(f"error: {path}: no such file or folder", EXIT_BAD_INPUT)
-    if remote and sidecar:
-        fail("error: --sidecar writes next to local files; use --export DIR with s3:// "
-             "paths", EXIT_BAD_INPUT)
+    remote = _check_paths(paths, stores, sidecar)
     try:
         sched = Schedule(
             name=name, task=task,
@@ -106,6 +96,25 @@ def add_cmd(ctx: click.Context, name: str, task: str, paths: tuple[str, ...],
         except ScheduleError as exc:
             fail(f"error: {exc}", EXIT_BAD_INPUT)
     click.echo(f"schedule {name} added; first run due {iso_time(first)}")
+
+
+def _check_paths(paths: tuple[str, ...], stores: Stores, sidecar: bool) -> list[str]:
+    """The s3:// paths among `paths`, checked as far as this machine can before the
+    schedule is stored: a local path must exist or be a glob; an s3:// one in none of the
+    stores given here is only warned about (the scheduler's machine may have it), and
+    --sidecar, which writes next to local files, is refused with s3:// paths."""
+    remote = [p for p in paths if p.startswith(S3_SCHEME)]
+    for path in paths:
+        if path in remote:
+            if stores and stores.for_url(path) is None:
+                click.echo(f"vlmq: warning: {path} is in none of the stores given here; "
+                           "the scheduler needs a --store holding it", err=True)
+        elif not os.path.exists(path) and not _GLOB & set(path):
+            fail(f"error: {path}: no such file or folder", EXIT_BAD_INPUT)
+    if remote and sidecar:
+        fail("error: --sidecar writes next to local files; use --export DIR with s3:// "
+             "paths", EXIT_BAD_INPUT)
+    return remote
 
 
 @schedule_group.command("list")

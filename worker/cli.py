@@ -12,6 +12,7 @@ import importlib.util
 import os
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -20,6 +21,9 @@ from vlmq.shared.keys import QUEUE_NAME_RE
 from vlmq.shared.stores import Stores, store_option
 from vlmq.worker import families
 from vlmq.worker.paths import default_cache_dir
+
+if TYPE_CHECKING:  # the service loads MLX; the commands import it in their bodies
+    from vlmq.worker.service import WorkerConfig
 
 __all__ = ["default_cache_dir", "register"]
 
@@ -45,6 +49,17 @@ def _split_queues(values: tuple[str, ...]) -> list[str]:
             if name not in out:
                 out.append(name)
     return out
+
+
+def _checked_queues(values: tuple[str, ...]) -> list[str]:
+    """--queues as names in priority order (the defaults when none is given), refused before
+    the model loads when one is not a queue name."""
+    queues = _split_queues(values) or list(DEFAULT_QUEUES)
+    bad = [q for q in queues if not QUEUE_NAME_RE.fullmatch(q)]
+    if bad:
+        raise click.BadParameter(f"{bad[0]!r} is not a queue name (letters, digits, _ . -)",
+                                 param_hint="--queues")
+    return queues
 
 
 @click.command("worker")
@@ -138,11 +153,7 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burs
     from vlmq.worker.repetition import RepetitionGuard
     from vlmq.worker.service import WorkerConfig, run_worker
 
-    queues = _split_queues(queues_opt) or list(DEFAULT_QUEUES)
-    bad = [q for q in queues if not QUEUE_NAME_RE.fullmatch(q)]
-    if bad:
-        raise click.BadParameter(f"{bad[0]!r} is not a queue name (letters, digits, _ . -)",
-                                 param_hint="--queues")
+    queues = _checked_queues(queues_opt)
     redis_url = ctx.obj["redis_url"] if ctx.obj else os.environ.get("REDIS_URL")
     cfg = WorkerConfig(
         redis_url=redis_url or C.DEFAULT_REDIS_URL,
@@ -175,17 +186,25 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burs
     )
     if not with_scheduler:
         ctx.exit(run_worker(cfg))
+    ctx.exit(_run_with_scheduler(ctx, cfg, stores))
+
+
+def _run_with_scheduler(ctx: click.Context, cfg: WorkerConfig, stores: Stores) -> int:
+    """The worker with the scheduler loop beside it, stopped when the worker ends.
+
+    The loop is the producer's (it enqueues): the root command passes it in, so the worker
+    imports nothing from the producer.
+    """
+    from vlmq.worker.service import run_worker
+
     if not ctx.obj or "start_scheduler" not in ctx.obj:
         raise click.UsageError("--with-scheduler needs the `vlmq` root command")
-    # The scheduler loop is the producer's (it enqueues): the root passes it in, so the
-    # worker imports nothing from the producer.
     thread, stop = ctx.obj["start_scheduler"](cfg.redis_url, stores)
     try:
-        rc = run_worker(cfg)
+        return run_worker(cfg)
     finally:
         stop.set()
         thread.join(timeout=30)
-    ctx.exit(rc)
 
 
 @click.group("model")

@@ -80,6 +80,18 @@ def inspect_many(conn: Redis, raws: Sequence[bytes | str]
     only once its size is known). A safe entry's hash comes back with its verdict, for RQ's
     Job.restore; None for the others (and when the hash vanished between the two reads)."""
     out: list[tuple[Verdict, dict[bytes, bytes] | None]] = [(Verdict(None, ""), None)] * len(raws)
+    sized = _check_ids(conn, raws, out)
+    readable = _check_sizes(conn, sized, out)
+    _read_hashes(conn, readable, out)
+    return out
+
+
+# Each step below sets the verdicts of the entries it refuses in `out` and returns the
+# (position, job id) of those that go on to the next one.
+
+def _check_ids(conn: Redis, raws: Sequence[bytes | str],
+               out: list[tuple[Verdict, dict[bytes, bytes] | None]]) -> list[tuple[int, str]]:
+    """Entries that are text and a valid job id: nothing else becomes part of a key."""
     sized: list[tuple[int, str]] = []
     for i, raw in enumerate(raws):
         job_id = decode_entry(raw)
@@ -91,8 +103,15 @@ def inspect_many(conn: Redis, raws: Sequence[bytes | str]
                               hash_exists=bool(conn.exists(Keys.rq_job(job_id)))), None)
         else:
             sized.append((i, job_id))
+    return sized
+
+
+def _check_sizes(conn: Redis, sized: list[tuple[int, str]],
+                 out: list[tuple[Verdict, dict[bytes, bytes] | None]]) -> list[tuple[int, str]]:
+    """Entries whose hash exists, has data and is small enough to read whole (one pipeline
+    of bounded reads)."""
     if not sized:
-        return out
+        return []
     with conn.pipeline(transaction=False) as pipe:
         for _, job_id in sized:
             key = Keys.rq_job(job_id)
@@ -114,8 +133,14 @@ def inspect_many(conn: Redis, raws: Sequence[bytes | str]
             out[i] = (Verdict(job_id, "job hash has no data field (not an RQ job)", True), None)
         else:
             readable.append((i, job_id))
+    return readable
+
+
+def _read_hashes(conn: Redis, readable: list[tuple[int, str]],
+                 out: list[tuple[Verdict, dict[bytes, bytes] | None]]) -> None:
+    """The hashes of sized entries, read whole (one pipeline) and checked field by field."""
     if not readable:
-        return out
+        return
     with conn.pipeline(transaction=False) as pipe:
         for _, job_id in readable:
             pipe.hgetall(Keys.rq_job(job_id))
@@ -126,7 +151,6 @@ def inspect_many(conn: Redis, raws: Sequence[bytes | str]
             continue
         verdict = check_fields(job_id, fields)
         out[i] = (verdict, fields if verdict.reason is None else None)
-    return out
 
 
 def check_fields(job_id: str, fields: Mapping[bytes, bytes]) -> Verdict:

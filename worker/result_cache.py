@@ -301,15 +301,29 @@ def store_results_many(cache: ResultCache,
     """store_results for several jobs' written results, in one round trip."""
     todo: list[tuple[str, list[tuple[str, int, str]]]] = []
     for state, results in jobs:
-        kept = [r for r in results
-                if r.text is not None and cacheable(r)]
-        digests = _digests(cache, state, [r.index for r in kept]) or []
-        entries = [(d, r.index, r.text or "") for d, r in zip(digests, kept, strict=False)
-                   if not r.result_cache_hit or cache.needs_moving(d)]
+        entries = _entries_to_store(cache, state, results)
         if entries:
             todo.append((state.job_id, entries))
     if not todo:
         return 0
+    return _store_all(cache, todo)
+
+
+def _entries_to_store(cache: ResultCache, state: JobState, results: Sequence[ItemResult]
+                      ) -> list[tuple[str, int, str]]:
+    """(digest, index, text) of a job's results the cache should point at: each cacheable
+    one it did not answer itself, and a hit whose entry is near its end (it moves here)."""
+    kept = [r for r in results
+            if r.text is not None and cacheable(r)]
+    digests = _digests(cache, state, [r.index for r in kept]) or []
+    return [(d, r.index, r.text or "") for d, r in zip(digests, kept, strict=False)
+            if not r.result_cache_hit or cache.needs_moving(d)]
+
+
+def _store_all(cache: ResultCache, todo: Sequence[tuple[str, list[tuple[str, int, str]]]]
+               ) -> int:
+    """One pipeline of store calls; how many entries were new. A Redis error is logged and
+    costs only the entries, as the results are already written."""
     pipe = cache.redis.pipeline(transaction=False)
     for job_id, entries in todo:
         cache.store(job_id, entries, pipeline=pipe)
