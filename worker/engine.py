@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from vlmq.worker import blas, kv_budget, structured
+from vlmq.worker import blas, faults, kv_budget, structured
 from vlmq.worker import mlx_adapter as adapter
 from vlmq.worker.mlx_adapter import LoadedModel, Prepared
 from vlmq.worker.repetition import RepetitionGuard
@@ -146,6 +146,7 @@ class EngineState:
     kv_in_flight: int = 0  # sum of the active rows' (prompt + max new tokens)
     peak_kv_in_flight: int = 0
     tower_calls: int = 0
+    isolations: int = 0  # failed steps whose rows were rerun apart to find the culprit
     busy_s: float = 0.0  # MLX thread time in model work (tower, embed, prefill, decode)
     tokens_generated: int = 0
     finished: int = 0
@@ -200,7 +201,10 @@ class Engine:
         self, model_path: str, *, max_batch: int = 8, prefill_batch: int | None = None,
         repetition: RepetitionGuard | None = None,
         max_kv_tokens: int | None = None,
+        fault: faults.StepFault | None = None,
     ) -> None:
+        """`fault`: a test hook raising in place of a generator step (worker/faults.py);
+        None reads VLMQ_FAULT_ROW, which is normally unset."""
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         blas.select()  # before MLX loads in the engine thread; no-op when already chosen
@@ -213,6 +217,7 @@ class Engine:
         self.max_kv_tokens = max_kv_tokens
         self.max_batch = max_batch
         self.prefill_batch = max(1, min(prefill_batch or max_batch, max_batch))
+        self.fault = fault if fault is not None else faults.from_env()
         self.state = EngineState()  # shared with the MLX thread; read it for counters
         self._ready = threading.Event()
         self._loaded: LoadedModel | None = None
@@ -285,6 +290,7 @@ class Engine:
             "finished": st.finished,
             "errors": st.errors,
             "repetitions": st.repetitions,
+            "isolations": st.isolations,
         }
 
     def close(self, timeout: float | None = None) -> None:
@@ -326,7 +332,7 @@ class Engine:
         self._ready.set()
         _Loop(self.state, self._loaded, max_batch=self.max_batch,
               prefill_batch=self.prefill_batch, repetition=self.repetition,
-              max_kv_tokens=self.max_kv_tokens).run()
+              max_kv_tokens=self.max_kv_tokens, fault=self.fault).run()
 
     def _apply_family_limits(self, family: adapter.FamilySpec) -> None:
         """Prefill one prompt at a time where mlx-vlm cannot prefill this family's prompts
@@ -374,7 +380,7 @@ class _Loop:
 
     def __init__(self, state: EngineState, loaded: LoadedModel, *, max_batch: int,
                  prefill_batch: int, repetition: RepetitionGuard | None,
-                 max_kv_tokens: int | None) -> None:
+                 max_kv_tokens: int | None, fault: faults.StepFault | None = None) -> None:
         self.state = state
         self.m = loaded
         self.max_batch = max_batch
@@ -386,6 +392,12 @@ class _Loop:
         self.steps = 0
         self.clear_cache_at: int | None = None
         self.retried: dict[Hashable, str] = {}  # key -> what its first attempt did
+        self.fault = fault
+        # A failed step's rows, rerun in groups (halves) to find the row at fault: the
+        # group running now (nothing else joins it), and the groups still to run.
+        self.suspects: deque[list[tuple[Request, float]]] = deque()
+        self.isolating: set[Hashable] = set()
+        self.isolated: set[Hashable] = set()  # rows that have been rerun apart at least once
         self.gen = self._new_generator()
         if max_kv_tokens is None:
             max_kv_tokens, per_token, weights = kv_budget.model_budget(loaded.model)
@@ -410,12 +422,14 @@ class _Loop:
     def run(self) -> None:
         st = self.state
         while not st.closing.is_set():
-            self._intake(block=not self.live and not self.pending)
+            self._intake(block=not (self.live or self.pending or self.suspects))
             t0 = time.perf_counter()
             self._admit()
             if self.live:
                 self._step()
             st.busy_s += time.perf_counter() - t0
+        while self.suspects:
+            self.pending.extend(self.suspects.popleft())
         st.abort_all("engine closed", self.pending, self.live)
         self.gen.close()
 
@@ -439,6 +453,8 @@ class _Loop:
         it, so a long one is never starved); one over the whole budget runs alone, once
         nothing else is in flight.
         """
+        if self._admit_suspects():
+            return
         admitted = 0
         while self.pending and len(self.live) < self.max_batch and admitted < self.prefill_batch:
             pending = self.pending
@@ -454,10 +470,30 @@ class _Loop:
                             cost, self.kv_budget)
             del pending[first]
             self.warned_over_budget.discard(req.key)
-            risky = req.risky("vision tower") if req.risky is not None else nullcontext()
-            with risky:  # a crash in here is charged to this request's job
-                self._insert(req, submitted_at)
+            self._insert_risky(req, submitted_at)
             admitted += 1
+
+    def _insert_risky(self, req: Request, submitted_at: float) -> None:
+        risky = req.risky("vision tower") if req.risky is not None else nullcontext()
+        with risky:  # a crash in here is charged to this request's job
+            self._insert(req, submitted_at)
+
+    def _admit_suspects(self) -> bool:
+        """While a failed step's rows are rerun apart, only they run: True then (normal
+        admission waits), False once every group has finished."""
+        if self.isolating & {lv.req.key for lv in self.live.values()}:
+            return True
+        self.isolating = set()
+        if not self.suspects:
+            return False
+        if self.live:
+            return True  # rows admitted before the failure finish first, then the group runs
+        group = self.suspects.popleft()
+        self.isolating = {req.key for req, _ in group}
+        self.isolated |= self.isolating
+        for req, submitted_at in group:
+            self._insert_risky(req, submitted_at)
+        return True
 
     def _kv_cost(self, req: Request) -> int:
         prompt = req.prepared.prompt_tokens or 0
@@ -541,33 +577,63 @@ class _Loop:
         import mlx.core as mx
 
         try:
+            if self.fault is not None:
+                self.fault([(lv.req.key, len(lv.tokens)) for lv in self.live.values()])
             _, responses = self.gen.next()
-        except Exception as exc:  # the batch is poisoned; fail its rows, start afresh
-            log.exception("engine: generator step failed")
-            for row in list(self.live.values()):
-                self._finish(row, "error", error=f"generation failed: {type(exc).__name__}: {exc}")
-            self.gen.close()
-            mx.clear_cache()
-            self.gen = self._new_generator()
+        except Exception as exc:  # noqa: BLE001  # whose fault is unknown: _step_failed finds it
+            self._step_failed(exc)
             return
         self.steps += 1
-        stopped, looped = self._take_tokens(responses)
-        if stopped or looped:
-            self._cut(stopped, looped)
+        cuts = self._take_tokens(responses)
+        cuts.failed.extend((lv, lv.req.constraint.failure) for lv in self.live.values()
+                           if lv.req.constraint is not None
+                           and lv.req.constraint.failure is not None)
+        if cuts:
+            self._cut(cuts)
         if self.clear_cache_at is not None and self.steps >= self.clear_cache_at:
             mx.clear_cache()
             self.clear_cache_at = None
 
-    def _take_tokens(
-        self, responses: Iterable[Any]
-    ) -> tuple[list[tuple[_Live, int]], list[tuple[_Live, int, int]]]:
+    def _step_failed(self, exc: Exception) -> None:
+        """A step raised and nothing says which row caused it (an MLX error): start afresh
+        and rerun the rows by halves, each group alone, until a row fails by itself. Rows
+        not at fault restart from their prompts: at temperature 0 they end with the tokens
+        they would have had, and none is failed or charged a retry."""
+        import mlx.core as mx
+
+        rows = list(self.live.values())
+        why = f"generation failed: {type(exc).__name__}: {exc}"
+        if len(rows) == 1:
+            log.error("engine: generator step failed with one row in the batch, %r: %s",
+                      rows[0].req.key, why)
+            alone = " (it fails alone: found by rerunning its batch's rows apart)"
+            self._finish(rows[0], "error",
+                         error=why + (alone if rows[0].req.key in self.isolated else ""))
+        else:
+            log.warning("engine: generator step failed with %d rows in the batch (%s): "
+                        "rerunning them apart to find the row at fault", len(rows), why)
+            self.state.isolations += 1
+            for lv in rows:
+                del self.live[lv.uid]
+                self.state.kv_in_flight -= lv.kv_cost
+            self.state.move(active=-len(rows), waiting=len(rows))
+            half = len(rows) // 2
+            groups = [[(lv.req, lv.inserted_at - lv.timings.get("queue_s", 0.0)) for lv in part]
+                      for part in (rows[:half], rows[half:])]
+            self.suspects.extendleft(reversed(groups))
+            self.isolating = set()
+        try:
+            self.gen.close()
+        except Exception:  # a broken generator is replaced either way
+            log.exception("engine: closing the failed generator raised")
+        mx.clear_cache()
+        self.gen = self._new_generator()
+
+    def _take_tokens(self, responses: Iterable[Any]) -> _Cuts:
         """Add each row's new token and end the rows the generator ended; returns the rows
-        to cut mid-batch: (row, text cut) at a stop string, (row, period, tokens to keep)
-        at a loop."""
+        to cut mid-batch: at a stop string, at a loop, or failed by their own checks."""
         now = time.perf_counter()
-        stopped: list[tuple[_Live, int]] = []
-        looped: list[tuple[_Live, int, int]] = []
-        guard = self.repetition
+        cuts = _Cuts()
         for r in responses:
             lv = self.live.get(r.uid)
             if lv is None:
@@ -576,29 +642,44 @@ class _Loop:
             self.state.tokens_generated += 1
             if lv.first_token_at is None:
                 lv.first_token_at = now
-            if r.finish_reason is not None:
-                self._finish(lv, r.finish_reason)
-                continue
-            cut = self._stop_cut(lv) if lv.stop_window else None
-            loop = guard.find(lv.tokens) if guard is not None and cut is None else None
-            if cut is not None:
-                stopped.append((lv, cut))
-            elif loop is not None:
-                looped.append((lv, *loop))
-        return stopped, looped
+            try:
+                if r.finish_reason is not None:
+                    self._finish(lv, r.finish_reason)
+                else:
+                    self._check_row(lv, cuts)
+            except Exception as exc:  # this row's own failure, cut alone
+                log.exception("engine: row %r failed its checks", lv.req.key)
+                if lv.uid in self.live:
+                    cuts.failed.append((lv, f"{type(exc).__name__}: {exc}"))
+        return cuts
 
-    def _cut(self, stopped: list[tuple[_Live, int]],
-             looped: list[tuple[_Live, int, int]]) -> None:
+    def _check_row(self, lv: _Live, cuts: _Cuts) -> None:
+        """A running row's stop strings and repetition guard."""
+        guard = self.repetition
+        cut = self._stop_cut(lv) if lv.stop_window else None
+        loop = guard.find(lv.tokens) if guard is not None and cut is None else None
+        if cut is not None:
+            cuts.stopped.append((lv, cut))
+        elif loop is not None:
+            cuts.looped.append((lv, *loop))
+
+    def _cut(self, cuts: _Cuts) -> None:
         """Take rows out of the running batch, then end (or retry) them."""
         import mlx.core as mx
 
         mx.synchronize()  # Metal: settle in-flight work before the batch is filtered
-        for lv in [row for row, _ in stopped] + [row for row, _, _ in looped]:
+        failed = {lv.uid: why for lv, why in cuts.failed}
+        for lv in cuts.rows():
             self.gen.remove(lv.uid)
-        for lv, cut in stopped:
-            self._finish(lv, "stop", cut=cut)
-        for lv, period, keep in looped:
-            self._looped(lv, period, keep)
+        for lv, cut in cuts.stopped:
+            if lv.uid not in failed:
+                self._finish(lv, "stop", cut=cut)
+        for lv, period, keep in cuts.looped:
+            if lv.uid not in failed:
+                self._looped(lv, period, keep)
+        for uid, why in failed.items():
+            if uid in self.live:
+                self._finish(self.live[uid], "error", error=why)
         self.clear_cache_at = self.steps + _CLEAR_CACHE_DELAY
 
     def _looped(self, lv: _Live, period: int, keep: int) -> None:
@@ -632,20 +713,44 @@ class _Loop:
         self, lv: _Live, reason: str, *, cut: int | None = None, error: str | None = None,
         keep: int | None = None, note: str | None = None,
     ) -> None:
+        """End a row for good and emit its result; a row whose output cannot be decoded or
+        judged fails alone, with that reason."""
+        timings, error, note = self._leave(lv, reason, error, note)
+        fin: Finished | None = None
+        if error is None:
+            try:
+                fin = self._result(lv, reason, cut, keep, timings)
+            except Exception as exc:  # this row's detokenizer or matcher, not the batch
+                log.exception("engine: row %r could not be finished", lv.req.key)
+                error = f"output could not be decoded: {type(exc).__name__}: {exc}"
+        if fin is None:
+            fin = _error(lv.req, error or "failed", lv.prompt_tokens, lv.hit, timings)
+            fin.tokens = list(lv.tokens)
+        fin.repetition = note
+        self.state.emit(fin, active=-1)
+
+    def _leave(self, lv: _Live, reason: str, error: str | None,
+               note: str | None) -> tuple[dict[str, float], str | None, str | None]:
+        """Take the row out of the engine's books: its timings, error and retry note."""
         del self.live[lv.uid]
+        self.isolated.discard(lv.req.key)
+        self.state.kv_in_flight -= lv.kv_cost
+        constraint = lv.req.constraint
+        if constraint is not None:
+            constraint.close()
+            if error is None and constraint.failure is not None:
+                error = constraint.failure  # its last step failed as the generator ended it
         earlier = self.retried.pop(lv.req.key, None)
         if note is None and earlier is not None:
             note = (f"{earlier}; retried at temperature {lv.req.temperature}: "
                     f"ended with {reason}")
-        self.state.kv_in_flight -= lv.kv_cost
         now = time.perf_counter()
         first = lv.first_token_at or now
         timings = {**lv.timings, "prefill_s": first - lv.inserted_at, "generate_s": now - first}
-        if error is not None:
-            fin = _error(lv.req, error, lv.prompt_tokens, lv.hit, timings)
-            fin.tokens = list(lv.tokens)
-            self.state.emit(fin, active=-1)
-            return
+        return timings, error, note
+
+    def _result(self, lv: _Live, reason: str, cut: int | None, keep: int | None,
+                timings: dict[str, float]) -> Finished:
         body = lv.tokens if keep is None else lv.tokens[:keep]
         if reason == "stop" and cut is None and body and body[-1] in self.eos:
             body = body[:-1]
@@ -658,22 +763,29 @@ class _Loop:
         if lv.req.constraint is not None:
             timings["mask_s"] = lv.req.constraint.mask_s
             value, problem = _json_outcome(lv.req.constraint, lv.tokens, reason, text)
-        self.state.emit(
-            Finished(
-                key=lv.req.key,
-                text=text,
-                finish_reason=reason,
-                prompt_tokens=lv.prompt_tokens,
-                completion_tokens=len(lv.tokens),
-                vision_cache_hit=lv.hit,
-                error=problem,
-                timings=timings,
-                tokens=list(lv.tokens),
-                repetition=note,
-                json=value,
-            ),
-            active=-1,
-        )
+        return Finished(key=lv.req.key, text=text, finish_reason=reason,
+                        prompt_tokens=lv.prompt_tokens, completion_tokens=len(lv.tokens),
+                        vision_cache_hit=lv.hit, error=problem, timings=timings,
+                        tokens=list(lv.tokens), json=value)
+
+
+@dataclass
+class _Cuts:
+    """Rows to take out of the batch after a step, and why."""
+
+    stopped: list[tuple[_Live, int]] = field(default_factory=list)  # (row, text cut)
+    looped: list[tuple[_Live, int, int]] = field(default_factory=list)  # (row, period, keep)
+    failed: list[tuple[_Live, str]] = field(default_factory=list)  # (row, its own error)
+
+    def __bool__(self) -> bool:
+        return bool(self.stopped or self.looped or self.failed)
+
+    def rows(self) -> list[_Live]:
+        seen: dict[int, _Live] = {}
+        for lv in ([r for r, _ in self.stopped] + [r for r, _, _ in self.looped]
+                   + [r for r, _ in self.failed]):
+            seen.setdefault(lv.uid, lv)
+        return list(seen.values())
 
 
 def _json_outcome(constraint: RowConstraint, tokens: list[int], reason: str,

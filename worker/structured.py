@@ -17,10 +17,14 @@ job's results say what constraining cost (timings["mask_s"]).
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import llguidance
 import llguidance.hf
@@ -29,6 +33,9 @@ import numpy as np
 
 from vlmq.shared import json_schema
 
+T = TypeVar("T")
+V = TypeVar("V")
+
 if TYPE_CHECKING:  # MLX loads after the worker picked its BLAS (worker/blas.py)
     import mlx.core as mx
 
@@ -36,10 +43,94 @@ if TYPE_CHECKING:  # MLX loads after the worker picked its BLAS (worker/blas.py)
 # confused model cannot pad forever between tokens).
 _SEPARATORS = (", ", ": ")
 GRAMMAR_CACHE = 64  # compiled grammars kept per worker (schemas of recent jobs)
+# A schema's cost is its own job's: its matcher is built, and its first mask computed, on a
+# prep thread within BUILD_BUDGET_S; each later mask must come within STEP_BUDGET_S or the
+# row is cut. A hostile pattern such as (a{700}){700} costs about 1 s to build and 0.15 s a
+# step on this CPU; an ordinary schema's masks take microseconds.
+BUILD_BUDGET_S = 1.0
+STEP_BUDGET_S = 0.05
+# llguidance's own limits bound what a matcher may build (about 1-2 kB per lexer state),
+# so one schema cannot take the worker's memory; exceeding one puts the matcher in error.
+MAX_LEXER_STATES = 50_000
+MAX_GRAMMAR_SIZE = 200_000
+# Lexer work per build and per step (llguidance's defaults are 1 M and 200 k): ordinary
+# schemas, a 40-field object of dates, emails, enums and patterns included, need under a
+# tenth of this; (a{700}){700} runs out in 0.1 s instead of computing for seconds.
+INITIAL_LEXER_FUEL = 200_000
+STEP_LEXER_FUEL = 50_000
+
+
+def _limits() -> llguidance.LLParserLimits:
+    # verbose_errors off: an error quotes no parser state (a job's data) into messages.
+    return llguidance.LLParserLimits(max_lexer_states=MAX_LEXER_STATES,
+                                     max_grammar_size=MAX_GRAMMAR_SIZE,
+                                     initial_lexer_fuel=INITIAL_LEXER_FUEL,
+                                     step_lexer_fuel=STEP_LEXER_FUEL, verbose_errors=False)
+
+
+def _budget_note() -> str:
+    return (f"the matcher's budget is {BUILD_BUDGET_S:g} s to build, {STEP_BUDGET_S:g} s a "
+            f"step, {MAX_LEXER_STATES} lexer states and {INITIAL_LEXER_FUEL}/"
+            f"{STEP_LEXER_FUEL} lexer fuel")
 
 
 class ConstraintError(ValueError):
-    """A schema the matcher refuses, or a token it cannot take (a bug, not bad input)."""
+    """A schema the matcher refuses, or one over the matcher's budget (its item fails)."""
+
+
+class _Offload:
+    """One daemon thread that runs matcher work, so the caller can stop waiting at a budget.
+
+    llguidance drops the GIL while it computes, and a matcher cannot be interrupted: work
+    past its budget is abandoned here and finishes alone. A daemon thread, not an executor,
+    so an abandoned computation never holds up the worker's exit.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def run(self, work: Callable[[], T], timeout: float) -> T | None:
+        """`work()`'s result, or None when it did not finish within `timeout` seconds."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, daemon=True, name="vlmq-mask")
+            self._thread.start()
+        done = threading.Event()
+        box: list[T] = []
+        failed: list[BaseException] = []
+
+        def job() -> None:
+            try:
+                box.append(work())
+            except Exception as exc:  # noqa: BLE001  # re-raised on the caller's thread
+                failed.append(exc)
+            finally:
+                done.set()
+
+        self._jobs.put(job)
+        if not done.wait(timeout):
+            return None
+        if failed:
+            raise failed[0]
+        return box[0]
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def close(self) -> None:
+        """The thread ends once any abandoned work is done."""
+        if self._thread is not None:
+            self._jobs.put(None)
+
+
+@dataclass(frozen=True)
+class _Template:
+    """A schema's matcher at its first step, mask computed: rows start from copies of it."""
+
+    matcher: llguidance.LLMatcher | None
+    first_mask: np.ndarray | None
+    problem: str | None  # why this schema cannot be matched within budget (cached too)
 
 
 class Structured:
@@ -51,6 +142,7 @@ class Structured:
         self._eos = sorted(eos_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._grammars: OrderedDict[str, str] = OrderedDict()
+        self._templates: OrderedDict[str, _Template] = OrderedDict()
         self._lock = threading.Lock()
 
     @property
@@ -76,30 +168,99 @@ class Structured:
                                               whitespace_pattern="").compile(text)
         except ValueError as exc:
             raise ConstraintError(f"schema: the matcher cannot compile it ({exc})") from exc
-        problem = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        problem = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer,
+                                                        limits=_limits())
         if problem:
             raise ConstraintError(f"schema: the matcher refuses it ({problem})")
         with self._lock:
-            self._grammars[text] = grammar
-            while len(self._grammars) > GRAMMAR_CACHE:
-                self._grammars.popitem(last=False)
+            _remember(self._grammars, text, grammar)
         return grammar
 
     def row(self, schema: dict[str, Any] | str) -> RowConstraint:
-        return RowConstraint(self.tokenizer, self.grammar(schema))
+        """A row's matcher, built here (a prep thread) within the build budget; a schema
+        over it raises ConstraintError, and its next rows raise at once."""
+        text = schema if isinstance(schema, str) else json_schema.schema_text(schema)
+        with self._lock:
+            template = self._templates.get(text)
+        if template is None:
+            template = self._build(self.grammar(text))
+            with self._lock:
+                _remember(self._templates, text, template)
+        if template.problem is not None:
+            raise ConstraintError(template.problem)
+        assert template.matcher is not None and template.first_mask is not None
+        return RowConstraint(template.matcher.deep_copy(), template.first_mask)
+
+    def _build(self, grammar: str) -> _Template:
+        tokenizer = self.tokenizer
+        vocab = int(tokenizer.vocab_size)
+
+        def first() -> tuple[llguidance.LLMatcher, np.ndarray, str]:
+            matcher = llguidance.LLMatcher(tokenizer, grammar, limits=_limits(), log_level=0)
+            mask = np.full((1, (vocab + 31) // 32), -1, dtype=np.int32)
+            if not matcher.is_error():
+                llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
+            return matcher, mask, matcher.get_error() or _probe(matcher, mask)
+
+        offload = _Offload()
+        try:
+            built = offload.run(first, BUILD_BUDGET_S)
+        finally:
+            offload.close()
+        if built is None:
+            return _Template(None, None, f"schema: too costly to match: its first mask took "
+                                         f"over {BUILD_BUDGET_S:g} s ({_budget_note()})")
+        matcher, mask, error = built
+        if error:
+            return _Template(None, None, f"schema: too costly to match ({_first_line(error)}; "
+                                         f"{_budget_note()})")
+        return _Template(matcher, mask, None)
+
+
+def _probe(matcher: llguidance.LLMatcher, first_mask: np.ndarray) -> str:
+    """The error of one step past the first, on a copy: a hostile pattern's lexer explodes
+    only once its first token is taken, and found here it costs a prep thread, not the
+    batch. The first allowed token stands in for the model's choice."""
+    bits = np.unpackbits(first_mask.view(np.uint8), bitorder="little")
+    allowed = np.flatnonzero(bits)
+    if allowed.size == 0:
+        return ""
+    trial = matcher.deep_copy()
+    if trial.consume_token(int(allowed[0])):
+        llguidance.numpy.fill_next_token_bitmask(trial, np.empty_like(first_mask), 0)
+    return trial.get_error()
+
+
+def _remember(cache: OrderedDict[str, V], text: str, value: V) -> None:
+    cache[text] = value
+    cache.move_to_end(text)
+    while len(cache) > GRAMMAR_CACHE:
+        cache.popitem(last=False)
+
+
+def _first_line(error: str) -> str:
+    return error.strip().splitlines()[0] if error.strip() else error
 
 
 class RowConstraint:
-    """The logits processor of one row: masks every token the schema does not allow next."""
+    """The logits processor of one row: masks every token the schema does not allow next.
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
-        self.matcher = llguidance.LLMatcher(tokenizer, grammar)
-        error = self.matcher.get_error()
-        if error:
-            raise ConstraintError(f"schema: the matcher refuses it ({error})")
-        self.vocab = int(tokenizer.vocab_size)
-        self._bitmask = np.full((1, (self.vocab + 31) // 32), -1, dtype=np.int32)
+    It never raises into the generator (one row's matcher must not fail the batch): a
+    matcher error, or a mask later than STEP_BUDGET_S, sets `failure`, and the engine cuts
+    this row alone after the step. Each mask is computed on the row's own thread, so a
+    costly one is abandoned at the budget instead of holding up every row.
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, first_mask: np.ndarray, *,
+                 step_budget_s: float = STEP_BUDGET_S) -> None:
+        self.matcher = matcher
+        self.vocab = int(first_mask.shape[1]) * 32
+        self._first = first_mask
+        self._bitmask = first_mask.copy()
         self._started = False
+        self._offload = _Offload()
+        self.step_budget_s = step_budget_s
+        self.failure: str | None = None  # why this row must be cut, once it must
         self.consumed = 0  # tokens of the row's output the matcher has taken
         self.mask_s = 0.0  # seconds spent computing and applying masks
         self.steps = 0
@@ -109,6 +270,10 @@ class RowConstraint:
         self.matcher.reset()
         self._started = False
         self.consumed = 0
+
+    def close(self) -> None:
+        """The row has left the batch: its mask thread may end."""
+        self._offload.close()
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         """The first token after prefill (mlx-vlm calls this with the row's context)."""
@@ -120,21 +285,40 @@ class RowConstraint:
         return self._masked(int(last_token), logits)
 
     def _masked(self, last: int | None, logits: mx.array) -> mx.array:
+        if self.failure is not None:
+            return logits  # cut after this step; its token is discarded
         t0 = time.perf_counter()
-        if self._started and last is not None:
-            self._consume(last)
-        self._started = True
-        llguidance.numpy.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
-        out = apply_mask(logits, self._bitmask)
-        self.mask_s += time.perf_counter() - t0
-        self.steps += 1
+        try:
+            if not self._started or last is None:
+                np.copyto(self._bitmask, self._first)  # computed when the row was built
+            elif self._offload.run(partial(self._advance, last), self.step_budget_s) is None:
+                self.failure = (f"schema: too costly to match: a mask step took over the "
+                                f"{self.step_budget_s:g} s step budget ({_budget_note()}); "
+                                f"the row was cut after {self.consumed} tokens")
+                return logits
+            self._started = True
+            out = apply_mask(logits, self._bitmask)
+        except Exception as exc:  # noqa: BLE001  # this row's failure; the batch goes on
+            self.failure = f"{type(exc).__name__}: {exc}"
+            return logits
+        finally:
+            self.mask_s += time.perf_counter() - t0
+            self.steps += 1
         return out
 
-    def _consume(self, token: int) -> None:
-        if not self.matcher.consume_token(token):
-            raise ConstraintError(f"token {token} broke the schema's grammar: "
-                                  f"{self.matcher.get_error()}")
-        self.consumed += 1
+    def _advance(self, token: int) -> bool:
+        """Take the sampled token and compute the next mask (the row's mask thread)."""
+        # The mask allowed only what the grammar takes, so an error here is the matcher
+        # running out of its limits.
+        if self.matcher.consume_token(token):
+            self.consumed += 1
+            llguidance.numpy.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+        error = self.matcher.get_error()
+        if error:
+            raise ConstraintError(f"schema: too costly to match ({_first_line(error)}; "
+                                  f"{_budget_note()}); the row was cut after "
+                                  f"{self.consumed} tokens")
+        return True
 
     def complete(self, tokens: list[int]) -> bool:
         """Whether the row's output `tokens` (its end-of-sequence token included, if any)
