@@ -193,6 +193,7 @@ def test_worker_metrics_names_types_and_values(world: World) -> None:
         "vlmq_result_cache_misses": "counter", "vlmq_pdf_renders": "counter",
         "vlmq_pdf_render_failures": "counter", "vlmq_pdf_render_timeouts": "counter",
         "vlmq_tower_calls": "counter", "vlmq_repetition_cuts": "counter",
+        "vlmq_step_isolations": "counter",
         "vlmq_batch_active_rows": "gauge", "vlmq_batch_max_rows": "gauge",
         "vlmq_items_in_flight": "gauge", "vlmq_jobs_in_flight": "gauge",
         "vlmq_item_seconds": "histogram", "vlmq_item_first_token_seconds": "histogram",

@@ -134,6 +134,8 @@ class WorkerCollector(Collector):
                        "computed).", e.tower_calls if e is not None else 0)
         yield _counter("vlmq_repetition_cuts", "Rows stopped by the repetition guard (each "
                        "attempt counts).", e.repetitions if e is not None else 0)
+        yield _counter("vlmq_step_isolations", "Failed generator steps whose rows were rerun "
+                       "apart to find the one at fault.", e.isolations if e is not None else 0)
         yield _counter("vlmq_mlx_busy_seconds", "Seconds the MLX thread spent in model work.",
                        e.busy_s if e is not None else 0.0)
 
