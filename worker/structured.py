@@ -48,7 +48,8 @@ GRAMMAR_CACHE = 64  # compiled grammars kept per worker (schemas of recent jobs)
 # row is cut. A hostile pattern such as (a{700}){700} costs about 1 s to build and 0.15 s a
 # step on this CPU; an ordinary schema's masks take microseconds.
 BUILD_BUDGET_S = 1.0
-STEP_BUDGET_S = 0.05
+STEP_BUDGET_S = 0.02
+STARVED_WAIT = 20  # a thread the machine starves of CPU is waited for this many budgets
 # llguidance's own limits bound what a matcher may build (about 1-2 kB per lexer state),
 # so one schema cannot take the worker's memory; exceeding one puts the matcher in error.
 MAX_LEXER_STATES = 50_000
@@ -84,22 +85,29 @@ class _Offload:
     llguidance drops the GIL while it computes, and a matcher cannot be interrupted: work
     past its budget is abandoned here and finishes alone. A daemon thread, not an executor,
     so an abandoned computation never holds up the worker's exit.
+
+    The budget is the work's own CPU time where the OS can tell (Linux: the thread's CPU
+    clock), so a loaded machine that starves the thread does not cut an innocent row; it
+    is then waited for up to STARVED_WAIT times the budget. Elsewhere it is wall time.
     """
 
     def __init__(self) -> None:
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._clock: int | None = None
 
     def run(self, work: Callable[[], T], timeout: float) -> T | None:
-        """`work()`'s result, or None when it did not finish within `timeout` seconds."""
+        """`work()`'s result, or None when it took over `timeout` seconds."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, daemon=True, name="vlmq-mask")
             self._thread.start()
         done = threading.Event()
+        started: list[float] = []  # the thread's CPU clock when the work began
         box: list[T] = []
         failed: list[BaseException] = []
 
         def job() -> None:
+            started.append(time.thread_time())
             try:
                 box.append(work())
             except Exception as exc:  # noqa: BLE001  # re-raised on the caller's thread
@@ -108,11 +116,39 @@ class _Offload:
                 done.set()
 
         self._jobs.put(job)
-        if not done.wait(timeout):
+        if not done.wait(timeout) and not self._starved(done, started, timeout):
             return None
         if failed:
             raise failed[0]
         return box[0]
+
+    def _starved(self, done: threading.Event, started: list[float], budget: float) -> bool:
+        """Past the budget in wall time: wait on while the work has used less than the
+        budget in CPU time; True when it then finished."""
+        clock = self._cpu_clock()
+        if clock is None:
+            return False
+        hard = time.monotonic() + budget * STARVED_WAIT
+        while time.monotonic() < hard:
+            try:
+                used = time.clock_gettime(clock) - started[0] if started else 0.0
+            except OSError:  # the thread is gone
+                return done.is_set()
+            if used >= budget:
+                return done.is_set()
+            if done.wait(min(0.005, budget)):
+                return True
+        return done.is_set()
+
+    def _cpu_clock(self) -> int | None:
+        ident = self._thread.ident if self._thread is not None else None
+        getter = getattr(time, "pthread_getcpuclockid", None)  # absent on macOS
+        if self._clock is None and ident is not None and getter is not None:
+            try:
+                self._clock = int(getter(ident))
+            except OSError:
+                return None
+        return self._clock
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
