@@ -128,7 +128,7 @@ def test_a_crashing_validator_fails_the_job_not_the_worker(redis, life, monkeypa
     def broken(job: Job) -> JobPayload:
         raise RuntimeError("validator bug")
 
-    monkeypatch.setattr("vlmq.worker.rq_jobs.payload_of", broken)
+    monkeypatch.setattr("vlmq.worker.intake.payload_of", broken)
     job_id = enqueue(redis, payload(), queue="low")
     refused = take_refused(life)
     assert "validator bug" in refused.reason

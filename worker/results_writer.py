@@ -7,7 +7,7 @@ unreachable, and are written when it is back.
 
 Fencing: every write here is applied only while this worker's execution still owns the
 job (Keys.job_owner), checked atomically with the write: item results by one Lua script
-(shared/write_items.lua), the job's end by JobLifecycle's WATCH transaction. A worker
+(shared/write_items.lua), the job's end by worker/job_end.py's WATCH transaction. A worker
 that stalled past its heartbeat TTL, and whose job another worker took meanwhile, writes
 nothing more for it.
 """
