@@ -14,8 +14,8 @@ import re
 import struct
 import tempfile
 import warnings
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
@@ -26,6 +26,7 @@ from PIL import Image, UnidentifiedImageError
 from vlmq.producer.written import MANIFEST_MAX, MANIFEST_NAME, parse_manifest, written_by_vlmq
 from vlmq.shared import constants as C
 from vlmq.shared import image_formats
+from vlmq.shared import tiff as TIFF
 from vlmq.shared.blobs import sha256_hex
 from vlmq.shared.errors import InputError
 from vlmq.shared.pdfium import PDFIUM_LOCK, open_problem
@@ -36,9 +37,9 @@ PDF_MAGIC = b"%PDF-"
 # The PDF spec lets the header sit anywhere in the first 1024 bytes (PDFium agrees).
 PDF_HEADER_WINDOW = 1024
 # TIFF and BigTIFF, little- and big-endian, plus the two swapped marks Pillow also reads.
-TIFF_MAGICS = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+", b"MM*\x00", b"II\x00*")
+TIFF_MAGICS = TIFF.MARKS
 # A TIFF's pages become items; the payload's page numbers stop here (shared/schema.py).
-MAX_TIFF_PAGES = 1_000_000
+MAX_TIFF_PAGES = C.MAX_TIFF_PAGES
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _RANGE_PART = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?")
 
@@ -267,11 +268,20 @@ def _check_tiff(data: bytes | IO[bytes], source: str) -> int:
 
     A TIFF is a document, each page an item, so each page is checked as an image is: its
     header size against the pixel limit before any decode (a bomb can hide in page 40 of a
-    fax), its aspect ratio, then a full decode to catch truncation. Only the current frame
-    is ever decoded, so memory is one page's however many pages there are. Errors name
-    the page.
+    fax), its aspect ratio, then a full decode to catch truncation. The page chain is
+    walked once (shared/tiff.py) and each page opened directly, so every page costs what
+    page 1 does (Pillow's own seek walks the chain again: O(N^2) over a file). A loop in
+    the chain, a directory past the end of the file or more than MAX_TIFF_PAGES pages
+    refuses the file. Memory is one page's however many pages there are (a file must be
+    the caller's own copy: its pages are mapped). Errors name the page.
     """
-    page = 1
+    try:
+        doc = TIFF.Document(data)
+    except TIFF.TiffError as exc:
+        raise InputError(source, _tiff_problem(exc)) from exc
+    if doc.index.problem is not None:
+        raise InputError(source, _tiff_problem(doc.index.problem))
+    page = 0
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -279,37 +289,28 @@ def _check_tiff(data: bytes | IO[bytes], source: str) -> int:
             # that is a truncated file, refused like any other.
             for message in ("Corrupt EXIF data", "Truncated File Read"):
                 warnings.filterwarnings("error", message=message, category=UserWarning)
-            with Image.open(_stream(data)) as im:
-                if im.format != "TIFF":
-                    raise InputError(source, f"starts like a TIFF but Pillow reads it as "
-                                             f"{im.format}")
-                count = 0
-                while True:
-                    page = count + 1
-                    try:
-                        im.seek(count)  # reads only this page's directory
-                    except EOFError:
-                        if count and im.n_frames == count:
-                            break
-                        raise
-                    count = page
-                    if count > MAX_TIFF_PAGES:
-                        raise InputError(source, f"has more than {MAX_TIFF_PAGES} pages")
+            for page in range(1, doc.pages + 1):
+                with doc.page(page) as fp, Image.open(fp, formats=["TIFF"]) as im:
                     _check_tiff_page(im, source, page)
-    except InputError:
-        raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise InputError(source, f"page {page}: image is larger than the "
                                  f"{C.MAX_IMAGE_PIXELS}-pixel limit (possible "
                                  f"decompression bomb) ({exc})") from exc
     except UnidentifiedImageError as exc:
-        raise InputError(source, "starts like a TIFF but Pillow cannot read it") from exc
+        raise InputError(source, f"page {page}: starts like a TIFF but Pillow cannot read "
+                                 "it") from exc
     except (OSError, SyntaxError, ValueError, EOFError, TypeError, KeyError, IndexError,
             struct.error, UserWarning) as exc:
         # Pillow reports a corrupt directory or truncated strip with any of these.
         raise InputError(source, f"page {page}: is a corrupt or truncated TIFF page "
                                  f"({exc})") from exc
-    return count
+    return doc.pages
+
+
+def _tiff_problem(exc: TIFF.TiffError) -> str:
+    if exc.page is None:
+        return exc.problem
+    return f"page {exc.page}: is a corrupt or truncated TIFF page ({exc.problem})"
 
 
 def _check_tiff_page(im: Image.Image, source: str, page: int) -> None:
@@ -334,15 +335,19 @@ def check_file(path: str | os.PathLike[str], *, source: str | None = None) -> Ch
     p = Path(path)
     name = source if source is not None else str(path)
     data = _read(p, name)
-    if PDF_MAGIC in data[:PDF_HEADER_WINDOW]:
-        kind, pages = "pdf", _pdf_page_count(data, name)
-    elif is_tiff(data):
-        kind, pages = "tiff", _check_tiff(data, name)
-    else:
-        _check_image(data, name)
-        kind, pages = "image", 1
+    kind, pages = _check_content(data, data[:PDF_HEADER_WINDOW], name)
     return CheckedFile(path=p, source=name, kind=kind, pages=pages, sha256=sha256_hex(data),
                        size=len(data))
+
+
+def _check_content(data: bytes | IO[bytes], head: bytes, source: str) -> tuple[str, int]:
+    """(kind, pages) of an input by its content (`head`: its first bytes)."""
+    if PDF_MAGIC in head:
+        return "pdf", _pdf_page_count(data, source)
+    if is_tiff(head):
+        return "tiff", _check_tiff(data, source)
+    _check_image(data, source)
+    return "image", 1
 
 
 def check_stored(store: Store, path: str, source: str, *, name: str | None = None
@@ -350,31 +355,18 @@ def check_stored(store: Store, path: str, source: str, *, name: str | None = Non
     """A file in a store, checked by content as check_file does, as a reference.
 
     It is streamed: hashed in chunks, then PDFium and Pillow read the file itself (an S3
-    object from a spool that goes to disk past SPOOL_BYTES), so memory stays bounded
+    object, or a TIFF, from a copy of its own: see _hashed), so memory stays bounded
     whatever the size. Errors name the file as `name` (default: the source).
     """
     shown = name if name is not None else source
     try:
-        with ExitStack() as stack:
-            raw = stack.enter_context(store.open(path))
-            fh: IO[bytes] = raw
-            if raw.seekable():
-                sha, size = hash_stream(raw)
-            else:
-                fh = stack.enter_context(tempfile.SpooledTemporaryFile(SPOOL_BYTES))
-                sha, size = hash_stream(raw, sink=fh)
+        with store.open(path) as raw, _hashed(raw) as (fh, sha, size):
             if not size:
                 raise InputError(shown, "is empty")
             fh.seek(0)
             head = fh.read(PDF_HEADER_WINDOW)
             fh.seek(0)
-            if PDF_MAGIC in head:
-                kind, pages = "pdf", _pdf_page_count(fh, shown)
-            elif is_tiff(head):
-                kind, pages = "tiff", _check_tiff(fh, shown)
-            else:
-                _check_image(fh, shown)
-                kind, pages = "image", 1
+            kind, pages = _check_content(fh, head, shown)
     except StoreMissing as exc:
         raise InputError(shown, f"no such file ({exc})") from exc
     except StoreError as exc:
@@ -383,6 +375,28 @@ def check_stored(store: Store, path: str, source: str, *, name: str | None = Non
         raise InputError(shown, f"cannot be read: {exc.strerror or exc}") from exc
     return CheckedFile(path=Path(shown), source=source, kind=kind, pages=pages, sha256=sha,
                        size=size, ref=Ref(store.name, path))
+
+
+@contextmanager
+def _hashed(raw: IO[bytes]) -> Iterator[tuple[IO[bytes], str, int]]:
+    """(what to check the file's content from, its sha256, its size), hashed in chunks.
+
+    A stream that cannot seek (S3) is spooled, to memory while small, to disk past
+    SPOOL_BYTES. A TIFF is copied too: its checker maps the file's pages into memory, and
+    a mapping of someone else's file faults if the file is cut meanwhile. Anything else
+    is read in place.
+    """
+    seekable = raw.seekable()
+    if seekable:
+        head = raw.read(len(TIFF_MAGICS[0]))
+        raw.seek(0)
+        if not is_tiff(head):
+            yield (raw, *hash_stream(raw))
+            return
+    with (tempfile.TemporaryFile(prefix="vlmq-tiff-") if seekable
+          else tempfile.SpooledTemporaryFile(SPOOL_BYTES)) as sink:
+        sha, size = hash_stream(raw, sink=sink)
+        yield sink, sha, size
 
 
 def check_found(found: FoundFile, stores: Stores) -> CheckedFile:
@@ -686,17 +700,10 @@ def prepare(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
     """
     stores = stores if stores is not None else Stores()
     found, errors = expand_inputs(paths, stores, recursive=recursive)
-    names = [f.path for f in found]
     prepared = Prepared()
     for done, f in enumerate(found, start=1):
-        name = f.path
         try:
-            _check_name(f)
-            # Errors name the path as found; the item carries the relative source.
-            checked = check_found(f, stores)
-            page_list: list[int | None] = (
-                list(parse_pages(pages, checked.pages, name))
-                if checked.kind in C.PAGED_KINDS else [None])
+            checked, page_list = _checked_pages(f, stores, pages)
         except InputError as exc:
             errors.append(exc)
             continue
@@ -705,10 +712,28 @@ def prepare(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
                 on_file(done, len(found))
         prepared.add(checked, page_list)
         if limit is not None and len(prepared.items) > limit:
-            raise InputError(f"{len(names)} file(s)",
+            raise InputError(f"{len(found)} file(s)",
                              f"the first {done} file(s) already make {len(prepared.items)} "
                              f"items, over the {limit}-item limit per job; Client.submit_set "
                              "(and `vlmq enqueue`) split a set this size into a batch of jobs")
+    return _finished(prepared, errors, skip_bad=skip_bad, pages=pages)
+
+
+def _checked_pages(found: FoundFile, stores: Stores, pages: PageSpec
+                   ) -> tuple[CheckedFile, list[int | None]]:
+    """One found file checked, with the pages of it that become items. Errors name the
+    path as found; the item carries the relative source."""
+    _check_name(found)
+    checked = check_found(found, stores)
+    if checked.kind not in C.PAGED_KINDS:
+        return checked, [None]
+    return checked, list(parse_pages(pages, checked.pages, found.path))
+
+
+def _finished(prepared: Prepared, errors: list[InputError], *, skip_bad: bool,
+              pages: PageSpec) -> Prepared:
+    """The set once every file was looked at: refused whole for a bad file (unless
+    skip_bad), for nothing to enqueue, or for a page range nothing has."""
     if errors and not skip_bad:
         if len(errors) == 1:
             raise errors[0]

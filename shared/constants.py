@@ -33,6 +33,9 @@ MAX_IMAGE_PIXELS = 64_000_000
 # more, so an image (or PDF page) that far from square is refused before any work.
 MAX_ASPECT_RATIO = 200
 MAX_ITEMS_PER_JOB = 10_000
+# A TIFF's pages (its chain of image directories) stop here, for the producer's check and
+# the worker's page index alike: the bound a payload's page numbers have (shared/schema.py).
+MAX_TIFF_PAGES = 1_000_000
 MAX_PROMPT_CHARS = 20_000
 # An extract job's JSON Schema: UTF-8 bytes of its compact JSON (shared/json_schema.py).
 # Real schemas are a few KB; the cap keeps a job hash, the matcher and the default prompt

@@ -8,7 +8,8 @@ and a Linux box's `/mnt/scans` can both be `scans`.
 Every path is resolved here and nowhere else, so the rules hold for every reader: a
 path must be relative, posix, without `..`, backslashes or NUL, and a folder store
 follows a symlink only when its target is inside the store. Nothing outside a store is
-ever opened. Reads of an item verify its size and sha256 while streaming.
+ever opened. Reads of an item verify its size and sha256 while streaming, into a private
+copy (Stores.open_verified), so what is decoded is exactly what was verified.
 
 S3 goes through boto3 (imported only when an S3 store is used): it takes endpoint,
 region and credentials from the standard AWS chain (`AWS_ENDPOINT_URL`,
@@ -20,11 +21,14 @@ payloads or errors: a URL with credentials in it is refused without echoing them
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import stat as stat_mod
+import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -38,7 +42,9 @@ from vlmq.shared.schema import STORE_NAME_RE, Item, Ref
 STORES_ENV = "VLMQ_STORES"
 F = TypeVar("F", bound=Callable[..., Any])
 CHUNK = 1 << 20  # bytes per read while hashing: memory stays bounded whatever the size
-# A referenced input is read whole by the worker (PDFium and Pillow want the bytes).
+_ZEROS = bytes(CHUNK)
+# The producer's bound on a referenced input (it hashes it at enqueue). A worker reads one
+# only up to its own, smaller limit, which follows its decode memory (worker/prepare.py).
 MAX_REF_BYTES = 4 << 30
 
 
@@ -379,38 +385,66 @@ class Stores:
         names are resolved, nothing is opened or read."""
         self.get(ref.store).check(ref.path)
 
-    def read(self, item: Item) -> bytes:
-        """A referenced item's bytes, verified against its size and sha256 as they stream
-        in; StoreError names the reference and what is wrong."""
+    def open_verified(self, item: Item, *, limit: int, why: str = "") -> IO[bytes]:
+        """A referenced item's bytes as an anonymous temporary file (closed by the caller)
+        holding exactly what was hashed; StoreError names the reference and what is wrong.
+
+        The reference may change between a hash and a decode; this copy cannot, so what
+        is decoded is what was verified. It streams: memory stays at one chunk whatever
+        the size, and runs of zeros become holes, so a sparse file stays sparse on disk.
+        An item over `limit` bytes is refused before a byte is read (`why` says where the
+        limit comes from); one that grew past its size is read no further.
+        """
         ref, size, sha = item.ref, item.size, item.ref_sha256
         if ref is None or size is None or sha is None:
             raise StoreError(f"{item.source}: is not a reference")
         store = self.get(ref.store)
-        if size > MAX_REF_BYTES:
-            raise StoreError(f"{ref}: {size} bytes is over the {MAX_REF_BYTES}-byte limit "
-                             "for a referenced input")
-        digest = hashlib.sha256()
-        chunks: list[bytes] = []
-        got = 0
-        with store.open(ref.path) as fh:
-            while got <= size:
-                chunk = fh.read(CHUNK)
-                if not chunk:
-                    break
-                got += len(chunk)
-                digest.update(chunk)
-                chunks.append(chunk)
-        now = digest.hexdigest()
-        if got != size or now != sha:
-            if got > size:
-                what = f"now more than its {size} bytes"
-            elif got != size:
-                what = f"{size} bytes then, {got} now"
-            else:
-                what = f"now {now[:16]}…"
-            raise StoreError(f"{ref} changed since it was enqueued (sha256 {sha[:16]}…; "
-                             f"{what}); enqueue it again")
-        return b"".join(chunks)
+        if size > limit:
+            raise StoreError(f"{ref}: {size} bytes is over the {limit >> 20} MiB "
+                             f"({limit}-byte) limit for a referenced input{why}")
+        with ExitStack() as stack:
+            out = stack.enter_context(tempfile.TemporaryFile(prefix="vlmq-ref-"))
+            with store.open(ref.path) as fh:
+                now, got = _copy_hashed(fh, out, size)
+            if got != size or now != sha:
+                raise StoreError(f"{ref} changed since it was enqueued (sha256 {sha[:16]}…; "
+                                 f"{_change(size, got, now)}); enqueue it again")
+            out.seek(0)
+            stack.pop_all()  # verified: the caller's now
+            return out
+
+    def read(self, item: Item, *, limit: int = MAX_REF_BYTES) -> bytes:
+        """A referenced item's bytes in memory, verified as open_verified does (one copy
+        of them, never a list of chunks and their join)."""
+        with self.open_verified(item, limit=limit) as fh:
+            return fh.read()
+
+
+def _copy_hashed(fh: IO[bytes], out: IO[bytes], size: int) -> tuple[str, int]:
+    """(sha256, bytes read) of `fh` copied into `out`, reading at most one chunk past
+    `size` (enough to see that it grew); chunks of zeros are skipped over, not written."""
+    digest = hashlib.sha256()
+    got = 0
+    while got <= size:
+        chunk = fh.read(CHUNK)
+        if not chunk:
+            break
+        got += len(chunk)
+        digest.update(chunk)
+        if _ZEROS.startswith(chunk):
+            out.seek(len(chunk), io.SEEK_CUR)
+        else:
+            out.write(chunk)
+    out.truncate(got)  # a hole at the end still counts towards the size
+    return digest.hexdigest(), got
+
+
+def _change(size: int, got: int, now: str) -> str:
+    if got > size:
+        return f"now more than its {size} bytes"
+    if got != size:
+        return f"{size} bytes then, {got} now"
+    return f"now {now[:16]}…"
 
 
 def hash_stream(fh: IO[bytes], *, limit: int = MAX_REF_BYTES,

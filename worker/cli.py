@@ -106,12 +106,13 @@ def _checked_queues(values: tuple[str, ...]) -> list[str]:
               help="Also fire schedules (vlmq schedule) from this process, as `vlmq "
                    "scheduler` does; any number of schedulers may run.")
 @click.option("--render-mem-mb", type=click.IntRange(64), default=1024, show_default=True,
-              help="Memory limit of each PDF render process; a page over it fails alone "
-                   "(\"too complex to render\").")
+              help="Memory limit of each render process (PDF pages, images, TIFF pages), "
+                   "and the largest referenced input read; an item over it fails alone.")
 @click.option("--render-timeout", type=click.FloatRange(0.1), default=60.0, show_default=True,
-              help="Seconds one PDF page may take to render before it fails alone.")
+              help="Seconds one PDF page, image or TIFF page may take to decode before it "
+                   "fails alone.")
 @click.option("--render-procs", type=click.IntRange(1, 64), default=None,
-              help="PDF render processes (default: --prep-threads).")
+              help="Render processes, which decode every input (default: --prep-threads).")
 @click.option("--max-kv-tokens", type=click.IntRange(1), default=None,
               help="Admit a sequence only while the sum of (prompt + max_tokens) in flight "
                    "stays under this (default: from the model's KV size and the machine's "

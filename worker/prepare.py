@@ -4,6 +4,11 @@ On a vision-cache hit nothing about the image is touched: no blob fetch, no deco
 PDF render, no tower; the cached grid rebuilds the prompt ids. On a miss the image is
 fetched, decoded or rendered, resized and run through the processor, and the engine hands
 the tower's features back through `on_features` so they are cached for next time.
+
+With render processes (the worker's), every decode and render runs in one of them, under
+its time and memory limits: an item past either fails alone and this pool thread is free
+at once. A referenced input is read as a verified private copy on disk, never whole into
+memory here, and only up to the render processes' memory budget (REF_LIMIT_WHY).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
 from redis import Redis
 from redis.client import Pipeline
 from redis.exceptions import RedisError
@@ -36,7 +42,7 @@ from vlmq.worker import text_layer as TL
 from vlmq.worker.engine import Engine, EngineInfo, Request
 from vlmq.worker.job_settings import JobSettings, resolve_job
 from vlmq.worker.poison import RiskLog
-from vlmq.worker.render_pool import RenderPool
+from vlmq.worker.render_pool import DEFAULT_MEM_MB, RenderPool
 from vlmq.worker.scheduler import JobState
 from vlmq.worker.structured import Structured
 from vlmq.worker.vision_cache import Entry, VisionCache, cache_key
@@ -48,6 +54,9 @@ SINGLE_FLIGHT_WAIT_S = 60.0
 MAX_REMEMBERED_LAYERS = 4096
 # Bump when rendering or resizing changes in a way that changes pixels.
 PREPROCESS_VERSION = 1
+# Why a referenced input has the size limit it has, for its error.
+REF_LIMIT_WHY = (" on this worker: a reference may be as large as one decode process's memory "
+                 "(--render-mem-mb), since some decoders (libtiff, libheif) hold the file whole")
 
 
 class PrepError(VlmqError):
@@ -86,6 +95,7 @@ class Preparer:
         self.stores = stores if stores is not None else Stores()
         self.engine = engine
         self.renderer = renderer
+        self.ref_limit = (renderer.mem_mb if renderer is not None else DEFAULT_MEM_MB) << 20
         self.risk = risk  # marks the steps a crash would be charged for (worker/poison.py)
         self.info = info
         self.cache = cache
@@ -173,9 +183,33 @@ class Preparer:
 
     def prepare(self, job_id: str, payload: JobPayload, settings: JobSettings,
                 idx: int) -> tuple[Prepared, float]:
+        """The item as an engine Request (or its page's text-layer answer), and the
+        seconds that took."""
         t0 = time.perf_counter()
         item = payload.items[idx]
-        processor, config = self.engine.processor, self.engine.model_config
+        common = self._common(job_id, idx, settings)
+        if item.ref is not None:  # before any cache: a bad reference fails, cached or not
+            try:
+                self.stores.check(item.ref)
+            except StoreError as exc:
+                raise PrepError(str(exc)) from exc
+        if item.kind == "pdf" and payload.task == "ocr" and settings.text_layer == "prefer":
+            answered = self._prefer_layer(job_id, idx, item)
+            if answered is not None:
+                return answered, time.perf_counter() - t0
+        key = self.key_for(settings, item) if self.info.cacheable else None
+        entry = self._lookup(key, (job_id, idx)) if key is not None else None
+        if entry is not None:
+            prepared = A.prepare_from_grid(self.engine.processor, self.engine.model_config,
+                                           entry.grid_thw, settings.prompt)
+            req = Request(prepared=prepared, cached_features=(entry.features, entry.dtype_name),
+                          **common)
+        else:
+            req = self._from_pixels(job_id, idx, settings, item, key, common)
+        return req, time.perf_counter() - t0
+
+    def _common(self, job_id: str, idx: int, settings: JobSettings) -> dict[str, Any]:
+        """What the item's Request carries however its image is prepared."""
         common: dict[str, Any] = {"key": (job_id, idx), "max_tokens": settings.max_tokens,
                                   "temperature": settings.temperature, "stop": settings.stop}
         if settings.schema is not None:
@@ -185,35 +219,28 @@ class Preparer:
                 raise PrepError(str(exc)) from exc
         if self.risk is not None:
             common["risky"] = partial(self.risk.step, job_id, idx)
-        if item.ref is not None:  # before any cache: a bad reference fails, cached or not
-            try:
-                self.stores.check(item.ref)
-            except StoreError as exc:
-                raise PrepError(str(exc)) from exc
-        if item.kind == "pdf" and payload.task == "ocr" and settings.text_layer == "prefer":
-            layer = self.text_layer(item)
-            if layer is not None and layer.usable("prefer"):
-                return FromLayer(layer.text), time.perf_counter() - t0
-            # Should the model fail the page, the fallback needs no second read.
-            self._remember_layer((job_id, idx), layer.text if layer is not None
-                                 and layer.usable("fallback") else None)
-        key = self.key_for(settings, item) if self.info.cacheable else None
-        entry = self._lookup(key, (job_id, idx)) if key is not None else None
-        if entry is not None:
-            prepared = A.prepare_from_grid(processor, config, entry.grid_thw, settings.prompt)
-            req = Request(prepared=prepared, cached_features=(entry.features, entry.dtype_name),
-                          **common)
-            return req, time.perf_counter() - t0
-        # PDF pages render in child processes; an image or TIFF page decodes here, at this
-        # job's risk.
-        risky: AbstractContextManager[None] = nullcontext()
-        if self.risk is not None and item.kind in ("image", "tiff"):
-            risky = self.risk.step(job_id, idx, "image decode")
+        return common
+
+    def _prefer_layer(self, job_id: str, idx: int, item: Item) -> FromLayer | None:
+        """The page's text layer as the answer when it is good enough (text_layer prefer)."""
+        layer = self.text_layer(item)
+        if layer is not None and layer.usable("prefer"):
+            return FromLayer(layer.text)
+        # Should the model fail the page, the fallback needs no second read.
+        self._remember_layer((job_id, idx), layer.text if layer is not None
+                             and layer.usable("fallback") else None)
+        return None
+
+    def _from_pixels(self, job_id: str, idx: int, settings: JobSettings, item: Item,
+                     key: str | None, common: dict[str, Any]) -> Request:
+        """A vision-cache miss: the image decoded or rendered, then through the processor;
+        its features are cached when the tower has run."""
         try:
-            with risky:
+            with self._risky(job_id, idx, item):
                 image = self._load_image(settings, item)
                 try:
-                    prepared = A.prepare(processor, config, image, settings.prompt)
+                    prepared = A.prepare(self.engine.processor, self.engine.model_config,
+                                         image, settings.prompt)
                 except (ValueError, TypeError) as exc:
                     raise PrepError(f"processor rejected the image: {exc}") from exc
         except BaseException:
@@ -222,8 +249,15 @@ class Preparer:
         on_features = None
         if key is not None and prepared.image_grid_thw is not None:
             on_features = self._storer(key, prepared.image_grid_thw)
-        req = Request(prepared=prepared, cached_features=None, on_features=on_features, **common)
-        return req, time.perf_counter() - t0
+        return Request(prepared=prepared, cached_features=None, on_features=on_features,
+                       **common)
+
+    def _risky(self, job_id: str, idx: int, item: Item) -> AbstractContextManager[None]:
+        """A decode in this process is at the job's risk (a crash in it is charged to the
+        job, worker/poison.py); in a render process it cannot crash the worker."""
+        if self.risk is None or self.renderer is not None or item.kind == "pdf":
+            return nullcontext()
+        return self.risk.step(job_id, idx, "image decode")
 
     def _lookup(self, key: str, owner: tuple[str, int]) -> Entry | None:
         """Cache lookup with single flight: the same image in flight twice (a duplicate
@@ -253,27 +287,23 @@ class Preparer:
         if key is not None:
             self._land(key)
 
-    def _load_image(self, settings: JobSettings, item: Item) -> Any:
+    def _load_image(self, settings: JobSettings, item: Item) -> Image.Image:
         side = settings.side_for(item.kind)
         fetch = self._fetcher(item)
         try:
-            if item.kind == "pdf":
-                assert item.page is not None
-                if self.renderer is not None:
-                    return self.renderer.render(fetch, item.page, side, doc_key=item.sha256)
-                return P.render_pdf_page(fetch, item.page, side, doc_key=item.sha256)
-            if item.kind == "tiff":
-                assert item.page is not None
-                return P.decode_tiff_page(fetch, item.page, side, doc_key=item.sha256)
-            return P.decode_image(fetch(), side)
+            if self.renderer is not None:
+                return _decode_out(self.renderer, fetch, item, side)
+            return _decode_here(fetch, item, side)
         except VlmqError as exc:
             raise PrepError(str(exc)) from exc
 
-    def _fetcher(self, item: Item) -> Callable[[], bytes]:
+    def _fetcher(self, item: Item) -> Callable[[], P.Source]:
         """What reads the item's bytes, called only when they are needed (a render child
-        may have the PDF open, the TIFF cache its pages)."""
+        may have the PDF or TIFF open). A reference comes as a verified private copy on
+        disk, refused past this worker's limit for one."""
         if item.ref is not None:
-            return partial(self.stores.read, item)
+            return partial(self.stores.open_verified, item, limit=self.ref_limit,
+                           why=REF_LIMIT_WHY)
         return partial(P.fetch_blob, self.blobs, item.sha256)
 
     def text_layer(self, item: Item) -> TL.Layer | None:
@@ -324,3 +354,27 @@ class Preparer:
             except RuntimeError:  # the pool is shutting down: write it here instead
                 self.cache.persist(key, entry)
         return store
+
+
+def _decode_out(renderer: RenderPool, fetch: Callable[[], P.Source], item: Item,
+                side: int) -> Image.Image:
+    """The item's pixels from a render process (time and memory bounded)."""
+    if item.kind == "pdf":
+        assert item.page is not None
+        return renderer.render(fetch, item.page, side, doc_key=item.sha256)
+    if item.kind == "tiff":
+        assert item.page is not None
+        return renderer.decode_tiff_page(fetch, item.page, side, doc_key=item.sha256)
+    return renderer.decode_image(fetch, side, key=item.sha256)
+
+
+def _decode_here(fetch: Callable[[], P.Source], item: Item, side: int) -> Image.Image:
+    """The item's pixels decoded in this process (a Preparer built without render
+    processes: tests and benchmarks; an input can then cost this process anything)."""
+    if item.kind == "pdf":
+        assert item.page is not None
+        return P.render_pdf_page(fetch, item.page, side, doc_key=item.sha256)
+    if item.kind == "tiff":
+        assert item.page is not None
+        return P.decode_tiff_page(fetch, item.page, side, doc_key=item.sha256)
+    return P.decode_image(fetch, side)

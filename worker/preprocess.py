@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import IO, TypeAlias, TypeVar
 
 import numpy as np
 import pypdfium2 as pdfium
@@ -20,12 +22,20 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from vlmq.shared import constants as C
 from vlmq.shared import image_formats
+from vlmq.shared import tiff as TIFF
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.errors import VlmqError
 from vlmq.shared.pdfium import PDFIUM_LOCK, open_problem
 from vlmq.worker import text_layer as TL
 
 T = TypeVar("T")
+
+# An input's bytes, or an open file holding exactly them (a referenced input's verified
+# copy, shared/stores.py): a file is read as the decoder needs it, never whole into memory
+# by vlmq. A function that fetches one is called only when the bytes are needed; what it
+# returns is closed here. A file passed in directly stays the caller's to close.
+Source: TypeAlias = bytes | IO[bytes]
+Data: TypeAlias = Source | Callable[[], Source]
 
 # Every pypdfium2 call holds the process-wide PDFIUM_LOCK (see vlmq.shared.pdfium).
 
@@ -79,21 +89,63 @@ def fetch_blob(blob_store: BlobStore, sha: str) -> bytes:
 # -- images ----------------------------------------------------------------------------
 
 
-def decode_image(data: bytes, max_side: int | None) -> Image.Image:
-    """Decode image bytes to RGB, upright, with the longest side <= max_side (never upscaled).
+@contextmanager
+def _source(data: Data) -> Iterator[Source]:
+    """`data`'s bytes or file, fetched if it is a function; a file fetched here is closed
+    after the block (one passed in is the caller's)."""
+    if not callable(data):
+        yield data
+        return
+    got = data()
+    try:
+        yield got
+    finally:
+        if not isinstance(got, bytes):
+            got.close()
 
-    The pixel limit is checked from the header, before any pixel is decoded, so a small
-    file that claims a huge canvas costs nothing.
-    """
+
+def _head(src: Source, n: int) -> bytes:
+    """The first n bytes, for a message naming what the input is."""
+    if isinstance(src, bytes):
+        return src[:n]
+    src.seek(0)
+    return src.read(n)
+
+
+def _check_side(max_side: int | None) -> None:
     if max_side is not None and max_side < 1:
         raise ValueError(f"max_side must be >= 1, got {max_side}")
+
+
+def decode_image(data: Data, max_side: int | None) -> Image.Image:
+    """Decode an image to RGB, upright, with the longest side <= max_side (never upscaled).
+
+    The pixel limit is checked from the header, before any pixel is decoded, so a small
+    file that claims a huge canvas costs nothing. A file is read as the codec asks, so the
+    tail a PNG ends before is never read.
+    """
+    _check_side(max_side)
     COUNTERS.incr("image_decodes")
     image_formats.register_plugins()  # HEIC/HEIF (pillow-heif), before the first open
+    with _source(data) as src, _open_image(src) as im:
+        w, h = _check_frame(im, "image")
+        if max_side is not None and im.format == "JPEG" and max(w, h) > 2 * max_side:
+            # Let libjpeg decode at 1/2, 1/4 or 1/8 scale; the result is still >= target.
+            s = max_side / max(w, h)
+            im.draft(None, (math.ceil(w * s), math.ceil(h * s)))
+        rgb = _upright_rgb(im, "corrupt or truncated image")
+    return _bound(rgb, max_side)
+
+
+def _open_image(src: Source) -> Image.Image:
+    """Pillow's lazy open of any image format; errors say what the input is instead."""
+    fp = io.BytesIO(src) if isinstance(src, bytes) else src
+    fp.seek(0)
     try:
-        im = Image.open(io.BytesIO(data))
+        return Image.open(fp)
     except UnidentifiedImageError as exc:
         # Name the format where its magic bytes are known (JPEG XL, DjVu, SVG...).
-        what = image_formats.describe(data[:image_formats.HEAD_BYTES])
+        what = image_formats.describe(_head(src, image_formats.HEAD_BYTES))
         raise PreprocessError("not an image (cannot identify image file)"
                               + (f": {what}" if what else "")) from exc
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
@@ -102,14 +154,6 @@ def decode_image(data: bytes, max_side: int | None) -> Image.Image:
         raise PreprocessError(f"image rejected as a decompression bomb: {exc}") from exc
     except OSError as exc:
         raise PreprocessError(f"corrupt image header ({exc})") from exc
-    with im:
-        w, h = _check_frame(im, "image")
-        if max_side is not None and im.format == "JPEG" and max(w, h) > 2 * max_side:
-            # Let libjpeg decode at 1/2, 1/4 or 1/8 scale; the result is still >= target.
-            s = max_side / max(w, h)
-            im.draft(None, (math.ceil(w * s), math.ceil(h * s)))
-        rgb = _upright_rgb(im, "corrupt or truncated image")
-    return _bound(rgb, max_side)
 
 
 def _check_frame(im: Image.Image, what: str) -> tuple[int, int]:
@@ -188,85 +232,91 @@ def _bound(im: Image.Image, max_side: int | None) -> Image.Image:
 # -- TIFF pages ------------------------------------------------------------------------
 
 
-# The bytes of the TIFFs whose pages are being decoded, so a 500-page fax is fetched once,
-# not once per page (PDFs get the same from their render process's open documents).
+# Open TIFFs (bytes and page index, shared/tiff.py) by blob sha, so a 500-page fax is
+# fetched and indexed once, not once per page; bounded by count and bytes.
+TIFF_DOC_CACHE_SIZE = PDF_DOC_CACHE_SIZE
 TIFF_BYTES_BUDGET = 256 * 1024 * 1024
-_TIFFS: OrderedDict[str, bytes] = OrderedDict()
+_TIFFS: OrderedDict[str, TIFF.Document] = OrderedDict()
 _TIFFS_LOCK = threading.Lock()
 
 
-def _tiff_bytes(data: bytes | Callable[[], bytes], doc_key: str | None) -> bytes:
-    if not callable(data):
-        return data
-    if doc_key is None:
-        return data()
-    with _TIFFS_LOCK:
-        kept = _TIFFS.get(doc_key)
-        if kept is not None:
-            _TIFFS.move_to_end(doc_key)
-            return kept
-    fetched = data()  # outside the lock: other pages go on meanwhile
-    with _TIFFS_LOCK:
-        _TIFFS[doc_key] = fetched
-        _TIFFS.move_to_end(doc_key)
-        while len(_TIFFS) > 1 and sum(map(len, _TIFFS.values())) > TIFF_BYTES_BUDGET:
-            _TIFFS.popitem(last=False)
-    return fetched
-
-
-def decode_tiff_page(data: bytes | Callable[[], bytes], page: int, max_side: int | None, *,
+def decode_tiff_page(data: Data, page: int, max_side: int | None, *,
                      doc_key: str | None = None) -> Image.Image:
     """Decode 1-based `page` (frame) of a TIFF to RGB, upright, longest side <= max_side.
 
-    Only that frame's directory is checked (pixel limit, aspect) and only its pixels
-    decoded, so a fax's page 40 costs one page of memory, and a bomb on another page is
-    not this item's problem. `data` may be a function fetching the bytes: with `doc_key`
-    (the blob's sha256) they are fetched once for all the pages that follow.
+    Any page costs what page 1 does: the document's page index (read once, kept with it)
+    says where the page's directory is, and the page opens as a one-page TIFF. Only that
+    directory is checked (pixel limit, aspect) and only its pixels decoded, so a bomb on
+    another page is not this item's problem. With `doc_key` (the blob's sha256) the bytes
+    are fetched and indexed once for all the pages that follow.
     """
-    if max_side is not None and max_side < 1:
-        raise ValueError(f"max_side must be >= 1, got {max_side}")
+    _check_side(max_side)
     if page < 1:
         raise PreprocessError(f"page {page} is out of range (pages are numbered from 1)")
     COUNTERS.incr("image_decodes")
-    data = _tiff_bytes(data, doc_key)
-    try:
-        im = Image.open(io.BytesIO(data), formats=["TIFF"])
-    except UnidentifiedImageError as exc:
-        raise PreprocessError("not a TIFF (cannot identify image file)") from exc
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        # Pillow checks page 1 inside open(), for every page asked for: such a file is
-        # refused whole (the producer refuses it too).
-        raise PreprocessError(f"page 1 of the TIFF rejected as a decompression bomb: {exc}"
-                              ) from exc
-    except OSError as exc:
-        raise PreprocessError(f"corrupt TIFF header ({exc})") from exc
-    with im:
+    doc = _tiff_doc(data, doc_key)
+    if page > doc.pages:
+        raise PreprocessError(_unreachable(doc.index, page))
+    with doc.page(page) as fp:
         try:
-            im.seek(page - 1)
-        except EOFError as exc:
-            raise PreprocessError(f"page {page} is out of range: the TIFF has "
-                                  f"{_frames(data)} page(s)") from exc
-        except (OSError, SyntaxError, ValueError, TypeError, KeyError, IndexError) as exc:
+            im = Image.open(fp, formats=["TIFF"])
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise PreprocessError(f"page {page} rejected as a decompression bomb: {exc}"
+                                  ) from exc
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError, TypeError,
+                KeyError, IndexError) as exc:
             raise PreprocessError(f"page {page}: corrupt TIFF directory ({exc})") from exc
-        _check_frame(im, f"page {page}")
-        rgb = _upright_rgb(im, f"page {page}: corrupt or truncated TIFF page")
+        with im:
+            _check_frame(im, f"page {page}")
+            rgb = _upright_rgb(im, f"page {page}: corrupt or truncated TIFF page")
     return _bound(rgb, max_side)
 
 
-def _frames(data: bytes) -> int | str:
-    """A TIFF's page count for a message, from a fresh open: after a seek past the end,
-    Pillow 13's n_frames counts one page too many. "?" when it cannot be walked."""
-    try:
-        with Image.open(io.BytesIO(data), formats=["TIFF"]) as im:
-            return int(getattr(im, "n_frames", 1))
-    except (OSError, SyntaxError, ValueError, EOFError, TypeError) as exc:
-        return f"? ({exc})"
+def _unreachable(index: TIFF.Index, page: int) -> str:
+    if index.problem is not None:
+        return (f"page {page} cannot be reached: the TIFF's page chain stops after page "
+                f"{index.pages} ({index.problem})")
+    return f"page {page} is out of range: the TIFF has {index.pages} page(s)"
+
+
+def _tiff_doc(data: Data, doc_key: str | None) -> TIFF.Document:
+    """The open document for `doc_key`, else one opened from `data` (fetched outside the
+    lock, so other pages go on meanwhile) and kept."""
+    if doc_key is not None:
+        with _TIFFS_LOCK:
+            kept = _TIFFS.get(doc_key)
+            if kept is not None:
+                _TIFFS.move_to_end(doc_key)
+                return kept
+    with _source(data) as src:
+        try:
+            doc = TIFF.Document(src)
+        except TIFF.TiffError as exc:
+            raise PreprocessError(f"not a readable TIFF: the file {exc}") from exc
+    if doc_key is not None:
+        with _TIFFS_LOCK:
+            _TIFFS[doc_key] = doc
+            _TIFFS.move_to_end(doc_key)
+            # Dropped, not closed: a page of it may be decoding on another thread.
+            while len(_TIFFS) > 1 and (len(_TIFFS) > TIFF_DOC_CACHE_SIZE or sum(
+                    d.nbytes for d in _TIFFS.values()) > TIFF_BYTES_BUDGET):
+                _TIFFS.popitem(last=False)
+    return doc
+
+
+def has_document(doc_key: str) -> bool:
+    """True when this process has the PDF or TIFF open (its bytes need not be sent again)."""
+    with _TIFFS_LOCK:
+        if doc_key in _TIFFS:
+            return True
+    with PDFIUM_LOCK:
+        return doc_key in _DOCS
 
 
 # -- PDFs ------------------------------------------------------------------------------
 
 
-def render_pdf_page(data: bytes | Callable[[], bytes], page: int, max_side: int, *,
+def render_pdf_page(data: Data, page: int, max_side: int, *,
                     doc_key: str | None = None) -> Image.Image:
     """Render 1-based `page` of a PDF to RGB with its longest side == max_side.
 
@@ -284,8 +334,7 @@ def render_pdf_page(data: bytes | Callable[[], bytes], page: int, max_side: int,
     return _with_pdf(data, doc_key, lambda pdf: _render(pdf, page, max_side))
 
 
-def pdf_text_layer(data: bytes | Callable[[], bytes], page: int, *,
-                   doc_key: str | None = None) -> TL.Layer:
+def pdf_text_layer(data: Data, page: int, *, doc_key: str | None = None) -> TL.Layer:
     """Page `page`'s text layer, judged (worker/text_layer.py); the same document cache
     and lock as render_pdf_page, so a page rendered and read shares one open document."""
     if page < 1:
@@ -294,20 +343,18 @@ def pdf_text_layer(data: bytes | Callable[[], bytes], page: int, *,
     return _with_pdf(data, doc_key, lambda pdf: _extract(pdf, page))
 
 
-def _with_pdf(data: bytes | Callable[[], bytes], doc_key: str | None,
+def _with_pdf(data: Data, doc_key: str | None,
               use: Callable[[pdfium.PdfDocument], T]) -> T:
     """`use` the document under PDFIUM_LOCK: the open one for `doc_key` if any, else
     opened from `data` (fetched outside the lock, so other pages go on meanwhile)."""
-    if callable(data):
-        if doc_key is not None:
-            with PDFIUM_LOCK:
-                cached = _DOCS.get(doc_key)
-                if cached is not None:
-                    _DOCS.move_to_end(doc_key)
-                    return use(cached)
-        data = data()
-    with PDFIUM_LOCK:
-        pdf, owned = _open_pdf(data, doc_key)
+    if callable(data) and doc_key is not None:
+        with PDFIUM_LOCK:
+            cached = _DOCS.get(doc_key)
+            if cached is not None:
+                _DOCS.move_to_end(doc_key)
+                return use(cached)
+    with _source(data) as src, PDFIUM_LOCK:
+        pdf, owned = _open_pdf(src, doc_key)
         try:
             return use(pdf)
         finally:
@@ -325,12 +372,6 @@ def _extract(pdf: pdfium.PdfDocument, page: int) -> TL.Layer:
         raise PreprocessError(f"page {page}'s text cannot be read ({exc})") from exc
 
 
-def has_open_pdf(doc_key: str) -> bool:
-    """True when this process has the document open (its bytes need not be sent again)."""
-    with PDFIUM_LOCK:
-        return doc_key in _DOCS
-
-
 def clear_pdf_cache() -> None:
     """Close every cached document (e.g. when the worker shuts down)."""
     with PDFIUM_LOCK:
@@ -339,27 +380,35 @@ def clear_pdf_cache() -> None:
             pdf.close()
 
 
-def _load_pdf(data: bytes) -> pdfium.PdfDocument:
+def _load_pdf(src: Source) -> pdfium.PdfDocument:
+    """PDFium reads a file as it needs (lazily), through a descriptor of its own: the
+    document may outlive the caller's file."""
     COUNTERS.incr("pdf_opens")
+    what = "blob" if isinstance(src, bytes) else "file"
+    own = src if isinstance(src, bytes) else os.fdopen(os.dup(src.fileno()), "rb")
     try:
-        pdf = pdfium.PdfDocument(data)
+        pdf = pdfium.PdfDocument(own, autoclose=True)
     except pdfium.PdfiumError as exc:
-        raise PreprocessError(f"not a readable PDF: the blob {open_problem(exc, data)}") from exc
+        if not isinstance(own, bytes):
+            own.close()
+        head = _head(src, C.BLOB_MAX_BYTES)  # the failure path only: the bytes tell why
+        raise PreprocessError(f"not a readable PDF: the {what} {open_problem(exc, head)}"
+                              ) from exc
     if len(pdf) < 1:
         pdf.close()
-        raise PreprocessError("not a readable PDF: the blob is a PDF with no pages")
+        raise PreprocessError(f"not a readable PDF: the {what} is a PDF with no pages")
     return pdf
 
 
-def _open_pdf(data: bytes, doc_key: str | None) -> tuple[pdfium.PdfDocument, bool]:
+def _open_pdf(src: Source, doc_key: str | None) -> tuple[pdfium.PdfDocument, bool]:
     """PDFIUM_LOCK held. Returns (document, caller_must_close)."""
     if doc_key is None:
-        return _load_pdf(data), True
+        return _load_pdf(src), True
     pdf = _DOCS.get(doc_key)
     if pdf is not None:
         _DOCS.move_to_end(doc_key)
         return pdf, False
-    pdf = _load_pdf(data)
+    pdf = _load_pdf(src)
     _DOCS[doc_key] = pdf
     while len(_DOCS) > PDF_DOC_CACHE_SIZE:
         _, old = _DOCS.popitem(last=False)

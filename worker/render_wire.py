@@ -2,11 +2,18 @@
 
 Frame: 8-byte big-endian header length, 8-byte body length, the header (a JSON object),
 the body. JSON and raw pixels only, so neither side ever unpickles what the other sent.
+
+A file travels as a descriptor instead of bytes (a referenced input's verified copy, which
+the child reads as its decoder needs): sent over a Unix socket beside the pipes just
+before the frame whose header says `"fd": true`, so the child's copy of the descriptor
+is its own and the input never passes through memory on the way.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import struct
 from typing import IO, Any
 
@@ -62,3 +69,18 @@ def read_msg(inp: IO[bytes]) -> tuple[dict[str, Any], bytes] | None:
     if len(head) < head_len or len(body) < body_len:
         raise WireError("stream ended inside a frame")
     return parse_header(head), body
+
+
+def send_fd(sock: socket.socket, fd: int) -> None:
+    """Pass a duplicate of `fd` to the other side (SCM_RIGHTS), with one marker byte."""
+    socket.send_fds(sock, [b"F"], [fd])
+
+
+def recv_fd(sock: socket.socket) -> int:
+    """The descriptor the other side sent (WireError when none came)."""
+    msg, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    if msg != b"F" or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise WireError("a frame said a descriptor follows, and none came")
+    return fds[0]

@@ -1,0 +1,76 @@
+"""TIFFs written directory by directory, for tests and benchmarks that need thousands of pages.
+
+Pillow's writer appends a frame by walking every frame before it, so a 20,000-page file
+takes it minutes; here one is a list of packed structs (a fraction of a second). Pages are
+8-bit grey, one strip each, raw or with a strip another encoder made (LZW, Group 4).
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from collections.abc import Sequence
+
+from PIL import Image
+
+RAW, LZW, GROUP4 = 1, 5, 4
+_SHORT, _LONG, _LONG8 = 3, 4, 16
+
+
+def encoded_strip(im: Image.Image, compression: str) -> bytes:
+    """`im`'s pixel data as Pillow's TIFF encoder writes it with `compression`, one strip."""
+    buf = io.BytesIO()
+    im.save(buf, "TIFF", compression=compression, strip_size=1 << 30)
+    data = buf.getvalue()
+    with Image.open(io.BytesIO(data)) as tif:
+        offsets, counts = tif.tag_v2[273], tif.tag_v2[279]
+    return b"".join(data[o:o + c] for o, c in zip(offsets, counts, strict=True))
+
+
+def page_value(page: int) -> int:
+    """The grey level of 1-based `page` in many_pages (so a test can tell pages apart)."""
+    return (page * 37) % 256
+
+
+def many_pages(pages: int, *, size: tuple[int, int] = (8, 8), endian: str = "<",
+               bigtiff: bool = False, strips: Sequence[tuple[bytes, int]] = (),
+               bits: int = 8) -> bytes:
+    """A TIFF of `pages` grey pages of `size`: page n is filled with page_value(n), raw.
+
+    `strips` replaces the last pages' data with (encoded strip, compression) pairs, so a
+    file can end in real LZW or Group 4 pages (`bits` 1 for Group 4) without encoding every
+    page. `bigtiff` writes 8-byte offsets; `endian` is "<" (II) or ">" (MM).
+    """
+    w, h = size
+    head = (b"II" if endian == "<" else b"MM")
+    out = bytearray(head + struct.pack(endian + ("HHHQ" if bigtiff else "HI"),
+                                       *((43, 8, 0, 0) if bigtiff else (42, 0))))
+    first_at = 8 if bigtiff else 4
+    entry = endian + ("HHQQ" if bigtiff else "HHII")
+    special = {pages - len(strips) + i + 1: s for i, s in enumerate(strips)}
+    prev_ptr = first_at
+    for page in range(1, pages + 1):
+        data, compression = special.get(page, (bytes([page_value(page)]) * (w * h), RAW))
+        page_bits = bits if page in special else 8
+        tags = [(256, _SHORT, w), (257, _SHORT, h), (258, _SHORT, page_bits),
+                (259, _SHORT, compression), (262, _SHORT, 1),  # black is zero
+                (273, _LONG, 0), (277, _SHORT, 1), (278, _SHORT, h),
+                (279, _LONG, len(data))]
+        at = len(out)
+        struct.pack_into(endian + ("Q" if bigtiff else "I"), out, prev_ptr, at)
+        ifd_len = (8 + 20 * len(tags) + 8) if bigtiff else (2 + 12 * len(tags) + 4)
+        strip_at = at + ifd_len
+        out += struct.pack(endian + ("Q" if bigtiff else "H"), len(tags))
+        for tag, typ, value in tags:
+            value = strip_at if tag == 273 else value
+            # A SHORT is left-justified in the value field, whatever the byte order.
+            if typ == _SHORT:
+                field = struct.pack(endian + "H", value).ljust(8 if bigtiff else 4, b"\0")
+                out += struct.pack(endian + "HH", tag, typ) + struct.pack(
+                    endian + ("Q" if bigtiff else "I"), 1) + field
+            else:
+                out += struct.pack(entry, tag, _LONG8 if bigtiff else typ, 1, value)
+        prev_ptr = len(out)
+        out += bytes(8 if bigtiff else 4)  # next-page offset, filled by the next page
+        out += data
+    return bytes(out)
