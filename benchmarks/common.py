@@ -268,10 +268,17 @@ def job_run(redis_url: str, job_id: str) -> JobRun:
                   timings=timings)
 
 
-def worker_cmd(redis_url: str, model: str, queue: str, *, max_batch: int, cache_dir: Path,
-               name: str, burst: bool = True) -> list[str]:
+def worker_cmd(redis_url: str, model: str, queue: str, *, max_batch: int | None,
+               cache_dir: Path, name: str, burst: bool = True,
+               fixed: bool = False) -> list[str]:
+    """`max_batch` None: the worker's default (its batch sizes itself); `fixed`: exactly
+    max_batch rows (--fixed-batch)."""
     cmd = [VLMQ, "--redis-url", redis_url, "worker", "--model", model, "--queues", queue,
-           "--max-batch", str(max_batch), "--cache-dir", str(cache_dir), "--name", name]
+           "--cache-dir", str(cache_dir), "--name", name]
+    if max_batch is not None:
+        cmd += ["--max-batch", str(max_batch)]
+    if fixed:
+        cmd.append("--fixed-batch")
     return [*cmd, "--burst"] if burst else cmd
 
 

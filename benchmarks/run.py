@@ -120,6 +120,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--ocr, else 64)")
     p.add_argument("--max-batch", type=int, default=16,
                    help="rows for C, D and E (its --max-num-seqs; default 16)")
+    p.add_argument("--defaults", action="store_true",
+                   help="every system at its own defaults, no tuning flag: D without "
+                        "--max-batch (its batch sizes itself), E without --max-num-seqs "
+                        "(unbounded), no BLAS thread count set (systems D,E unless given)")
+    p.add_argument("--sweep", default=None, metavar="N,N,...",
+                   help="also run D at each fixed --max-batch N (--fixed-batch), to compare "
+                        "the batch D chose with the best fixed one")
     p.add_argument("--prep-threads", type=int, default=None,
                    help="D's --prep-threads and C's pool (default: the worker's default)")
     p.add_argument("--spacing", type=float, default=None,
@@ -140,6 +147,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-enqueue-bench", action="store_true",
                    help=f"skip the {ENQUEUE_ITEMS}-item enqueue throughput figure")
     args = p.parse_args(argv)
+    if args.defaults:
+        args.max_batch = None
+        if "--systems" not in " ".join(argv or sys.argv[1:]):
+            args.systems = "D,E"
     if args.quick and args.ocr:
         p.error("--quick and --ocr are two different workloads: pick one")
     if args.side is None:
@@ -407,11 +418,13 @@ def run_d(args: argparse.Namespace, model_path: str, jobs: Sequence[Job], workdi
     """Client enqueue at the arrival times, real Redis, one long-lived worker process."""
     from vlmq.producer.client import Client
 
-    tag = f"{label.lower()}-{uuid.uuid4().hex[:6]}"
+    tag = f"{label.lower().replace('@', '-')}-{uuid.uuid4().hex[:6]}"
     queue = f"bench-{tag}"
     cache = workdir / f"cache-{tag}"
-    cmd = C.worker_cmd(args.redis_url, model_path, queue, max_batch=args.max_batch,
-                       cache_dir=cache / "vision", name=tag, burst=False)
+    fixed = label.startswith("D@")
+    cmd = C.worker_cmd(args.redis_url, model_path, queue,
+                       max_batch=int(label[2:]) if fixed else args.max_batch,
+                       cache_dir=cache / "vision", name=tag, burst=False, fixed=fixed)
     cmd += ["--blas", blas_choice, *guard_flags(guard)]
     if args.prep_threads:
         cmd += ["--prep-threads", str(args.prep_threads)]
@@ -458,10 +471,13 @@ def run_d(args: argparse.Namespace, model_path: str, jobs: Sequence[Job], workdi
     busy = (float(stats1["mlx_busy_s"]) - float(stats0["mlx_busy_s"])) / wall
     blas_line = next((ln.split("BLAS: ", 1)[1] for ln in out.splitlines() if "BLAS: " in ln),
                      stats1.get("blas", "?"))
-    name = "D vlmq worker via Redis" if label == "D" else "D_ref same, --blas reference"
+    name = {"D": "D vlmq worker via Redis", "D_ref": "D_ref same, --blas reference"}.get(
+        label, f"{label} vlmq worker, fixed batch")
     return SystemRun(name, wall, sum(r.items for r in runs), sum(r.tokens for r in runs),
                      lat, [j.size for j in jobs],
                      {"busy": round(busy, 3), "peak_rss_mb": round(rss, 1),
+                      "batch": stats1.get("batch_limit", "?"),
+                      "batch_reason": stats1.get("batch_reason", ""),
                       "blas": blas_line, "failed": sum(r.items - r.ok for r in runs),
                       "guard_cuts": cuts})
 
@@ -470,7 +486,7 @@ def run_d(args: argparse.Namespace, model_path: str, jobs: Sequence[Job], workdi
 
 
 def run_e(model_path: str, prompt: str, jobs: Sequence[Job], workdir: Path, max_tokens: int,
-          max_batch: int) -> SystemRun:
+          max_batch: int | None) -> SystemRun:
     """mlx_vlm.server with as many rows as C and D; at each job's arrival, one client
     thread per item sends its request (the exact pixels A, B and C get, as PNG)."""
     bodies = [[server_e.request_body(model_path, server_e.data_url(im), prompt, max_tokens)
@@ -533,6 +549,10 @@ def _guard_line(guard: RepetitionGuard | None) -> str:
             f"{guard.min_span}, {guard.on_repetition})")
 
 
+def _sweep(args: argparse.Namespace) -> list[int]:
+    return [int(x) for x in args.sweep.split(",")] if args.sweep else []
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with C.redis_url_or_private(args.redis_url) as args.redis_url:
@@ -545,7 +565,8 @@ def run(args: argparse.Namespace) -> int:
     prep_threads = args.prep_threads or min(4, os.cpu_count() or 2)
     # One thread count for all systems (the D workers inherit the environment).
     threads = args.blas_threads or blas.worker_threads(prep_threads)
-    os.environ[blas.ENV_THREADS] = str(threads)
+    if not args.defaults:  # --defaults: each system picks its own
+        os.environ[blas.ENV_THREADS] = str(threads)
     chosen = blas.select()  # this process runs A, B and C: before MLX loads
     systems = {s.strip() for s in args.systems.split(",") if s.strip()}
     if args.model != "bench":
@@ -570,7 +591,8 @@ def run(args: argparse.Namespace) -> int:
         items = sum(sizes)
         print(f"model: {model_path}; {len(jobs)} jobs of {','.join(map(str, sizes))} items "
               f"({items} in all: PDF pages + photos {PHOTO_SIZES}), arrivals every "
-              f"{spacing} s, max {max_tokens} new tokens, greedy, max batch {args.max_batch}, "
+              f"{spacing} s, max {max_tokens} new tokens, greedy, max batch "
+              f"{args.max_batch or 'at each system default'}, "
               f"prep threads {prep_threads}", flush=True)
         print("repetition guard: off in every system" if guard is None else
               f"repetition guard: {_guard_line(guard)} in A, B, C, D"
@@ -597,7 +619,7 @@ def run(args: argparse.Namespace) -> int:
         del loaded
         if "C" in systems:
             runs["C"] = run_c(model_path, spec.prompt, tuple(spec.stop), jobs, max_tokens,
-                              args.max_batch, prep_threads, guard)
+                              args.max_batch or 16, prep_threads, guard)
             print(f"  C: {runs['C'].wall_s:.1f} s", flush=True)
         for label, choice in (("D", "auto"), ("D_ref", "reference")):
             if label in systems:
@@ -609,6 +631,11 @@ def run(args: argparse.Namespace) -> int:
                 runs["E"] = run_e(model_path, spec.prompt, jobs, workdir, max_tokens,
                                   args.max_batch)
                 print(f"  E: {runs['E'].wall_s:.1f} s", flush=True)
+            if label == "D":
+                for n in _sweep(args):
+                    runs[f"D@{n}"] = run_d(args, model_path, jobs, workdir, max_tokens,
+                                           os.environ.get("VLMQ_BLAS", "auto"), f"D@{n}", guard)
+                    print(f"  D@{n}: {runs[f'D@{n}'].wall_s:.1f} s", flush=True)
         enq = None
         if not args.no_enqueue_bench:
             enq = enqueue_throughput(args.redis_url, workdir / "enqueue", ENQUEUE_ITEMS)
@@ -617,11 +644,20 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(C.table(
         ["system", "s", "items", "tokens", "tok/s", "items/s", "p50 s", "p95 s",
-         "small p50 s", "small p95 s", "busy", "peak RSS MB", "guard cuts"],
+         "small p50 s", "small p95 s", "busy", "peak RSS MB", "guard cuts", "batch"],
         [[r.name, r.wall_s, r.items, r.tokens, r.tok_s, r.items_s, r.p(50), r.p(95),
           r.p(50, True), r.p(95, True), r.extra.get("busy", ""), r.extra.get("peak_rss_mb", ""),
-          r.extra.get("guard_cuts", "")]
+          r.extra.get("guard_cuts", ""), r.extra.get("batch", "")]
          for r in runs.values()]))
+    if "D" in runs:
+        print(f"D's batch: {runs['D'].extra.get('batch')} rows "
+              f"({runs['D'].extra.get('batch_reason')}); E: "
+              + ("--max-num-seqs " + str(args.max_batch) if args.max_batch else "unbounded"))
+    fixed = {k: r for k, r in runs.items() if k.startswith("D@")}
+    if fixed and "D" in runs:
+        best = max(fixed, key=lambda k: fixed[k].tok_s)
+        print(f"best fixed batch: {best} at {fixed[best].tok_s:.0f} tok/s; D (chosen) at "
+              f"{runs['D'].tok_s:.0f}: {runs['D'].tok_s / fixed[best].tok_s:.3f} of it")
     if enq is not None:
         print(f"enqueue: {ENQUEUE_ITEMS} tiny items in one caption job: {enq:.0f} items/s")
     print(f"harness wall time: {total:.0f} s")
@@ -643,6 +679,11 @@ def run(args: argparse.Namespace) -> int:
         "D_over_C": ratio("D", "C"),
         "D_over_E": ratio("D", "E"),
         "D_over_D_ref": ratio("D", "D_ref"),
+        "D_over_best_fixed": (round(runs["D"].tok_s / max(r.tok_s for k, r in runs.items()
+                                                           if k.startswith("D@")), 3)
+                              if "D" in runs and any(k.startswith("D@") for k in runs)
+                              else None),
+        "defaults": args.defaults,
         "small_job_p95_D_over_B": small_p95("D", "B"),
         "small_job_p95_D_over_C": small_p95("D", "C"),
         "small_job_p95_D_over_E": small_p95("D", "E"),

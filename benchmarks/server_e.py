@@ -115,7 +115,8 @@ class Server:
     """`mlx_vlm.server` as a subprocess on a free port, model preloaded; its log goes to
     a file (a pipe nobody reads would fill and stall the server)."""
 
-    def __init__(self, model: str, *, max_num_seqs: int, max_tokens: int, log_path: Path,
+    def __init__(self, model: str, *, max_num_seqs: int | None, max_tokens: int,
+                 log_path: Path,
                  env: dict[str, str] | None = None) -> None:
         from vlmq.worker.redis_server import free_port
 
@@ -123,8 +124,10 @@ class Server:
         self.port = free_port()
         self.log_path = log_path
         cmd = [sys.executable, str(Path(__file__).resolve()), "--model", model,
-               "--host", HOST, "--port", str(self.port), "--max-num-seqs", str(max_num_seqs),
+               "--host", HOST, "--port", str(self.port),
                "--max-tokens", str(max_tokens), "--log-level", "WARNING"]
+        if max_num_seqs is not None:  # None: the server's own default (unbounded)
+            cmd += ["--max-num-seqs", str(max_num_seqs)]
         self._log = log_path.open("w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=env or dict(os.environ), start_new_session=True)

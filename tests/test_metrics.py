@@ -195,6 +195,7 @@ def test_worker_metrics_names_types_and_values(world: World) -> None:
         "vlmq_tower_calls": "counter", "vlmq_repetition_cuts": "counter",
         "vlmq_step_isolations": "counter",
         "vlmq_batch_active_rows": "gauge", "vlmq_batch_max_rows": "gauge",
+        "vlmq_batch_limit_rows": "gauge",
         "vlmq_items_in_flight": "gauge", "vlmq_jobs_in_flight": "gauge",
         "vlmq_item_seconds": "histogram", "vlmq_item_first_token_seconds": "histogram",
         "vlmq_render_processes": "gauge", "vlmq_mlx_busy_seconds": "counter",

@@ -20,6 +20,7 @@ from vlmq.shared import constants as C
 from vlmq.shared.keys import QUEUE_NAME_RE
 from vlmq.shared.stores import Stores, store_option
 from vlmq.worker import families
+from vlmq.worker.batch_size import DEFAULT_CAP
 from vlmq.worker.paths import default_cache_dir
 
 if TYPE_CHECKING:  # the service loads MLX; the commands import it in their bodies
@@ -69,8 +70,12 @@ def _checked_queues(values: tuple[str, ...]) -> list[str]:
               help="Queues to serve, in priority order, comma-separated: --queues ocr,caption "
                    "(repeatable; default: ocr,caption,generate).")
 @click.option("--burst", is_flag=True, help="Exit once the queues are empty and all work is done.")
-@click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True,
-              help="Sequences decoded together.")
+@click.option("--max-batch", type=click.IntRange(1, 256), default=DEFAULT_CAP, show_default=True,
+              help="Most sequences decoded together. The batch starts at 8 and grows "
+                   "while measured tokens/s keeps rising (the worker logs what it chose "
+                   "and why); --fixed-batch uses exactly this many.")
+@click.option("--fixed-batch", is_flag=True,
+              help="Decode exactly --max-batch sequences together: no measuring.")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Disk tier of the vision-feature cache (default: ~/.cache/vlmq/vision).")
 @click.option("--cache-mem-mb", type=click.IntRange(0), default=1024, show_default=True,
@@ -134,7 +139,7 @@ def _checked_queues(values: tuple[str, ...]) -> list[str]:
 @store_option
 @click.pass_context
 def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burst: bool,
-               max_batch: int,
+               max_batch: int, fixed_batch: bool,
                cache_dir: Path | None, cache_mem_mb: int, cache_disk_gb: float,
                name: str | None, grace: float, prep_threads: int | None,
                heartbeat_ttl: int | None, on_repetition: str, repetition_repeats: int,
@@ -162,6 +167,7 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burs
         queues=queues,
         burst=burst,
         max_batch=max_batch,
+        auto_batch=not fixed_batch,
         cache_dir=cache_dir if cache_dir is not None else default_cache_dir() / "vision",
         cache_mem_bytes=cache_mem_mb * 1024 * 1024,
         cache_disk_bytes=int(cache_disk_gb * 1024**3),

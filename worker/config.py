@@ -7,6 +7,7 @@ from pathlib import Path
 
 from vlmq.shared.keys import Keys
 from vlmq.shared.stores import Stores
+from vlmq.worker.batch_size import DEFAULT_CAP
 from vlmq.worker.poison import DEFAULT_POISON_KILLS
 from vlmq.worker.render_pool import DEFAULT_MEM_MB as DEFAULT_RENDER_MEM_MB
 from vlmq.worker.render_pool import DEFAULT_TIMEOUT_S as DEFAULT_RENDER_TIMEOUT_S
@@ -20,15 +21,16 @@ class WorkerConfig:
     model: str
     queues: list[str]
     burst: bool = False
-    max_batch: int = 8
+    max_batch: int = DEFAULT_CAP  # the cap; with auto_batch the limit is measured below it
+    auto_batch: bool = True  # the row limit follows measured throughput (batch_size.py)
     cache_dir: Path | None = None
     cache_mem_bytes: int = 1024 * 1024 * 1024
     cache_disk_bytes: int = 10 * 1024**3
     name: str = "vlmq-worker"
     grace_s: float = 30.0
     prep_threads: int = 2
-    window: int | None = None      # prepared-but-not-batched bound; default 2 x max_batch
-    max_jobs: int | None = None    # jobs in flight; default max(4, max_batch)
+    window: int | None = None      # prepared-but-not-batched bound; default 2 x the limit
+    max_jobs: int | None = None    # jobs in flight; default max(4, the batch limit)
     stats_s: float = 2.0
     heartbeat_ttl: int | None = None  # None: RQ's job monitoring interval + 60 s
     result_cache_ttl_s: int = DEFAULT_TTL_S
@@ -47,10 +49,8 @@ class WorkerConfig:
     keys: Keys = field(default_factory=Keys.from_env)
     repetition: RepetitionGuard | None = field(default_factory=RepetitionGuard)  # None: off
 
-    @property
-    def prep_window(self) -> int:
-        return self.window or 2 * self.max_batch
+    def prep_window(self, batch_limit: int) -> int:
+        return self.window or 2 * batch_limit
 
-    @property
-    def job_limit(self) -> int:
-        return self.max_jobs or max(4, self.max_batch)
+    def job_limit(self, batch_limit: int) -> int:
+        return self.max_jobs or max(4, batch_limit)

@@ -28,6 +28,7 @@ import numpy as np
 
 from vlmq.worker import blas, faults, kv_budget, structured
 from vlmq.worker import mlx_adapter as adapter
+from vlmq.worker.batch_size import BatchSizer, Shape
 from vlmq.worker.mlx_adapter import LoadedModel, Prepared
 from vlmq.worker.repetition import RepetitionGuard
 from vlmq.worker.structured import RowConstraint
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05  # how long the MLX thread blocks on the inbox when it has nothing to run
 _CLEAR_CACHE_DELAY = 8  # steps between a removal and mx.clear_cache (Metal pitfall)
 IGNORE_LIMITS_ENV = "VLMQ_IGNORE_FAMILY_LIMITS"  # debug switch, see _apply_family_limits
+PREFILL_ROWS = 8  # prompts prefilled together by default (the old max_batch default)
 
 
 @dataclass
@@ -144,6 +146,8 @@ class EngineState:
     peak_waiting: int = 0  # most requests ever submitted but not yet in the batch
     peak_active: int = 0
     kv_in_flight: int = 0  # sum of the active rows' (prompt + max new tokens)
+    batch_limit: int = 0  # the rows the batch admits now (worker/batch_size.py chooses it)
+    batch_reason: str = ""  # why that many
     peak_kv_in_flight: int = 0
     tower_calls: int = 0
     isolations: int = 0  # failed steps whose rows were rerun apart to find the culprit
@@ -202,8 +206,11 @@ class Engine:
         repetition: RepetitionGuard | None = None,
         max_kv_tokens: int | None = None,
         fault: faults.StepFault | None = None,
+        auto_batch: bool = False,
     ) -> None:
-        """`fault`: a test hook raising in place of a generator step (worker/faults.py);
+        """`auto_batch`: `max_batch` is a cap and the row limit follows measured
+        throughput from 8 rows up (worker/batch_size.py); otherwise it is `max_batch`.
+        `fault`: a test hook raising in place of a generator step (worker/faults.py);
         None reads VLMQ_FAULT_ROW, which is normally unset."""
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
@@ -216,9 +223,14 @@ class Engine:
         # model and the machine's memory once loaded (worker/kv_budget.py).
         self.max_kv_tokens = max_kv_tokens
         self.max_batch = max_batch
-        self.prefill_batch = max(1, min(prefill_batch or max_batch, max_batch))
+        self.auto_batch = auto_batch
+        # Prompts prefilled together: at most PREFILL_ROWS by default, so a grown batch
+        # does not stall its decoding rows behind one long prefill.
+        self.prefill_batch = max(1, min(prefill_batch or min(max_batch, PREFILL_ROWS),
+                                        max_batch))
         self.fault = fault if fault is not None else faults.from_env()
         self.state = EngineState()  # shared with the MLX thread; read it for counters
+        self.state.batch_limit = min(max_batch, BatchSizer.START) if auto_batch else max_batch
         self._ready = threading.Event()
         self._loaded: LoadedModel | None = None
         self._load_error: BaseException | None = None
@@ -285,6 +297,7 @@ class Engine:
             "active": st.active,
             "peak_active": st.peak_active,
             "max_batch": self.max_batch,
+            "batch_limit": st.batch_limit,
             "tower_calls": st.tower_calls,
             "tokens_generated": st.tokens_generated,
             "finished": st.finished,
@@ -330,9 +343,11 @@ class Engine:
             return
         self._apply_family_limits(self._loaded.family)
         self._ready.set()
+        sizer = BatchSizer(self.max_batch, floor=BatchSizer.START if self.auto_batch
+                           else self.max_batch)
         _Loop(self.state, self._loaded, max_batch=self.max_batch,
               prefill_batch=self.prefill_batch, repetition=self.repetition,
-              max_kv_tokens=self.max_kv_tokens, fault=self.fault).run()
+              max_kv_tokens=self.max_kv_tokens, fault=self.fault, sizer=sizer).run()
 
     def _apply_family_limits(self, family: adapter.FamilySpec) -> None:
         """Prefill one prompt at a time where mlx-vlm cannot prefill this family's prompts
@@ -380,7 +395,8 @@ class _Loop:
 
     def __init__(self, state: EngineState, loaded: LoadedModel, *, max_batch: int,
                  prefill_batch: int, repetition: RepetitionGuard | None,
-                 max_kv_tokens: int | None, fault: faults.StepFault | None = None) -> None:
+                 max_kv_tokens: int | None, fault: faults.StepFault | None = None,
+                 sizer: BatchSizer | None = None) -> None:
         self.state = state
         self.m = loaded
         self.max_batch = max_batch
@@ -393,6 +409,8 @@ class _Loop:
         self.clear_cache_at: int | None = None
         self.retried: dict[Hashable, str] = {}  # key -> what its first attempt did
         self.fault = fault
+        self.sizer = sizer if sizer is not None else BatchSizer(max_batch, floor=max_batch)
+        state.batch_limit, state.batch_reason = self.sizer.limit, self.sizer.reason
         # A failed step's rows, rerun in groups (halves) to find the row at fault: the
         # group running now (nothing else joins it), and the groups still to run.
         self.suspects: deque[list[tuple[Request, float]]] = deque()
@@ -424,14 +442,30 @@ class _Loop:
         while not st.closing.is_set():
             self._intake(block=not (self.live or self.pending or self.suspects))
             t0 = time.perf_counter()
-            self._admit()
+            admitted = self._admit()
             if self.live:
-                self._step()
+                # A turn that prefills (rows just admitted, or not yet at their first token)
+                # costs what the prompts cost, not what the batch's size does.
+                prefill = admitted > 0 or any(lv.first_token_at is None
+                                              for lv in self.live.values())
+                rows = len(self.live)
+                tokens = self._step()
+                if not prefill:
+                    self._size(rows, tokens, time.perf_counter() - t0)
             st.busy_s += time.perf_counter() - t0
         while self.suspects:
             self.pending.extend(self.suspects.popleft())
         st.abort_all("engine closed", self.pending, self.live)
         self.gen.close()
+
+    def _size(self, rows: int, tokens: int, seconds: float) -> None:
+        """Tell the sizer what this turn produced; say so when the row limit moves."""
+        live = list(self.live.values())
+        shape = Shape.of([lv.prompt_tokens for lv in live], [lv.req.max_tokens for lv in live],
+                         sum(lv.req.constraint is not None for lv in live))
+        if self.sizer.observe(rows, tokens, seconds, shape):
+            log.info("engine: batch limit %d rows: %s", self.sizer.limit, self.sizer.reason)
+        self.state.batch_limit, self.state.batch_reason = self.sizer.limit, self.sizer.reason
 
     def _intake(self, block: bool) -> None:
         """Move submitted requests to `pending`; block briefly only when idle."""
@@ -445,7 +479,7 @@ class _Loop:
         except queue.Empty:
             return
 
-    def _admit(self) -> None:
+    def _admit(self) -> int:
         """Embed and insert pending requests while there are free rows and KV budget.
 
         The next request is the one with the best priority (its job's items left; FIFO
@@ -454,15 +488,16 @@ class _Loop:
         nothing else is in flight.
         """
         if self._admit_suspects():
-            return
+            return 1
         admitted = 0
-        while self.pending and len(self.live) < self.max_batch and admitted < self.prefill_batch:
+        while (self.pending and len(self.live) < self.sizer.limit
+               and admitted < self.prefill_batch):
             pending = self.pending
             first = min(range(len(pending)), key=lambda k: pending[k][0].priority)
             req, submitted_at = pending[first]
             cost = self._kv_cost(req)
             if self.live and self.state.kv_in_flight + cost > self.kv_budget:
-                return
+                return admitted
             if cost > self.kv_budget and req.key not in self.warned_over_budget:
                 self.warned_over_budget.add(req.key)
                 log.warning("engine: request %r needs %d KV tokens (prompt + max_tokens), over "
@@ -472,6 +507,7 @@ class _Loop:
             self.warned_over_budget.discard(req.key)
             self._insert_risky(req, submitted_at)
             admitted += 1
+        return admitted
 
     def _insert_risky(self, req: Request, submitted_at: float) -> None:
         risky = req.risky("vision tower") if req.risky is not None else nullcontext()
@@ -573,7 +609,8 @@ class _Loop:
         except Exception:  # a failing cache write must not fail the item
             log.exception("engine: on_features callback failed for %r", req.key)
 
-    def _step(self) -> None:
+    def _step(self) -> int:
+        """One generator step; returns the tokens it produced."""
         import mlx.core as mx
 
         try:
@@ -582,7 +619,7 @@ class _Loop:
             _, responses = self.gen.next()
         except Exception as exc:  # noqa: BLE001  # whose fault is unknown: _step_failed finds it
             self._step_failed(exc)
-            return
+            return 0
         self.steps += 1
         cuts = self._take_tokens(responses)
         cuts.failed.extend((lv, lv.req.constraint.failure) for lv in self.live.values()
@@ -593,6 +630,7 @@ class _Loop:
         if self.clear_cache_at is not None and self.steps >= self.clear_cache_at:
             mx.clear_cache()
             self.clear_cache_at = None
+        return len(responses)
 
     def _step_failed(self, exc: Exception) -> None:
         """A step raised and nothing says which row caused it (an MLX error): start afresh

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 
 from redis import Redis
 from redis.exceptions import RedisError
@@ -30,7 +31,8 @@ log = logging.getLogger("vlmq.worker")
 class JobStarter:
     def __init__(self, redis: Redis, keys: Keys, lifecycle: JobLifecycle, preparer: Preparer,
                  results: ResultCache, writer: ResultWriter, scheduler: Scheduler[Running],
-                 stats: WorkerStats, *, job_limit: int) -> None:
+                 stats: WorkerStats, *, job_limit: Callable[[], int]) -> None:
+        """`job_limit`: how many jobs may be in flight now (it follows the batch limit)."""
         self.redis = redis
         self.keys = keys
         self.lifecycle = lifecycle
@@ -52,7 +54,7 @@ class JobStarter:
         if self.starting:  # a Redis error cut their start short: finish it first
             jobs, self.starting = self.starting, []
             self.start(jobs)
-        room = self.job_limit - len(self.scheduler)
+        room = self.job_limit() - len(self.scheduler)
         if room <= 0:
             self.queues_empty = False
             return 0

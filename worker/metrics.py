@@ -120,8 +120,10 @@ class WorkerCollector(Collector):
         active = e.active if e is not None else 0
         waiting = e.waiting if e is not None else 0
         yield _gauge("vlmq_batch_active_rows", "Sequences in the batch now.", active)
-        yield _gauge("vlmq_batch_max_rows", "The batch's size limit (--max-batch).",
+        yield _gauge("vlmq_batch_max_rows", "The batch's size cap (--max-batch).",
                      s.max_batch)
+        yield _gauge("vlmq_batch_limit_rows", "The rows the batch admits now (measured below "
+                     "the cap unless --fixed-batch).", e.batch_limit if e is not None else 0)
         yield _gauge("vlmq_items_in_flight", "Items being prepared, waiting for the batch or "
                      "in it.", active + waiting + in_prep)
         yield _gauge("vlmq_items_waiting", "Items prepared or being prepared, not yet in the "

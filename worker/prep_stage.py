@@ -1,7 +1,7 @@
 """Feeding the Preparer: which items go to the CPU pool now, and where each one goes next.
 
 Items are prepared while fewer than the prep window are prepared-but-not-batched (a small
-job may go max_batch past it: Scheduler.next_item_within). A prepared request goes to the
+job may go the batch limit past it: Scheduler.next_item_within). A prepared request goes to the
 engine from the pool thread itself, so MLX never waits on the main loop; every other
 outcome (answered by a text layer, failed, to retry) is an event for the main loop.
 """
@@ -9,6 +9,7 @@ outcome (answered by a text layer, failed, to retry) is an event for the main lo
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
 from functools import partial
@@ -29,21 +30,23 @@ class PrepStage:
     """The window over the Preparer's pool, and the pool's hand-off of what it prepared."""
 
     def __init__(self, preparer: Preparer, engine: Engine, scheduler: Scheduler[Running],
-                 events: EventQueue, *, window: int, small: int) -> None:
+                 events: EventQueue, *, window: Callable[[int], int]) -> None:
+        """`window`: the prep window for a batch limit (it follows the limit the engine
+        measures); a job with no more items left than the limit may pass it."""
         self.preparer = preparer
         self.engine = engine
         self.scheduler = scheduler
         self.events = events
         self.window = window
-        self.small = small  # a job with this few items left may pass the window (max_batch)
         self._prep_s: dict[tuple[str, int], float] = {}  # item -> its preparation time
 
     def fill(self) -> int:
         """Submit items while the window has room; returns how many are then ahead of the
         batch (prepared or being prepared, not yet taken into it)."""
         flight, engine = self.events.flight, self.engine.state
-        while (nxt := self.scheduler.next_item_within(flight.ahead(engine), self.window,
-                                                      self.small)) is not None:
+        limit = engine.batch_limit
+        while (nxt := self.scheduler.next_item_within(flight.ahead(engine), self.window(limit),
+                                                      limit)) is not None:
             state, idx = nxt
             flight.enter(Stage.PREP)
             fut = self.preparer.submit(state, idx)

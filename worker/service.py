@@ -95,7 +95,7 @@ class WorkerService:
         self.events = EventQueue()
         self.stop_requested = False
         self.deadline: float | None = None
-        self.stats = WorkerStats(cfg.name, cfg.max_batch, cfg.prep_window)
+        self.stats = WorkerStats(cfg.name, cfg.max_batch, cfg.window)
         self._restarts: redis_checks.RestartWatch | None = None
 
     # --- signals -------------------------------------------------------------------------
@@ -140,7 +140,7 @@ class WorkerService:
             return 1
         log.info("loading model %s", cfg.model)
         engine = Engine(cfg.model, max_batch=cfg.max_batch, repetition=cfg.repetition,
-                        max_kv_tokens=cfg.max_kv_tokens)
+                        max_kv_tokens=cfg.max_kv_tokens, auto_batch=cfg.auto_batch)
         self.stats.engine = engine.state  # plain counters: the metrics thread reads them
         try:
             return self._serve(engine)
@@ -225,9 +225,11 @@ class WorkerService:
             log.warning("%s; PDF pages start their render process when they need one", exc)
         self.stats.renders = renderer
         phases = self._phases(engine, lifecycle, preparer, cache)
-        log.info("worker %s ready: model %s (%s), queues %s, max batch %d, window %d",
-                 cfg.name, cfg.model, info.model_type, ",".join(cfg.queues), cfg.max_batch,
-                 cfg.prep_window)
+        limit = engine.state.batch_limit
+        log.info("worker %s ready: model %s (%s), queues %s, batch %s, window %s",
+                 cfg.name, cfg.model, info.model_type, ",".join(cfg.queues),
+                 f"{limit} rows, measured up to {cfg.max_batch}" if limit < cfg.max_batch
+                 else f"{cfg.max_batch} rows", cfg.window or "2 x the batch")
         try:
             # Reclaim dead workers' jobs (RQ requeues them while retries are left) before
             # the first look at the queues, so even a --burst worker resumes them.
@@ -264,13 +266,13 @@ class WorkerService:
 
         writer = ResultWriter(redis, cfg.keys, lifecycle, self.scheduler, stats,
                               on_stored=stored)
-        prep = PrepStage(preparer, engine, self.scheduler, events, window=cfg.prep_window,
-                         small=cfg.max_batch)
+        prep = PrepStage(preparer, engine, self.scheduler, events, window=cfg.prep_window)
         fallback = Fallback(preparer, preparer.pool, self.scheduler.jobs, events)
         return Phases(
             engine=engine, lifecycle=lifecycle, writer=writer, prep=prep,
             starter=JobStarter(redis, cfg.keys, lifecycle, preparer, results, writer,
-                               self.scheduler, stats, job_limit=cfg.job_limit),
+                               self.scheduler, stats,
+                               job_limit=lambda: cfg.job_limit(engine.state.batch_limit)),
             collector=Collector(engine, events, prep, fallback, writer, self.scheduler),
             upkeep=Upkeep(redis, cfg.keys, cfg.name, lifecycle, self.scheduler, writer, stats,
                           engine.state, cache, events.flight, risk=preparer.risk,

@@ -46,6 +46,10 @@ class _EngineView(Protocol):
     def isolations(self) -> int: ...
     @property
     def kv_in_flight(self) -> int: ...
+    @property
+    def batch_limit(self) -> int: ...
+    @property
+    def batch_reason(self) -> str: ...
 
 
 class _CacheView(Protocol):
@@ -60,7 +64,9 @@ class _RenderView(Protocol):
 
 
 class WorkerStats:
-    def __init__(self, name: str, max_batch: int, window: int) -> None:
+    def __init__(self, name: str, max_batch: int, window: int | None) -> None:
+        """`max_batch`: the cap; `window`: the prep window, None when it follows the
+        batch limit (twice it)."""
         self.name = name
         self.max_batch = max_batch
         self.window = window
@@ -165,10 +171,13 @@ class WorkerStats:
             "jobs_in_flight": jobs,
             "in_flight": engine.active + engine.waiting + in_prep,
             "batch_active": engine.active,
-            "batch_occupancy": round(engine.active / self.max_batch, 3),
+            "batch_occupancy": round(engine.active / max(1, engine.batch_limit), 3),
+            "batch_limit": engine.batch_limit,
+            "batch_cap": self.max_batch,
+            "batch_reason": engine.batch_reason,
             "waiting": engine.waiting + in_prep,
             "peak_waiting": self.peak_waiting,
-            "window": self.window,
+            "window": self.window or 2 * engine.batch_limit,
             "tokens_per_s": round(tok_s, 1),
             "items_per_s": round(items_s, 3),
             "items_ok": self.items_ok,
@@ -197,7 +206,7 @@ class WorkerStats:
         pipe.execute()
         if now >= self._next_log and (engine.active or tok_s):
             log.info("throughput: %.1f tok/s, %.2f items/s, batch %d/%d, cache hit rate %.0f%%",
-                     tok_s, items_s, engine.active, self.max_batch, 100 * hit_rate)
+                     tok_s, items_s, engine.active, engine.batch_limit, 100 * hit_rate)
             self._next_log = now + LOG_EVERY_S
         return out
 
