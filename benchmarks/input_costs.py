@@ -37,16 +37,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.tiff_cr
 import common
 from PIL import Image
 
-from tests.tiff_craft import LZW, encoded_strip, many_pages
-
-
-def _best(fn: Any, repeat: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+from tests.tiff_craft import LZW, best_time, encoded_strip, many_pages
 
 
 def tiff_pages(pages: int, side: int) -> dict[str, float]:
@@ -58,11 +49,13 @@ def tiff_pages(pages: int, side: int) -> dict[str, float]:
     data = many_pages(pages, strips=[(last, LZW)])
     out: dict[str, float] = {}
     for page in (1, pages):
-        out[f"fresh_p{page}_s"] = _best(lambda p=page: P.decode_tiff_page(data, p, side))
+        out[f"fresh_p{page}_s"] = best_time(lambda p=page: P.decode_tiff_page(data, p, side),
+                                              repeat=3)
         key = f"bench-{pages}"
         P.decode_tiff_page(lambda: data, 1, side, doc_key=key)  # the document kept
-        out[f"kept_p{page}_s"] = _best(
-            lambda p=page, k=key: P.decode_tiff_page(lambda: data, p, side, doc_key=k))
+        out[f"kept_p{page}_s"] = best_time(
+            lambda p=page, k=key: P.decode_tiff_page(lambda: data, p, side, doc_key=k),
+            repeat=3)
     with tempfile.TemporaryDirectory() as tmp:
         for n in (pages // 10, pages):
             path = Path(tmp) / f"t{n}.tif"

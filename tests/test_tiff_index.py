@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +19,14 @@ import pytest
 from PIL import Image
 
 from tests.test_tiff import fax_bytes
-from tests.tiff_craft import GROUP4, LZW, encoded_strip, many_pages, page_value
+from tests.tiff_craft import (
+    GROUP4,
+    LZW,
+    best_time,
+    encoded_strip,
+    many_pages,
+    page_value,
+)
 from vlmq.producer.inputs import check_file, check_stored
 from vlmq.shared import constants as C
 from vlmq.shared import tiff as T
@@ -164,23 +171,14 @@ def deep() -> bytes:
                                      LZW)])
 
 
-def _best(fn: Callable[[], object], repeat: int = 5) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def test_the_last_page_costs_what_the_first_does_in_the_worker(deep: bytes) -> None:
     """Page 20,000 within 3x page 1: from a fresh document (the walk included in both)
     and from the kept one (before: page 1 0.1 ms, page 20,000 2.5 s)."""
     assert P.decode_tiff_page(deep, DEEP, None).getpixel((0, 0))[0] == 99  # the LZW page
-    fresh = [_best(lambda p=p: P.decode_tiff_page(deep, p, 64)) for p in (1, DEEP)]
+    fresh = [best_time(lambda p=p: P.decode_tiff_page(deep, p, 64)) for p in (1, DEEP)]
     assert fresh[1] < 3 * fresh[0], fresh
     P.decode_tiff_page(lambda: deep, 1, 64, doc_key="deep")
-    kept = [_best(lambda p=p: P.decode_tiff_page(lambda: deep, p, 64, doc_key="deep"))
+    kept = [best_time(lambda p=p: P.decode_tiff_page(lambda: deep, p, 64, doc_key="deep"))
             for p in (1, DEEP)]
     assert kept[1] < 3 * kept[0], kept
 
@@ -195,7 +193,7 @@ def test_the_last_page_costs_what_the_first_does_in_a_render_process(deep: bytes
     pool = RenderPool(1, timeout_s=60)
     try:
         first = pool.decode_tiff_page(fetch, 1, 64, doc_key="deep")  # sent and indexed once
-        times = [_best(lambda p=p: pool.decode_tiff_page(fetch, p, 64, doc_key="deep"))
+        times = [best_time(lambda p=p: pool.decode_tiff_page(fetch, p, 64, doc_key="deep"))
                  for p in (1, DEEP)]
         assert np.array_equal(np.asarray(first), np.asarray(P.decode_tiff_page(deep, 1, 64)))
     finally:
@@ -212,7 +210,7 @@ def test_a_page_view_of_the_last_page_costs_what_the_first_does(deep: bytes) -> 
         with doc.page(n) as fp, Image.open(fp, formats=["TIFF"]) as im:
             im.load()
 
-    times = [_best(lambda n=n: load(n)) for n in (1, DEEP)]
+    times = [best_time(lambda n=n: load(n)) for n in (1, DEEP)]
     assert times[1] < 3 * times[0], times
 
 
@@ -223,7 +221,7 @@ def test_the_producer_checks_each_page_once(tmp_path: Path, deep: bytes) -> None
     small.write_bytes(many_pages(DEEP // 10))
     big.write_bytes(deep)
     check_file(small)  # imports and caches, outside the timing
-    t_small = _best(lambda: check_file(small), repeat=2)
+    t_small = best_time(lambda: check_file(small), repeat=2)
     t0 = time.perf_counter()
     checked = check_file(big)
     t_big = time.perf_counter() - t0

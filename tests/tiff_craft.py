@@ -9,11 +9,23 @@ from __future__ import annotations
 
 import io
 import struct
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from PIL import Image
 
 RAW, LZW, GROUP4 = 1, 5, 4
+
+
+def best_time(fn: Callable[[], object], repeat: int = 5) -> float:
+    """The fastest of `repeat` runs of `fn`, in seconds: what page N costs, less the noise
+    of a shared machine (the TIFF tests and benchmarks/input_costs.py compare pages by it)."""
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 _SHORT, _LONG, _LONG8 = 3, 4, 16
 
 

@@ -56,8 +56,6 @@ def _log2(x: float) -> int:
 class BatchSizer:
     """See the module docstring. Only the engine's MLX thread calls it."""
 
-    START = FLOOR
-
     def __init__(self, cap: int, *, floor: int = FLOOR, gain: float = GAIN,
                  window_s: float = WINDOW_S, min_steps: int = MIN_STEPS,
                  hold_s: float = HOLD_S, clock: Callable[[], float] = time.monotonic) -> None:

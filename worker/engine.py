@@ -28,7 +28,7 @@ import numpy as np
 
 from vlmq.worker import blas, faults, kv_budget, structured
 from vlmq.worker import mlx_adapter as adapter
-from vlmq.worker.batch_size import BatchSizer, Shape
+from vlmq.worker.batch_size import FLOOR, BatchSizer, Shape
 from vlmq.worker.mlx_adapter import LoadedModel, Prepared
 from vlmq.worker.repetition import RepetitionGuard
 from vlmq.worker.structured import RowConstraint
@@ -223,14 +223,16 @@ class Engine:
         # model and the machine's memory once loaded (worker/kv_budget.py).
         self.max_kv_tokens = max_kv_tokens
         self.max_batch = max_batch
-        self.auto_batch = auto_batch
         # Prompts prefilled together: at most PREFILL_ROWS by default, so a grown batch
         # does not stall its decoding rows behind one long prefill.
         self.prefill_batch = max(1, min(prefill_batch or min(max_batch, PREFILL_ROWS),
                                         max_batch))
         self.fault = fault if fault is not None else faults.from_env()
         self.state = EngineState()  # shared with the MLX thread; read it for counters
-        self.state.batch_limit = min(max_batch, BatchSizer.START) if auto_batch else max_batch
+        # Pure logic: made here so the limit is known before the model loads; from then on
+        # only the MLX thread's loop calls it.
+        self._sizer = BatchSizer(max_batch, floor=FLOOR if auto_batch else max_batch)
+        self.state.batch_limit, self.state.batch_reason = self._sizer.limit, self._sizer.reason
         self._ready = threading.Event()
         self._loaded: LoadedModel | None = None
         self._load_error: BaseException | None = None
@@ -343,11 +345,9 @@ class Engine:
             return
         self._apply_family_limits(self._loaded.family)
         self._ready.set()
-        sizer = BatchSizer(self.max_batch, floor=BatchSizer.START if self.auto_batch
-                           else self.max_batch)
         _Loop(self.state, self._loaded, max_batch=self.max_batch,
               prefill_batch=self.prefill_batch, repetition=self.repetition,
-              max_kv_tokens=self.max_kv_tokens, fault=self.fault, sizer=sizer).run()
+              max_kv_tokens=self.max_kv_tokens, fault=self.fault, sizer=self._sizer).run()
 
     def _apply_family_limits(self, family: adapter.FamilySpec) -> None:
         """Prefill one prompt at a time where mlx-vlm cannot prefill this family's prompts
@@ -410,7 +410,6 @@ class _Loop:
         self.retried: dict[Hashable, str] = {}  # key -> what its first attempt did
         self.fault = fault
         self.sizer = sizer if sizer is not None else BatchSizer(max_batch, floor=max_batch)
-        state.batch_limit, state.batch_reason = self.sizer.limit, self.sizer.reason
         # A failed step's rows, rerun in groups (halves) to find the row at fault: the
         # group running now (nothing else joins it), and the groups still to run.
         self.suspects: deque[list[tuple[Request, float]]] = deque()

@@ -112,9 +112,16 @@ def _head(src: Source, n: int) -> bytes:
     return src.read(n)
 
 
-def _check_side(max_side: int | None) -> None:
+def check_side(max_side: int | None) -> None:
+    """A caller's bug, not the input's: ValueError."""
     if max_side is not None and max_side < 1:
         raise ValueError(f"max_side must be >= 1, got {max_side}")
+
+
+def check_page(page: int) -> None:
+    """A page number under 1 is the item's error (PreprocessError)."""
+    if page < 1:
+        raise PreprocessError(f"page {page} is out of range (pages are numbered from 1)")
 
 
 def decode_image(data: Data, max_side: int | None) -> Image.Image:
@@ -124,7 +131,7 @@ def decode_image(data: Data, max_side: int | None) -> Image.Image:
     file that claims a huge canvas costs nothing. A file is read as the codec asks, so the
     tail a PNG ends before is never read.
     """
-    _check_side(max_side)
+    check_side(max_side)
     COUNTERS.incr("image_decodes")
     image_formats.register_plugins()  # HEIC/HEIF (pillow-heif), before the first open
     with _source(data) as src, _open_image(src) as im:
@@ -250,9 +257,8 @@ def decode_tiff_page(data: Data, page: int, max_side: int | None, *,
     another page is not this item's problem. With `doc_key` (the blob's sha256) the bytes
     are fetched and indexed once for all the pages that follow.
     """
-    _check_side(max_side)
-    if page < 1:
-        raise PreprocessError(f"page {page} is out of range (pages are numbered from 1)")
+    check_side(max_side)
+    check_page(page)
     COUNTERS.incr("image_decodes")
     doc = _tiff_doc(data, doc_key)
     if page > doc.pages:
@@ -326,10 +332,8 @@ def render_pdf_page(data: Data, page: int, max_side: int, *,
     once, not once per page. Rendering holds PDFIUM_LOCK throughout, so PDF pages render
     one at a time per process; image decodes still run in parallel.
     """
-    if max_side < 1:
-        raise ValueError(f"max_side must be >= 1, got {max_side}")
-    if page < 1:
-        raise PreprocessError(f"page {page} is out of range (pages are numbered from 1)")
+    check_side(max_side)
+    check_page(page)
     COUNTERS.incr("pdf_renders")
     return _with_pdf(data, doc_key, lambda pdf: _render(pdf, page, max_side))
 
@@ -337,8 +341,7 @@ def render_pdf_page(data: Data, page: int, max_side: int, *,
 def pdf_text_layer(data: Data, page: int, *, doc_key: str | None = None) -> TL.Layer:
     """Page `page`'s text layer, judged (worker/text_layer.py); the same document cache
     and lock as render_pdf_page, so a page rendered and read shares one open document."""
-    if page < 1:
-        raise PreprocessError(f"page {page} is out of range (pages are numbered from 1)")
+    check_page(page)
     COUNTERS.incr("text_extracts")
     return _with_pdf(data, doc_key, lambda pdf: _extract(pdf, page))
 

@@ -227,11 +227,6 @@ def _close_pipes(proc: subprocess.Popen[bytes]) -> None:
                 continue
 
 
-def _check_page(page: int) -> None:
-    if page < 1:
-        raise P.PreprocessError(f"page {page} is out of range (pages are numbered from 1)")
-
-
 def _rgb(reply: dict[str, Any], pixels: bytes) -> Image.Image:
     return Image.frombytes("RGB", (int(reply["w"]), int(reply["h"])), pixels)
 
@@ -277,16 +272,15 @@ class RenderPool:
     def render(self, data: P.Data, page: int, max_side: int, *, doc_key: str) -> Image.Image:
         """Same contract as preprocess.render_pdf_page, out of process; `data` (or the
         function that fetches it) is used only when no child has the document open."""
-        if max_side < 1:
-            raise ValueError(f"max_side must be >= 1, got {max_side}")
-        _check_page(page)
+        P.check_side(max_side)
+        P.check_page(page)
         reply, pixels = self._ask(data, {"key": doc_key, "page": page, "max_side": max_side},
                                   "pdf_renders", f"page {page} too complex to render", "render")
         return _rgb(reply, pixels)
 
     def text_layer(self, data: P.Data, page: int, *, doc_key: str) -> TL.Layer:
         """Same contract as preprocess.pdf_text_layer, out of process."""
-        _check_page(page)
+        P.check_page(page)
         reply, _ = self._ask(data, {"op": "text", "key": doc_key, "page": page},
                              "text_extracts", f"page {page} text layer cannot be read",
                              "render")
@@ -298,8 +292,7 @@ class RenderPool:
     def decode_image(self, data: P.Data, max_side: int, *, key: str) -> Image.Image:
         """Same contract as preprocess.decode_image, out of process; `key` (the image's
         sha256) names it in the child."""
-        if max_side < 1:
-            raise ValueError(f"max_side must be >= 1, got {max_side}")
+        P.check_side(max_side)
         reply, pixels = self._ask(data, {"op": "image", "key": key, "max_side": max_side},
                                   "image_decodes", "image too complex to decode", "decode")
         return _rgb(reply, pixels)
@@ -308,9 +301,8 @@ class RenderPool:
                          doc_key: str) -> Image.Image:
         """Same contract as preprocess.decode_tiff_page, out of process; the child keeps
         the document and its page index for the pages that follow."""
-        if max_side < 1:
-            raise ValueError(f"max_side must be >= 1, got {max_side}")
-        _check_page(page)
+        P.check_side(max_side)
+        P.check_page(page)
         reply, pixels = self._ask(
             data, {"op": "tiff", "key": doc_key, "page": page, "max_side": max_side},
             "image_decodes", f"TIFF page {page} too complex to decode", "decode")

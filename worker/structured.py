@@ -69,10 +69,11 @@ def _limits() -> llguidance.LLParserLimits:
                                      step_lexer_fuel=STEP_LEXER_FUEL, verbose_errors=False)
 
 
-def _budget_note() -> str:
-    return (f"the matcher's budget is {BUILD_BUDGET_S:g} s to build, {STEP_BUDGET_S:g} s a "
-            f"step, {MAX_LEXER_STATES} lexer states and {INITIAL_LEXER_FUEL}/"
-            f"{STEP_LEXER_FUEL} lexer fuel")
+def _too_costly(why: str) -> str:
+    """An over-budget schema's error: what ran out, and the budget it had."""
+    return (f"schema: too costly to match ({why}; the matcher's budget is "
+            f"{BUILD_BUDGET_S:g} s to build, {STEP_BUDGET_S:g} s a step, {MAX_LEXER_STATES} "
+            f"lexer states and {INITIAL_LEXER_FUEL}/{STEP_LEXER_FUEL} lexer fuel)")
 
 
 class ConstraintError(ValueError):
@@ -244,12 +245,11 @@ class Structured:
         finally:
             offload.close()
         if built is None:
-            return _Template(None, None, f"schema: too costly to match: its first mask took "
-                                         f"over {BUILD_BUDGET_S:g} s ({_budget_note()})")
+            return _Template(None, None, _too_costly(
+                f"its first mask took over {BUILD_BUDGET_S:g} s"))
         matcher, mask, error = built
         if error:
-            return _Template(None, None, f"schema: too costly to match ({_first_line(error)}; "
-                                         f"{_budget_note()})")
+            return _Template(None, None, _too_costly(_first_line(error)))
         return _Template(matcher, mask, None)
 
 
@@ -290,7 +290,6 @@ class RowConstraint:
     def __init__(self, matcher: llguidance.LLMatcher, first_mask: np.ndarray, *,
                  step_budget_s: float = STEP_BUDGET_S) -> None:
         self.matcher = matcher
-        self.vocab = int(first_mask.shape[1]) * 32
         self._first = first_mask
         self._bitmask = first_mask.copy()
         self._started = False
@@ -328,9 +327,9 @@ class RowConstraint:
             if not self._started or last is None:
                 np.copyto(self._bitmask, self._first)  # computed when the row was built
             elif self._offload.run(partial(self._advance, last), self.step_budget_s) is None:
-                self.failure = (f"schema: too costly to match: a mask step took over the "
-                                f"{self.step_budget_s:g} s step budget ({_budget_note()}); "
-                                f"the row was cut after {self.consumed} tokens")
+                self.failure = (_too_costly(f"a mask step took over the "
+                                            f"{self.step_budget_s:g} s step budget")
+                                + f"; the row was cut after {self.consumed} tokens")
                 return logits
             self._started = True
             out = apply_mask(logits, self._bitmask)
@@ -351,9 +350,8 @@ class RowConstraint:
             llguidance.numpy.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
         error = self.matcher.get_error()
         if error:
-            raise ConstraintError(f"schema: too costly to match ({_first_line(error)}; "
-                                  f"{_budget_note()}); the row was cut after "
-                                  f"{self.consumed} tokens")
+            raise ConstraintError(_too_costly(_first_line(error))
+                                  + f"; the row was cut after {self.consumed} tokens")
         return True
 
     def complete(self, tokens: list[int]) -> bool:
