@@ -24,7 +24,7 @@ BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 PY = BIN / "python"
 STAMP = VENV / ".vlmq-install-stamp"
 TEST_REDIS = ("127.0.0.1", 6379)
-NODE_PACKAGES = ROOT / "tests" / "clients" / "package.json"
+NODE_PACKAGES = ROOT / "tests" / "support" / "clients" / "package.json"
 
 
 def log(msg: str) -> None:
@@ -156,19 +156,20 @@ def ensure_node() -> None:
 
 
 def typecheck() -> int:
-    """mypy --strict over the four packages under their import names.
+    """mypy --strict over the packages under their import names.
 
     The folders map to vlmq.* only through setuptools' package-dir, which mypy cannot
     follow, so a tree of links under build/ gives it the installed layout.
     """
     tree = ROOT / "build" / "typecheck" / "vlmq"
     tree.mkdir(parents=True, exist_ok=True)
-    for name in ("cli", "producer", "worker", "shared"):
+    names = ("cli", "producer", "worker", "shared", "media", "stores")
+    for name in names:
         link = tree / name
         if not link.is_symlink():
             link.symlink_to(ROOT / name, target_is_directory=True)
     cmd = [str(BIN / "mypy"), "--config-file", str(ROOT / "pyproject.toml"),
-           "-p", "vlmq.cli", "-p", "vlmq.producer", "-p", "vlmq.worker", "-p", "vlmq.shared"]
+           *[arg for name in names for arg in ("-p", f"vlmq.{name}")]]
     return subprocess.run(cmd, cwd=tree.parent, check=False).returncode
 
 

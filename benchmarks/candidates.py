@@ -44,15 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args(argv)
 
-    from vlmq.worker import blas
+    from vlmq.worker.model import blas
 
     chosen = blas.select()
     import mlx.core as mx
     from mlx_vlm.generate import BatchGenerator
 
-    from vlmq.worker import mlx_adapter as A
-    from vlmq.worker.engine import Engine, Request
-    from vlmq.worker.model_defaults import resolve
+    from vlmq.worker.engine import mlx_adapter as A
+    from vlmq.worker.engine.batcher import Engine, Request
+    from vlmq.worker.model.defaults import resolve
 
     print(f"0. float32 (b x 512) @ (512 x 1408), GFLOP/s, OpenBLAS threads 1 vs {blas.cores()}:")
     w = mx.random.normal((512, 1408))

@@ -81,7 +81,7 @@ def print_header(model: str, items: int, side: int, detail: str) -> None:
 
 def machine() -> str:
     """One line saying what ran the benchmark; figures mean nothing without it."""
-    from vlmq.worker import blas
+    from vlmq.worker.model import blas
 
     blas.select()  # no-op when the script chose already; MLX loads next
     import mlx.core as mx
@@ -101,16 +101,16 @@ def ensure_model(model: str | None) -> str:
     """The given model, or the tiny random-weight one (built once, reused after)."""
     if model:
         return model
-    from vlmq.worker.cli import default_cache_dir
-    from vlmq.worker.tiny_model import build_tiny_model
+    from vlmq.cli.worker import default_cache_dir
+    from vlmq.worker.model.tiny import build_tiny_model
 
     return str(build_tiny_model(default_cache_dir() / "models" / "tiny-qwen2_vl"))
 
 
 def resolve_model(name: str) -> str:
     """"tiny" or "bench" (built once, reused after), else the model as given."""
-    from vlmq.worker.cli import default_cache_dir
-    from vlmq.worker.tiny_model import build_tiny_model
+    from vlmq.cli.worker import default_cache_dir
+    from vlmq.worker.model.tiny import build_tiny_model
 
     if name in ("tiny", "bench"):
         folder = default_cache_dir() / "models" / f"{name}-qwen2_vl"
@@ -172,7 +172,7 @@ def make_inputs(folder: Path, items: int, side: int) -> list[Path]:
 
 def item_images(paths: Sequence[Path], side: int) -> list[Image.Image]:
     """Every item as the exact pixels the worker would hand its processor."""
-    from vlmq.worker import preprocess as P
+    from vlmq.worker.prep import decode as P
 
     images: list[Image.Image] = []
     for path in paths:

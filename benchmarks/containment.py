@@ -5,7 +5,7 @@ in one run:
 1. alone;
 2. beside `--attackers` rows whose schema is the pattern `^(a{700}){700}$` (about 1 s to
    build and 0.15-0.45 s a mask step), with the matcher's budgets as the worker runs them
-   (worker/structured.py: built on a prep thread within BUILD_BUDGET_S, each step within
+   (worker/engine/constraints.py: built on a prep thread within BUILD_BUDGET_S, each step within
    STEP_BUDGET_S);
 3. beside the same attackers with the budgets lifted, which is how every step used to pay
    for them.
@@ -47,14 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--side", type=int, default=224)
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args(argv)
-    from vlmq.worker import blas
+    from vlmq.worker.model import blas
 
     blas.select()
     from mlx_vlm import load
 
-    from vlmq.worker import mlx_adapter as A
-    from vlmq.worker import structured as S
-    from vlmq.worker.engine import Engine, Request
+    from vlmq.worker.engine import constraints as S
+    from vlmq.worker.engine import mlx_adapter as A
+    from vlmq.worker.engine.batcher import Engine, Request
 
     model_path = C.resolve_model(args.model)
     print(f"machine: {C.machine()}\nmodel: {model_path}; {args.rows} innocent rows, "

@@ -32,18 +32,18 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.tiff_craft
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.support.tiff_craft
 
 import common
 from PIL import Image
 
-from tests.tiff_craft import LZW, best_time, encoded_strip, many_pages
+from tests.support.tiff_craft import LZW, best_time, encoded_strip, many_pages
 
 
 def tiff_pages(pages: int, side: int) -> dict[str, float]:
     """Part 1: in-process decode of page 1 and page N, and the producer's check."""
     from vlmq.producer.inputs import check_file
-    from vlmq.worker import preprocess as P
+    from vlmq.worker.prep import decode as P
 
     last = encoded_strip(Image.new("L", (8, 8), 99), "tiff_lzw")
     data = many_pages(pages, strips=[(last, LZW)])
@@ -141,7 +141,7 @@ def _children(pid: int) -> list[int]:
 def sparse_ref(redis_url: str, model: str, tmp: Path, gib: float) -> dict[str, float]:
     """Part 3: peak RSS growth for a PNG with a sparse tail, by reference."""
     from vlmq.producer.client import Client
-    from vlmq.shared.stores import FolderStore, Stores
+    from vlmq.stores.backends import FolderStore, Stores
 
     store = tmp / "store"
     store.mkdir()
@@ -194,7 +194,7 @@ def main() -> None:
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args()
 
-    import vlmq.worker.preprocess as P
+    import vlmq.worker.prep.decode as P
 
     print(f"vlmq from {Path(P.__file__).parent.parent}")
     parts = {int(p) for p in args.parts.split(",")}

@@ -31,9 +31,9 @@ def fill(redis: Redis, upto: int, *, labels: int = 10, queues: int = 4) -> int:
     """Enqueue one-item jobs (through vlmq's own enqueue, pipelined) until `upto` jobs
     exist in this db; returns how many were added."""
     from vlmq.shared.blobs import sha256_hex
-    from vlmq.shared.jobs import enqueue
+    from vlmq.shared.enqueue import enqueue
     from vlmq.shared.keys import Keys
-    from vlmq.shared.schema import Item, JobPayload
+    from vlmq.shared.messages import Item, JobPayload
 
     keys = Keys.from_env()
     sha = sha256_hex(SHA_DATA)
@@ -96,7 +96,7 @@ def time_in_process(redis_url: str, *, repeats: int = 3) -> dict[str, float]:
 
 def time_dashboard(redis_url: str, path: str = "/", *, repeats: int = 3) -> float:
     """Median seconds of one GET of a dashboard page (in process, warm)."""
-    from vlmq.producer.dashboard.app import Settings, create_app
+    from vlmq.producer.ops.dashboard.app import Settings, create_app
 
     app = create_app(Settings(redis_url=redis_url))
     client = app.test_client()

@@ -31,9 +31,9 @@ import common as C
 from redis import Redis
 
 from vlmq.shared.keys import Keys
-from vlmq.shared.schema import ItemResult
+from vlmq.shared.messages import ItemResult
 from vlmq.worker.redis_server import start_private
-from vlmq.worker.result_cache import ResultCache
+from vlmq.worker.results.cache import ResultCache
 
 MB = 1024 * 1024
 

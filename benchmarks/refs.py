@@ -29,7 +29,7 @@ from redis import Redis
 
 from vlmq.producer.client import Client
 from vlmq.producer.options import JobOptions
-from vlmq.shared.stores import FolderStore, Stores
+from vlmq.stores.backends import FolderStore, Stores
 
 
 def make_files(folder: Path, files: int, side: int) -> None:

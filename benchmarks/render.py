@@ -1,5 +1,5 @@
 """PDF page rendering: one PDFium lock in the worker process (the old path) against the
-worker's pool of render processes (worker/render_pool.py), on a 40-page job.
+worker's pool of render processes (worker/prep/render_pool.py), on a 40-page job.
 
 Both paths render every page at the worker's OCR size (1288 px) from the same prepare
 threads, so the figures compare only where rendering runs. Run:
@@ -24,10 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.pdf_craft import build_pdf
+from tests.support.pdf_craft import build_pdf
 from vlmq.shared.blobs import sha256_hex
-from vlmq.worker import preprocess as P
-from vlmq.worker.render_pool import RenderPool
+from vlmq.worker.prep import decode as P
+from vlmq.worker.prep.render_pool import RenderPool
 
 SIDE = 1288
 

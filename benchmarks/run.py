@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C
 import server_e
 
-from vlmq.worker.repetition import RepetitionGuard
+from vlmq.worker.engine.repetition import RepetitionGuard
 
 JOB_SIZES = (24, 1, 12, 2, 8, 3, 6, 4)  # in arrival order
 SMALL = 4  # the 4 smallest jobs: what a latency-sensitive producer sends
@@ -323,8 +323,8 @@ def run_c(model_path: str, prompt: str, stop: tuple[str, ...], jobs: Sequence[Jo
           max_tokens: int, max_batch: int, prep_threads: int,
           guard: RepetitionGuard | None) -> SystemRun:
     """The vlmq Engine in-process, fed at the arrival times, prep on a thread pool."""
-    from vlmq.worker import mlx_adapter as A
-    from vlmq.worker.engine import Engine, Request
+    from vlmq.worker.engine import mlx_adapter as A
+    from vlmq.worker.engine.batcher import Engine, Request
 
     engine = Engine(model_path, max_batch=max_batch, repetition=guard)
     engine.wait_ready(timeout=300)
@@ -560,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vlmq.worker import blas
+    from vlmq.worker.model import blas
 
     prep_threads = args.prep_threads or min(4, os.cpu_count() or 2)
     # One thread count for all systems (the D workers inherit the environment).
@@ -579,8 +579,8 @@ def run(args: argparse.Namespace) -> int:
     if (systems & {"D", "D_ref"} or not args.no_enqueue_bench) and not args.no_flush:
         C.connect(args.redis_url).close()
 
-    from vlmq.worker import mlx_adapter as A
-    from vlmq.worker.model_defaults import resolve
+    from vlmq.worker.engine import mlx_adapter as A
+    from vlmq.worker.model.defaults import resolve
 
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="vlmq-bench-run-") as tmp:

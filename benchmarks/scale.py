@@ -43,7 +43,7 @@ import refs
 import small_jobs
 from redis import Redis
 
-from vlmq.shared.stores import FolderStore, Stores
+from vlmq.stores.backends import FolderStore, Stores
 
 MB = 1024 * 1024
 SIZES = (1_000, 10_000, 100_000)
@@ -99,7 +99,7 @@ def backlog(url: str, image: Path, stores: Stores, n: int, chunk: int = 1000) ->
     blob that is no image (listings never open it); a worker needs items it can run."""
     from vlmq.producer.inputs import prepare
     from vlmq.producer.options import JobOptions
-    from vlmq.shared.jobs import enqueue
+    from vlmq.shared.enqueue import enqueue
     from vlmq.shared.keys import Keys
 
     prepared = prepare([image], stores=stores)

@@ -176,7 +176,7 @@ class Server:
 
 def serve(argv: list[str]) -> None:
     """Load the worker's BLAS, then run mlx-vlm's server CLI with these arguments."""
-    from vlmq.worker import blas
+    from vlmq.worker.model import blas
 
     info = blas.select()  # before mlx.core loads: libmlx binds cblas_sgemm at import
     print(f"BLAS: {info.describe()}", flush=True)

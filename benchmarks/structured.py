@@ -2,7 +2,7 @@
 
 1. A batch of 8 extract rows (one schema: a receipt with nested lines, an enum, bounded
    numbers and strings) runs through the engine in-process, each row masked per step by
-   its own llguidance matcher (worker/structured.py).
+   its own llguidance matcher (worker/engine/constraints.py).
 2. The same 8 rows run unconstrained, each with max_tokens set to the number of tokens its
    constrained run produced, so both runs decode exactly the same number of tokens per row:
    tokens/s compare like with like.
@@ -58,7 +58,7 @@ def portable_mask_s(vocab: int, reps: int = 200) -> float:
     """Seconds per call of the portable mask on one row of `vocab` logits, evaluated."""
     import mlx.core as mx
 
-    from vlmq.worker.structured import apply_portable
+    from vlmq.worker.engine.constraints import apply_portable
 
     logits = mx.random.normal((1, vocab))
     bitmask = np.random.default_rng(0).integers(-2**31, 2**31 - 1, (1, (vocab + 31) // 32),
@@ -119,14 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args(argv)
-    from vlmq.worker import blas
+    from vlmq.worker.model import blas
 
     blas.select()
     from mlx_vlm import load
 
-    from vlmq.worker import mlx_adapter as A
-    from vlmq.worker.engine import Engine, Request
-    from vlmq.worker.structured import Structured
+    from vlmq.worker.engine import mlx_adapter as A
+    from vlmq.worker.engine.batcher import Engine, Request
+    from vlmq.worker.engine.constraints import Structured
 
     model_path = C.resolve_model(args.model)
     print(f"machine: {C.machine()}\nmodel: {model_path}; {args.rows} rows at {args.side} px")

@@ -20,11 +20,11 @@ from rq.serializers import JSONSerializer
 
 from vlmq.producer.client import Client, Job
 from vlmq.shared import constants as C
-from vlmq.shared.text import as_str
+from vlmq.shared.redis_text import as_str
 from vlmq.shared.urls import redact_url
-from vlmq.worker.paths import default_cache_dir
+from vlmq.worker.default_dirs import default_cache_dir
+from vlmq.worker.loop import WorkerConfig, run_worker
 from vlmq.worker.redis_server import PrivateRedis, answers, start_private
-from vlmq.worker.service import WorkerConfig, run_worker
 
 DEMO_QUEUE_PREFIX = "vlmq-demo-"
 TINY_MAX_SIDE = 224
@@ -117,7 +117,7 @@ def run_demo(*, redis_url: str | None, model: str | None, max_batch: int) -> int
     try:
         tiny = model is None
         if tiny:
-            from vlmq.worker.tiny_model import build_tiny_model
+            from vlmq.worker.model.tiny import build_tiny_model
 
             model = str(build_tiny_model(default_cache_dir() / "models" / "tiny-qwen2_vl"))
             click.secho("NOTE: no --model given, so this demo uses a tiny model with RANDOM "

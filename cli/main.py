@@ -18,17 +18,17 @@ from redis.exceptions import ReadOnlyError as RedisReadOnlyError
 from redis.exceptions import ResponseError as RedisResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from vlmq.producer import cli as producer_cli
+from vlmq.cli import jobs as producer_cli
+from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, fail, one_line
 from vlmq.producer.client import check_redis_url, redact_url
 from vlmq.producer.errors import JobNotFound
 from vlmq.shared import constants as C
-from vlmq.shared.clitools import EXIT_BAD_INPUT, EXIT_FAILED, fail, one_line
 
 # Modules whose commands register only when a command not yet known is asked for (or the
 # list is shown): `vlmq jobs` starts without importing the worker's, the schedules', the
 # exports' or the dashboard's modules. Each has register(group), as producer_cli.
-LATER = ("vlmq.producer.export_cli", "vlmq.producer.schedule_cli", "vlmq.worker.cli",
-         "vlmq.producer.dashboard.cli", "vlmq.producer.metrics_exporter", "vlmq.cli.service")
+LATER = ("vlmq.cli.export", "vlmq.cli.schedules", "vlmq.cli.worker",
+         "vlmq.cli.dashboard", "vlmq.producer.ops.metrics_exporter", "vlmq.cli.units")
 
 
 class _Main(click.Group):
@@ -124,7 +124,7 @@ def main(ctx: click.Context, redis_url: str) -> None:
 
 def _start_scheduler(*args: Any, **kwargs: Any) -> Any:
     """producer.schedule.start_scheduler_thread, imported only by a worker that runs it."""
-    from vlmq.producer.schedule import start_scheduler_thread
+    from vlmq.producer.ops.schedules import start_scheduler_thread
 
     return start_scheduler_thread(*args, **kwargs)
 
@@ -136,7 +136,7 @@ def _start_scheduler(*args: Any, **kwargs: Any) -> Any:
 @click.pass_context
 def demo_cmd(ctx: click.Context, model: str | None, max_batch: int) -> None:
     """Enqueue the bundled sample, run a burst worker on it, and show results and stats."""
-    from vlmq.worker import cli as worker_cli
+    from vlmq.cli import worker as worker_cli
 
     worker_cli.require_worker_extra()
     from vlmq.cli.demo import run_demo

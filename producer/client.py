@@ -21,32 +21,33 @@ from rq.job import Job as RQJob
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from vlmq.producer import batch as batches
-from vlmq.producer import manage
+from vlmq.producer import job_sets as batches
 from vlmq.producer.errors import JobNotFound
 from vlmq.producer.inputs import PageSpec, Prepared, prepare
+from vlmq.producer.ops import job_admin as manage
 from vlmq.producer.options import JOB_FIELDS, JobOptions
 from vlmq.producer.progress import ProgressBar, ProgressLines, display
 from vlmq.producer.upload import DEFAULT_MAX_PENDING_MB, Uploader
 from vlmq.shared import constants as C
-from vlmq.shared import job_index, json_schema, redis_checks
+from vlmq.shared import extract_schema as json_schema
+from vlmq.shared import job_index, redis_checks
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.connection import check_url, connect, transient
 from vlmq.shared.constants import DEFAULT_REDIS_URL
-from vlmq.shared.errors import PayloadError, VlmqError
-from vlmq.shared.jobs import (
+from vlmq.shared.enqueue import (
     check_job_id,
     enqueue,
     fetch_job,
     payload_of,
     raw_exc_info,
 )
+from vlmq.shared.errors import PayloadError, VlmqError
 from vlmq.shared.keys import Keys
+from vlmq.shared.messages import ItemResult, JobPayload
+from vlmq.shared.redis_text import as_str
 from vlmq.shared.results import count_done, read_items
-from vlmq.shared.schema import ItemResult, JobPayload
-from vlmq.shared.stores import Stores
-from vlmq.shared.text import as_str
 from vlmq.shared.urls import redact_url
+from vlmq.stores.backends import Stores
 
 __all__ = ["DEFAULT_REDIS_URL", "Client", "Job", "JobFailed", "JobNotFound",
            "RedisUnreachable", "WaitTimeout", "check_redis_url", "redact_url", "wait_all"]
@@ -231,7 +232,7 @@ class Client:
                    job_size: int = batches.JOB_ITEMS,
                    progress: bool = False) -> Job | batches.Batch:
         """A set of any size: one job when it fits in `job_size` items, else a Batch of
-        jobs of at most `job_size` (producer/batch.py says why 500 by default).
+        jobs of at most `job_size` (producer/job_sets.py says why 500 by default).
         `progress`: show files hashed on stderr while a big folder is checked."""
         if task not in C.TASKS:
             raise PayloadError("task", f"must be one of {list(C.TASKS)}, got {task!r}")

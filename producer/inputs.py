@@ -23,22 +23,27 @@ from typing import IO
 import pypdfium2 as pdfium
 from PIL import Image, UnidentifiedImageError
 
-from vlmq.producer.written import MANIFEST_MAX, MANIFEST_NAME, parse_manifest, written_by_vlmq
+from vlmq.media import formats as image_formats
+from vlmq.media import tiff as TIFF
+from vlmq.media.pdfium import PDFIUM_LOCK, open_problem
+from vlmq.producer.ops.export_ledger import (
+    MANIFEST_MAX,
+    MANIFEST_NAME,
+    parse_manifest,
+    written_by_vlmq,
+)
 from vlmq.shared import constants as C
-from vlmq.shared import image_formats
-from vlmq.shared import tiff as TIFF
 from vlmq.shared.blobs import sha256_hex
 from vlmq.shared.errors import InputError
-from vlmq.shared.pdfium import PDFIUM_LOCK, open_problem
-from vlmq.shared.schema import Item, Ref
-from vlmq.shared.stores import S3Store, Store, StoreError, StoreMissing, Stores, hash_stream
+from vlmq.shared.messages import Item, Ref
+from vlmq.stores.backends import S3Store, Store, StoreError, StoreMissing, Stores, hash_stream
 
 PDF_MAGIC = b"%PDF-"
 # The PDF spec lets the header sit anywhere in the first 1024 bytes (PDFium agrees).
 PDF_HEADER_WINDOW = 1024
 # TIFF and BigTIFF, little- and big-endian, plus the two swapped marks Pillow also reads.
 TIFF_MAGICS = TIFF.MARKS
-# A TIFF's pages become items; the payload's page numbers stop here (shared/schema.py).
+# A TIFF's pages become items; the payload's page numbers stop here (shared/messages.py).
 MAX_TIFF_PAGES = C.MAX_TIFF_PAGES
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _RANGE_PART = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?")
@@ -269,7 +274,7 @@ def _check_tiff(data: bytes | IO[bytes], source: str) -> int:
     A TIFF is a document, each page an item, so each page is checked as an image is: its
     header size against the pixel limit before any decode (a bomb can hide in page 40 of a
     fax), its aspect ratio, then a full decode to catch truncation. The page chain is
-    walked once (shared/tiff.py) and each page opened directly, so every page costs what
+    walked once (media/tiff.py) and each page opened directly, so every page costs what
     page 1 does (Pillow's own seek walks the chain again: O(N^2) over a file). A loop in
     the chain, a directory past the end of the file or more than MAX_TIFF_PAGES pages
     refuses the file. Memory is one page's however many pages there are (a file must be
@@ -690,7 +695,7 @@ def prepare(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
     none among the inputs it is refused (PagesWithoutPdf). All bad files are
     collected first; unless skip_bad, any bad file rejects the whole set (InputErrors).
     Files are read one at a time and only their hash kept (upload reads them again). The
-    item `limit` (one job's; None for a set that becomes a batch, producer/batch.py) is
+    item `limit` (one job's; None for a set that becomes a batch, producer/job_sets.py) is
     enforced the moment it is passed: reading thousands more files only to refuse the set
     afterwards would waste minutes.
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlmq.producer.batch import JOB_ITEMS, split_prepared
 from vlmq.producer.inputs import CheckedFile, Prepared, check_file, parse_pages
+from vlmq.producer.job_sets import JOB_ITEMS, split_prepared
 from vlmq.producer.options import JobOptions, read_schema_file
 from vlmq.shared import constants as C
-from vlmq.shared import json_schema
+from vlmq.shared import extract_schema as json_schema
 from vlmq.shared import settings as S
 from vlmq.shared.errors import InputError, PayloadError
 
@@ -54,7 +54,7 @@ class Request:
     file: Path
     pages: str | None
     settings: dict[str, Any]  # the line's own settings, checked, by name
-    # Another line format (producer/openai_batch.py) names its input elsewhere: the
+    # Another line format (producer/openai_files.py) names its input elsewhere: the
     # item's source (default: the path), the field errors about the file name, and
     # whether the request must be one item (a document of several pages is refused).
     source: str | None = None
@@ -241,7 +241,7 @@ def _checked_pages(req: Request) -> tuple[CheckedFile, list[int | None]]:
 
 
 def _split(groups: Iterable[Group], job_size: int = JOB_ITEMS) -> list[Group]:
-    """Groups over the job size become several jobs (producer/batch.py: why that size,
+    """Groups over the job size become several jobs (producer/job_sets.py: why that size,
     and how a file's items stay together)."""
     return [Group(g.task, g.options, part) for g in groups
             for part in split_prepared(g.prepared, job_size)]

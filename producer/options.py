@@ -15,12 +15,12 @@ from typing import Any, TypeVar
 
 import click
 
+from vlmq.cli.common import EXIT_BAD_INPUT, fail, parse_labels
 from vlmq.shared import constants as C
-from vlmq.shared import json_schema
+from vlmq.shared import extract_schema as json_schema
 from vlmq.shared import settings as S
-from vlmq.shared.clitools import EXIT_BAD_INPUT, fail, parse_labels
 from vlmq.shared.errors import PayloadError
-from vlmq.shared.schema import Item, JobPayload, parse_payload
+from vlmq.shared.messages import Item, JobPayload, parse_payload
 
 MAX_TTL_S = S.MAX_TTL_S
 # Fields of the RQ job hash that hold settings kept outside the payload (for retries).

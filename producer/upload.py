@@ -5,7 +5,7 @@ producer keeps its own uploads whose jobs have not ended under `max_pending_byte
 (`--max-pending-mb`, a Client attribute shared by the jobs it submits). A job is uploaded
 only when it fits beside the jobs still pending; otherwise the producer waits for workers
 to drain them (a job larger than the whole budget waits until nothing is pending, then goes
-alone). The batch layer cuts a large set into jobs (producer/batch.py), so a folder many
+alone). The batch layer cuts a large set into jobs (producer/job_sets.py), so a folder many
 times the budget goes through a Redis of about the budget plus one job. Files are read into
 memory one chunk at a time: at most UPLOAD_CHUNK blobs and UPLOAD_CHUNK_BYTES (or one file
 larger than that).
@@ -34,7 +34,7 @@ from vlmq.producer.inputs import BlobSource
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import UPLOAD_TTL_S, BlobStore
 from vlmq.shared.keys import Keys
-from vlmq.shared.schema import JobPayload
+from vlmq.shared.messages import JobPayload
 
 MB = 1024 * 1024
 DEFAULT_MAX_PENDING_MB = 1024

@@ -34,10 +34,10 @@ MAX_IMAGE_PIXELS = 64_000_000
 MAX_ASPECT_RATIO = 200
 MAX_ITEMS_PER_JOB = 10_000
 # A TIFF's pages (its chain of image directories) stop here, for the producer's check and
-# the worker's page index alike: the bound a payload's page numbers have (shared/schema.py).
+# the worker's page index alike: the bound a payload's page numbers have (shared/messages.py).
 MAX_TIFF_PAGES = 1_000_000
 MAX_PROMPT_CHARS = 20_000
-# An extract job's JSON Schema: UTF-8 bytes of its compact JSON (shared/json_schema.py).
+# An extract job's JSON Schema: UTF-8 bytes of its compact JSON (shared/extract_schema.py).
 # Real schemas are a few KB; the cap keeps a job hash, the matcher and the default prompt
 # (which quotes the schema) small.
 MAX_SCHEMA_BYTES = 65_536
@@ -54,7 +54,7 @@ MAX_CUSTOM_ID_CHARS = 256
 # on any worker (HSETNX): a resumed job's summary wall_s covers the whole job.
 FIRST_STARTED_FIELD = "vlmq_first_started"
 
-# Hard bounds on what a worker reads from a job hash (shared/bounded.py): any compressed
+# Hard bounds on what a worker reads from a job hash (shared/bounded_reads.py): any compressed
 # field inflates to at most MAX_FIELD_BYTES, and JSON nests at most MAX_JSON_DEPTH deep.
 MAX_FIELD_BYTES = 16 * 1024 * 1024
 MAX_JSON_DEPTH = 32

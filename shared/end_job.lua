@@ -48,7 +48,7 @@ redis.call('PUBLISH', ARGV[4], message)
 if ARGV[5] ~= '' then
   redis.call('PUBLISH', ARGV[5], message)
 end
--- BEGIN BATCH (producer/batch.py, PROTOCOL.md section 9): a job of a batch leaves the
+-- BEGIN BATCH (producer/job_sets.py, PROTOCOL.md section 9): a job of a batch leaves the
 -- batch's pending set once; the job that empties it writes the batch's one terminal event.
 do
   local prefix = string.sub(KEYS[2], 1, #KEYS[2] - #(':job:' .. ARGV[1] .. ':events'))

@@ -182,7 +182,7 @@ local function check_setting(s, x)
     -- so an empty one is refused whichever it was; Python refuses {} too (it constrains
     -- nothing). Its size is cjson's compact encoding less the \/ escapes Python does not
     -- write, so within a few bytes of Python's count (cjson writes 1.0 as 1). Whether it
-    -- is a valid schema the matcher takes is checked by the worker (shared/json_schema.py).
+    -- is a valid schema the matcher takes is checked by the worker (shared/extract_schema.py).
     if type(x) ~= 'table' or #x > 0 or next(x) == nil then
       return 'must be a non-empty JSON object (a JSON Schema)'
     end
@@ -237,7 +237,7 @@ local item_fields = {kind = 1, blob = 1, ref = 1, sha256 = 1, size = 1, source =
 local function is_sha256(x)
   return type(x) == 'string' and #x == 64 and not string.match(x, '[^0-9a-f]')
 end
--- Why a store path would leave its store (nil when it cannot): as shared/stores.py.
+-- Why a store path would leave its store (nil when it cannot): as stores/backends.py.
 local function ref_path_problem(p)
   if type(p) ~= 'string' or p == '' or utf8_len(p) > 4096 then
     return 'must be a non-empty string of at most 4096 characters'

@@ -28,8 +28,8 @@ from redis.client import Pipeline
 from redis.exceptions import ResponseError
 
 from vlmq.shared.keys import RQ_QUEUES, RQ_REGISTRIES, Keys
-from vlmq.shared.schema import JobPayload
-from vlmq.shared.text import as_str
+from vlmq.shared.messages import JobPayload
+from vlmq.shared.redis_text import as_str
 
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 PAGE = 200  # entries read per round trip while walking an index

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 DEFAULT_PREFIX = "vlmq"
 PREFIX_ENV = "VLMQ_PREFIX"
 
-# RQ's names: the only place vlmq spells them. They mirror rq 3.0 (tests/test_keys.py
-# checks them against RQ's own classes; tests/test_protocol.py pins the wire names).
+# RQ's names: the only place vlmq spells them. They mirror rq 3.0 (tests/protocol/test_keys.py
+# checks them against RQ's own classes; tests/protocol/test_protocol.py pins the wire names).
 RQ_JOB = "rq:job:{id}"
 RQ_QUEUE = "rq:queue:{name}"
 RQ_QUEUES = "rq:queues"
@@ -86,7 +86,7 @@ class Keys:
 
     def job_risk(self, job_id: str) -> str:
         """Hash: item index -> "<worker>|<step>|<unix time>" while that item is in a step
-        that could kill its worker (worker/poison.py); left behind if it did."""
+        that could kill its worker (worker/intake/poison.py); left behind if it did."""
         return f"{self.prefix}:job:{job_id}:risk"
 
     def job_kills(self, job_id: str) -> str:
@@ -171,7 +171,7 @@ class Keys:
         return f"{self.prefix}:workers"
 
     def result_cache_gen(self, gen: int) -> str:
-        """Hash: one generation of the result cache (worker/result_cache.py). Field = an
+        """Hash: one generation of the result cache (worker/results/cache.py). Field = an
         item key's digest (128 bits, base64url), value = "<job id> <index> <text hash>",
         the stored item result holding its text; generation `gen` holds the entries whose
         target expires in day `gen` (epoch s // span) and expires at that day's end."""

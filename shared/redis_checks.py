@@ -20,7 +20,7 @@ from redis.exceptions import ResponseError
 
 from vlmq.shared.errors import VlmqError
 from vlmq.shared.keys import Keys
-from vlmq.shared.text import as_str
+from vlmq.shared.redis_text import as_str
 
 ALLOW_EVICTION_ENV = "VLMQ_ALLOW_EVICTION"
 NO_EVICTION = "noeviction"

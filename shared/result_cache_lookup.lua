@@ -1,4 +1,4 @@
--- vlmq: find result-cache entries (worker/result_cache.py) in the live generations.
+-- vlmq: find result-cache entries (worker/results/cache.py) in the live generations.
 -- KEYS[1..n] = the live generation hashes <prefix>:rcache:gen:<g>, newest first
 -- ARGV[1..m] = digests
 -- Returns 2*m values: per digest its pointer ("<job id> <index> <text hash>") and the

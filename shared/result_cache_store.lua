@@ -1,4 +1,4 @@
--- vlmq: point result-cache entries at one job's stored item results (worker/result_cache.py),
+-- vlmq: point result-cache entries at one job's stored item results (worker/results/cache.py),
 -- then evict to keep the cache's real memory under the byte budget.
 -- KEYS[1] = <prefix>:job:<job_id>:items, the results the entries point at
 -- KEYS[2..n] = the live generation hashes <prefix>:rcache:gen:<g>, g = ARGV[3], ARGV[3]+1, ...

@@ -18,7 +18,7 @@ from redis.client import Pipeline
 from vlmq.shared import constants as C
 from vlmq.shared import lua
 from vlmq.shared.keys import Keys
-from vlmq.shared.schema import ItemResult
+from vlmq.shared.messages import ItemResult
 
 EVENTS_MAXLEN = 10_000
 # Field of the RQ job hash that end_job.lua sets: this run of the job has its terminal event.

@@ -1,4 +1,4 @@
--- vlmq: claim one due time of a schedule (producer/schedule.py), so that of several
+-- vlmq: claim one due time of a schedule (producer/ops/schedules.py), so that of several
 -- schedulers exactly one fires it.
 -- KEYS[1] = <prefix>:schedule:<name>
 -- ARGV[1] = the next_due the caller read   ARGV[2] = the next_due after this run

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmq.shared import constants as C
-from vlmq.shared import json_schema
+from vlmq.shared import extract_schema as json_schema
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import JOB_ID_RE, QUEUE_NAME_RE
 
@@ -33,7 +33,7 @@ KEEP_INPUTS_S = 3600
 MAX_STOP_CHARS = 256
 MAX_MODEL_CHARS = 512
 
-# schema: a JSON Schema object (task extract), checked by shared/json_schema.py.
+# schema: a JSON Schema object (task extract), checked by shared/extract_schema.py.
 KINDS = ("int", "float", "str", "strs", "labels", "choice", "schema")
 
 
@@ -255,7 +255,7 @@ SETTINGS: tuple[Setting, ...] = (
             f"finishes, is canceled or deleted (default {KEEP_INPUTS_S}); a failed job keeps "
             "them as long as its failure record.", wire="keep_inputs", default=KEEP_INPUTS_S,
             lo=1, hi=MAX_TTL_S, metavar="S", manifest=False),
-    # Set by the producer when a set becomes several jobs (producer/batch.py), never by
+    # Set by the producer when a set becomes several jobs (producer/job_sets.py), never by
     # hand; a retry belongs to a new batch, so it is not carried over.
     Setting("batch", "str", "The batch the job belongs to (set by vlmq when a set becomes "
             "several jobs).", wire="batch", max_len=128, pattern=JOB_ID_RE,

@@ -1,5 +1,5 @@
 -- vlmq: a worker's item results for one job, written only while its execution owns the job
--- (worker/results_writer.py). All of them and their events land together, or none.
+-- (worker/results/writer.py). All of them and their events land together, or none.
 -- KEYS[1] = rq:job:<job_id>   KEYS[2] = <prefix>:job:<job_id>:owner
 -- KEYS[3] = <prefix>:job:<job_id>:items   KEYS[4] = <prefix>:job:<job_id>:events
 -- ARGV[1] = owner token   ARGV[2] = ttl (s)   ARGV[3] = events stream maxlen

@@ -15,11 +15,10 @@ import pytest
 from click.testing import Result
 from redis import Redis
 
+from tests.support import helpers
 from vlmq.shared.keys import Keys
-from vlmq.worker import blas
+from vlmq.worker.model import blas
 from vlmq.worker.redis_server import start_private
-
-from . import helpers
 
 # Before any test imports MLX: the same BLAS a default worker picks ($VLMQ_BLAS, else auto).
 blas.select()
@@ -113,7 +112,7 @@ def keys() -> Keys:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The qwen2_vl tiny random-weight model, built once per session."""
-    from vlmq.worker.tiny_model import build_tiny_model
+    from vlmq.worker.model.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2_vl"), arch="qwen2_vl", seed=0)
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Protocol, cast
 
-from vlmq.worker.engine import Finished
+from vlmq.worker.engine.batcher import Finished
+from vlmq.worker.engine.item_order import Scheduler
 from vlmq.worker.events import (
     Answered,
     Event,
@@ -21,10 +22,9 @@ from vlmq.worker.events import (
     PrepFailed,
     PrepRetry,
 )
-from vlmq.worker.fallback import Fallback, model_failed
-from vlmq.worker.results_writer import ResultWriter
-from vlmq.worker.running import Running
-from vlmq.worker.scheduler import Scheduler
+from vlmq.worker.intake.running import Running
+from vlmq.worker.prep.fallback import Fallback, model_failed
+from vlmq.worker.results.writer import ResultWriter
 
 
 class Answers(Protocol):

@@ -1,4 +1,4 @@
-"""A worker's options, as the CLI (worker/cli.py) and tests build them."""
+"""A worker's options, as the CLI (cli/worker.py) and tests build them."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlmq.shared.keys import Keys
-from vlmq.shared.stores import Stores
-from vlmq.worker.batch_size import DEFAULT_CAP
-from vlmq.worker.poison import DEFAULT_POISON_KILLS
-from vlmq.worker.render_pool import DEFAULT_MEM_MB as DEFAULT_RENDER_MEM_MB
-from vlmq.worker.render_pool import DEFAULT_TIMEOUT_S as DEFAULT_RENDER_TIMEOUT_S
-from vlmq.worker.repetition import RepetitionGuard
-from vlmq.worker.result_cache import DEFAULT_MAX_BYTES, DEFAULT_TTL_S
+from vlmq.stores.backends import Stores
+from vlmq.worker.engine.batch_size import DEFAULT_CAP
+from vlmq.worker.engine.repetition import RepetitionGuard
+from vlmq.worker.intake.poison import DEFAULT_POISON_KILLS
+from vlmq.worker.prep.render_pool import DEFAULT_MEM_MB as DEFAULT_RENDER_MEM_MB
+from vlmq.worker.prep.render_pool import DEFAULT_TIMEOUT_S as DEFAULT_RENDER_TIMEOUT_S
+from vlmq.worker.results.cache import DEFAULT_MAX_BYTES, DEFAULT_TTL_S
 
 
 @dataclass

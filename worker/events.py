@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from vlmq.worker.engine import EngineState, Finished
+from vlmq.worker.engine.batcher import EngineState, Finished
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class LayerAnswered:
     prep_s: float
 
 
-# What the model or the preparation failed: a text layer may stand in (worker/fallback.py).
+# What the model or the preparation failed: a text layer may stand in (worker/prep/fallback.py).
 Failure = Answered | PrepFailed
 
 

@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from vlmq.shared.schema import ItemResult
+from vlmq.shared.messages import ItemResult
 from vlmq.worker.stats import WorkerStats
 
 # OCR items take from a fraction of a second (a cached page, a tiny model) to minutes (a

@@ -13,14 +13,14 @@ from redis import Redis
 from redis.typing import EncodableT, FieldT
 
 from vlmq.shared.keys import Keys
-from vlmq.shared.schema import ItemResult
-from vlmq.worker import preprocess as P
+from vlmq.shared.messages import ItemResult
+from vlmq.worker.prep import decode as P
 
 log = logging.getLogger("vlmq.worker")
 
 RATE_WINDOW_S = 30.0
 LOG_EVERY_S = 10.0
-# What worker/render_pool.py says of a page its render process could not finish: its
+# What worker/prep/render_pool.py says of a page its render process could not finish: its
 # memory limit, a crash, or (RENDER_TIMED_OUT) its time limit. Counted from item errors.
 RENDER_FAILED = "too complex to render"
 RENDER_TIMED_OUT = "render time limit"

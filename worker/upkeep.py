@@ -14,14 +14,14 @@ from rq.worker import WorkerStatus
 
 from vlmq.shared import redis_checks
 from vlmq.shared.keys import Keys
-from vlmq.worker.engine import EngineState
+from vlmq.worker.engine.batcher import EngineState
+from vlmq.worker.engine.item_order import Scheduler
 from vlmq.worker.events import Flight
-from vlmq.worker.poison import RiskLog
-from vlmq.worker.results_writer import ResultWriter
-from vlmq.worker.rq_jobs import JobLifecycle, Running
-from vlmq.worker.scheduler import Scheduler
+from vlmq.worker.intake.poison import RiskLog
+from vlmq.worker.intake.rq_jobs import JobLifecycle, Running
+from vlmq.worker.prep.vision_cache import VisionCache
+from vlmq.worker.results.writer import ResultWriter
 from vlmq.worker.stats import WorkerStats
-from vlmq.worker.vision_cache import VisionCache
 
 log = logging.getLogger("vlmq.worker")
 

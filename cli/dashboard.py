@@ -1,0 +1,127 @@
+"""`vlmq dashboard`: serve the dashboard (waitress) until interrupted.
+
+Imports Flask only when run, so `vlmq --help` works on installs without the extra, and
+the command itself says which extra is missing.
+"""
+
+from __future__ import annotations
+
+import resource
+import threading
+
+import click
+from redis.exceptions import RedisError
+
+from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, fail
+from vlmq.producer.client import check_redis_url, redact_url
+
+SAMPLE_EVERY_S = 5.0
+SERVER_THREADS = 8
+# Connections are cheap for waitress (one poll loop reads them all), so idle or half-open
+# ones must neither outlive a short timeout nor fill a small limit: waitress' defaults
+# (120 s, 100 connections) let 150 stalled sockets lock everyone out for minutes.
+CHANNEL_TIMEOUT_S = 10
+CLEANUP_INTERVAL_S = 1
+MAX_CONNECTIONS = 2000
+SPARE_FDS = 64  # files the process needs besides connections (Redis, previews, logs)
+
+
+@click.command("dashboard")
+@click.option("--redis-url", envvar="REDIS_URL", default=None,
+              help="Redis to watch (default: the root --redis-url / REDIS_URL).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Interface to listen on; anything else than loopback exposes job data.")
+@click.option("--port", type=click.IntRange(1, 65535), default=9191, show_default=True)
+@click.option("--allow-actions", is_flag=True,
+              help="Show cancel and retry-failed buttons (off: the dashboard never writes).")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME[:PORT]",
+              help="Also answer requests for this host name (repeatable). Only 127.0.0.1, "
+                   "localhost, [::1] and the --host value are answered otherwise.")
+@click.option("--auth-token", envvar="VLMQ_DASHBOARD_TOKEN", show_envvar=True, default=None,
+              metavar="TOKEN",
+              help="Require this token (16+ characters) on every page: a login form, or "
+                   "'Authorization: Bearer TOKEN'. Prefer the env var: arguments show in ps.")
+@click.pass_context
+def dashboard_cmd(ctx: click.Context, redis_url: str | None, host: str, port: int,
+                  allow_actions: bool, allowed_hosts: tuple[str, ...],
+                  auth_token: str | None) -> None:
+    """A web page over queues, workers and jobs: progress, and each page next to its text."""
+    try:
+        import waitress
+
+        from vlmq.producer.ops.dashboard.app import Settings, create_app
+        from vlmq.producer.ops.dashboard.data import History, workers
+        from vlmq.producer.ops.dashboard.trust import LOOPBACK, bracket, normalize_name
+    except ImportError as exc:
+        fail(f"error: `vlmq dashboard` needs the dashboard extra ({exc.name} is missing): "
+             "pip install 'vlmq[dashboard]'", EXIT_BAD_INPUT)
+    try:
+        url = check_redis_url(redis_url) if redis_url else ctx.find_root().obj["redis_url"]
+    except ValueError as exc:
+        fail(f"error: {exc} (from --redis-url)", EXIT_BAD_INPUT)
+    for name in allowed_hosts:
+        try:
+            normalize_name(name)
+        except ValueError as exc:
+            fail(f"error: {exc} (from --allowed-host)", EXIT_BAD_INPUT)
+    history = History()
+    settings = Settings(redis_url=url, allow_actions=allow_actions, host=host, port=port,
+                        allowed_hosts=allowed_hosts, auth_token=auth_token or None)
+    try:
+        app = create_app(settings, history=history)
+    except ValueError as exc:  # a short token; the message never contains it
+        fail(f"error: {exc} (from --auth-token / $VLMQ_DASHBOARD_TOKEN)", EXIT_BAD_INPUT)
+    client = app.extensions["vlmq"]["client"]
+    try:
+        client.redis.ping()
+    except RedisError as exc:
+        fail(f"error: cannot reach Redis at {redact_url(url)}: {exc}", EXIT_FAILED)
+    stop = threading.Event()
+
+    def sample() -> None:
+        # Keeps the throughput plots filling while nobody has the page open.
+        while not stop.wait(SAMPLE_EVERY_S):
+            try:
+                history.sample(workers(client.redis, client.keys))
+            except RedisError as exc:
+                click.echo(f"vlmq dashboard: sampling stats failed: {exc}", err=True)
+
+    if bracket(host) not in LOOPBACK and not settings.auth_token:
+        click.echo(f"vlmq dashboard: warning: listening on {host} without --auth-token: "
+                   "anyone who can reach this port can read every job's inputs and results",
+                   err=True)
+    if host in ("0.0.0.0", "::"):
+        click.echo("vlmq dashboard: only requests for loopback names and --allowed-host "
+                   "names are answered; add the names people use to reach it", err=True)
+    threading.Thread(target=sample, name="stats-sampler", daemon=True).start()
+    click.echo(f"vlmq dashboard on http://{host}:{port}/ "
+               f"({'actions allowed' if allow_actions else 'read-only'}); Ctrl-C stops it",
+               err=True)
+    try:
+        waitress.serve(app, host=host, port=port, threads=SERVER_THREADS, ident="vlmq",
+                       channel_timeout=CHANNEL_TIMEOUT_S, cleanup_interval=CLEANUP_INTERVAL_S,
+                       connection_limit=_connection_limit(), asyncore_use_poll=True)
+    finally:
+        stop.set()
+
+
+def _connection_limit() -> int:
+    """As many connections as open files allow, up to MAX_CONNECTIONS: the soft file limit
+    is raised towards the hard one first. poll(), not select(), so descriptors past 1024
+    work."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = MAX_CONNECTIONS + SPARE_FDS
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        except (ValueError, OSError) as exc:
+            click.echo(f"vlmq dashboard: cannot raise the open-file limit: {exc}", err=True)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(16, min(MAX_CONNECTIONS, soft - SPARE_FDS))
+
+
+def register(group: click.Group) -> None:
+    group.add_command(dashboard_cmd)

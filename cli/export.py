@@ -1,0 +1,86 @@
+"""`vlmq export`: jobs' results as files mirroring the input tree, or as sidecars."""
+
+from __future__ import annotations
+
+import json
+import sys
+from itertools import chain
+from pathlib import Path
+
+import click
+
+from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, fail
+from vlmq.producer.client import Client
+from vlmq.producer.job_sets import expand
+from vlmq.producer.ops.export import FORMATS, ExportReport, export_results
+from vlmq.producer.ops.output_formats import EXTRACT
+
+
+def print_report(report: ExportReport, where: Path, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(report.to_dict()))
+        return
+    click.echo(f"wrote {len(report.written)} file(s) under {where}")
+    for source, error in report.failed:
+        click.echo(f"vlmq: {source}: failed, not written: {error}", err=True)
+    for _source, reason in report.refused:
+        click.echo(f"vlmq: refused: {reason}", err=True)
+    for path in report.kept:
+        click.echo(f"vlmq: kept {path}: not written by vlmq, or changed since "
+                   "(--overwrite replaces it)", err=True)
+
+
+@click.command("export")
+@click.argument("job_ids", nargs=-1, required=True)
+@click.option("--dir", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Write OUT/<source>.md|.txt|.json, mirroring the input tree.")
+@click.option("--sidecar", "sidecar_root", type=click.Path(file_okay=False, exists=True,
+                                                           path_type=Path),
+              metavar="ROOT",
+              help="Write each result next to its input under ROOT (photo.jpg.txt); ROOT is "
+                   "the folder the job was enqueued from.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="md", show_default=True,
+              help="md: a PDF becomes <source>.md with page markers, an image <source>.txt; "
+                   "txt: plain text for both; json: <source>.json with every item field. "
+                   "An extract job's sources are always <source>.json, their objects.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace files at the targets even when vlmq did not write them (or "
+                   "they changed since); without it they are kept and listed.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+@click.pass_context
+def export_cmd(ctx: click.Context, job_ids: tuple[str, ...], out_dir: Path | None,
+               sidecar_root: Path | None, fmt: str, overwrite: bool, as_json: bool) -> None:
+    """Write jobs' results to files: an item's source (its path relative to the folder it
+    was enqueued from) is its place in the output tree.
+
+    A source that would land outside the output folder (absolute, `..`, a symlink out) is
+    refused. vlmq replaces only files it wrote itself (recorded with their sha256 in each
+    folder's .vlmq-written.json) and that are unchanged since; any other file there is
+    kept and listed, unless --overwrite. Exit 1 when an item failed, a source was refused
+    or a file was kept; the rest is written. A batch id exports all its jobs.
+    """
+    if (out_dir is None) == (sidecar_root is None):
+        fail("error: give exactly one of --dir OUT and --sidecar ROOT", EXIT_BAD_INPUT)
+    root = out_dir if out_dir is not None else sidecar_root
+    assert root is not None
+    report = ExportReport()
+    with Client(ctx.obj["redis_url"]) as client:
+        # Every id checked before anything is written; a batch is exported as one set,
+        # so a PDF whose pages went to several jobs becomes one file.
+        sets = [expand(client, [j]) for j in job_ids]
+        root.mkdir(parents=True, exist_ok=True)
+        for jobs in sets:
+            # An extract job's files are its objects (<source>.json); a batch is one task,
+            # and ids of both kinds each export as their own.
+            for extract in (False, True):
+                part = [j for j in jobs if (j.task == EXTRACT) == extract]
+                if part:
+                    report.merge(export_results(chain.from_iterable(j.results() for j in part),
+                                                root, fmt, overwrite, extract=extract))
+    print_report(report, root, as_json)
+    if report.failed or report.refused or report.kept:
+        sys.exit(EXIT_FAILED)
+
+
+def register(group: click.Group) -> None:
+    group.add_command(export_cmd)

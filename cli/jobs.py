@@ -1,0 +1,616 @@
+"""The producer's commands: enqueue, jobs, status, wait, result, cancel, retry, delete.
+
+They register on the root group (vlmq.cli.main), which also carries the worker's
+commands; this module imports nothing from the worker. Exit codes: vlmq.cli.common.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from vlmq.cli.common import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    fail,
+    parse_labels,
+    store_option,
+)
+from vlmq.cli.results import result_cmd, wait_cmd
+from vlmq.producer.client import Client, Job, QueueInfo, WorkerInfo
+from vlmq.producer.inputs import PagesWithoutPdf
+from vlmq.producer.job_sets import JOB_ITEMS, Batch, Part, is_batch, submit_parts
+from vlmq.producer.manifest import Group, read_manifest
+from vlmq.producer.openai_files import read_openai_batch
+from vlmq.producer.ops.job_admin import CannotCancel
+from vlmq.producer.options import JobOptions, job_options
+from vlmq.producer.upload import DEFAULT_MAX_PENDING_MB, retention
+from vlmq.shared import constants as C
+from vlmq.shared import job_index, redis_checks
+from vlmq.shared import settings as S
+from vlmq.shared.errors import InputError, PayloadError
+from vlmq.stores.backends import Stores
+
+F = TypeVar("F", bound=Callable[..., Any])
+JSON_HELP = "Print JSON instead of text."
+
+
+def _handle_errors(func: F) -> F:
+    """Map an enqueue's input errors to a stderr message and exit 2.
+
+    Commands that read jobs do not use this: an unreadable job is still a job, and they
+    show what is known about it (status, failure message) instead of one error line.
+    """
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except (InputError, PayloadError) as exc:
+            fail(f"error: {exc}\nnothing was enqueued", EXIT_BAD_INPUT)
+        except redis_checks.EvictionRefused as exc:
+            fail(f"error: {exc}\nnothing was enqueued", EXIT_FAILED)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _client(ctx: click.Context, stores: Stores | None = None,
+            max_pending_mb: float = DEFAULT_MAX_PENDING_MB,
+            allow_eviction: bool = False) -> Client:
+    return Client(ctx.find_root().obj["redis_url"], stores=stores,
+                  max_pending_mb=max_pending_mb, progress=True,
+                  allow_eviction=allow_eviction or None)
+
+
+def _allow_eviction(func: F) -> F:
+    return click.option("--allow-eviction", is_flag=True,
+                        help="Go on although Redis's maxmemory-policy may evict vlmq's keys "
+                             f"(a warning still says so); also ${redis_checks.ALLOW_EVICTION_ENV}"
+                             "=1.")(func)
+
+
+def _label_filter(func: F) -> F:
+    return click.option("--label", "labels", multiple=True, callback=parse_labels,
+                        metavar="K=V", help="Only jobs carrying this label (repeatable; "
+                                            "all must match).")(func)
+
+
+def _json_option(func: F) -> F:
+    return click.option("--json", "as_json", is_flag=True, help=JSON_HELP)(func)
+
+
+def _job_json(job: Job) -> dict[str, Any]:
+    return {"id": job.id, "queue": job.queue, "task": job.task, "items": job.items,
+            "blobs": job.blobs, "uploaded": job.uploaded,
+            "rejected": [{"path": p, "reason": r} for p, r in job.rejected]}
+
+
+def _warn_unserved(client: Client, queues: Sequence[str]) -> None:
+    for queue in dict.fromkeys(queues):
+        if client.serving(queue) == 0:
+            click.echo(f"vlmq: warning: no live worker serves queue {queue!r}; the job "
+                       f"waits until one starts (vlmq worker --model M --queues {queue})",
+                       err=True)
+
+
+def _set_json(what: Job | Batch) -> dict[str, Any]:
+    """A job's keys as before, plus "batch" (null for one job) and "jobs"; a batch gives
+    its id as "id" too, so a script passing "id" on to wait/result works either way."""
+    if isinstance(what, Job):
+        return {**_job_json(what), "batch": None, "jobs": [_job_json(what)]}
+    jobs = what.jobs()
+    return {"id": what.id, "batch": what.id, "queue": ",".join(dict.fromkeys(
+                j.queue for j in jobs)), "task": what.task, "items": what.items,
+            "blobs": what.blobs, "uploaded": sum(j.uploaded for j in jobs),
+            "rejected": [{"path": p, "reason": r} for p, r in what.rejected],
+            "jobs": [_job_json(j) for j in jobs]}
+
+
+def _report(client: Client, what: Job | Batch, as_json: bool) -> None:
+    """Print the job id, or the batch id when the set became several jobs."""
+    if as_json:
+        click.echo(json.dumps(_set_json(what)))
+    else:
+        for path, reason in what.rejected:
+            click.echo(f"vlmq: skipped {path}: {reason}", err=True)
+        click.echo(what.id)
+    jobs = [what] if isinstance(what, Job) else what.jobs()
+    _warn_unserved(client, [j.queue for j in jobs])
+
+
+def _job_size(func: F) -> F:
+    return click.option("--job-size", type=click.IntRange(1, C.MAX_ITEMS_PER_JOB),
+                        default=JOB_ITEMS, show_default=True, metavar="N",
+                        help="Items per job: a larger set becomes a batch of jobs of at "
+                             "most N items, which many workers share (its id is printed; "
+                             "every job command takes it).")(func)
+
+
+def _max_pending(func: F) -> F:
+    return click.option("--max-pending-mb", type=click.FloatRange(min=0, min_open=True),
+                        metavar="MB",
+                        default=DEFAULT_MAX_PENDING_MB, show_default=True,
+                        help="Redis budget: this producer's uploaded inputs whose jobs have "
+                             "not ended stay under MB; past it, enqueue waits for workers "
+                             "to drain them.")(func)
+
+
+# --- enqueue ------------------------------------------------------------------------------
+
+
+@click.group(invoke_without_command=True)
+@click.option("--manifest", type=click.Path(dir_okay=False), metavar="FILE.jsonl",
+              help='Enqueue a batch manifest: one JSON request per line, {"custom_id", '
+                   '"task", "file", "pages"?} plus any of ' + ", ".join(
+                       f'"{s.name}"?' for s in S.rows("manifest"))
+                   + "; files are relative to the manifest's folder. Lines with the same "
+                     "task and settings share a job.")
+@click.option("--openai-batch", metavar="FILE.jsonl", type=click.Path(dir_okay=False),
+              help='Enqueue an OpenAI Batch input file: one chat request per line, '
+                   '{"custom_id", "method": "POST", "url": "/v1/chat/completions", "body"}, '
+                   "each with one image (a data: URI or a file:// path; http(s) is refused) "
+                   "and a prompt; a json_schema response_format is task extract. Read the "
+                   "answers with vlmq result --format openai-batch.")
+@click.option("--queue", metavar="NAME",
+              help="With --manifest or --openai-batch: one queue for every job (default: "
+                   "each task's own).")
+@click.option("--skip-bad", is_flag=True,
+              help="With --manifest or --openai-batch: enqueue the good lines and list the "
+                   "bad ones.")
+@click.option("--label", "labels", multiple=True, callback=parse_labels, metavar="K=V",
+              help="With --manifest or --openai-batch: label every job (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@_job_size
+@_max_pending
+@_allow_eviction
+@store_option
+@click.pass_context
+@_handle_errors
+def enqueue(ctx: click.Context, manifest: str | None, openai_batch: str | None,
+            queue: str | None, skip_bad: bool, labels: dict[str, str], as_json: bool,
+            job_size: int, max_pending_mb: float, allow_eviction: bool,
+            stores: Stores) -> None:
+    """Validate inputs, upload them once, and enqueue: a task subcommand, --manifest or
+    --openai-batch."""
+    if ctx.invoked_subcommand is not None:
+        ctx.meta["vlmq.allow_eviction"] = allow_eviction  # before the task or after it
+        _refuse_file_options(ctx, manifest, openai_batch, queue, skip_bad, labels, as_json)
+        return
+    if manifest is not None and openai_batch is not None:
+        raise click.UsageError("give --manifest or --openai-batch, not both")
+    if manifest is None and openai_batch is None:
+        click.echo(ctx.get_help())
+        ctx.exit(EXIT_BAD_INPUT)
+    base = JobOptions.build(queue=queue, labels=labels or None)
+    with ExitStack() as stack:
+        groups, rejected = _read_request_file(stack, manifest, openai_batch, base,
+                                              skip_bad=skip_bad, job_size=job_size)
+        _submit_groups(ctx, groups, rejected, labels, as_json, stores, max_pending_mb,
+                       allow_eviction)
+
+
+def _refuse_file_options(ctx: click.Context, *given: object) -> None:
+    """The options of --manifest/--openai-batch given before a task subcommand: refused,
+    since the task would not see them (its own go after it)."""
+    stores_given = (ctx.get_parameter_source("stores")
+                    == click.core.ParameterSource.COMMANDLINE)
+    if any(given) or stores_given:
+        raise click.UsageError("--manifest/--openai-batch/--queue/--skip-bad/--label/"
+                               "--json/--store before the task go with --manifest or "
+                               "--openai-batch only; put them after the task")
+
+
+def _read_request_file(stack: ExitStack, manifest: str | None, openai_batch: str | None,
+                       base: JobOptions, *, skip_bad: bool, job_size: int
+                       ) -> tuple[list[Group], list[tuple[int, str]]]:
+    """The jobs of a manifest or an OpenAI Batch file (exactly one is given), and its
+    rejected lines. An OpenAI batch's data: images wait, checked, in a spool folder that
+    `stack` removes once they are uploaded."""
+    if openai_batch is not None:
+        spool = stack.enter_context(tempfile.TemporaryDirectory(prefix="vlmq-batch-"))
+        return read_openai_batch(openai_batch, base, spool=Path(spool), skip_bad=skip_bad,
+                                 job_size=job_size)
+    assert manifest is not None
+    return read_manifest(manifest, base, skip_bad=skip_bad, job_size=job_size)
+
+
+def _submit_groups(ctx: click.Context, groups: Sequence[Group],
+                   rejected: Sequence[tuple[int, str]], labels: dict[str, str],
+                   as_json: bool, stores: Stores, max_pending_mb: float,
+                   allow_eviction: bool) -> None:
+    """Enqueue a manifest's (or an OpenAI batch's) jobs and print what was made."""
+    for group in groups:  # files in a store go by reference
+        group.prepared = group.prepared.by_reference(stores)
+    with _client(ctx, stores, max_pending_mb, allow_eviction) as client:
+        made = submit_parts(client, [Part(g.task, g.prepared, g.options) for g in groups],
+                            labels=labels)
+        jobs = [made] if isinstance(made, Job) else made.jobs()
+        if as_json:
+            click.echo(json.dumps({"batch": None if isinstance(made, Job) else made.id,
+                                   "jobs": [_job_json(j) for j in jobs],
+                                   "rejected": [{"line": n, "reason": r}
+                                                for n, r in rejected]}))
+        else:
+            for number, reason in rejected:
+                click.echo(f"vlmq: skipped line {number}: {reason}", err=True)
+            click.echo(made.id)
+        _warn_unserved(client, [j.queue for j in jobs])
+
+
+def _set_command(task: str) -> Callable[..., None]:
+    prompt_help = {"generate": "Prompt text (required).",
+                   "extract": "Prompt text (default: one built from the schema, naming its "
+                              "fields)."}.get(task, "Prompt text (default: the model's own "
+                                                    "for the task).")
+    extract = task == "extract"
+
+    @click.argument("paths", nargs=-1, required=True)
+    @click.option("--pages", metavar="RANGE",
+                  help="Pages of each PDF and TIFF, e.g. 1-3,7 (default all).")
+    @click.option("--recursive", "-r", is_flag=True, help="Descend into folders.")
+    @click.option("--skip-bad", is_flag=True,
+                  help="Enqueue the good files and report the bad ones (default: reject all).")
+    @_json_option
+    @_job_size
+    @_max_pending
+    @_allow_eviction
+    # batch: vlmq sets it when a set becomes a batch; schema: extract's alone.
+    @job_options(exclude=("batch",) if extract else ("batch", "schema"),
+                 prompt={"help": prompt_help, "required": task == "generate"},
+                 queue={"default": C.DEFAULT_QUEUE[task], "show_default": True},
+                 schema={"required": extract})
+    @store_option
+    @click.pass_context
+    @_handle_errors
+    def command(ctx: click.Context, paths: tuple[str, ...], pages: str | None,
+                recursive: bool, skip_bad: bool, options: JobOptions, as_json: bool,
+                job_size: int, max_pending_mb: float, allow_eviction: bool,
+                stores: Stores) -> None:
+        allow = allow_eviction or bool(ctx.meta.get("vlmq.allow_eviction"))
+        with _client(ctx, stores, max_pending_mb, allow) as client:
+            try:
+                job = client.submit_set(task, paths, options, pages=pages,
+                                        recursive=recursive, skip_bad=skip_bad,
+                                        job_size=job_size, progress=not as_json)
+            except PagesWithoutPdf as exc:
+                raise PagesWithoutPdf("--pages") from exc  # name the option the user typed
+            _report(client, job, as_json)
+
+    return command
+
+
+enqueue.command("ocr", help="OCR PDFs and TIFFs (one item per page) and page images, given "
+                            "as files, folders or globs.")(_set_command("ocr"))
+enqueue.command("caption", help="Caption images given as files, folders or globs. A PDF is "
+                                "captioned page by page (each page one item).")(
+    _set_command("caption"))
+enqueue.command("generate", help="Run one prompt (--prompt, required) over images and PDF "
+                                 "pages.")(_set_command("generate"))
+enqueue.command("extract", help="Extract structured data from images and PDF/TIFF pages: "
+                                "each item's answer is a JSON object that follows --schema "
+                                "(a JSON Schema file), enforced while it is decoded.")(
+    _set_command("extract"))
+
+
+# --- jobs / status ---------------------------------------------------------------------------
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+@click.command("jobs")
+@click.option("--queue", metavar="NAME", help="Only jobs on this queue.")
+@click.option("--status", "state", metavar="STATE",
+              help="Only jobs in this state (queued, started, finished, failed, canceled...).")
+@_label_filter
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True,
+              help="Show at most N jobs.")
+@_json_option
+@click.pass_context
+def jobs_cmd(ctx: click.Context, queue: str | None, state: str | None,
+             labels: dict[str, str], limit: int, as_json: bool) -> None:
+    """List jobs, newest first: id, queue, task, status, items done/failed/total, age, labels."""
+    with _client(ctx) as client:
+        rows = client.jobs(queue=queue, status=state, labels=labels, limit=limit)
+    if as_json:
+        click.echo(json.dumps([r.to_dict() | {"age_s": r.age_s()} for r in rows]))
+        return
+    if not rows:
+        click.echo("no jobs")
+        return
+    table = [("ID", "QUEUE", "TASK", "STATUS", "DONE/FAILED/TOTAL", "AGE", "LABELS")]
+    table += [(r.id, r.queue, r.task, r.status, f"{r.done}/{r.failed}/{r.total}",
+               _age(r.age_s()), " ".join(f"{k}={v}" for k, v in r.labels.items()))
+              for r in rows]
+    _print_table(table)
+
+
+def _print_table(rows: Sequence[Sequence[str]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+@click.command("status")
+@click.argument("job_id", required=False)
+@_label_filter
+@_json_option
+@_allow_eviction
+@click.pass_context
+def status_cmd(ctx: click.Context, job_id: str | None, labels: dict[str, str],
+               as_json: bool, allow_eviction: bool) -> None:
+    """A job's or a batch's state and progress; with --label, totals over every job
+    carrying it;
+    with neither, queue depths, workers (full worker stats with --json) and Redis's health.
+
+    Exit 1 when the job is not a readable vlmq job (its status and error still shown), and
+    when Redis may evict keys (maxmemory-policy not noeviction) without --allow-eviction.
+    """
+    if job_id is not None and labels:
+        raise click.UsageError("give a JOB_ID or --label, not both")
+    with _client(ctx) as client:
+        if job_id is not None and is_batch(client, job_id):
+            _batch_status(client.batch(job_id), as_json)
+        elif job_id is not None:
+            job = client.job(job_id)
+            _job_status(job, as_json)
+            if job.problem is not None:
+                sys.exit(EXIT_FAILED)
+        elif labels:
+            _group_status(client.group_status(labels), as_json)
+        else:
+            _overview(client, as_json, allow_eviction)
+
+
+def _batch_status(batch: Batch, as_json: bool) -> None:
+    status = batch.status()
+    if as_json:
+        click.echo(json.dumps(status))
+        return
+    items = status["items"]
+    click.echo(f"batch {batch.id}  task {batch.task}")
+    click.echo(f"status: {status['status']}")
+    if batch.labels:
+        click.echo("labels: " + "  ".join(f"{k}={v}" for k, v in batch.labels.items()))
+    click.echo(f"jobs: {status['jobs']}: " + (", ".join(
+        f"{n} {s}" for s, n in status["by_status"].items()) or "none"))
+    click.echo(f"items: {items['done']}/{items['total']} done, {items['failed']} failed")
+    if status["missing"]:
+        click.echo(f"{status['missing']} job(s) never enqueued (the producer stopped): "
+                   f"vlmq cancel {batch.id} ends the batch without them")
+
+
+def _group_status(group: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(group))
+        return
+    items = group["items"]
+    click.echo("label " + " ".join(f"{k}={v}" for k, v in group["labels"].items())
+               + f": {group['jobs']} job(s)")
+    click.echo("jobs: " + (", ".join(f"{n} {s}" for s, n in group["by_status"].items())
+                           or "none"))
+    click.echo(f"items: {items['done']}/{items['total']} done, {items['failed']} failed")
+
+
+def _job_status(job: Job, as_json: bool) -> None:
+    state = job.status()
+    done, total = job.progress()
+    failed = job.failed_items()
+    summary = job.summary() if state == "finished" else None
+    error = job.error() if state == "failed" else None
+    kept = retention(job.client.redis, job.client.keys, job.id,
+                     None if job.problem is not None else job.payload())
+    if as_json:
+        click.echo(json.dumps({"id": job.id, "queue": job.queue, "task": job.task,
+                               "status": state, "done": done, "total": total,
+                               "failed": failed, "labels": job.labels, "summary": summary,
+                               "error": error, "problem": job.problem, "kept": kept}))
+        return
+    click.echo(f"job {job.id}  queue {job.queue or '?'}")
+    click.echo(f"status: {state}")
+    if job.labels:
+        click.echo("labels: " + "  ".join(f"{k}={v}" for k, v in job.labels.items()))
+    if job.problem is not None:
+        click.echo(f"not a readable vlmq job: {job.problem}")
+    else:
+        click.echo(f"items: {done}/{total} done, {failed} failed")
+    if summary is not None:
+        click.echo(f"summary: {json.dumps(summary)}")
+    if error:
+        click.echo(f"error: {error.strip()}")
+    click.echo(f"kept: results {kept['results']}; inputs {kept['inputs']}")
+
+
+def _days(seconds: int) -> str:
+    return f"{seconds // 86400} days"
+
+
+def _stat(stats: dict[str, str], key: str, fmt: str = "{}", scale: float = 1.0) -> str:
+    raw = stats.get(key)
+    if raw is None:
+        return "-"
+    try:
+        return fmt.format(float(raw) * scale)
+    except ValueError:
+        return raw
+
+
+def _redis_health(client: Client, allow_eviction: bool) -> tuple[dict[str, str], str | None,
+                                                                   str | None]:
+    """Redis's health for status, its warning, and its refusal (an evicting Redis)."""
+    health = redis_checks.health(client.redis).to_dict()
+    try:
+        warning = redis_checks.check_eviction(client.redis, allow_eviction or None)
+    except redis_checks.EvictionRefused as exc:
+        return health, None, str(exc)
+    persistence = redis_checks.persistence_warning(client.redis)
+    return health, " ".join(w for w in (warning, persistence) if w) or None, None
+
+
+def _overview(client: Client, as_json: bool, allow_eviction: bool = False) -> None:
+    queues = client.queues()
+    workers = client.workers()
+    health, warning, refused = _redis_health(client, allow_eviction)
+    if as_json:
+        click.echo(json.dumps({
+            "queues": {q.name: vars(q) for q in queues.values()},
+            "workers": [{"name": w.name, "state": w.state, "queues": list(w.queues),
+                         "stats": w.stats} for w in workers],
+            "redis": {**health, "warning": warning, "error": refused},
+        }))
+    else:
+        _overview_text(queues, workers)
+        click.echo(f"redis: maxmemory-policy {health['maxmemory_policy']}, persistence "
+                   f"{health['persistence']}, run_id {health['run_id'][:8]}")
+    if warning:
+        click.echo(f"vlmq: warning: {warning}", err=True)
+    if refused:
+        fail(f"error: {refused}", EXIT_FAILED)
+
+
+def _overview_text(queues: dict[str, QueueInfo], workers: Sequence[WorkerInfo]) -> None:
+    if queues:
+        _print_table([("QUEUE", "QUEUED", "ITEMS", "STARTED", "FAILED", "FINISHED")] + [
+            (q.name, str(q.queued), str(q.queued_items), str(q.started), str(q.failed),
+             str(q.finished))
+            for q in queues.values()])
+    else:
+        click.echo("queues: none")
+    click.echo(f"kept: results {_days(C.RESULT_TTL_S)} after a job ends (--result-ttl), "
+               f"{_days(C.FAILURE_TTL_S)} after it fails; inputs while their jobs run, then "
+               f"{S.KEEP_INPUTS_S} s (--keep-inputs), or with a failed job's record")
+    click.echo("")
+    if not workers:
+        click.echo("workers: none")
+        return
+    _print_table([("WORKER", "STATE", "MODEL", "QUEUES", "BATCH", "TOK/S", "ITEMS/S",
+                   "CACHE HIT", "UPTIME")] + [
+        (w.name, w.state or "?", w.stats.get("model", "-").rsplit("/", 1)[-1],
+         ",".join(w.queues) or "-", _stat(w.stats, "batch_occupancy", "{:.0f}%", 100),
+         _stat(w.stats, "tokens_per_s", "{:.1f}"), _stat(w.stats, "items_per_s", "{:.2f}"),
+         _stat(w.stats, "cache_hit_rate", "{:.0f}%", 100),
+         _age(float(w.stats["uptime_s"])) if "uptime_s" in w.stats else "-")
+        for w in workers])
+    for w in workers:
+        if w.stats.get("blas"):
+            click.echo(f"{w.name} blas: {w.stats['blas']}")
+
+
+# --- cancel / retry / delete -------------------------------------------------------------------
+
+
+@click.command("cancel")
+@click.argument("job_ids", nargs=-1, required=True)
+@_json_option
+@click.pass_context
+def cancel_cmd(ctx: click.Context, job_ids: tuple[str, ...], as_json: bool) -> None:
+    """Cancel jobs (a batch id: every job of it not yet ended): a queued job never runs; a
+    running one is dropped by its worker within seconds. Items already done stay
+    readable. Exit 1 if any could not be canceled."""
+    out: dict[str, str] = {}
+    with _client(ctx) as client:
+        for job_id in job_ids:
+            try:
+                if is_batch(client, job_id):
+                    n = client.batch(job_id).cancel()
+                    out[job_id] = f"canceled ({n} job(s) had not ended)"
+                else:
+                    client.cancel(job_id)
+                    out[job_id] = "canceled"
+            except (CannotCancel, PayloadError) as exc:
+                out[job_id] = f"error: {exc}"
+    if as_json:
+        click.echo(json.dumps(out))
+    else:
+        for job_id, what in out.items():
+            click.echo(f"{job_id}: {what}")
+    if any(v.startswith("error: ") for v in out.values()):
+        sys.exit(EXIT_FAILED)
+
+
+@click.command("retry")
+@click.argument("job_id")
+@click.option("--failed-only", is_flag=True,
+              help="Only the items that failed or have no result (default: every item).")
+@_json_option
+@click.pass_context
+def retry_cmd(ctx: click.Context, job_id: str, failed_only: bool, as_json: bool) -> None:
+    """Enqueue a new job with JOB_ID's settings and inputs; prints the new id.
+
+    The new job's labels carry retry_of=JOB_ID. Inputs come from Redis (the job's blobs),
+    so they must not have expired. A batch id retries its jobs as a new batch.
+    """
+    with _client(ctx) as client:
+        try:
+            new: Job | Batch = (client.batch(job_id).retry(failed_only=failed_only)
+                                if is_batch(client, job_id)
+                                else client.job(job_id).retry(failed_only=failed_only))
+        except PayloadError as exc:
+            fail(f"error: cannot retry {job_id}: {exc}", EXIT_BAD_INPUT)
+        _report(client, new, as_json)
+
+
+@click.command("delete")
+@click.argument("job_ids", nargs=-1, required=True)
+@click.option("--purge-blobs", is_flag=True,
+              help="Also remove the jobs' inputs that no remaining job refers to.")
+@_json_option
+@click.pass_context
+def delete_cmd(ctx: click.Context, job_ids: tuple[str, ...], purge_blobs: bool,
+               as_json: bool) -> None:
+    """Remove jobs with their item results and events (a running job is dropped by its
+    worker); a batch id removes its jobs and the batch. Every id is checked first: an
+    unknown one deletes nothing."""
+    with _client(ctx) as client:
+        batches = [client.batch(i) for i in job_ids if is_batch(client, i)]
+        singles = [i for i in job_ids if i not in {b.id for b in batches}]
+        for job_id in singles:
+            client.job(job_id)  # raises JobNotFound before anything is deleted
+        count = len(singles) + sum(len(b.jobs()) for b in batches)
+        purged = sum(b.delete(purge_blobs=purge_blobs) for b in batches)
+        purged += client.delete(singles, purge_blobs=purge_blobs)
+    if as_json:
+        click.echo(json.dumps({"deleted": list(job_ids), "blobs_purged": purged}))
+    else:
+        click.echo(f"deleted {count} job(s)"
+                   + (f", purged {purged} blob(s)" if purge_blobs else ""))
+
+
+@click.command("reindex")
+@_json_option
+@click.pass_context
+def reindex_cmd(ctx: click.Context, as_json: bool) -> None:
+    """Index the jobs that are not (enqueued before vlmq kept job indexes) and drop the
+    entries of jobs that are gone. It reads every job hash: run it once after an upgrade,
+    not routinely (workers sweep expired entries themselves)."""
+    with _client(ctx) as client:
+        seen = job_index.reindex(client.redis, client.keys)
+        laps = int(client.redis.zcard(client.keys.jobs_index)) // job_index.SCAN_COUNT + 1
+        gone = sum(job_index.sweep(client.redis, client.keys, limit=job_index.SCAN_COUNT)
+                   for _ in range(laps))
+    if as_json:
+        click.echo(json.dumps({"jobs": seen, "pruned": gone}))
+    else:
+        click.echo(f"indexed {seen} job(s); dropped {gone} entry(ies) of jobs gone")
+
+
+def register(group: click.Group) -> None:
+    """Attach the producer's commands to the root group."""
+    for command in (enqueue, jobs_cmd, status_cmd, wait_cmd, result_cmd, cancel_cmd,
+                    retry_cmd, delete_cmd, reindex_cmd):
+        group.add_command(command)
+

@@ -1,0 +1,473 @@
+"""`vlmq service print|install launchd|systemd -- WORKER ARGS…`: a unit that keeps a worker up.
+
+A worker is a long-lived process; the people who run it want their init system to restart
+it on a crash and to give it --grace seconds to finish in-flight items on stop. The unit
+runs this install's own `vlmq` (an absolute path: launchd and systemd have no useful PATH).
+
+Secrets: a Redis URL may hold a password, and units are world-readable. Whenever the
+environment goes to a file (always for `install`, with --env-file for `print`) it goes to
+one with mode 0600 that the unit reads: systemd's EnvironmentFile=; launchd has none, so
+the plist runs `/bin/sh -c 'set -a && . FILE && set +a && exec "$0" "$@"' vlmq worker …`
+(the arguments are passed as argv, never re-quoted into the script). Otherwise `print`
+shows passwords as *** and says so.
+"""
+
+from __future__ import annotations
+
+import getpass
+import math
+import os
+import plistlib
+import re
+import shlex
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+
+from vlmq.cli import worker as worker_cli
+from vlmq.cli.common import EXIT_BAD_INPUT, fail
+from vlmq.shared import constants as C
+from vlmq.shared.urls import MASK, redact_url
+from vlmq.worker.default_dirs import default_cache_dir
+
+# Seconds past --grace before the init system sends SIGKILL: after the grace the worker
+# still requeues what is left and closes MLX and its render processes.
+STOP_MARGIN_S = 30
+RESTART_S = 10
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Keys whose values are secrets whatever they look like (S3 keys, tokens for a hub).
+SECRET_KEY_RE = re.compile(r"(?i)pass|secret|token|credential|api_?key|access_key|private")
+_SYSTEMD_SAFE = re.compile(r"[A-Za-z0-9_./:=,+@-]+")
+SYSTEM_UNIT_DIR = Path("/etc/systemd/system")
+SYSTEM_ENV_DIR = Path("/etc/vlmq")
+SYSTEM_CACHE = "vlmq"  # CacheDirectory=: /var/cache/vlmq, made and owned for User=
+
+
+@dataclass
+class Spec:
+    """One unit: what runs, as whom, with which environment, where."""
+
+    kind: str  # launchd | systemd
+    name: str
+    system: bool
+    program: list[str]  # [absolute vlmq, "worker", *args]
+    env: dict[str, str]
+    grace: float
+    cache_dir: Path
+    env_file: Path | None = None
+    run_as: str | None = None
+    system_cache: bool = False  # systemd makes cache_dir (CacheDirectory=)
+    redacted: list[str] = field(default_factory=list)
+
+    @property
+    def stop_timeout(self) -> int:
+        return math.ceil(self.grace) + STOP_MARGIN_S
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+    @property
+    def log_path(self) -> Path:
+        return Path.home() / "Library" / "Logs" / "vlmq" / f"{self.name}.log"
+
+    def unit_path(self) -> Path:
+        if self.kind == "launchd":
+            return Path.home() / "Library" / "LaunchAgents" / f"{self.label}.plist"
+        if self.system:
+            return SYSTEM_UNIT_DIR / f"{self.name}.service"
+        return _config_home() / "systemd" / "user" / f"{self.name}.service"
+
+
+def _config_home() -> Path:
+    xdg = os.environ.get("XDG_CONFIG_HOME")
+    return Path(xdg) if xdg else Path.home() / ".config"
+
+
+def default_env_file(name: str, system: bool) -> Path:
+    return (SYSTEM_ENV_DIR if system else _config_home() / "vlmq") / f"{name}.env"
+
+
+def vlmq_executable() -> str:
+    """This install's `vlmq`: beside the running interpreter (a venv's bin), else on PATH."""
+    beside = Path(sys.executable).parent / "vlmq"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside.absolute())
+    found = shutil.which("vlmq")
+    if found is None:
+        raise click.ClickException(
+            f"cannot find the vlmq executable (not beside {sys.executable}, not on PATH)")
+    return os.path.abspath(found)
+
+
+def is_secret(key: str, value: str) -> bool:
+    return bool(SECRET_KEY_RE.search(key)) or redact_url(value) != value
+
+
+# --- systemd -----------------------------------------------------------------------------
+
+def _check_text(text: str, what: str) -> None:
+    if any(ord(c) < 32 or ord(c) == 127 for c in text):
+        raise click.UsageError(f"{what} {text!r} holds a control character (a newline?)")
+
+
+def systemd_word(arg: str, *, first: bool = False) -> str:
+    """One ExecStart= word that systemd reads back as `arg`: double quotes with \\ and \"
+    escaped, % doubled (specifiers), and $ doubled (variable expansion; not in the path)."""
+    _check_text(arg, "argument")
+    if _SYSTEMD_SAFE.fullmatch(arg) and arg != ";":
+        return arg
+    if first and any(c in arg for c in "$'\"\\"):
+        # systemd refuses quotes and backslashes in an executable's name, and expands $.
+        raise click.ClickException(f"systemd cannot run a vlmq path with $ ' \" or \\: "
+                                   f"{arg!r}")
+    text = arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    return f'"{text if first else text.replace("$", "$$")}"'
+
+
+def systemd_path(path: Path | str) -> str:
+    """A path setting (WorkingDirectory=, EnvironmentFile=): the whole value, % doubled."""
+    _check_text(str(path), "path")
+    return str(path).replace("%", "%%")
+
+
+def render_systemd(spec: Spec, env: dict[str, str]) -> str:
+    lines = ["[Unit]", f"Description=vlmq worker {spec.name}"]
+    if spec.system:
+        # A user manager cannot see the system's network-online.target; a user unit
+        # relies on Restart= until Redis answers.
+        lines += ["Wants=network-online.target", "After=network-online.target"]
+    exec_start = " ".join([systemd_word(spec.program[0], first=True),
+                           *(systemd_word(a) for a in spec.program[1:])])
+    lines += ["", "[Service]", f"ExecStart={exec_start}"]
+    if spec.run_as:
+        lines.append(f"User={spec.run_as}")
+    if spec.system_cache:
+        lines.append(f"CacheDirectory={SYSTEM_CACHE}")
+    lines.append(f"WorkingDirectory={systemd_path(spec.cache_dir)}")
+    if spec.env_file is not None:
+        lines.append(f"EnvironmentFile={systemd_path(spec.env_file)}")
+    for key, value in env.items():
+        _check_text(value, f"the value of {key}")
+        quoted = value.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+        lines.append(f'Environment="{key}={quoted}"')
+    lines += [
+        "Restart=on-failure", f"RestartSec={RESTART_S}",
+        "KillSignal=SIGTERM",
+        # SIGTERM to the worker alone: it stops its own PDF render processes; at the
+        # timeout every process of the unit gets SIGKILL.
+        "KillMode=mixed",
+        f"TimeoutStopSec={spec.stop_timeout}",
+        f"SyslogIdentifier={spec.name}",
+        "", "[Install]", f"WantedBy={'multi-user.target' if spec.system else 'default.target'}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# --- launchd -----------------------------------------------------------------------------
+
+def program_arguments(spec: Spec) -> list[str]:
+    if spec.env_file is None:
+        return list(spec.program)
+    script = f'set -a && . {shlex.quote(str(spec.env_file))} && set +a && exec "$0" "$@"'
+    return ["/bin/sh", "-c", script, *spec.program]
+
+
+def render_launchd(spec: Spec, env: dict[str, str]) -> bytes:
+    plist: dict[str, Any] = {
+        "Label": spec.label,
+        "ProgramArguments": program_arguments(spec),
+        "RunAtLoad": True,
+        # Restart on a crash (non-zero exit or a signal), not after a clean exit: the
+        # worker exits 0 once it drained on SIGTERM, or when a --burst run is done.
+        "KeepAlive": {"SuccessfulExit": False},
+        "ThrottleInterval": RESTART_S,
+        "ExitTimeOut": spec.stop_timeout,
+        "WorkingDirectory": str(spec.cache_dir),
+        "StandardOutPath": str(spec.log_path),
+        "StandardErrorPath": str(spec.log_path),
+    }
+    if env:
+        plist["EnvironmentVariables"] = env
+    return plistlib.dumps(plist, sort_keys=False)
+
+
+# --- building and writing ------------------------------------------------------------------
+
+def env_file_text(env: dict[str, str]) -> str:
+    """KEY='value' lines: one meaning for POSIX sh (`.`) and systemd's EnvironmentFile=."""
+    lines = ["# Written by `vlmq service`; mode 0600: it may hold a Redis password."]
+    for key, value in env.items():
+        _check_text(value, f"the value of {key}")
+        if "'" in value:
+            raise click.UsageError(
+                f"the value of {key} holds a single quote, which the environment file "
+                "cannot keep (in a URL, write it as %27)")
+        lines.append(f"{key}='{value}'")
+    return "\n".join(lines) + "\n"
+
+
+def _parse_env(values: Sequence[str]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for raw in values:
+        key, sep, value = raw.partition("=")
+        if not sep or not ENV_KEY_RE.fullmatch(key):
+            raise click.BadParameter(f"{raw!r} is not KEY=VALUE", param_hint="--env")
+        env[key] = value
+    return env
+
+
+def _worker_params(args: Sequence[str]) -> dict[str, Any]:
+    """The worker's own parser checks the arguments now, not in a restart loop later."""
+    try:
+        with worker_cli.worker_cmd.make_context("vlmq worker", list(args)) as wctx:
+            return dict(wctx.params)
+    except click.ClickException as exc:
+        raise click.UsageError(f"worker arguments: {exc.format_message()}") from exc
+
+
+def build_spec(ctx: click.Context, kind: str, name: str, system: bool, env_opts: Sequence[str],
+               env_file: Path | None, run_as: str | None, worker_args: Sequence[str]) -> Spec:
+    _check_unit_options(kind, name, system, run_as)
+    params = _worker_params(worker_args)
+    _check_absolute_paths(params)
+    env = _service_env(ctx, env_opts)
+    cache_dir, system_cache = _cache_dir(env, system)
+    env["VLMQ_CACHE"] = str(cache_dir)  # the worker's default would follow $HOME/XDG
+    if system:
+        run_as = run_as or os.environ.get("SUDO_USER") or getpass.getuser()
+    return Spec(kind=kind, name=name, system=system,
+                program=[vlmq_executable(), "worker", *worker_args], env=env,
+                grace=float(params["grace"]), cache_dir=cache_dir, env_file=env_file,
+                run_as=run_as, system_cache=system_cache)
+
+
+def _check_unit_options(kind: str, name: str, system: bool, run_as: str | None) -> None:
+    """Refuse a unit name or a combination the init system cannot run."""
+    if not NAME_RE.fullmatch(name):
+        raise click.BadParameter(f"{name!r}: letters, digits, _ . - (at most 100)",
+                                 param_hint="--name")
+    if kind == "launchd" and system:
+        raise click.UsageError("launchd: only a LaunchAgent (it runs as you); drop --system")
+    if run_as is not None and not system:
+        raise click.UsageError("--run-as goes with --system")
+
+
+def _check_absolute_paths(params: dict[str, Any]) -> None:
+    """The service runs in its cache directory, so a relative local path would name another
+    file there."""
+    model = str(params["model"])
+    cache_arg = params.get("cache_dir")
+    if (Path(model).exists() and not Path(model).is_absolute()) or (
+            cache_arg is not None and not Path(cache_arg).is_absolute()):
+        raise click.UsageError("worker arguments: give --model and --cache-dir as absolute "
+                               "paths; the service runs in its cache directory")
+
+
+def _service_env(ctx: click.Context, env_opts: Sequence[str]) -> dict[str, str]:
+    """The environment of the worker `vlmq worker` would run here: this root's Redis URL,
+    this shell's VLMQ_* settings (prefix, stores, BLAS...), then --env, which has the last
+    word."""
+    root = ctx.find_root().obj or {}
+    env = {"REDIS_URL": str(root.get("redis_url") or C.DEFAULT_REDIS_URL)}
+    env.update({k: v for k, v in sorted(os.environ.items()) if k.startswith("VLMQ_")})
+    env["PYTHONUNBUFFERED"] = "1"  # log lines reach the log file as they happen
+    env.update(_parse_env(env_opts))
+    return env
+
+
+def _cache_dir(env: dict[str, str], system: bool) -> tuple[Path, bool]:
+    """(the service's cache and working directory, whether systemd makes it): VLMQ_CACHE
+    when set, else systemd's CacheDirectory= for a system unit, else the user's default."""
+    if system and "VLMQ_CACHE" not in env:
+        return Path("/var/cache") / SYSTEM_CACHE, True
+    if "VLMQ_CACHE" in env:
+        return Path(env["VLMQ_CACHE"]).expanduser().absolute(), False
+    return default_cache_dir().absolute(), False
+
+
+def render(spec: Spec) -> bytes:
+    """The unit's bytes. With no env file the environment is inline, secrets masked."""
+    inline: dict[str, str] = {}
+    if spec.env_file is None:
+        for key, value in spec.env.items():
+            if is_secret(key, value):
+                spec.redacted.append(key)
+                value = MASK if SECRET_KEY_RE.search(key) else redact_url(value)
+            inline[key] = value
+    if spec.kind == "launchd":
+        return render_launchd(spec, inline)
+    return render_systemd(spec, inline).encode()
+
+
+@dataclass
+class Planned:
+    path: Path
+    data: bytes
+    mode: int
+    existed: bool = False
+
+
+def plan(path: Path, data: bytes, mode: int, force: bool) -> Planned:
+    """Refuse, before anything is written, to replace a different file without --force."""
+    try:
+        old = path.read_bytes()
+    except FileNotFoundError:
+        return Planned(path, data, mode)
+    except OSError as exc:
+        fail(f"error: cannot read {path}: {exc.strerror}", EXIT_BAD_INPUT)
+    if old != data and not force:
+        fail(f"error: {path} exists and differs from what this would write; --force "
+             "replaces it", EXIT_BAD_INPUT)
+    return Planned(path, data, mode, existed=True)
+
+
+def write(item: Planned) -> str:
+    """Atomic write with the mode set before any byte lands; 'wrote' or 'unchanged'."""
+    path = item.path
+    try:
+        if item.existed and path.read_bytes() == item.data:
+            os.chmod(path, item.mode)
+            return "unchanged"
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700 if item.mode == 0o600
+                          else 0o755)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, item.mode)
+        try:
+            os.fchmod(fd, item.mode)
+            os.write(fd, item.data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        fail(f"error: cannot write {path}: {exc.strerror}", EXIT_BAD_INPUT)
+    return "replaced" if item.existed else "wrote"
+
+
+def load_commands(spec: Spec) -> list[str]:
+    unit = spec.unit_path()
+    if spec.kind == "launchd":
+        domain = "gui/$(id -u)"
+        return [f"launchctl bootout {domain}/{spec.label} 2>/dev/null; "
+                f"launchctl bootstrap {domain} {shlex.quote(str(unit))}",
+                f"tail -f {shlex.quote(str(spec.log_path))}"]
+    ctl = "systemctl" if spec.system else "systemctl --user"
+    jctl = "journalctl" if spec.system else "journalctl --user"
+    out = [f"{ctl} daemon-reload && {ctl} enable --now {spec.name}.service",
+           f"{ctl} restart {spec.name}.service   # if it was already running",
+           f"{jctl} -u {spec.name}.service -f"]
+    if not spec.system:
+        out.append("loginctl enable-linger \"$USER\"   # keep it running after you log out")
+    return out
+
+
+def _env_files(spec: Spec, force: bool) -> list[Planned]:
+    if spec.env_file is None:
+        return []
+    return [plan(spec.env_file, env_file_text(spec.env).encode(), 0o600, force)]
+
+
+# --- commands ------------------------------------------------------------------------------
+
+def _options(func: Callable[..., Any]) -> Callable[..., Any]:
+    for deco in reversed([
+        click.argument("kind", type=click.Choice(["launchd", "systemd"])),
+        click.option("--name", default="vlmq-worker", show_default=True,
+                     help="Unit name (systemd NAME.service; launchd label and NAME.plist)."),
+        click.option("--env", "env_opts", multiple=True, metavar="KEY=VAL",
+                     help="More environment (repeatable). REDIS_URL (from --redis-url) and "
+                          "this shell's VLMQ_* variables are always set."),
+        click.option("--env-file", type=click.Path(dir_okay=False, path_type=Path),
+                     default=None,
+                     help="Keep the environment in this file (written with mode 0600) and "
+                          "have the unit read it."),
+        click.option("--user/--system", "user", default=True,
+                     help="systemd: a user unit (default) or a system unit."),
+        click.option("--run-as", default=None, metavar="USER",
+                     help="--system: the User= it runs as (default: $SUDO_USER, else you)."),
+        click.option("--force", is_flag=True, help="Replace a different existing file."),
+        click.argument("worker_args", nargs=-1, type=click.UNPROCESSED,
+                       metavar="-- WORKER_ARGS..."),
+    ]):
+        func = deco(func)
+    return func
+
+
+@click.group("service")
+def service_group() -> None:
+    """launchd and systemd units that keep a worker running and stop it within --grace.
+
+    vlmq service print|install launchd|systemd [OPTIONS] -- WORKER ARGS…
+    """
+
+
+@service_group.command("print")
+@_options
+@click.pass_context
+def print_cmd(ctx: click.Context, kind: str, name: str, env_opts: tuple[str, ...],
+              env_file: Path | None, user: bool, run_as: str | None, force: bool,
+              worker_args: tuple[str, ...]) -> None:
+    """Print the unit for `vlmq worker WORKER ARGS…` (put the worker's arguments after --).
+
+    Passwords are shown as *** unless --env-file is given: that file is then written
+    (mode 0600) and the unit reads it.
+    """
+    spec = build_spec(ctx, kind, name, not user, env_opts,
+                      env_file.absolute() if env_file else None, run_as, worker_args)
+    data = render(spec)
+    for item in _env_files(spec, force):
+        click.echo(f"vlmq: {write(item)} {item.path} (mode 0600: the environment, "
+                   "REDIS_URL included)", err=True)
+    click.echo(data.decode(), nl=False)
+    if spec.redacted:
+        click.echo(f"vlmq: {', '.join(spec.redacted)} printed with *** for secrets: give "
+                   "--env-file PATH (written with mode 0600) or use `vlmq service install`, "
+                   "which keeps them out of the unit", err=True)
+    click.echo(f"vlmq: save it as {spec.unit_path()}, then:", err=True)
+    dirs = [] if spec.system_cache else [spec.cache_dir]
+    dirs += [spec.log_path.parent] if kind == "launchd" else []
+    for line in [f"mkdir -p {' '.join(shlex.quote(str(d)) for d in dirs)}"] * bool(dirs) + (
+            load_commands(spec)):
+        click.echo(f"  {line}", err=True)
+
+
+@service_group.command("install")
+@_options
+@click.pass_context
+def install_cmd(ctx: click.Context, kind: str, name: str, env_opts: tuple[str, ...],
+                env_file: Path | None, user: bool, run_as: str | None, force: bool,
+                worker_args: tuple[str, ...]) -> None:
+    """Write the unit for `vlmq worker WORKER ARGS…` and its environment file (mode 0600),
+    and print the commands that load and start it."""
+    system = not user
+    chosen = env_file.absolute() if env_file else default_env_file(name, system)
+    spec = build_spec(ctx, kind, name, system, env_opts, chosen, run_as, worker_args)
+    items = [*_env_files(spec, force), plan(spec.unit_path(), render(spec), 0o644, force)]
+    for item in items:
+        note = " (mode 0600: REDIS_URL and the rest of the environment)" if (
+            item.mode == 0o600) else ""
+        click.echo(f"{write(item)} {item.path}{note}")
+    dirs = [] if spec.system_cache else [spec.cache_dir]
+    if kind == "launchd":
+        dirs.append(spec.log_path.parent)
+    for folder in dirs:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if spec.run_as and spec.run_as != getpass.getuser():
+                shutil.chown(folder, spec.run_as)
+        except (OSError, LookupError) as exc:
+            fail(f"error: cannot make {folder}: {exc}", EXIT_BAD_INPUT)
+    click.echo("load and start it with:")
+    for line in load_commands(spec):
+        click.echo(f"  {line}")
+
+
+def register(group: click.Group) -> None:
+    group.add_command(service_group)

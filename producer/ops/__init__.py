@@ -1,0 +1,1 @@
+"""Operating on jobs after enqueue: listing and cleanup, export, schedules, dashboard, metrics."""

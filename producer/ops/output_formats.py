@@ -1,0 +1,503 @@
+"""Output formats, each defined once: a name, its renderer, and what `vlmq export` writes.
+
+`vlmq result`, the dashboard's downloads and `vlmq export` all render through FORMATS,
+so a format gives the same bytes wherever it is asked for. A new format is one entry:
+a function from a job's results to text, registered with `@_format`; its docstring's
+first paragraph is the help text the CLI shows for it.
+
+An extract job's items carry `json`, the parsed object: jsonl gives every item a `json`
+key, csv flattens the objects' top-level fields into columns, and export writes each
+source's objects as `<source>.json` (extract_file).
+"""
+
+from __future__ import annotations
+
+import csv
+import inspect
+import io
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from vlmq.producer.client import Job
+from vlmq.shared.keys import Keys
+from vlmq.shared.messages import TEXT_FROM_LAYER, ItemResult, JobPayload
+from vlmq.shared.redis_text import as_str
+
+
+@dataclass(frozen=True)
+class JobResults:
+    """One job's results as the renderers read them, read once so every format of one
+    request sees the same snapshot of a running job."""
+
+    job: Job
+    state: str
+    results: tuple[ItemResult, ...]
+    error: str | None  # why the job failed; None unless it has
+
+    @classmethod
+    def read(cls, job: Job) -> JobResults:
+        state = job.status()
+        results = tuple(job.results())
+        return cls(job, state, results, job.error() if state == "failed" else None)
+
+
+Render = Callable[[JobResults], str]
+# Several jobs' results as one output, for a format whose renderings cannot simply be
+# concatenated (csv has one header).
+RenderMany = Callable[[Sequence[JobResults]], str]
+# One source's results (an image's one result, or a PDF's pages) as one exported file.
+RenderFile = Callable[[Sequence[ItemResult]], str]
+# A job's output as (successes, failures), for `vlmq result --errors FILE`.
+Split = Callable[[JobResults], tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    mimetype: str
+    render: Render
+    several_jobs: bool  # renderings of several jobs, concatenated, are one valid output
+    omits_failed: bool = False  # failed items are left out (the CLI names them on stderr)
+    file: RenderFile | None = None  # None: `vlmq export` does not offer this format
+    many: RenderMany | None = None  # None: several jobs are their renderings concatenated
+    split: Split | None = None  # None: this format has no errors file
+
+    def render_jobs(self, views: Sequence[JobResults]) -> str:
+        """Several jobs (ids, or a batch's jobs) as one output, in the order given."""
+        if self.many is not None:
+            return self.many(views)
+        return "".join(self.render(v) for v in views)
+
+    @property
+    def summary(self) -> str:
+        first = " ".join((inspect.getdoc(self.render) or self.name).split("\n\n")[0].split())
+        return first[:1].lower() + first[1:].rstrip(".")
+
+
+FORMATS: dict[str, Format] = {}
+
+
+def _format(name: str, mimetype: str, *, several_jobs: bool, omits_failed: bool = False,
+            file: RenderFile | None = None, many: RenderMany | None = None,
+            split: Split | None = None) -> Callable[[Render], Render]:
+    def register(render: Render) -> Render:
+        FORMATS[name] = Format(name, mimetype, render, several_jobs, omits_failed, file, many,
+                               split)
+        return render
+
+    return register
+
+
+# Characters that would end a Markdown heading or hide in it: C0 controls, DEL, C1 NEL and
+# the Unicode line and paragraph separators.
+_BREAKS = re.compile("[\x00-\x1f\x7f\x85\u2028\u2029]")
+
+
+def one_line(text: str) -> str:
+    """text with its control characters written as escapes (\\n, \\x00): a name from a
+    payload (a file name, a custom_id) stays on its heading's line and shows what it is."""
+    return _BREAKS.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+def last_line(text: str) -> str:
+    """A traceback's last line is its message: the one line worth showing inline."""
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else text
+
+
+def _text(r: ItemResult) -> str:
+    return (r.text or "").rstrip("\n") + "\n"
+
+
+def _pages(pages: Sequence[ItemResult], marker: Callable[[int | None], str]) -> str:
+    """A PDF's or TIFF's pages in page order, each after a marker naming it; a failed page shows its
+    error in place, so the document keeps its page order."""
+    parts: list[str] = []
+    for r in sorted(pages, key=lambda r: (r.page or 0, r.index)):
+        body = r.text.rstrip("\n") if r.ok and r.text else (
+            f"[error: {r.error}]" if r.error else "")
+        parts.append(f"{marker(r.page)}\n\n{body}\n")
+    return "\n".join(parts)
+
+
+def _md_file(results: Sequence[ItemResult]) -> str:
+    if results[0].page is None:  # an image: its text alone
+        return _text(results[0])
+    return _pages(results, lambda page: f"<!-- page {page} -->")
+
+
+def _txt_file(results: Sequence[ItemResult]) -> str:
+    if results[0].page is None:
+        return _text(results[0])
+    return _pages(results, lambda page: f"--- page {page} ---")
+
+
+def _json_file(results: Sequence[ItemResult]) -> str:
+    if results[0].page is None:
+        return json.dumps(results[0].to_dict(), indent=2) + "\n"
+    pages = sorted(results, key=lambda p: p.page or 0)
+    return json.dumps([p.to_dict() for p in pages], indent=2) + "\n"
+
+
+# The task whose items carry `json`, the parsed object (shared.constants.TASKS).
+EXTRACT = "extract"
+
+
+def _row(job_id: str, fields: dict[str, Any]) -> str:
+    return json.dumps({"job_id": job_id, **fields}) + "\n"
+
+
+def _fields(view: JobResults, r: ItemResult) -> dict[str, Any]:
+    """An item's protocol fields; an extract job's items all have `json` (null when the
+    item failed), so a reader of the lines need not know which were left out."""
+    out = r.to_dict()
+    if view.job.task == EXTRACT:
+        out.setdefault("json", None)
+    return out
+
+
+def jsonl_split(view: JobResults) -> tuple[str, str]:
+    """(successes, failures) as jsonl, for the OpenAI Batch convention of an errors file.
+
+    A failed job's unfinished items count as failures, so the errors file names every
+    item that has no text.
+    """
+    ok = "".join(_row(view.job.id, _fields(view, r)) for r in view.results if r.ok)
+    bad = {r.index: _row(view.job.id, _fields(view, r)) for r in view.results if not r.ok}
+    if view.error is not None:
+        reason = f"no result: the job failed: {last_line(view.error)}"
+        done = {r.index for r in view.results}
+        for index, item in enumerate(view.job.payload().items):
+            if index not in done:
+                bad[index] = _row(view.job.id, {
+                    "index": index, "source": item.source, "page": item.page,
+                    "custom_id": item.custom_id, "text": None, "error": reason,
+                    **({"json": None} if view.job.task == EXTRACT else {})})
+    return ok, "".join(bad[i] for i in sorted(bad))
+
+
+@_format("jsonl", "application/x-ndjson", several_jobs=True, split=jsonl_split)
+def render_jsonl(view: JobResults) -> str:
+    """One item result per line (with job_id and custom_id).
+
+    Lines come in item order, failed items included with their error; it is the format
+    other programs read, so every field an item has is there.
+    """
+    return "".join(_row(view.job.id, _fields(view, r)) for r in view.results)
+
+
+@_format("json", "application/json", several_jobs=False, file=_json_file)
+def render_json(view: JobResults) -> str:
+    """One object with the job's status and summary.
+
+    Also its labels, its failure (if it failed) and every item result, indented for
+    people; exported, each source becomes <source>.json with every item field.
+    """
+    job = view.job
+    return json.dumps({"id": job.id, "status": view.state, "labels": job.labels,
+                       "summary": job.summary() if view.state == "finished" else None,
+                       "error": view.error,
+                       "items": [_fields(view, r) for r in view.results]}, indent=2) + "\n"
+
+
+@_format("md", "text/markdown", several_jobs=False, file=_md_file)
+def render_markdown(view: JobResults) -> str:
+    """A readable document, one section per page or image.
+
+    Sections follow item order, one heading each; errors and gaps are made visible, and a
+    failed job's document opens with why it failed, before any page. Exported, a PDF
+    becomes <source>.md with a marker before each page, an image <source>.txt.
+    """
+    job, state, error = view.job, view.state, view.error
+    by_index = {r.index: r for r in view.results}
+    parts: list[str] = []
+    if error is not None:
+        parts.append(f"> **This job failed:** {last_line(error)}\n")
+        if len(error.strip().splitlines()) > 1:
+            parts.append("```text\n" + error.strip() + "\n```\n")
+    parts.append(f"<!-- vlmq job {job.id}: {state}, {len(view.results)}/{job.items} "
+                 "items -->\n")
+    for index, item in enumerate(job.payload().items):
+        source = one_line(item.source)
+        heading = source if item.page is None else f"{source} — page {item.page}"
+        if item.custom_id is not None:
+            heading += f" ({one_line(item.custom_id)})"
+        parts.append(f"## {heading}\n")
+        parts.append(_md_section(by_index.get(index), state, error))
+    return "\n".join(parts)
+
+
+def _md_section(r: ItemResult | None, state: str, error: str | None) -> str:
+    if r is None and error is not None:
+        return "> _no result: the job failed before this item (see the top)_\n"
+    if r is None:
+        return f"> _not done yet (job {state})_\n"
+    if r.error is not None:
+        return f"> **Error:** {r.error}\n"
+    if not r.text:
+        return "_(no text)_\n"
+    if r.text_source == TEXT_FROM_LAYER:
+        return f"> _{layer_note(r)}_\n\n" + _text(r)
+    return _text(r)
+
+
+def layer_note(r: ItemResult) -> str:
+    """Says that an item's text is its page's text layer, and why the model's is not."""
+    if r.model_error is not None:
+        return f"from the PDF's text layer; the model failed: {one_line(r.model_error)}"
+    if r.model_text is not None:
+        return f"from the PDF's text layer; the model's text was cut ({r.finish_reason})"
+    return "from the PDF's text layer"
+
+
+@_format("txt", "text/plain", several_jobs=True, omits_failed=True, file=_txt_file)
+def render_txt(view: JobResults) -> str:
+    """The texts alone, in item order, a blank line apart (failed items left out).
+
+    For piping into other tools: nothing but model output. Exported, each source is its
+    own file, so a PDF's pages there each follow a plain-text marker and a failed page
+    shows its error in place.
+    """
+    return "".join(_text(r) + "\n" for r in view.results if r.ok)
+
+
+# --- csv: one row per item, for spreadsheets ----------------------------------------------
+
+# What a spreadsheet runs as a formula when a cell starts with it (OWASP's list): such a
+# cell gets a leading ' and stays text. A JSON number is written as JSON writes it ("-3.5"),
+# never a formula, so it keeps its sign unguarded.
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+_FIXED = ("source", "page", "custom_id")
+
+
+def _guard(text: str) -> str:
+    return "'" + text if text.startswith(_FORMULA_START) else text
+
+
+def csv_cell(value: Any) -> str:
+    """One cell: null empty, a string as it is, a number or boolean as JSON writes it, a
+    nested object or array as its compact JSON."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return json.dumps(value)
+    if isinstance(value, str):
+        return _guard(value)
+    return _guard(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
+
+
+def _unique(names: Sequence[str], taken: set[str]) -> list[str]:
+    """Column headers for the objects' fields: a field named like a fixed column (a schema
+    with its own "source" or "error") becomes json.source, so no header repeats."""
+    headers = []
+    for name in names:
+        header = name
+        while header in taken:
+            header = "json." + header
+        taken.add(header)
+        headers.append(header)
+    return headers
+
+
+def render_csv_jobs(views: Sequence[JobResults]) -> str:
+    """Several jobs as one table: one header, the columns of every job's items."""
+    rows = [(view.job.task == EXTRACT, r) for view in views for r in view.results]
+    fields, whole, texts = _csv_columns(views, rows)
+    tail = ["json"] * whole + ["text"] * texts + ["error"]
+    headers = [*_FIXED, *_unique(fields, {*_FIXED, *tail}), *tail]
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\r\n")  # RFC 4180: CRLF, quotes where needed
+    writer.writerow([csv_cell(h) for h in headers])
+    for extract, r in rows:
+        writer.writerow([csv_cell(c) for c in _csv_row(extract, r, fields, whole, texts)])
+    return out.getvalue()
+
+
+def _csv_columns(views: Sequence[JobResults], rows: Sequence[tuple[bool, ItemResult]]
+                 ) -> tuple[list[str], bool, bool]:
+    """What the table needs columns for: (the extract objects' top-level fields in
+    first-seen order, whether some object is not a JSON object (a top-level array: a json
+    column), whether some job has text (a text column))."""
+    fields: dict[str, None] = {}
+    whole = False
+    for extract, r in rows:
+        if extract and isinstance(r.json, dict):
+            fields.update(dict.fromkeys(r.json))
+        elif extract and r.json is not None:
+            whole = True
+    texts = any(view.job.task != EXTRACT for view in views)
+    return list(fields), whole, texts
+
+
+def _csv_row(extract: bool, r: ItemResult, fields: Sequence[str], whole: bool,
+             texts: bool) -> list[Any]:
+    """One item's cells under _csv_columns' headers; a column the item has no value for is
+    empty."""
+    obj = r.json if extract and isinstance(r.json, dict) else {}
+    cells: list[Any] = [r.source, r.page, r.custom_id, *(obj.get(f) for f in fields)]
+    if whole:
+        cells.append(r.json if extract and not isinstance(r.json, dict) else None)
+    if texts:
+        cells.append(None if extract else r.text)
+    return [*cells, r.error]
+
+
+@_format("csv", "text/csv", several_jobs=True, many=render_csv_jobs)
+def render_csv(view: JobResults) -> str:
+    """One row per item (source, page, custom_id, text, error); an extract job's rows
+    hold its objects' fields, a column each, in place of text.
+
+    The columns of an extract job are its objects' top-level fields in first-seen order.
+    For spreadsheets: RFC 4180 quoting, UTF-8; a nested object or array is its compact
+    JSON, null is empty, and a cell that a spreadsheet would run as a formula (starting
+    with = + - @, a tab or CR) gets a leading '. Several jobs make one table with one header.
+    """
+    return render_csv_jobs([view])
+
+
+# --- an extract job's files for `vlmq export` -------------------------------------------------
+
+
+def _pretty(value: Any) -> str:
+    """Indented JSON with text as UTF-8; \\u escapes only where UTF-8 cannot carry the text
+    (a lone surrogate from a model's \\ud800)."""
+    out = json.dumps(value, indent=2, ensure_ascii=False)
+    try:
+        out.encode()
+    except UnicodeEncodeError:
+        out = json.dumps(value, indent=2)
+    return out + "\n"
+
+
+def extract_file(results: Sequence[ItemResult]) -> str:
+    """An extract job's source as `<source>.json`: an image's object; a PDF's or TIFF's
+    pages as an array in page order, each {"page": n, "json": object}, or {"page": n,
+    "error": why} for a failed page, so the array keeps every page's place."""
+    if results[0].page is None:
+        return _pretty(results[0].json)
+    pages = sorted(results, key=lambda r: (r.page or 0, r.index))
+    return _pretty([{"page": p.page, "json": p.json} if p.ok
+                    else {"page": p.page, "error": p.error or "failed"} for p in pages])
+
+
+# --- openai-batch: the OpenAI Batch output file -------------------------------------------
+
+# vlmq's finish reasons as OpenAI's: the repetition guard cuts a looping answer before the
+# model ended it, as max_tokens does, so both are "length"; a failed item ("error") is an
+# error line, never a choice.
+OPENAI_FINISH = {"stop": "stop", "length": "length", "repetition": "length"}
+# A job's items that never ran, by how the job ended: OpenAI's error code and why.
+_NOT_RUN = {"canceled": "batch_cancelled", "stopped": "batch_cancelled"}
+
+
+def _epoch(value: bytes | str | None) -> int | None:
+    """An RQ or payload ISO timestamp as Unix seconds (None: missing or unreadable)."""
+    if value is None:
+        return None
+    try:
+        return int(datetime.fromisoformat(as_str(value).replace("Z", "+00:00")).timestamp())
+    except ValueError:
+        return None
+
+
+def _openai_context(view: JobResults, payload: JobPayload) -> tuple[str, dict[int, int], int]:
+    """(model, finish time by item index, the job's own time) for a job's lines.
+
+    The model is the one its worker served (its live stats, while they last), else the
+    job's model setting. An item's time is its result event's (the stream id is Redis's
+    clock in ms); the job's end, start or enqueue time stands in for one trimmed away.
+    """
+    job, redis, keys = view.job, view.job.client.redis, view.job.client.keys
+    worker, ended, started, enqueued = redis.hmget(
+        Keys.rq_job(job.id), ["worker_name", "ended_at", "started_at", "enqueued_at"])
+    served = redis.hget(keys.worker_stats(as_str(worker)), "model") if worker else None
+    model = as_str(served) if served else str(payload.get("model") or "unknown")
+    times: dict[int, int] = {}
+    entries: Any = redis.xrange(keys.job_events(job.id))
+    for entry_id, fields in entries:
+        event = {as_str(k): as_str(v) for k, v in fields.items()}
+        if event.get("type") == "item" and event.get("index", "").isdigit():
+            times[int(event["index"])] = int(as_str(entry_id).split("-")[0]) // 1000
+    when = next((t for t in map(_epoch, (ended, started, enqueued, payload.created_at))
+                 if t is not None), 0)
+    return model, times, when
+
+
+def _completion(key: str, r: ItemResult, model: str, created: int) -> dict[str, Any]:
+    """An item's answer as OpenAI's chat.completion object."""
+    return {"id": f"chatcmpl-{key}", "object": "chat.completion", "created": created,
+            "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text or "",
+                                                 "refusal": None},
+                         "logprobs": None,
+                         "finish_reason": OPENAI_FINISH.get(r.finish_reason or "", "stop")}],
+            "usage": {"prompt_tokens": r.prompt_tokens,
+                      "completion_tokens": r.completion_tokens,
+                      "total_tokens": r.prompt_tokens + r.completion_tokens}}
+
+
+def openai_lines(view: JobResults) -> list[tuple[bool, str]]:
+    """(ok, line) per item in item order, as OpenAI's Batch output and error files hold
+    them; ids are built from the job id and item index, so a rerender gives the same bytes.
+
+    An answer is status 200 with a chat.completion body. A failed item is the error file's
+    form of a request that ran and failed: status 500 and an {"error"} body. An item that
+    never ran, of a failed or canceled job, has no response and an error with OpenAI's
+    code (batch_cancelled; batch_failed for a failed job). Items still to run in a job
+    that has not ended are left out (`vlmq result` says the output is partial). An item
+    enqueued without a custom_id gets its source (and #page=N) as one.
+    """
+    job = view.job
+    payload = job.payload()
+    model, times, when = _openai_context(view, payload)
+    done = {r.index: r for r in view.results}
+    if view.error is not None:
+        not_run: tuple[str, str] | None = ("batch_failed", f"not run: the job failed: "
+                                                          f"{last_line(view.error)}")
+    elif view.state in _NOT_RUN:
+        not_run = (_NOT_RUN[view.state], f"not run: the job was {view.state}")
+    else:
+        not_run = None
+    out: list[tuple[bool, str]] = []
+    for index, item in enumerate(payload.items):
+        key = f"{job.id}_{index}"
+        head = {"id": f"batch_req_{key}", "custom_id": item.custom_id or (
+            item.source if item.page is None else f"{item.source}#page={item.page}")}
+        r = done.get(index)
+        if r is None:
+            if not_run is not None:
+                out.append((False, json.dumps({**head, "response": None, "error": {
+                    "code": not_run[0], "message": not_run[1]}}) + "\n"))
+            continue
+        if r.ok:
+            response = {"status_code": 200, "request_id": f"req_{key}",
+                        "body": _completion(key, r, model, times.get(index, when))}
+        else:
+            response = {"status_code": 500, "request_id": f"req_{key}", "body": {"error": {
+                "message": r.error, "type": "server_error", "param": None,
+                "code": "item_failed"}}}
+        out.append((r.ok, json.dumps({**head, "response": response, "error": None}) + "\n"))
+    return out
+
+
+def openai_split(view: JobResults) -> tuple[str, str]:
+    lines = openai_lines(view)
+    return ("".join(line for ok, line in lines if ok),
+            "".join(line for ok, line in lines if not ok))
+
+
+@_format("openai-batch", "application/x-ndjson", several_jobs=True, split=openai_split)
+def render_openai_batch(view: JobResults) -> str:
+    """One OpenAI Batch output line per request: its custom_id and a chat.completion.
+
+    The format OpenAI's Batch API and vLLM's run-batch write (id, custom_id, response
+    {status_code, request_id, body}, error), in item order; with --errors FILE the failed
+    requests go there, the way OpenAI splits its output and error files.
+    """
+    return "".join(line for _, line in openai_lines(view))

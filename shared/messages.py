@@ -1,0 +1,361 @@
+"""Protocol v1 schemas: the job payload and the per-item result.
+
+Payloads come from producers in any language, so validation is strict and every
+error names the JSON path of the field that is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from vlmq.shared import constants as C
+from vlmq.shared import extract_schema as json_schema
+from vlmq.shared import settings as S
+from vlmq.shared.errors import PayloadError
+from vlmq.shared.keys import SHA256_RE
+
+
+def utc_now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+# A store name (stores/backends.py): the same pattern in enqueue.lua.
+STORE_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+MAX_REF_PATH_CHARS = 4096
+# Sizes are JSON numbers: every other language reads them exactly up to 2**53.
+MAX_REF_SIZE = 2**53 - 1
+
+
+@dataclass(frozen=True)
+class Ref:
+    """Where a referenced input lives: a store's name and a relative posix path in it.
+
+    The name, not a location, travels: each machine maps it to its own folder or bucket
+    (`--store NAME=URL`), so the same job runs on a Mac and on Linux.
+    """
+
+    store: str
+    path: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"store": self.store, "path": self.path}
+
+    def __str__(self) -> str:
+        return f"{self.store}:{self.path}"
+
+
+@dataclass(frozen=True)
+class Item:
+    """One unit of work: an image, or one page of a PDF.
+
+    Its input is either an uploaded blob (`blob`, its sha256) or a reference into a store
+    (`ref`, with the content's `ref_sha256` and `size`, checked when the worker reads it):
+    exactly one of the two. `sha256` is the content hash in both forms, so caches keyed on
+    it share entries between a referenced file and the same bytes uploaded.
+    """
+
+    kind: str
+    blob: str | None
+    source: str
+    page: int | None = None
+    # The caller's own name for this item (batch-API style), echoed in its result.
+    custom_id: str | None = None
+    ref: Ref | None = None
+    size: int | None = None  # bytes of a referenced input
+    ref_sha256: str | None = None  # content hash of a referenced input
+
+    def __post_init__(self) -> None:
+        if (self.blob is None) == (self.ref is None):
+            raise ValueError("an item has exactly one of blob and ref")
+        if self.ref is not None and (self.ref_sha256 is None or self.size is None):
+            raise ValueError("a referenced item needs its sha256 and size")
+
+    @property
+    def sha256(self) -> str:
+        """The input's content hash, whichever form carries it."""
+        sha = self.blob if self.blob is not None else self.ref_sha256
+        assert sha is not None  # __post_init__
+        return sha
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind}
+        if self.ref is not None:
+            out.update(ref=self.ref.to_dict(), sha256=self.ref_sha256, size=self.size)
+        else:
+            out["blob"] = self.blob
+        out["source"] = self.source
+        if self.page is not None:
+            out["page"] = self.page
+        if self.custom_id is not None:
+            out["custom_id"] = self.custom_id
+        return out
+
+
+@dataclass(frozen=True)
+class JobPayload:
+    """A job as the protocol carries it: its task, its items and the settings it gives.
+
+    `settings` holds, by name (shared/settings.py), only the settings the job gives;
+    read them with `get`, which falls back to the row's default.
+    """
+
+    task: str
+    items: tuple[Item, ...]
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    created_at: str = field(default_factory=utc_now_iso)
+    v: int = C.PROTOCOL_VERSION
+
+    def get(self, name: str) -> Any:
+        value = self.settings.get(name)
+        return S.BY_NAME[name].default if value is None else value
+
+    @property
+    def labels(self) -> Mapping[str, str]:
+        return self.get("labels")  # type: ignore[no-any-return]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"v": self.v, "task": self.task, "items": [i.to_dict() for i in self.items],
+                **S.values_to_wire(self.settings), "created_at": self.created_at}
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> JobPayload:
+        return parse_payload(raw)
+
+
+# Decimal places of an item result's timings (seconds): 0.1 ms.
+TIMING_DIGITS = 4
+TEXT_FROM_MODEL = "model"
+TEXT_FROM_LAYER = "text_layer"
+
+
+@dataclass
+class ItemResult:
+    """What the worker writes for each item, as soon as that item is done."""
+
+    index: int
+    source: str
+    page: int | None
+    text: str | None
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    vision_cache_hit: bool
+    error: str | None
+    timings: dict[str, float] = field(default_factory=dict)
+    custom_id: str | None = None  # the item's custom_id, echoed back
+    repetition: str | None = None  # what the repetition guard did (cut, retried), if anything
+    # True when the text came from the shared result cache: nothing was generated.
+    result_cache_hit: bool = False
+    # Where `text` came from: the model, or the PDF page's own text layer ("text_layer":
+    # with text_layer prefer, or fallback after the model failed the page).
+    text_source: str = TEXT_FROM_MODEL
+    # Fallback only (the model failed the page and `text` is the page's text layer): the
+    # model's error, or what it wrote before max_tokens or the repetition guard cut it.
+    model_error: str | None = None
+    model_text: str | None = None
+    # An extract item's parsed object (`text` holds the same JSON as text).
+    json: Any = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The protocol's item result (PROTOCOL.md section 4). Timings are rounded to
+        0.1 ms and `repetition` is left out when null: nothing reads more digits, and
+        every byte here is kept once per item in Redis."""
+        out = asdict(self)
+        out["timings"] = {k: round(v, TIMING_DIGITS) for k, v in self.timings.items()}
+        for name, default in _LEFT_OUT:
+            if out[name] == default:
+                del out[name]
+        return out
+
+    def to_json(self) -> str:
+        """The stored form (what a worker HSETs into the items hash): compact JSON, text
+        as UTF-8 rather than \\u escapes (a third of the bytes for CJK), unless the text
+        holds what UTF-8 cannot carry (a lone surrogate)."""
+        out = json.dumps(self.to_dict(), separators=(",", ":"), ensure_ascii=False)
+        try:
+            out.encode()
+        except UnicodeEncodeError:
+            return json.dumps(self.to_dict(), separators=(",", ":"))
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> ItemResult:
+        return cls(
+            index=int(raw["index"]),
+            source=str(raw["source"]),
+            page=None if raw.get("page") is None else int(raw["page"]),
+            text=raw.get("text"),
+            finish_reason=raw.get("finish_reason"),
+            prompt_tokens=int(raw.get("prompt_tokens") or 0),
+            completion_tokens=int(raw.get("completion_tokens") or 0),
+            vision_cache_hit=bool(raw.get("vision_cache_hit")),
+            error=raw.get("error"),
+            timings={str(k): float(v) for k, v in (raw.get("timings") or {}).items()},
+            custom_id=None if raw.get("custom_id") is None else str(raw["custom_id"]),
+            repetition=raw.get("repetition"),
+            result_cache_hit=bool(raw.get("result_cache_hit")),
+            text_source=str(raw.get("text_source") or TEXT_FROM_MODEL),
+            model_error=raw.get("model_error"),
+            model_text=raw.get("model_text"),
+            json=raw.get("json"),
+        )
+
+
+# ItemResult fields left out of the stored JSON while they hold these (the common case).
+_LEFT_OUT = (("repetition", None), ("text_source", TEXT_FROM_MODEL), ("model_error", None),
+             ("model_text", None), ("json", None))
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """The RQ job's return value once every item is done."""
+
+    items: int
+    ok: int
+    failed: int
+    prompt_tokens: int
+    completion_tokens: int
+    wall_s: float
+    cache_hits: int
+    labels: Mapping[str, str] = field(default_factory=dict)  # the job's own, echoed back
+    result_cache_hits: int = 0  # items answered from the shared result cache
+    # Items with text, by where it came from ({"model": 48, "text_layer": 52}).
+    text_sources: Mapping[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["labels"] = dict(self.labels)
+        out["text_sources"] = dict(self.text_sources)
+        return out
+
+
+# --- validation -------------------------------------------------------------------------
+
+
+def _int(value: Any, path: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PayloadError(path, f"must be an integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise PayloadError(path, f"must be between {lo} and {hi}, got {value}")
+    return value
+
+
+def _sha256(value: Any, path: str) -> str:
+    if not isinstance(value, str) or not SHA256_RE.fullmatch(value):
+        raise PayloadError(path, "must be a lowercase hex sha256 (64 characters)")
+    return value
+
+
+def _parse_ref(raw: Mapping[str, Any], path: str) -> tuple[Ref, str, int]:
+    """A reference's form only. Whether its path stays inside the store is the worker's
+    check when it reads the item (stores/backends.py), so a bad reference fails that item
+    alone, not the job."""
+    if "blob" in raw:
+        raise PayloadError(path, "has both blob and ref; give exactly one")
+    ref = raw["ref"]
+    if not isinstance(ref, Mapping):
+        raise PayloadError(f"{path}.ref", f"must be an object, got {type(ref).__name__}")
+    unknown = set(ref) - {"store", "path"}
+    if unknown:
+        raise PayloadError(f"{path}.ref", f"unknown field(s) {sorted(unknown)}")
+    store = ref.get("store")
+    if not isinstance(store, str) or not STORE_NAME_RE.fullmatch(store):
+        raise PayloadError(f"{path}.ref.store", "must match [A-Za-z0-9_.-]{1,64}")
+    rel = ref.get("path")
+    if not isinstance(rel, str) or not rel:
+        raise PayloadError(f"{path}.ref.path", "must be a non-empty string")
+    rel = S.check_str(rel, f"{path}.ref.path", MAX_REF_PATH_CHARS)
+    if "size" not in raw:
+        raise PayloadError(f"{path}.size", "is required with ref (the input's bytes)")
+    size = _int(raw["size"], f"{path}.size", 1, MAX_REF_SIZE)
+    return Ref(store=store, path=rel), _sha256(raw.get("sha256"), f"{path}.sha256"), size
+
+
+def _parse_item(raw: Any, path: str) -> Item:
+    if not isinstance(raw, Mapping):
+        raise PayloadError(path, f"must be an object, got {type(raw).__name__}")
+    unknown = set(raw) - {"kind", "blob", "ref", "sha256", "size", "source", "page",
+                          "custom_id"}
+    if unknown:
+        raise PayloadError(path, f"unknown field(s) {sorted(unknown)}")
+    kind = raw.get("kind")
+    if kind not in C.ITEM_KINDS:
+        raise PayloadError(f"{path}.kind", f"must be one of {list(C.ITEM_KINDS)}, got {kind!r}")
+    blob: str | None = None
+    ref: Ref | None = None
+    sha: str | None = None
+    size: int | None = None
+    if "ref" in raw:
+        ref, sha, size = _parse_ref(raw, path)
+        default_source = ref.path
+    else:
+        for name in ("sha256", "size"):
+            if name in raw:
+                raise PayloadError(f"{path}.{name}", "is only allowed with ref")
+        blob = _sha256(raw.get("blob"), f"{path}.blob")
+        default_source = blob[:12]
+    source = S.check_str(raw.get("source", default_source), f"{path}.source", 4096)
+    page: int | None = None
+    if kind in C.PAGED_KINDS:
+        if "page" not in raw:
+            raise PayloadError(f"{path}.page", f"is required for a {kind} item (1-based)")
+        page = _int(raw["page"], f"{path}.page", 1, 1_000_000)
+    elif raw.get("page") is not None:
+        raise PayloadError(f"{path}.page", "is only allowed on pdf and tiff items")
+    custom_id = raw.get("custom_id")
+    if custom_id is not None:
+        custom_id = S.check_str(custom_id, f"{path}.custom_id", C.MAX_CUSTOM_ID_CHARS)
+    return Item(kind=kind, blob=blob, source=source, page=page, custom_id=custom_id,
+                ref=ref, size=size, ref_sha256=sha)
+
+
+def _check_fields(raw: Mapping[str, Any]) -> None:
+    """Unknown fields are refused, not ignored: a misspelt setting must not silently run
+    with the default."""
+    allowed = S.WIRE_FIELDS
+    unknown = set(raw) - set(allowed)
+    if unknown:
+        raise PayloadError("payload", f"unknown field(s) {sorted(unknown)}")
+    for name, inner in allowed.items():
+        value = raw.get(name)
+        if not inner or value is None:
+            continue
+        if not isinstance(value, Mapping):
+            raise PayloadError(name, f"must be an object, got {type(value).__name__}")
+        extra = set(value) - inner
+        if extra:
+            raise PayloadError(name, f"unknown field(s) {sorted(extra)}")
+
+
+def parse_payload(raw: Any) -> JobPayload:
+    """Turn decoded JSON into a JobPayload, or raise one PayloadError naming the field."""
+    if not isinstance(raw, Mapping):
+        raise PayloadError("payload", f"must be a JSON object, got {type(raw).__name__}")
+    if raw.get("v") != C.PROTOCOL_VERSION:
+        raise PayloadError("v", f"unsupported protocol version {raw.get('v')!r}; "
+                                f"this worker speaks v{C.PROTOCOL_VERSION}")
+    _check_fields(raw)
+    task = raw.get("task")
+    if task not in C.TASKS:
+        raise PayloadError("task", f"must be one of {list(C.TASKS)}, got {task!r}")
+    items_raw = raw.get("items")
+    if not isinstance(items_raw, list) or not items_raw:
+        raise PayloadError("items", "must be a non-empty list")
+    if len(items_raw) > C.MAX_ITEMS_PER_JOB:
+        raise PayloadError("items", f"has more than {C.MAX_ITEMS_PER_JOB} entries")
+    items = tuple(_parse_item(it, f"items[{i}]") for i, it in enumerate(items_raw))
+    settings = S.values_from_wire(raw)
+    json_schema.check_task(task, settings.get("schema"))  # extract needs one; others none
+    if task == "generate" and not settings.get("prompt"):
+        raise PayloadError("prompt", "is required for task 'generate'")
+    created_at = S.check_str(raw.get("created_at") or utc_now_iso(), "created_at", 64)
+    return JobPayload(task=task, items=items, settings=settings, created_at=created_at)

@@ -1,0 +1,1 @@
+"""Where referenced inputs live: folder and S3 stores, read by path and verified by hash."""

@@ -1,0 +1,373 @@
+"""Prometheus metrics: a worker's /metrics, the `vlmq metrics` fleet exporter, and a real
+Prometheus (the Debian package) scraping both while a job runs.
+
+One worker, one exporter and one Prometheus serve this module's end-to-end tests (their
+start is the slow part). The exporter's figures are checked against crafted Redis states,
+and its cost per scrape is counted with INFO commandstats on a private Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+from redis import Redis
+
+from tests.support import helpers
+from tests.support.pdf_craft import drawing_bomb_pdf
+from vlmq.producer.client import Client
+from vlmq.producer.ops.metrics_exporter import FleetCollector, make_server
+from vlmq.shared import constants as C
+from vlmq.shared.blobs import sha256_hex
+from vlmq.shared.keys import Keys
+from vlmq.shared.messages import ItemResult
+from vlmq.worker.intake.rq_jobs import Refused
+from vlmq.worker.prep.decode import PreprocessError
+from vlmq.worker.prep.render_pool import RenderPool
+from vlmq.worker.redis_server import free_port
+from vlmq.worker.stats import WorkerStats
+
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+ITEMS = 3
+MAX_BATCH = 4
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return int(resp.status), resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read().decode()
+
+
+def _samples(text: str) -> dict[str, tuple[str, list[Sample]]]:
+    """Metric families of an exposition: name -> (type, samples)."""
+    return {f.name: (f.type, list(f.samples)) for f in text_string_to_metric_families(text)}
+
+
+def _value(samples: list[Sample], name: str, **labels: str) -> float:
+    got = [s.value for s in samples if s.name == name
+           and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(got) == 1, (name, labels, samples)
+    return float(got[0])
+
+
+def _up(url: str, timeout: float, what: str) -> None:
+    def answers() -> bool:
+        try:
+            return _get(url, timeout=1.0)[0] == 200
+        except OSError:
+            return False
+
+    helpers.wait_for(answers, timeout, what)
+
+
+@dataclass
+class World:
+    redis_url: str
+    worker_port: int
+    fleet_port: int
+    prometheus_port: int | None  # None: no prometheus binary here
+    job_id: str
+    procs: list[subprocess.Popen[str]]
+
+
+def _prometheus(tmp: Path, targets: dict[str, int]) -> tuple[subprocess.Popen[str], int]:
+    port = free_port()
+    config = tmp / "prometheus.yml"
+    jobs = "".join(f"  - job_name: {name}\n    static_configs:\n"
+                   f"      - targets: ['127.0.0.1:{p}']\n" for name, p in targets.items())
+    config.write_text("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+                      f"  evaluation_interval: 1s\nscrape_configs:\n{jobs}")
+    proc = subprocess.Popen(
+        [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return proc, port
+
+
+@pytest.fixture(scope="module")
+def world(module_redis_url: str, tiny_model: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    tmp = tmp_path_factory.mktemp("metrics")
+    worker_port, fleet_port = free_port(), free_port()
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        procs.append(helpers.start_worker(module_redis_url, tiny_model, tmp, "--metrics-port",
+                                          str(worker_port), "--max-batch", str(MAX_BATCH),
+                                          name="wmetrics"))
+        procs.append(subprocess.Popen(
+            [helpers.VLMQ, "--redis-url", module_redis_url, "metrics", "--port",
+             str(fleet_port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True))
+        prom_port = None
+        if Path(PROMETHEUS).exists():
+            prom, prom_port = _prometheus(tmp, {"vlmq-worker": worker_port,
+                                                "vlmq-fleet": fleet_port})
+            procs.append(prom)
+        _up(f"http://127.0.0.1:{worker_port}/metrics", 60, "the worker's /metrics")
+        _up(f"http://127.0.0.1:{fleet_port}/metrics", 30, "the exporter's /metrics")
+
+        def ready() -> bool:  # the model is loaded once its type is known
+            info = _samples(_get(f"http://127.0.0.1:{worker_port}/metrics")[1])
+            return bool(info["vlmq_worker_info"][1][0].labels["model_type"])
+
+        helpers.wait_for(ready, 120, "the worker to load its model")
+        images = helpers.make_images(tmp / "images", ITEMS)
+        res = helpers.invoke_cli(module_redis_url, "enqueue", "caption",
+                                 *(str(p) for p in images), "--json", "--max-tokens", "4",
+                                 "--max-side", "112")
+        assert res.exit_code == 0, (res.stdout, res.stderr)
+        job_id = str(json.loads(res.stdout)["id"])
+        with Client(module_redis_url) as client:
+            assert client.job(job_id).wait(timeout=240) == "finished"
+        yield World(module_redis_url, worker_port, fleet_port, prom_port, job_id, procs)
+    finally:
+        helpers.stop_all(procs)
+
+
+def _query(port: int, promql: str) -> list[dict[str, object]]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+    code, body = _get(url)
+    assert code == 200, body
+    out = json.loads(body)
+    assert out["status"] == "success", out
+    result: list[dict[str, object]] = out["data"]["result"]
+    return result
+
+
+def _scalar(port: int, promql: str) -> float | None:
+    rows = _query(port, promql)
+    if not rows:
+        return None
+    value = rows[0]["value"]
+    assert isinstance(value, list)
+    return float(value[1])
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_the_worker_and_the_exporter(world: World) -> None:
+    if world.prometheus_port is None:
+        pytest.skip(f"no Prometheus binary at {PROMETHEUS}: install the Debian package "
+                    "`prometheus` (.ci/dev.py does, as root)")
+    port = world.prometheus_port
+    _up(f"http://127.0.0.1:{port}/-/ready", 60, "Prometheus to be ready")
+
+    def scraped() -> bool:
+        return (_scalar(port, "sum(vlmq_items_total)") == ITEMS
+                and _scalar(port, 'up{job="vlmq-worker"}') == 1
+                and _scalar(port, 'up{job="vlmq-fleet"}') == 1
+                and _scalar(port, 'vlmq_queue_jobs{job="vlmq-fleet",queue="caption",'
+                                  'state="finished"}') == 1)
+
+    helpers.wait_for(scraped, 60, "Prometheus to scrape the job's items and both targets")
+    assert _scalar(port, 'vlmq_up{job="vlmq-fleet"}') == 1
+    assert _scalar(port, 'sum(vlmq_item_seconds_count{job="vlmq-worker"})') == ITEMS
+
+
+@pytest.mark.slow
+def test_worker_metrics_names_types_and_values(world: World) -> None:
+    code, text = _get(f"http://127.0.0.1:{world.worker_port}/metrics")
+    assert code == 200
+    fams = _samples(text)
+    want = {
+        "vlmq_worker_info": "gauge", "vlmq_items": "counter", "vlmq_tokens": "counter",
+        "vlmq_item_phase_seconds": "counter", "vlmq_jobs": "counter",
+        "vlmq_vision_cache_hits": "counter", "vlmq_vision_cache_misses": "counter",
+        "vlmq_vision_cache_bytes": "gauge", "vlmq_result_cache_hits": "counter",
+        "vlmq_result_cache_misses": "counter", "vlmq_pdf_renders": "counter",
+        "vlmq_pdf_render_failures": "counter", "vlmq_pdf_render_timeouts": "counter",
+        "vlmq_tower_calls": "counter", "vlmq_repetition_cuts": "counter",
+        "vlmq_step_isolations": "counter",
+        "vlmq_batch_active_rows": "gauge", "vlmq_batch_max_rows": "gauge",
+        "vlmq_batch_limit_rows": "gauge",
+        "vlmq_items_in_flight": "gauge", "vlmq_jobs_in_flight": "gauge",
+        "vlmq_item_seconds": "histogram", "vlmq_item_first_token_seconds": "histogram",
+        "vlmq_render_processes": "gauge", "vlmq_mlx_busy_seconds": "counter",
+    }
+    assert {name: fams[name][0] for name in want if name in fams} == want
+    assert all(name.startswith(("vlmq_", "process_")) for name in fams), sorted(fams)
+    s = {name: samples for name, (_, samples) in fams.items()}
+    assert _value(s["vlmq_items"], "vlmq_items_total", task="caption", outcome="ok") == ITEMS
+    assert _value(s["vlmq_tokens"], "vlmq_tokens_total", task="caption",
+                  kind="generated") > 0
+    assert _value(s["vlmq_tokens"], "vlmq_tokens_total", task="caption", kind="prompt") > 0
+    assert _value(s["vlmq_jobs"], "vlmq_jobs_total", queue="caption", event="taken") == 1
+    assert _value(s["vlmq_jobs"], "vlmq_jobs_total", queue="caption", event="finished") == 1
+    assert _value(s["vlmq_item_seconds"], "vlmq_item_seconds_count", task="caption") == ITEMS
+    assert _value(s["vlmq_item_first_token_seconds"], "vlmq_item_first_token_seconds_bucket",
+                  task="caption", le="+Inf") == ITEMS
+    assert _value(s["vlmq_vision_cache_misses"], "vlmq_vision_cache_misses_total") == ITEMS
+    assert _value(s["vlmq_tower_calls"], "vlmq_tower_calls_total") >= 1
+    assert _value(s["vlmq_result_cache_misses"], "vlmq_result_cache_misses_total") == ITEMS
+    assert _value(s["vlmq_batch_max_rows"], "vlmq_batch_max_rows") == MAX_BATCH
+    assert _value(s["vlmq_items_in_flight"], "vlmq_items_in_flight") == 0
+    info = s["vlmq_worker_info"][0].labels
+    assert info["model_type"] == "qwen2_vl" and info["blas"] and info["version"], info
+
+
+@pytest.mark.slow
+def test_worker_refuses_a_metrics_port_in_use(redis_url: str, tiny_model: Path,
+                                              tmp_path: Path,
+                                              start_worker: helpers.Spawn) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = start_worker(redis_url, tiny_model, tmp_path, "--metrics-port", str(port),
+                            name="wbusy")
+        rc, out = helpers.finish(proc, timeout=60)
+    assert rc == 1, out
+    assert f"cannot serve metrics on 127.0.0.1:{port}: the port is in use" in out, out
+    assert "loading model" not in out, out  # refused before the model load
+
+
+# --- the fleet exporter against crafted Redis states ------------------------------------
+
+
+def _scrape(redis: Redis, *, items: bool = False) -> dict[str, list[Sample]]:
+    registry = CollectorRegistry()
+    registry.register(FleetCollector(redis, Keys(), items=items))
+    return {name: samples for name, (_, samples)
+            in _samples(generate_latest(registry).decode()).items()}
+
+
+def _payload(n: int) -> dict[str, object]:
+    items = [{"kind": "image", "blob": "0" * 64, "source": f"x{i}.png"} for i in range(n)]
+    return {"v": 1, "task": "caption", "prompt": "Describe.", "items": items}
+
+
+def test_exporter_counts_queues_failures_dead_letters_and_workers(redis: Redis,
+                                                                   keys: Keys) -> None:
+    """Crafted with the worker's own lifecycle: a poison entry dead-lettered, a job failed,
+    two left queued (the head enqueued 100 s ago by Redis's clock)."""
+    ids = [helpers.raw_enqueue(redis, _payload(n), queue="caption") for n in (1, 2, 3)]
+    redis.lpush(Keys.rq_queue("caption"), "not a job id!")
+    with helpers.worker_lifecycle(redis, ["caption"]) as life:
+        refused = life.take()
+        assert isinstance(refused, Refused), refused
+        running = life.take()
+        assert running is not None and not isinstance(running, Refused)
+        assert running.job_id == ids[0]
+        assert life.fail(running, "crafted failure") is None
+    secs, _ = redis.time()
+    redis.hset(Keys.rq_job(ids[1]), "enqueued_at",
+               time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime(secs - 100)))
+    redis.sadd(keys.workers, "alive", "gone")
+    redis.hset(keys.worker_stats("alive"), "model", "m")
+    s = _scrape(redis, items=True)
+    jobs = s["vlmq_queue_jobs"]
+    assert _value(jobs, "vlmq_queue_jobs", queue="caption", state="queued") == 2
+    assert _value(jobs, "vlmq_queue_jobs", queue="caption", state="failed") == 1
+    assert _value(jobs, "vlmq_queue_jobs", queue="caption", state="started") == 0
+    assert _value(s["vlmq_queue_depth"], "vlmq_queue_depth", queue="caption") == 2
+    assert _value(s["vlmq_queue_items"], "vlmq_queue_items", queue="caption") == 2 + 3
+    assert _value(s["vlmq_dead_letters"], "vlmq_dead_letters") == 1
+    assert _value(s["vlmq_workers"], "vlmq_workers") == 1
+    assert _value(s["vlmq_up"], "vlmq_up") == 1
+    age = _value(s["vlmq_queue_oldest_age_seconds"], "vlmq_queue_oldest_age_seconds",
+                 queue="caption")
+    assert 99 <= age < 160, age
+    assert "vlmq_queue_items" not in _scrape(redis)  # only when asked for
+    assert _value(s["vlmq_queue_depth"], "vlmq_queue_depth", queue="ocr") == 0  # a default
+
+
+def test_exporter_answers_503_and_up_0_when_redis_is_down() -> None:
+    down = Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=1)
+    registry = CollectorRegistry()
+    registry.register(FleetCollector(down, Keys()))
+    server = make_server("127.0.0.1", 0, registry)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        code, body = _get(f"http://127.0.0.1:{server.server_address[1]}/metrics")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert code == 503, body
+    assert _value(_samples(body)["vlmq_up"][1], "vlmq_up") == 0
+
+
+def test_exporter_refuses_a_port_in_use(redis_url: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = subprocess.run([helpers.VLMQ, "--redis-url", redis_url, "metrics", "--port",
+                              str(port)], capture_output=True, text=True, timeout=60,
+                             check=False)
+    assert res.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in res.stderr, res.stderr
+
+
+def _commands_per_scrape(redis: Redis) -> int:
+    redis.config_resetstat()
+    _scrape(redis)
+    stats = redis.info("commandstats")
+    return sum(int(v["calls"]) for k, v in stats.items()
+               if k not in ("cmdstat_info", "cmdstat_config"))
+
+
+def _add_jobs(redis: Redis, n: int) -> None:
+    """n queued jobs and n finished ones in two queues: real job hashes, RQ's keys."""
+    for queue in ("ocr", "caption"):
+        ids = [helpers.raw_enqueue(redis, _payload(1), queue=queue) for _ in range(n)]
+        pipe = redis.pipeline(transaction=False)
+        for job_id in ids[: n // 2]:
+            pipe.lrem(Keys.rq_queue(queue), 1, job_id)
+            pipe.zadd(Keys.rq_registry("finished", queue), {job_id: time.time() + 3600})
+            pipe.hset(Keys.rq_job(job_id), "status", "finished")
+        pipe.execute()
+
+
+def test_exporter_cost_does_not_grow_with_jobs(own_redis: Redis) -> None:
+    _add_jobs(own_redis, 20)
+    few = _commands_per_scrape(own_redis)
+    _add_jobs(own_redis, 2000)
+    many = _commands_per_scrape(own_redis)
+    assert _value(_scrape(own_redis)["vlmq_queue_jobs"], "vlmq_queue_jobs", queue="ocr",
+                  state="finished") == 10 + 1000
+    assert few == many, (few, many)
+    queues = len(set(C.DEFAULT_QUEUE.values()))  # ocr and caption are among them
+    assert many <= 4 + 10 * queues, many  # a fixed handful per queue
+
+
+# --- render failures, counted from what the render pool really says ----------------------
+
+
+def _failed(message: str) -> ItemResult:
+    return ItemResult(index=0, source="a.pdf", page=1, text=None, finish_reason="error",
+                      prompt_tokens=0, completion_tokens=0, vision_cache_hit=False,
+                      error=message, timings={})
+
+
+def test_render_failures_and_timeouts_are_counted_from_the_pool_s_errors() -> None:
+    stats = WorkerStats("w", 4, 8)
+    pool = RenderPool(1, mem_mb=256, timeout_s=0.5)
+    try:
+        for data, timeout in ((drawing_bomb_pdf(2_000_000), 30.0),  # over the memory limit
+                              (drawing_bomb_pdf(2_000_000), 0.001)):  # over the time limit
+            pool.timeout_s = timeout
+            with pytest.raises(PreprocessError) as caught:
+                pool.render(data, 1, 1288, doc_key=sha256_hex(data))
+            stats.count_item(_failed(str(caught.value)), "ocr")
+    finally:
+        pool.close()
+    stats.count_item(_failed("page 3 is out of range"), "ocr")  # a bad page, not the pool
+    assert (stats.render_failures, stats.render_timeouts) == (2, 1)
+    items, _, _, _ = stats.totals()
+    assert items == {("ocr", "failed"): 3}

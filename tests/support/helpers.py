@@ -1,0 +1,186 @@
+"""Test inputs, a real worker subprocess and the in-process CLI, shared by the tests.
+
+Plain functions; the fixtures that wrap them (procs, start_worker, run_cli) are in conftest.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from PIL import Image, ImageDraw
+from redis import Redis
+
+if TYPE_CHECKING:
+    from click.testing import Result
+
+    from vlmq.producer.client import Client
+    from vlmq.shared.messages import ItemResult
+    from vlmq.worker.intake.rq_jobs import JobLifecycle
+
+VLMQ = str(Path(sys.executable).parent / "vlmq")
+Spawn = Callable[..., subprocess.Popen[str]]
+COLORS = [(220, 40, 40), (40, 160, 60), (40, 70, 200), (230, 200, 40), (160, 60, 190),
+          (30, 180, 190), (240, 130, 30), (90, 90, 90)]
+
+
+def page_image(i: int, size: tuple[int, int] = (170, 220)) -> Image.Image:
+    """A page that looks different from its neighbours even at a small render size."""
+    img = Image.new("RGB", size, COLORS[i % len(COLORS)])
+    draw = ImageDraw.Draw(img)
+    w, h = size
+    k = (i * 37) % 97
+    box = [w // 8 + k % 30, h // 6, w // 2 + k % 40, h // 2 + k % 50]
+    draw.rectangle(box, fill=(255, 255, 255))
+    draw.ellipse([w // 3, h // 2 + (k % 20), w - 10, h - 10 - (k % 15)],
+                 fill=COLORS[(i * 3 + 1) % len(COLORS)])
+    draw.text((10, 10), f"page {i + 1}", fill=(0, 0, 0))
+    return img
+
+
+def make_pdf(path: Path, pages: int) -> Path:
+    imgs = [page_image(i) for i in range(pages)]
+    imgs[0].save(path, "PDF", save_all=True, append_images=imgs[1:], resolution=72.0)
+    return path
+
+
+def pdf_bytes(pages: int = 3) -> bytes:
+    """A small real PDF, one numbered white page per page, made in memory."""
+    images = []
+    for i in range(pages):
+        im = Image.new("L", (200, 260), 255)
+        ImageDraw.Draw(im).text((20, 20), f"page {i + 1}", fill=0)
+        images.append(im)
+    buf = io.BytesIO()
+    images[0].save(buf, "PDF", save_all=True, append_images=images[1:])
+    return buf.getvalue()
+
+
+def make_images(folder: Path, n: int, sizes: list[tuple[int, int]] | None = None) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    sizes = sizes or [(96, 96), (128, 80), (80, 120), (112, 112)]
+    out = []
+    for i in range(n):
+        p = folder / f"img{i}.png"
+        page_image(i + 3, sizes[i % len(sizes)]).save(p)
+        out.append(p)
+    return out
+
+
+def start_worker(redis_url: str, model: Path, tmp: Path, *args: str,
+                 name: str = "w1") -> subprocess.Popen[str]:
+    env = {**os.environ, "REDIS_URL": redis_url, "VLMQ_CACHE": str(tmp / "cache"),
+           "PYTHONUNBUFFERED": "1"}
+    cmd = [VLMQ, "worker", "--model", str(model), "--name", name,
+           "--cache-dir", str(tmp / "vision-cache"), *args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def stop_all(procs: list[subprocess.Popen[str]]) -> None:
+    """Teardown: no worker outlives its test, whatever the test did."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGCONT)  # a test may have left it stopped (SIGSTOP)
+            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.stdout is not None and not proc.stdout.closed:
+            proc.communicate()
+        proc.wait()
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"worker did not exit in {timeout} s; output:\n{out}") from None
+    return proc.returncode, out
+
+
+def finished_results(client: Client, job_id: str, timeout: float = 180) -> list[ItemResult]:
+    """A job's item results once it finished (its error fails the test), in item order."""
+    job = client.job(job_id)
+    assert job.wait(timeout=timeout) == "finished", job.error()
+    return sorted(job.results(), key=lambda r: r.index)
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@contextmanager
+def worker_lifecycle(redis: Redis, queues: list[str]) -> Iterator[JobLifecycle]:
+    """The real vlmq worker's job lifecycle (no model): take, succeed and fail jobs exactly
+    as a worker does, so producer tests read what a worker really leaves in Redis."""
+    from vlmq.worker.intake.rq_jobs import BatchWorker, JobLifecycle
+
+    worker = BatchWorker(queues, connection=redis, name=f"test-{uuid.uuid4().hex[:8]}")
+    life = JobLifecycle(worker)
+    life.register_birth()
+    try:
+        yield life
+    finally:
+        life.register_death()
+
+
+class Tripwire:
+    """Put one in a pickled job: unpickling it creates `path`, proof that someone did.
+
+    It unpickles to a call of Path.touch, a stdlib function that any process can import:
+    a worker subprocess cannot import this module, and a trap it failed to load would
+    prove nothing.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def __reduce__(self) -> tuple[Any, tuple[Path]]:
+        return Path.touch, (self.path,)
+
+
+def invoke_cli(redis_url: str, *args: str) -> Result:
+    """`vlmq --redis-url URL ARGS...` in process. catch_exceptions=False: a traceback fails
+    the test rather than turning into an exit code."""
+    from click.testing import CliRunner
+
+    from vlmq.cli.main import main
+
+    return CliRunner().invoke(main, ["--redis-url", redis_url, *args], catch_exceptions=False)
+
+
+def raw_enqueue(redis: Redis, payload: Any, *, queue: str) -> str:
+    """What a producer that skips enqueue.lua writes: the job hash, pushed, no checks.
+
+    Lets worker tests hand it payloads the script would refuse, as a careless client in
+    another language could.
+    """
+    import json
+
+    from vlmq.shared import constants as C
+    from vlmq.shared.messages import utc_now_iso
+
+    job_id = uuid.uuid4().hex
+    now = utc_now_iso()
+    redis.hset(f"rq:job:{job_id}", mapping={
+        "data": json.dumps([C.TASK_FUNC, None, [payload], {}]), "origin": queue,
+        "description": "raw", "timeout": C.JOB_TIMEOUT_S, "result_ttl": C.RESULT_TTL_S,
+        "failure_ttl": C.FAILURE_TTL_S, "created_at": now, "enqueued_at": now,
+        "status": "queued", "meta": "{}", "retries_left": C.CRASH_RETRIES})
+    redis.sadd("rq:queues", f"rq:queue:{queue}")
+    redis.rpush(f"rq:queue:{queue}", job_id)
+    return job_id

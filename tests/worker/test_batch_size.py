@@ -1,0 +1,151 @@
+"""The batch's row limit follows measured throughput (worker/engine/batch_size.py), on a fake clock:
+it grows while tokens/s rises, holds at the knee, never passes the cap, and measures again
+when the work changes. Then the real engine: a small job still gets in at the knee."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.worker.test_structured import Rig
+from vlmq.worker.engine.batch_size import BatchSizer, Shape
+from vlmq.worker.engine.batcher import Engine
+
+OCR = Shape(prompt=9, new_tokens=8, constrained=False)
+CAPTION = Shape(prompt=8, new_tokens=5, constrained=False)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _run(sizer: BatchSizer, clock: Clock, tok_s: Callable[[int], float], seconds: float,
+         shape: Shape = OCR, rows: Callable[[int], int] | None = None) -> list[int]:
+    """Steps of a batch kept full (or at `rows(limit)`) for `seconds` of fake time: each
+    row makes one token a step, at the batch's tokens/s for that many rows. Returns the
+    limits it went through."""
+    seen = [sizer.limit]
+    end = clock.t + seconds
+    while clock.t < end:
+        n = rows(sizer.limit) if rows is not None else sizer.limit
+        step_s = n / tok_s(n)
+        clock.t += step_s
+        if sizer.observe(n, n, step_s, shape):
+            seen.append(sizer.limit)
+    return seen
+
+
+def _sizer(clock: Clock, cap: int = 64, **kw: float) -> BatchSizer:
+    return BatchSizer(cap, floor=8, clock=clock, **kw)
+
+
+def test_rising_throughput_grows_the_batch_to_the_cap_and_holds() -> None:
+    clock = Clock()
+    sizer = _sizer(clock)
+    assert _run(sizer, clock, lambda n: 40.0 * n, 60) == [8, 16, 32, 64]
+    assert sizer.limit == 64 and "cap" in sizer.reason and sizer.held_until is not None
+
+
+def test_flat_throughput_keeps_the_start() -> None:
+    clock = Clock()
+    sizer = _sizer(clock)
+    assert _run(sizer, clock, lambda n: 300.0, 60) == [8, 16, 8]
+    assert sizer.limit == 8 and "knee" in sizer.reason
+
+
+def test_falling_throughput_goes_back_and_never_below_the_floor() -> None:
+    clock = Clock()
+    sizer = _sizer(clock)
+    _run(sizer, clock, lambda n: 600.0 / n, 60)
+    assert sizer.limit == 8
+    assert min(sizer.readings) == 8  # nothing under the floor was ever tried
+
+
+def test_the_knee_is_the_last_doubling_that_paid() -> None:
+    clock = Clock()
+    sizer = _sizer(clock)
+    # +60 % to 16, +25 % to 32, +2 % to 64: the knee is 32.
+    table = {8: 300.0, 16: 480.0, 32: 600.0, 64: 612.0}
+    assert _run(sizer, clock, table.__getitem__, 60) == [8, 16, 32, 64, 32]
+    assert sizer.limit == 32
+    assert abs(sizer.readings[16] - 480.0) < 1e-6
+
+
+def test_the_cap_bounds_every_try() -> None:
+    clock = Clock()
+    sizer = _sizer(clock, cap=20)
+    assert _run(sizer, clock, lambda n: 40.0 * n, 60) == [8, 16, 20]
+    fixed = _sizer(clock, cap=4)
+    assert _run(fixed, clock, lambda n: 40.0 * n, 60) == [4]
+    assert "fixed" in fixed.reason
+
+
+def test_a_batch_the_work_cannot_fill_says_nothing() -> None:
+    clock = Clock()
+    sizer = _sizer(clock)
+    assert _run(sizer, clock, lambda n: 40.0 * n, 60, rows=lambda limit: limit - 3) == [8]
+    assert sizer.readings == {}
+
+
+def test_the_knee_is_measured_again_after_the_hold_and_when_the_work_changes() -> None:
+    clock = Clock()
+    sizer = _sizer(clock, hold_s=30)
+    table = {8: 300.0, 16: 480.0, 32: 490.0}
+    _run(sizer, clock, table.__getitem__, 20)
+    assert sizer.limit == 16
+    # After the hold the work pays more at 32 (say, a longer prompt mix): found again.
+    better = {8: 300.0, 16: 480.0, 32: 700.0, 64: 710.0}
+    _run(sizer, clock, better.__getitem__, 60)
+    assert sizer.limit == 32
+    # Caption-shaped work, settled for a few windows: measured from the floor again.
+    seen = _run(sizer, clock, lambda n: 300.0, 40, shape=CAPTION)
+    assert 8 in seen and sizer.limit == 8
+
+
+def test_a_shape_that_flickers_changes_nothing() -> None:
+    """Rows of mixed jobs come and go: a shape lasting under the settle time is noise."""
+    clock = Clock()
+    sizer = _sizer(clock, hold_s=1000)
+    table = {8: 300.0, 16: 480.0, 32: 490.0}
+    _run(sizer, clock, table.__getitem__, 20)
+    assert sizer.limit == 16
+    for _ in range(5):
+        _run(sizer, clock, table.__getitem__, 0.5, shape=CAPTION)
+        _run(sizer, clock, table.__getitem__, 0.5, shape=OCR)
+    assert sizer.limit == 16 and 32 in sizer.readings  # no restart
+
+
+def test_a_small_job_gets_a_row_while_the_batch_sits_at_its_knee(tiny_model: Path) -> None:
+    """The batch at its limit with a big job's rows queued behind it: a one-item job's row
+    (priority 1) is admitted at the next free row, ahead of every queued big-job row."""
+    rig = Rig(tiny_model, 4)
+    rig.engine.close(timeout=10)
+    rig.engine = Engine(str(tiny_model), max_batch=4, auto_batch=True)
+    rig.engine.wait_ready(timeout=60)
+    try:
+        assert rig.engine.stats()["batch_limit"] == 4  # the cap under the floor: the knee
+        big = [rig.request(("big", k), 40 + k, None, max_tokens=24) for k in range(12)]
+        for k, req in enumerate(big):
+            req.priority = 12 - k
+            rig.engine.submit(req)
+        deadline = time.monotonic() + 60
+        while rig.engine.state.active < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        queued = rig.engine.state.waiting
+        small = rig.request(("small", 0), 99, None, max_tokens=8)
+        small.priority = 1
+        rig.engine.submit(small)
+        order: list[object] = []
+        deadline = time.monotonic() + 120
+        while len(order) < 13 and time.monotonic() < deadline:
+            order += [f.key for f in rig.engine.get_finished(timeout=0.2)]
+    finally:
+        rig.close()
+    assert queued >= 6, queued  # the big job's rows really were waiting
+    assert order.index(("small", 0)) <= 8, order  # it took the next free row, not the last
+    assert rig.engine.stats()["peak_active"] == 4

@@ -1,0 +1,74 @@
+"""The BLAS a worker runs MLX on: OpenBLAS by default on Linux, the reference on request.
+
+Read from the running worker's own /proc/<pid>/maps and its stats hash, not from what
+the code meant to do.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from redis import Redis
+
+from tests.support import helpers
+from tests.support.helpers import finish, wait_for
+from vlmq.shared.keys import Keys
+from vlmq.worker.model import blas
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(sys.platform != "linux", reason="BLAS choice is Linux only")]
+
+
+def _openblas_files(pid: int) -> set[str]:
+    return {p for p in blas.mapped_libraries(pid) if Path(p).name.startswith("libopenblas")}
+
+
+def test_default_worker_runs_openblas_and_reference_does_not(
+        redis_url: str, tiny_model: Path, tmp_path: Path, keys: Keys, procs: list) -> None:
+    default = helpers.start_worker(redis_url, tiny_model, tmp_path / "a", name="wdef")
+    ref = helpers.start_worker(redis_url, tiny_model, tmp_path / "b", "--blas", "reference",
+                               name="wref")
+    procs += [default, ref]
+    redis = Redis.from_url(redis_url, decode_responses=True)
+    for name in ("wdef", "wref"):
+        wait_for(lambda n=name: redis.hexists(keys.worker_stats(n), "blas"), 120,
+                 f"stats of {name}")
+    got = redis.hgetall(keys.worker_stats("wdef"))
+    library = got["blas_library"]
+    assert got["blas"].startswith("openblas "), got["blas"]
+    assert Path(library).name.startswith("libopenblas") and Path(library).is_file()
+    assert library in _openblas_files(default.pid)
+
+    got_ref = redis.hgetall(keys.worker_stats("wref"))
+    assert got_ref["blas"].startswith("reference"), got_ref["blas"]
+    assert got_ref["blas_library"] == ""
+    assert _openblas_files(ref.pid) == set()
+    assert any("mlx_cpu.libs/libblas" in p for p in blas.mapped_libraries(ref.pid))
+
+    logs = []
+    for proc in (default, ref):
+        proc.terminate()
+        rc, out = finish(proc, timeout=60)
+        assert rc == 0, out
+        logs.append(out)
+    assert f"BLAS: openblas {library} (wheel opencv-python" in logs[0] or \
+        f"BLAS: openblas {library} (system" in logs[0], logs[0]
+    assert "BLAS: reference (requested)" in logs[1], logs[1]
+
+
+@pytest.mark.parametrize(("value", "via_env"), [("/nonexistent/libblas.so", False),
+                                                ("fastest", True)])
+def test_unusable_blas_choice_is_refused_before_loading(
+        redis_url: str, tiny_model: Path, tmp_path: Path, value: str, via_env: bool,
+        procs: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    if via_env:
+        monkeypatch.setenv("VLMQ_BLAS", value)
+    args = () if via_env else ("--blas", value)
+    proc = helpers.start_worker(redis_url, tiny_model, tmp_path, "--burst", *args)
+    procs.append(proc)
+    rc, out = finish(proc, timeout=60)
+    assert rc == 1
+    assert f"{value!r} is neither auto, reference nor an existing library file" in out
+    assert "loading model" not in out

@@ -1,0 +1,171 @@
+"""Queue content can never crash a worker: poison is dead-lettered with its reason."""
+
+from __future__ import annotations
+
+import json
+import resource
+import uuid
+import zlib
+from collections.abc import Iterator
+
+import pytest
+from redis import Redis
+from rq import Queue
+from rq.job import Job, JobStatus
+
+from vlmq.shared import bounded_reads as bounded
+from vlmq.shared import constants as C
+from vlmq.shared.enqueue import enqueue_lua, raw_exc_info
+from vlmq.shared.errors import PayloadError
+from vlmq.shared.keys import Keys
+from vlmq.shared.messages import Item, JobPayload, parse_payload
+from vlmq.worker.intake.queue_guard import scrub_intermediate
+from vlmq.worker.intake.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
+
+FAKE_SHA = "ab" * 32
+
+
+def payload() -> dict[str, object]:
+    return JobPayload(task="ocr", items=(Item(kind="image", blob=FAKE_SHA, source="a.png"),),
+                      ).to_dict()
+
+
+def _enqueue(redis: Redis, payload: dict[str, object], **kw: str) -> str:
+    redis.set(Keys().blob(FAKE_SHA), b"x")  # enqueue.lua checks that every blob exists
+    return enqueue_lua(redis, payload, **kw)
+
+
+@pytest.fixture
+def life(redis: Redis) -> Iterator[JobLifecycle]:
+    worker = BatchWorker(["q"], connection=redis, name=f"guard-{uuid.uuid4().hex[:8]}")
+    lc = JobLifecycle(worker, keys=Keys())
+    lc.register_birth()
+    yield lc
+    lc.register_death()
+
+
+def dead(redis: Redis) -> list[dict[str, str]]:
+    return [json.loads(x) for x in redis.lrange(Keys().dead, 0, -1)]
+
+
+def bomb_data(inflated: int) -> bytes:
+    """zlib of a JSON job tuple whose string is `inflated` bytes of spaces."""
+    head = json.dumps([C.TASK_FUNC, None, [payload()], {}])[:-1] + ', "'
+    z = zlib.compressobj(9)
+    out = z.compress(head.encode())
+    chunk = b" " * (1 << 20)
+    for _ in range(inflated >> 20):
+        out += z.compress(chunk)
+    return out + z.compress(b'"]') + z.flush()
+
+
+def deep_json(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def poison_job(redis: Redis, field: str, value: bytes | None) -> str:
+    job_id = _enqueue(redis, payload(), queue="q")
+    if value is None:
+        redis.hdel(Keys.rq_job(job_id), field)
+    else:
+        redis.hset(Keys.rq_job(job_id), field, value)
+    return job_id
+
+
+# Each case: how to make the poison, the expected reason, whether a job hash is failed.
+CASES = {
+    "non-UTF-8 id": (lambda r: r.rpush("rq:queue:q", b"\xff\xfe") and None,
+                     "is not UTF-8 text"),
+    "id with a colon": (lambda r: r.rpush("rq:queue:q", "x:y") and None,
+                        "is not a valid job id"),
+    "id with a newline": (lambda r: r.rpush("rq:queue:q", "abc\n") and None,
+                          "is not a valid job id"),
+    "hash without data": (lambda r: poison_job(r, "data", None), "has no data field"),
+    "zlib bomb data": (lambda r: poison_job(r, "data", bomb_data(64 << 20)),
+                       "inflates to more than 16 MiB"),
+    "deeply nested data": (lambda r: poison_job(r, "data", zlib.compress(deep_json(100_000))),
+                           "nests JSON deeper than 32 levels"),
+    "deeply nested meta": (lambda r: poison_job(r, "meta", deep_json(50)),
+                           "job meta nests JSON deeper"),
+    "unparseable date": (lambda r: poison_job(r, "created_at", b"yesterday"),
+                         "RQ cannot read its hash (ValueError"),
+    "bad status": (lambda r: poison_job(r, "status", b"bogus"), "RQ cannot read its hash"),
+    "float timeout": (lambda r: poison_job(r, "timeout", b"86400.0"),
+                      "job timeout '86400.0' is not a whole number of seconds"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_poison_entry_is_dead_lettered_and_the_next_job_runs(redis: Redis, life: JobLifecycle,
+                                                             case: str) -> None:
+    make, reason = CASES[case]
+    bad_id = make(redis)
+    good_id = _enqueue(redis, payload(), queue="q")
+
+    refused = life.take()
+    assert isinstance(refused, Refused), refused
+    assert reason in refused.reason
+    (record,) = dead(redis)
+    assert record["queue"] == "q" and reason in record["reason"]
+    assert redis.llen("rq:queue:q:intermediate") == 0
+    if bad_id is not None:  # a hash exists: the job is failed, visibly
+        assert Job(bad_id, connection=redis).get_status(refresh=True) == JobStatus.FAILED
+        assert reason in (raw_exc_info(redis, bad_id) or "")
+    running = life.take()
+    assert isinstance(running, Running) and running.job_id == good_id
+
+
+def test_bomb_is_refused_without_inflating_it(redis: Redis, life: JobLifecycle) -> None:
+    data = bomb_data(1 << 30)  # ~1 MB that unpacks to 1 GiB
+    assert len(data) < 2 << 20
+    job_id = poison_job(redis, "data", data)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    refused = life.take()
+    grew_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert isinstance(refused, Refused) and "decompression bomb" in refused.reason
+    assert grew_mb < 200, grew_mb
+    assert Job(job_id, connection=redis).get_status(refresh=True) == JobStatus.FAILED
+
+
+def test_id_x_colon_y_fails_its_own_hash_not_job_x(redis: Redis, life: JobLifecycle) -> None:
+    x = _enqueue(redis, payload(), queue="other", job_id="x")
+    redis.hset("rq:job:x:y", mapping={"status": "queued", "data": b"[]"})
+    redis.rpush("rq:queue:q", "x:y")
+    assert isinstance(life.take(), Refused)
+    assert redis.hget("rq:job:x:y", "status") == b"failed"
+    assert Job(x, connection=redis).get_status(refresh=True) == JobStatus.QUEUED
+
+
+def test_maintenance_survives_poison_in_the_intermediate_list(redis: Redis,
+                                                              life: JobLifecycle) -> None:
+    queue = Queue("q", connection=redis)
+    redis.rpush(queue.intermediate_queue_key, b"\xff\xfe", "x:y")
+    healthy = _enqueue(redis, payload(), queue="q")
+    redis.lmove("rq:queue:q", queue.intermediate_queue_key)  # another worker mid-take
+    life.worker.last_cleaned_at = None  # due now
+    life.maintain()
+    assert redis.lrange(queue.intermediate_queue_key, 0, -1) == [healthy.encode()]
+    assert len(dead(redis)) == 2
+    assert not redis.exists(queue.registry_cleaning_key)  # the lock is not left held
+    assert life.worker.last_cleaned_at is not None
+    assert scrub_intermediate(redis, Keys(), queue, "w") == 0  # nothing left to refuse
+
+
+def test_bounded_helpers() -> None:
+    assert bounded.inflate(zlib.compress(b"x" * 100), cap=100) == b"x" * 100
+    with pytest.raises(bounded.BoundError, match="more than"):
+        bounded.inflate(zlib.compress(b"x" * 101), cap=100)
+    assert bounded.inflate(b'["plain json"]') == b'["plain json"]'
+    assert bounded.loads(deep_json(32)) is not None
+    with pytest.raises(bounded.BoundError, match="deeper than 32"):
+        bounded.loads(deep_json(33))
+    with pytest.raises(bounded.BoundError, match="deeper than 32"):
+        bounded.loads(deep_json(1_000_000))
+
+
+def test_lone_surrogate_in_a_prompt_is_a_clear_payload_error() -> None:
+    raw = json.loads('{"v": 1, "task": "caption", "prompt": "caf\\ud800", "items": '
+                     '[{"kind": "image", "blob": "' + FAKE_SHA + '"}]}')
+    with pytest.raises(PayloadError, match=r"prompt: is not valid UTF-8 text \(a lone "
+                                           r"surrogate U\+D800 at character 3\)"):
+        parse_payload(raw)

@@ -1,0 +1,848 @@
+"""The MLX engine: one thread owns every MLX call and runs a continuous batcher.
+
+MLX (and mlx-vlm's generator state: rope deltas on the model, the shared
+stopping criteria) is not safe to drive from several threads, and on Metal a
+second thread submitting work can crash the process. So the model is loaded,
+the vision tower runs, embeddings are built and `BatchGenerator.next()` is
+called on one thread only. Everyone else talks to it through two queues:
+`submit()` in, `get_finished()` out.
+
+Requests from different jobs share batches: whatever was submitted is inserted
+at the next step, up to `max_batch` sequences in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from vlmq.worker.engine import constraints as structured
+from vlmq.worker.engine import faults, kv_budget
+from vlmq.worker.engine import mlx_adapter as adapter
+from vlmq.worker.engine.batch_size import FLOOR, BatchSizer, Shape
+from vlmq.worker.engine.constraints import RowConstraint
+from vlmq.worker.engine.mlx_adapter import LoadedModel, Prepared
+from vlmq.worker.engine.repetition import RepetitionGuard
+from vlmq.worker.model import blas
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05  # how long the MLX thread blocks on the inbox when it has nothing to run
+_CLEAR_CACHE_DELAY = 8  # steps between a removal and mx.clear_cache (Metal pitfall)
+IGNORE_LIMITS_ENV = "VLMQ_IGNORE_FAMILY_LIMITS"  # debug switch, see _apply_family_limits
+PREFILL_ROWS = 8  # prompts prefilled together by default (the old max_batch default)
+
+
+@dataclass
+class Request:
+    key: Hashable  # opaque to the engine, e.g. (job_id, item_index)
+    prepared: Prepared
+    cached_features: tuple[np.ndarray, str] | None  # (features, dtype_name) on a cache hit
+    max_tokens: int
+    temperature: float
+    stop: tuple[str, ...]  # stop strings, in addition to the tokenizer's EOS
+    # Called on the MLX thread after a tower run, so the caller can cache the features.
+    on_features: Callable[[np.ndarray, str], None] | None = None
+    # Wraps this request's own steps (tower, embedding) on the MLX thread, so that a crash
+    # there is charged to it (worker/intake/poison.py). Called with the step's name.
+    risky: Callable[[str], AbstractContextManager[None]] | None = None
+    # Lower is admitted first when rows free up, FIFO among equals. The worker passes its
+    # job's items left, so a small job's items overtake a big job's queued ones.
+    priority: int = 0
+    # An extract item's schema matcher (worker/engine/constraints.py): masks each step's logits,
+    # and decides at the end whether the output is a whole JSON value.
+    constraint: RowConstraint | None = None
+
+
+@dataclass
+class Finished:
+    key: Hashable
+    text: str
+    finish_reason: str  # "stop" | "length" | "repetition" | "error"
+    prompt_tokens: int
+    completion_tokens: int
+    vision_cache_hit: bool
+    error: str | None
+    timings: dict[str, float]  # queue_s, vision_s, embed_s, prefill_s, generate_s
+    tokens: list[int] = field(default_factory=list)
+    repetition: str | None = None  # what the repetition guard did, if anything
+    json: Any = None  # a constrained row's value, parsed from `text`
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_id: str
+    model_type: str
+    cacheable: bool
+    context_length: int
+    fingerprint: str
+
+
+class EngineError(RuntimeError):
+    """The engine could not start (model not found or not loadable) or was used after close."""
+
+
+class _Temperature:
+    """Per-request temperature as a logits processor.
+
+    BatchGenerator has one sampler for the whole batch (argmax here). Adding
+    Gumbel noise to logits / T makes that argmax an exact sample from
+    softmax(logits / T), so rows with different temperatures share a batch.
+    """
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+
+    def __call__(self, tokens: Any, logits: Any) -> Any:
+        import mlx.core as mx
+
+        return logits / self.temperature + mx.random.gumbel(logits.shape)
+
+
+@dataclass
+class _Live:
+    """A request inserted into the generator (MLX thread only)."""
+
+    req: Request
+    uid: int
+    prompt_tokens: int
+    hit: bool
+    timings: dict[str, float]
+    inserted_at: float
+    tokens: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    stop_window: int = 0  # tokens to re-decode when looking for a stop string
+    kv_cost: int = 0  # prompt + max new tokens: the KV cache this row can grow to
+
+
+@dataclass(eq=False)
+class EngineState:
+    """What the MLX thread shares with the engine's callers: the two queues, the counts
+    behind Engine.waiting and Engine.active, and the counters stats read.
+
+    The Engine makes it (submit() queues before the model has loaded) and hands it to the
+    MLX thread's loop, the only writer of the counters; `lock` guards `waiting` and
+    `active`, which both sides change. Other threads only read.
+    """
+
+    inbox: queue.SimpleQueue[tuple[Request, float] | None] = field(
+        default_factory=queue.SimpleQueue)
+    # A Queue, not a SimpleQueue: the main thread waits on it with a timeout, and on
+    # CPython 3.11 a signal (SIGTERM) landing in SimpleQueue.get(timeout=...) can leave
+    # that call blocked for good, so the worker never stops (tests/worker/test_engine.py).
+    outbox: queue.Queue[Finished] = field(default_factory=queue.Queue)
+    closing: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    waiting: int = 0  # submitted, not yet inserted or failed
+    active: int = 0  # inserted, not yet finished
+    peak_waiting: int = 0  # most requests ever submitted but not yet in the batch
+    peak_active: int = 0
+    kv_in_flight: int = 0  # sum of the active rows' (prompt + max new tokens)
+    batch_limit: int = 0  # the rows the batch admits now (worker/engine/batch_size.py chooses it)
+    batch_reason: str = ""  # why that many
+    peak_kv_in_flight: int = 0
+    tower_calls: int = 0
+    isolations: int = 0  # failed steps whose rows were rerun apart to find the culprit
+    busy_s: float = 0.0  # MLX thread time in model work (tower, embed, prefill, decode)
+    tokens_generated: int = 0
+    finished: int = 0
+    errors: int = 0
+    repetitions: int = 0  # rows cut for looping (each attempt counts)
+
+    def submit(self, req: Request) -> None:
+        with self.lock:
+            self.waiting += 1
+            self.peak_waiting = max(self.peak_waiting, self.waiting)
+        self.inbox.put((req, time.perf_counter()))
+
+    def move(self, *, waiting: int = 0, active: int = 0) -> None:
+        """Requests changed hands: submitted -> inserted -> finished, or back (a retry)."""
+        with self.lock:
+            self.waiting += waiting
+            self.active += active
+            self.peak_active = max(self.peak_active, self.active)
+
+    def emit(self, fin: Finished, *, waiting: int = 0, active: int = 0) -> None:
+        # Outbox first: a reader that sees the counts drop to zero finds the result there.
+        self.outbox.put(fin)
+        self.finished += 1
+        if fin.error is not None:
+            self.errors += 1
+        self.move(waiting=waiting, active=active)
+
+    def abort_all(
+        self, why: str, pending: deque[tuple[Request, float]], live: dict[int, _Live]
+    ) -> None:
+        """Fail everything still queued or running (shutdown or load failure)."""
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                pending.append(item)
+        for req, _ in pending:
+            self.emit(_error(req, why, 0), waiting=-1)
+        pending.clear()
+        for lv in live.values():
+            self.emit(_error(lv.req, why, lv.prompt_tokens, lv.hit, lv.timings), active=-1)
+        live.clear()
+        self.kv_in_flight = 0
+
+
+class Engine:
+    """Continuous-batching generator over one loaded model; see module docstring."""
+
+    def __init__(
+        self, model_path: str, *, max_batch: int = 8, prefill_batch: int | None = None,
+        repetition: RepetitionGuard | None = None,
+        max_kv_tokens: int | None = None,
+        fault: faults.StepFault | None = None,
+        auto_batch: bool = False,
+    ) -> None:
+        """`auto_batch`: `max_batch` is a cap and the row limit follows measured
+        throughput from 8 rows up (worker/engine/batch_size.py); otherwise it is `max_batch`.
+        `fault`: a test hook raising in place of a generator step (worker/engine/faults.py);
+        None reads VLMQ_FAULT_ROW, which is normally unset."""
+        if max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        blas.select()  # before MLX loads in the engine thread; no-op when already chosen
+        if max_kv_tokens is not None and max_kv_tokens < 1:
+            raise ValueError("max_kv_tokens must be at least 1")
+        self.model_path = model_path
+        self.repetition = repetition  # None: rows are never cut for looping
+        # Admission budget: sum of (prompt + max_tokens) in flight; None: derived from the
+        # model and the machine's memory once loaded (worker/engine/kv_budget.py).
+        self.max_kv_tokens = max_kv_tokens
+        self.max_batch = max_batch
+        # Prompts prefilled together: at most PREFILL_ROWS by default, so a grown batch
+        # does not stall its decoding rows behind one long prefill.
+        self.prefill_batch = max(1, min(prefill_batch or min(max_batch, PREFILL_ROWS),
+                                        max_batch))
+        self.fault = fault if fault is not None else faults.from_env()
+        self.state = EngineState()  # shared with the MLX thread; read it for counters
+        # Pure logic: made here so the limit is known before the model loads; from then on
+        # only the MLX thread's loop calls it.
+        self._sizer = BatchSizer(max_batch, floor=FLOOR if auto_batch else max_batch)
+        self.state.batch_limit, self.state.batch_reason = self._sizer.limit, self._sizer.reason
+        self._ready = threading.Event()
+        self._loaded: LoadedModel | None = None
+        self._load_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="vlmq-mlx", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ public API (any thread)
+
+    def wait_ready(self, timeout: float | None = None) -> EngineInfo:
+        """Block until the model is loaded; raise EngineError if it could not be."""
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"model {self.model_path!r} not loaded after {timeout}s")
+        if self._load_error is not None:
+            raise EngineError(str(self._load_error)) from self._load_error
+        return self.info
+
+    @property
+    def info(self) -> EngineInfo:
+        loaded = self._require_loaded()
+        return EngineInfo(
+            model_id=loaded.model_id,
+            model_type=loaded.model_type,
+            cacheable=loaded.cacheable,
+            context_length=loaded.context_length,
+            fingerprint=loaded.fingerprint,
+        )
+
+    @property
+    def processor(self) -> Any:
+        """For CPU-side preparation (adapter.prepare); treat as read-only."""
+        return self._require_loaded().processor
+
+    @property
+    def model_config(self) -> Any:
+        """For CPU-side preparation (adapter.prepare); treat as read-only."""
+        return self._require_loaded().model.config
+
+    def submit(self, req: Request) -> None:
+        """Queue a request for the next step; never blocks on MLX."""
+        if self._load_error is not None:
+            raise EngineError(f"engine has no model: {self._load_error}")
+        if self.state.closing.is_set():
+            raise EngineError("engine is closed")
+        self.state.submit(req)
+
+    def get_finished(self, timeout: float) -> list[Finished]:
+        """Everything finished since the last call; waits up to `timeout` for the first."""
+        outbox = self.state.outbox
+        out: list[Finished] = []
+        try:
+            out.append(outbox.get(timeout=timeout) if timeout > 0 else outbox.get_nowait())
+        except queue.Empty:
+            return out
+        while True:
+            try:
+                out.append(outbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def stats(self) -> dict[str, float]:
+        st = self.state
+        return {
+            "waiting": st.waiting,
+            "active": st.active,
+            "peak_active": st.peak_active,
+            "max_batch": self.max_batch,
+            "batch_limit": st.batch_limit,
+            "tower_calls": st.tower_calls,
+            "tokens_generated": st.tokens_generated,
+            "finished": st.finished,
+            "errors": st.errors,
+            "repetitions": st.repetitions,
+            "isolations": st.isolations,
+        }
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the MLX thread; requests still queued or running finish with an error."""
+        self.state.closing.set()
+        self.state.inbox.put(None)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            # A submit that raced the shutdown lands here; answer it too.
+            self.state.abort_all("engine closed", pending=deque(), live={})
+
+    def _require_loaded(self) -> LoadedModel:
+        if self._loaded is None:
+            raise EngineError("model not loaded yet (call wait_ready first)")
+        return self._loaded
+
+    # ------------------------------------------------------------ MLX thread
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            adapter.release_thread_streams()
+
+    def _serve(self) -> None:
+        try:
+            self._loaded = adapter.load_model(self.model_path)
+        except Exception as exc:  # reported to wait_ready, not lost
+            if isinstance(exc, adapter.ModelLoadError):
+                log.debug("engine: model load failed: %s", exc)
+            else:
+                log.exception("engine: model load failed")
+            self._load_error = exc
+            self.state.closing.set()
+            self._ready.set()
+            self.state.abort_all("model failed to load", pending=deque(), live={})
+            return
+        self._apply_family_limits(self._loaded.family)
+        self._ready.set()
+        _Loop(self.state, self._loaded, max_batch=self.max_batch,
+              prefill_batch=self.prefill_batch, repetition=self.repetition,
+              max_kv_tokens=self.max_kv_tokens, fault=self.fault, sizer=self._sizer).run()
+
+    def _apply_family_limits(self, family: adapter.FamilySpec) -> None:
+        """Prefill one prompt at a time where mlx-vlm cannot prefill this family's prompts
+        together exactly (every verified family decodes batched).
+
+        VLMQ_IGNORE_FAMILY_LIMITS=1 skips this, to see why a limit exists: `vlmq model
+        check` then shows the parity failure the limit prevents.
+        """
+        if os.environ.get(IGNORE_LIMITS_ENV) == "1":
+            log.warning("%s=1: batching %s without its family limits; output may differ "
+                        "from sequential generate", IGNORE_LIMITS_ENV,
+                        self._require_loaded().model_type)
+            return
+        if family.prefill_one is not None and self.prefill_batch > 1:
+            log.warning("model type %s prefills one prompt at a time (decoding still "
+                        "batches): %s", self._require_loaded().model_type, family.prefill_one)
+            self.prefill_batch = 1
+
+
+def _error(
+    req: Request,
+    message: str,
+    prompt_tokens: int,
+    hit: bool = False,
+    timings: dict[str, float] | None = None,
+) -> Finished:
+    return Finished(
+        key=req.key,
+        text="",
+        finish_reason="error",
+        prompt_tokens=prompt_tokens,
+        completion_tokens=0,
+        vision_cache_hit=hit,
+        error=message,
+        timings=dict(timings or {}),
+    )
+
+
+class _Loop:
+    """The MLX thread's own state and steps; only that thread touches it.
+
+    It keeps the generator, the pending and live rows and the KV budget, and shares only
+    `state` (queues, counts, counters) with the engine's callers.
+    """
+
+    def __init__(self, state: EngineState, loaded: LoadedModel, *, max_batch: int,
+                 prefill_batch: int, repetition: RepetitionGuard | None,
+                 max_kv_tokens: int | None, fault: faults.StepFault | None = None,
+                 sizer: BatchSizer | None = None) -> None:
+        self.state = state
+        self.m = loaded
+        self.max_batch = max_batch
+        self.prefill_batch = prefill_batch
+        self.repetition = repetition
+        self.eos = adapter.eos_token_ids(loaded.processor)
+        self.pending: deque[tuple[Request, float]] = deque()
+        self.live: dict[int, _Live] = {}
+        self.steps = 0
+        self.clear_cache_at: int | None = None
+        self.retried: dict[Hashable, str] = {}  # key -> what its first attempt did
+        self.fault = fault
+        self.sizer = sizer if sizer is not None else BatchSizer(max_batch, floor=max_batch)
+        # A failed step's rows, rerun in groups (halves) to find the row at fault: the
+        # group running now (nothing else joins it), and the groups still to run.
+        self.suspects: deque[list[tuple[Request, float]]] = deque()
+        self.isolating: set[Hashable] = set()
+        self.isolated: set[Hashable] = set()  # rows that have been rerun apart at least once
+        self.gen = self._new_generator()
+        if max_kv_tokens is None:
+            max_kv_tokens, per_token, weights = kv_budget.model_budget(loaded.model)
+            log.info("engine: KV admission budget %d tokens (%d bytes/token, weights %.0f MB; "
+                     "--max-kv-tokens overrides)", max_kv_tokens, per_token, weights / 1e6)
+        self.kv_budget: int = max_kv_tokens
+        self.warned_over_budget: set[Hashable] = set()
+
+    def _new_generator(self) -> Any:
+        from mlx_vlm.generate import BatchGenerator
+
+        return BatchGenerator(
+            self.m.model.language_model,
+            self.m.processor,
+            # The engine caps in-flight rows itself; this headroom makes the
+            # generator admit a new prefill as soon as one is inserted.
+            completion_batch_size=self.max_batch + self.prefill_batch,
+            prefill_batch_size=self.prefill_batch,
+            compute_logprobs=False,
+        )
+
+    def run(self) -> None:
+        st = self.state
+        while not st.closing.is_set():
+            self._intake(block=not (self.live or self.pending or self.suspects))
+            t0 = time.perf_counter()
+            admitted = self._admit()
+            if self.live:
+                # A turn that prefills (rows just admitted, or not yet at their first token)
+                # costs what the prompts cost, not what the batch's size does.
+                prefill = admitted > 0 or any(lv.first_token_at is None
+                                              for lv in self.live.values())
+                rows = len(self.live)
+                tokens = self._step()
+                if not prefill:
+                    self._size(rows, tokens, time.perf_counter() - t0)
+            st.busy_s += time.perf_counter() - t0
+        while self.suspects:
+            self.pending.extend(self.suspects.popleft())
+        st.abort_all("engine closed", self.pending, self.live)
+        self.gen.close()
+
+    def _size(self, rows: int, tokens: int, seconds: float) -> None:
+        """Tell the sizer what this turn produced; say so when the row limit moves."""
+        live = list(self.live.values())
+        shape = Shape.of([lv.prompt_tokens for lv in live], [lv.req.max_tokens for lv in live],
+                         sum(lv.req.constraint is not None for lv in live))
+        if self.sizer.observe(rows, tokens, seconds, shape):
+            log.info("engine: batch limit %d rows: %s", self.sizer.limit, self.sizer.reason)
+        self.state.batch_limit, self.state.batch_reason = self.sizer.limit, self.sizer.reason
+
+    def _intake(self, block: bool) -> None:
+        """Move submitted requests to `pending`; block briefly only when idle."""
+        inbox = self.state.inbox
+        try:
+            item = inbox.get(timeout=_IDLE_WAIT_S) if block else inbox.get_nowait()
+            while True:
+                if item is not None:
+                    self.pending.append(item)
+                item = inbox.get_nowait()
+        except queue.Empty:
+            return
+
+    def _admit(self) -> int:
+        """Embed and insert pending requests while there are free rows and KV budget.
+
+        The next request is the one with the best priority (its job's items left; FIFO
+        among equals). If it does not fit the KV budget it waits (later ones wait behind
+        it, so a long one is never starved); one over the whole budget runs alone, once
+        nothing else is in flight.
+        """
+        if self._admit_suspects():
+            return 1
+        admitted = 0
+        while (self.pending and len(self.live) < self.sizer.limit
+               and admitted < self.prefill_batch):
+            pending = self.pending
+            first = min(range(len(pending)), key=lambda k: pending[k][0].priority)
+            req, submitted_at = pending[first]
+            cost = self._kv_cost(req)
+            if self.live and self.state.kv_in_flight + cost > self.kv_budget:
+                return admitted
+            if cost > self.kv_budget and req.key not in self.warned_over_budget:
+                self.warned_over_budget.add(req.key)
+                log.warning("engine: request %r needs %d KV tokens (prompt + max_tokens), over "
+                            "the --max-kv-tokens budget of %d: running it alone", req.key,
+                            cost, self.kv_budget)
+            del pending[first]
+            self.warned_over_budget.discard(req.key)
+            self._insert_risky(req, submitted_at)
+            admitted += 1
+        return admitted
+
+    def _insert_risky(self, req: Request, submitted_at: float) -> None:
+        risky = req.risky("vision tower") if req.risky is not None else nullcontext()
+        with risky:  # a crash in here is charged to this request's job
+            self._insert(req, submitted_at)
+
+    def _admit_suspects(self) -> bool:
+        """While a failed step's rows are rerun apart, only they run: True then (normal
+        admission waits), False once every group has finished."""
+        if self.isolating & {lv.req.key for lv in self.live.values()}:
+            return True
+        self.isolating = set()
+        if not self.suspects:
+            return False
+        if self.live:
+            return True  # rows admitted before the failure finish first, then the group runs
+        group = self.suspects.popleft()
+        self.isolating = {req.key for req, _ in group}
+        self.isolated |= self.isolating
+        for req, submitted_at in group:
+            self._insert_risky(req, submitted_at)
+        return True
+
+    def _kv_cost(self, req: Request) -> int:
+        prompt = req.prepared.prompt_tokens or 0
+        return prompt + max(0, min(req.max_tokens, self.m.context_length - prompt))
+
+    def _insert(self, req: Request, submitted_at: float) -> None:
+        import mlx.core as mx
+
+        st, m = self.state, self.m
+        t0 = time.perf_counter()
+        timings = {"queue_s": t0 - submitted_at, "vision_s": 0.0}
+        hit = False
+        prompt_tokens = req.prepared.prompt_tokens or 0
+        try:
+            self._check_budget(req, prompt_tokens)
+            features = None
+            prepared = req.prepared
+            if m.cacheable and req.cached_features is not None:
+                features = adapter.features_from_numpy(*req.cached_features)
+                hit = True
+            elif m.cacheable and prepared.pixel_values is not None:
+                tv = time.perf_counter()
+                features = adapter.vision_features(m.model, prepared)
+                st.tower_calls += 1
+                timings["vision_s"] = time.perf_counter() - tv
+                self._report_features(req, features)
+            elif prepared.pixel_values is not None or prepared.deferred_image is not None:
+                st.tower_calls += 1  # runs inside get_input_embeddings
+            te = time.perf_counter()
+            ids, kwargs = adapter.build_prompt_kwargs(m.model, m.processor, prepared, features)
+            timings["embed_s"] = time.perf_counter() - te
+            prompt_tokens = len(ids)
+            max_tokens = self._check_budget(req, prompt_tokens)
+            procs: list[Any] = [_Temperature(req.temperature)] if req.temperature > 0 else []
+            if req.constraint is not None:
+                req.constraint.reset()  # a retried row starts its value again
+                procs.append(req.constraint)
+            (uid,) = self.gen.insert(
+                [ids], max_tokens=[max_tokens], prompt_kwargs=[kwargs], logits_processors=[procs]
+            )
+        except Exception as exc:  # one bad item fails alone; the engine goes on
+            log.exception("engine: request %r failed before generation", req.key)
+            mx.clear_cache()
+            st.emit(_error(req, f"{type(exc).__name__}: {exc}", prompt_tokens, hit, timings),
+                    waiting=-1)
+            return
+        window = max((len(s.encode("utf-8")) for s in req.stop), default=0)
+        cost = prompt_tokens + max_tokens
+        st.kv_in_flight += cost
+        st.peak_kv_in_flight = max(st.peak_kv_in_flight, st.kv_in_flight)
+        self.live[uid] = _Live(
+            req=req,
+            uid=uid,
+            prompt_tokens=prompt_tokens,
+            hit=hit,
+            timings=timings,
+            inserted_at=time.perf_counter(),
+            stop_window=window + 2 if window else 0,
+            kv_cost=cost,
+        )
+        st.move(waiting=-1, active=1)
+
+    def _check_budget(self, req: Request, prompt_tokens: int) -> int:
+        """Max new tokens this request may have: its own, clamped to the context left."""
+        context = self.m.context_length
+        if prompt_tokens >= context:
+            raise ValueError(f"prompt has {prompt_tokens} tokens; model context is {context}")
+        if req.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {req.max_tokens}")
+        return int(min(req.max_tokens, context - prompt_tokens))
+
+    def _report_features(self, req: Request, features: Any) -> None:
+        if req.on_features is None:
+            return
+        try:
+            req.on_features(*adapter.features_to_numpy(features))
+        except Exception:  # a failing cache write must not fail the item
+            log.exception("engine: on_features callback failed for %r", req.key)
+
+    def _step(self) -> int:
+        """One generator step; returns the tokens it produced."""
+        import mlx.core as mx
+
+        try:
+            if self.fault is not None:
+                self.fault([(lv.req.key, len(lv.tokens)) for lv in self.live.values()])
+            _, responses = self.gen.next()
+        except Exception as exc:  # noqa: BLE001  # whose fault is unknown: _step_failed finds it
+            self._step_failed(exc)
+            return 0
+        self.steps += 1
+        cuts = self._take_tokens(responses)
+        cuts.failed.extend((lv, lv.req.constraint.failure) for lv in self.live.values()
+                           if lv.req.constraint is not None
+                           and lv.req.constraint.failure is not None)
+        if cuts:
+            self._cut(cuts)
+        if self.clear_cache_at is not None and self.steps >= self.clear_cache_at:
+            mx.clear_cache()
+            self.clear_cache_at = None
+        return len(responses)
+
+    def _step_failed(self, exc: Exception) -> None:
+        """A step raised and nothing says which row caused it (an MLX error): start afresh
+        and rerun the rows by halves, each group alone, until a row fails by itself. Rows
+        not at fault restart from their prompts: at temperature 0 they end with the tokens
+        they would have had, and none is failed or charged a retry."""
+        import mlx.core as mx
+
+        rows = list(self.live.values())
+        why = f"generation failed: {type(exc).__name__}: {exc}"
+        if len(rows) == 1:
+            log.error("engine: generator step failed with one row in the batch, %r: %s",
+                      rows[0].req.key, why)
+            alone = " (it fails alone: found by rerunning its batch's rows apart)"
+            self._finish(rows[0], "error",
+                         error=why + (alone if rows[0].req.key in self.isolated else ""))
+        else:
+            log.warning("engine: generator step failed with %d rows in the batch (%s): "
+                        "rerunning them apart to find the row at fault", len(rows), why)
+            self.state.isolations += 1
+            for lv in rows:
+                del self.live[lv.uid]
+                self.state.kv_in_flight -= lv.kv_cost
+            self.state.move(active=-len(rows), waiting=len(rows))
+            half = len(rows) // 2
+            groups = [[(lv.req, lv.inserted_at - lv.timings.get("queue_s", 0.0)) for lv in part]
+                      for part in (rows[:half], rows[half:])]
+            self.suspects.extendleft(reversed(groups))
+            self.isolating = set()
+        try:
+            self.gen.close()
+        except Exception:  # a broken generator is replaced either way
+            log.exception("engine: closing the failed generator raised")
+        mx.clear_cache()
+        self.gen = self._new_generator()
+
+    def _take_tokens(self, responses: Iterable[Any]) -> _Cuts:
+        """Add each row's new token and end the rows the generator ended; returns the rows
+        to cut mid-batch: at a stop string, at a loop, or failed by their own checks."""
+        now = time.perf_counter()
+        cuts = _Cuts()
+        for r in responses:
+            lv = self.live.get(r.uid)
+            if lv is None:
+                continue  # removed by us after this token was computed
+            lv.tokens.append(int(r.token))
+            self.state.tokens_generated += 1
+            if lv.first_token_at is None:
+                lv.first_token_at = now
+            try:
+                if r.finish_reason is not None:
+                    self._finish(lv, r.finish_reason)
+                else:
+                    self._check_row(lv, cuts)
+            except Exception as exc:  # this row's own failure, cut alone
+                log.exception("engine: row %r failed its checks", lv.req.key)
+                if lv.uid in self.live:
+                    cuts.failed.append((lv, f"{type(exc).__name__}: {exc}"))
+        return cuts
+
+    def _check_row(self, lv: _Live, cuts: _Cuts) -> None:
+        """A running row's stop strings and repetition guard."""
+        guard = self.repetition
+        cut = self._stop_cut(lv) if lv.stop_window else None
+        loop = guard.find(lv.tokens) if guard is not None and cut is None else None
+        if cut is not None:
+            cuts.stopped.append((lv, cut))
+        elif loop is not None:
+            cuts.looped.append((lv, *loop))
+
+    def _cut(self, cuts: _Cuts) -> None:
+        """Take rows out of the running batch, then end (or retry) them."""
+        import mlx.core as mx
+
+        mx.synchronize()  # Metal: settle in-flight work before the batch is filtered
+        failed = {lv.uid: why for lv, why in cuts.failed}
+        for lv in cuts.rows():
+            self.gen.remove(lv.uid)
+        for lv, cut in cuts.stopped:
+            if lv.uid not in failed:
+                self._finish(lv, "stop", cut=cut)
+        for lv, period, keep in cuts.looped:
+            if lv.uid not in failed:
+                self._looped(lv, period, keep)
+        for uid, why in failed.items():
+            if uid in self.live:
+                self._finish(self.live[uid], "error", error=why)
+        self.clear_cache_at = self.steps + _CLEAR_CACHE_DELAY
+
+    def _looped(self, lv: _Live, period: int, keep: int) -> None:
+        """A row's tail loops: retry it once, hotter, or end it keeping the first copy."""
+        guard = self.repetition
+        assert guard is not None
+        self.state.repetitions += 1
+        what = (f"loop of {period} token{'s' if period > 1 else ''} from token "
+                f"{keep - period} cut at token {len(lv.tokens)}")
+        first = self.retried.get(lv.req.key)
+        if guard.on_repetition == "retry" and first is None:
+            self.retried[lv.req.key] = what
+            del self.live[lv.uid]
+            self.state.kv_in_flight -= lv.kv_cost
+            req = replace(lv.req, temperature=max(lv.req.temperature, guard.retry_temperature))
+            self.pending.appendleft((req, time.perf_counter()))
+            self.state.move(active=-1, waiting=1)
+            return
+        note = what if first is None else (
+            f"{first}; retried at temperature {guard.retry_temperature}: {what} again")
+        self._finish(lv, "repetition", keep=keep, note=note)
+
+    def _stop_cut(self, lv: _Live) -> int | None:
+        """Index in the full text where the earliest stop string starts, if one has appeared."""
+        tail = adapter.decode(self.m.processor, lv.tokens[-lv.stop_window :])
+        if not any(s in tail for s in lv.req.stop):
+            return None
+        return _earliest(adapter.decode(self.m.processor, lv.tokens), lv.req.stop)
+
+    def _finish(
+        self, lv: _Live, reason: str, *, cut: int | None = None, error: str | None = None,
+        keep: int | None = None, note: str | None = None,
+    ) -> None:
+        """End a row for good and emit its result; a row whose output cannot be decoded or
+        judged fails alone, with that reason."""
+        timings, error, note = self._leave(lv, reason, error, note)
+        fin: Finished | None = None
+        if error is None:
+            try:
+                fin = self._result(lv, reason, cut, keep, timings)
+            except Exception as exc:  # this row's detokenizer or matcher, not the batch
+                log.exception("engine: row %r could not be finished", lv.req.key)
+                error = f"output could not be decoded: {type(exc).__name__}: {exc}"
+        if fin is None:
+            fin = _error(lv.req, error or "failed", lv.prompt_tokens, lv.hit, timings)
+            fin.tokens = list(lv.tokens)
+        fin.repetition = note
+        self.state.emit(fin, active=-1)
+
+    def _leave(self, lv: _Live, reason: str, error: str | None,
+               note: str | None) -> tuple[dict[str, float], str | None, str | None]:
+        """Take the row out of the engine's books: its timings, error and retry note."""
+        del self.live[lv.uid]
+        self.isolated.discard(lv.req.key)
+        self.state.kv_in_flight -= lv.kv_cost
+        constraint = lv.req.constraint
+        if constraint is not None:
+            constraint.close()
+            if error is None and constraint.failure is not None:
+                error = constraint.failure  # its last step failed as the generator ended it
+        earlier = self.retried.pop(lv.req.key, None)
+        if note is None and earlier is not None:
+            note = (f"{earlier}; retried at temperature {lv.req.temperature}: "
+                    f"ended with {reason}")
+        now = time.perf_counter()
+        first = lv.first_token_at or now
+        timings = {**lv.timings, "prefill_s": first - lv.inserted_at, "generate_s": now - first}
+        return timings, error, note
+
+    def _result(self, lv: _Live, reason: str, cut: int | None, keep: int | None,
+                timings: dict[str, float]) -> Finished:
+        body = lv.tokens if keep is None else lv.tokens[:keep]
+        if reason == "stop" and cut is None and body and body[-1] in self.eos:
+            body = body[:-1]
+        text = adapter.decode(self.m.processor, body)
+        if cut is None and lv.req.stop:
+            cut = _earliest(text, lv.req.stop)  # a stop string completed by the last token
+        if cut is not None:
+            text, reason = text[:cut], "stop"
+        value, problem = None, None
+        if lv.req.constraint is not None:
+            timings["mask_s"] = lv.req.constraint.mask_s
+            value, problem = _json_outcome(lv.req.constraint, lv.tokens, reason, text)
+        return Finished(key=lv.req.key, text=text, finish_reason=reason,
+                        prompt_tokens=lv.prompt_tokens, completion_tokens=len(lv.tokens),
+                        vision_cache_hit=lv.hit, error=problem, timings=timings,
+                        tokens=list(lv.tokens), json=value)
+
+
+@dataclass
+class _Cuts:
+    """Rows to take out of the batch after a step, and why."""
+
+    stopped: list[tuple[_Live, int]] = field(default_factory=list)  # (row, text cut)
+    looped: list[tuple[_Live, int, int]] = field(default_factory=list)  # (row, period, keep)
+    failed: list[tuple[_Live, str]] = field(default_factory=list)  # (row, its own error)
+
+    def __bool__(self) -> bool:
+        return bool(self.stopped or self.looped or self.failed)
+
+    def rows(self) -> list[_Live]:
+        seen: dict[int, _Live] = {}
+        for lv in ([r for r, _ in self.stopped] + [r for r, _, _ in self.looped]
+                   + [r for r, _ in self.failed]):
+            seen.setdefault(lv.uid, lv)
+        return list(seen.values())
+
+
+def _json_outcome(constraint: RowConstraint, tokens: list[int], reason: str,
+                  text: str) -> tuple[Any, str | None]:
+    """A constrained row's value, or why it has none: a value cut short is never returned
+    as if it were whole."""
+    if reason == "repetition":
+        return None, ("output cut by the repetition guard before the JSON was complete "
+                      "(the model looped inside the value)")
+    if reason == "length" and not constraint.complete(tokens):
+        return None, ("output cut at max_tokens before the JSON was complete: raise "
+                      "--max-tokens")
+    try:
+        return structured.parse(text), None
+    except ValueError as exc:
+        return None, f"output is not a complete JSON value (a stop string cut it?): {exc}"
+
+
+def _earliest(text: str, stops: tuple[str, ...]) -> int | None:
+    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(found) if found else None

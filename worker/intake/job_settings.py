@@ -1,0 +1,70 @@
+"""A job's settings as its items really run: resolved once, when the worker takes the job.
+
+The job's own values win; what it leaves unset comes from the served checkpoint's preset,
+else its model type's row (worker/model/defaults.py). check_job, the Preparer, the result
+cache and the engine Request all read this one object, so the result-cache key can never
+describe other settings than the ones the item was generated with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from vlmq.shared import constants as C
+from vlmq.shared import extract_schema as json_schema
+from vlmq.shared.messages import JobPayload
+from vlmq.worker.model.defaults import Resolved, resolve
+
+# olmOCR renders pages at 1288 px on the longest side; a sound default for OCR models.
+DEFAULT_PDF_MAX_SIDE = 1288
+# Images larger than this are shrunk before the processor sees them (it bounds pixels too).
+DEFAULT_IMAGE_MAX_SIDE = 2048
+
+
+# JobSettings fields that leave an item's text as it is (kept out of the result-cache key).
+NOT_DECIDING_TEXT = frozenset({"result_cache", "blob_ttl"})
+
+
+@dataclass(frozen=True)
+class JobSettings(Resolved):
+    """The generation settings (Resolved) plus the rest of what the job's items run with."""
+
+    max_side: int | None = None  # None: the worker's default for the item's kind
+    result_cache: str = "on"  # "on", "off" or "sampled"
+    blob_ttl: int = C.BLOB_TTL_S
+    text_layer: str = "fallback"  # "off", "fallback" or "prefer" (PDF pages only)
+    # extract: the JSON Schema every item's value obeys, as its canonical text (hashable,
+    # and what the result-cache key and the matcher's grammar cache hold)
+    schema: str | None = None
+
+    def deciding_text(self, kind: str) -> dict[str, Any]:
+        """Every setting that can change an item's text, as the result-cache key holds
+        them: a field added here is in the key unless it is listed as not deciding text."""
+        out = {k: v for k, v in asdict(self).items() if k not in NOT_DECIDING_TEXT}
+        out["max_side"] = self.side_for(kind)
+        if kind != "pdf":  # only a PDF page has a text layer: other items share one key
+            del out["text_layer"]
+        return out
+
+    def side_for(self, kind: str) -> int:
+        if self.max_side is not None:
+            return self.max_side
+        # A TIFF page is a document page (a scan, a fax), sized as a PDF page is.
+        return DEFAULT_PDF_MAX_SIDE if kind in C.PAGED_KINDS else DEFAULT_IMAGE_MAX_SIDE
+
+
+def resolve_job(payload: JobPayload, model_type: str, model_id: str | None) -> JobSettings:
+    """The settings `payload`'s items run with on this model; ValueError when the job
+    cannot run here (a task with no prompt for this model type)."""
+    schema = payload.get("schema")
+    prompt = payload.get("prompt")
+    if payload.task == "extract" and not prompt and schema is not None:
+        prompt = json_schema.default_prompt(schema)
+    res = resolve(model_type, payload.task, prompt, payload.get("max_tokens"),
+                  payload.get("temperature"), payload.get("stop"), model_id=model_id)
+    return JobSettings(**asdict(res), max_side=payload.get("max_side"),
+                       result_cache=str(payload.get("result_cache")),
+                       blob_ttl=int(payload.get("blob_ttl")),
+                       text_layer=str(payload.get("text_layer")),
+                       schema=None if schema is None else json_schema.schema_text(schema))

@@ -1,0 +1,391 @@
+"""The worker's main loop, by phase: intake -> prep -> engine -> results.
+
+Each turn takes jobs while there is room (worker/intake/job_start.py over worker/intake/taking.py),
+feeds the prep window (worker/prep/stage.py), collects what came back (worker/collect.py:
+engine answers and the pool threads' events, one typed queue, one dispatch, the text-layer
+fallback beside it in worker/prep/fallback.py), and keeps the clock's duties (worker/upkeep.py).
+
+Threads: this (main) thread owns Redis and RQ bookkeeping; a small CPU pool fetches,
+decodes, renders and tokenizes; the engine's thread owns every MLX call. The main
+thread never touches MLX and the MLX thread never touches Redis. With --metrics-port, an
+HTTP thread (worker/metrics.py) reads counters, and touches neither.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import signal
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import FrameType
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from vlmq.shared import redis_checks
+from vlmq.shared.connection import connect, transient
+from vlmq.shared.keys import Keys
+from vlmq.shared.messages import ItemResult
+from vlmq.shared.urls import redact_url
+from vlmq.worker.collect import Collector
+from vlmq.worker.config import WorkerConfig
+from vlmq.worker.engine.batcher import Engine, EngineError, EngineInfo
+from vlmq.worker.engine.item_order import Scheduler
+from vlmq.worker.engine.mlx_adapter import family_of
+from vlmq.worker.events import EventQueue
+from vlmq.worker.intake.job_start import JobStarter
+from vlmq.worker.intake.poison import RiskLog
+from vlmq.worker.intake.rq_jobs import BatchWorker, JobLifecycle, Running
+from vlmq.worker.metrics import MetricsError, WorkerMetrics
+from vlmq.worker.model import blas
+from vlmq.worker.prep.fallback import Fallback
+from vlmq.worker.prep.render_pool import RenderPool
+from vlmq.worker.prep.requests import Preparer
+from vlmq.worker.prep.stage import PrepStage
+from vlmq.worker.prep.vision_cache import VisionCache
+from vlmq.worker.results.cache import ResultCache, store_results_many
+from vlmq.worker.results.writer import ResultWriter
+from vlmq.worker.stats import WorkerStats
+from vlmq.worker.upkeep import Upkeep, check_redis
+
+__all__ = ["StartupError", "WorkerConfig", "WorkerService", "run_worker"]
+
+log = logging.getLogger("vlmq.worker")
+
+REDIS_RETRY_S = 1.0
+# An idle worker on one queue waits for a job in a blocking BLMOVE this long at most (a
+# stop signal is seen when it returns; Redis times blocked commands in 0.1 s steps).
+IDLE_BLOCK_S = 0.5
+# An idle worker on several queues looks at them all this often (no blocking pop keeps
+# both their priority order and RQ's intermediate list).
+IDLE_POLL_S = 0.01
+BUSY_WAIT_S = 0.01  # how long a busy turn waits on the engine's first answer
+STOP_DUMP_AFTER_S = 10.0
+
+
+class StartupError(Exception):
+    """The worker cannot start; the message says why (no traceback needed)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Phases:
+    """The parts of one serving run, as the loop's turns use them."""
+
+    engine: Engine
+    lifecycle: JobLifecycle
+    starter: JobStarter
+    prep: PrepStage
+    collector: Collector
+    upkeep: Upkeep
+    writer: ResultWriter
+
+
+class WorkerService:
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.redis = connect(cfg.redis_url)
+        self.scheduler: Scheduler[Running] = Scheduler()
+        # Everything the pool threads hand the main loop, and how much is still out.
+        self.events = EventQueue()
+        self.stop_requested = False
+        self.deadline: float | None = None
+        self.stats = WorkerStats(cfg.name, cfg.max_batch, cfg.window)
+        self._restarts: redis_checks.RestartWatch | None = None
+
+    # --- signals -------------------------------------------------------------------------
+
+    def request_stop(self, signum: int, _frame: FrameType | None) -> None:
+        if self.stop_requested:
+            log.warning("second %s: stopping now", signal.Signals(signum).name)
+            self.deadline = time.monotonic()
+            return
+        self.stop_requested = True
+        self.deadline = time.monotonic() + self.cfg.grace_s
+        # A worker still alive well past its grace says where each thread is (stderr):
+        # a stop that hangs is a bug, and this is what finding it needs.
+        faulthandler.dump_traceback_later(self.cfg.grace_s + STOP_DUMP_AFTER_S, exit=False)
+        log.info("%s: taking no more jobs; finishing in-flight items (grace %.0f s)",
+                 signal.Signals(signum).name, self.cfg.grace_s)
+
+    # --- start ---------------------------------------------------------------------------
+
+    def run(self) -> int:
+        cfg = self.cfg
+        try:
+            chosen = blas.select(cfg.blas, threads=blas.worker_threads(cfg.prep_threads))
+        except blas.BlasError as exc:
+            log.error("%s", exc)
+            return 1
+        log.info("BLAS: %s", chosen.describe())
+        backends = blas.mlx_backends()
+        if len(backends) > 1:
+            log.warning("several MLX backends are installed (%s): they overwrite each other's "
+                        "libmlx.so; keep one (pip uninstall mlx-cpu for CUDA, then pip "
+                        "install --force-reinstall --no-deps mlx-cuda-12)", ", ".join(backends))
+        self.stats.blas = chosen.describe()
+        self.stats.blas_library = chosen.path or ""
+        problem = self._preflight()
+        if problem:
+            log.error("%s", problem)
+            return 1
+        metrics = self._serve_metrics()  # before the model load: a busy port fails fast
+        if isinstance(metrics, str):
+            log.error("%s", metrics)
+            return 1
+        log.info("loading model %s", cfg.model)
+        engine = Engine(cfg.model, max_batch=cfg.max_batch, repetition=cfg.repetition,
+                        max_kv_tokens=cfg.max_kv_tokens, auto_batch=cfg.auto_batch)
+        self.stats.engine = engine.state  # plain counters: the metrics thread reads them
+        try:
+            return self._serve(engine)
+        except StartupError as exc:
+            log.error("%s", exc)
+            return 1
+        finally:
+            engine.close(timeout=10)
+            if metrics is not None:
+                metrics.close()
+
+    def _serve_metrics(self) -> WorkerMetrics | str | None:
+        """The /metrics endpoint when asked for (else None), or why it cannot start."""
+        cfg = self.cfg
+        if not cfg.metrics_port:
+            return None
+        metrics = WorkerMetrics(self.stats,
+                                lambda: (len(self.scheduler), self.events.flight.preparing))
+        try:
+            port = metrics.serve(cfg.metrics_host, cfg.metrics_port)
+        except MetricsError as exc:
+            return str(exc)
+        log.info("metrics: http://%s:%d/metrics", cfg.metrics_host, port)
+        return metrics
+
+    def _preflight(self) -> str | None:
+        """Problems worth reporting before a model load that can take minutes."""
+        try:
+            self.redis.ping()
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            return f"cannot reach Redis at {redact_url(self.cfg.redis_url)}: {exc}"
+        problem = self._check_redis()
+        if problem:
+            return problem
+        key = Keys.rq_worker(self.cfg.name)
+        if self.redis.exists(key) and not self.redis.hexists(key, "death"):
+            return (f"a worker named {self.cfg.name!r} is already registered in Redis; pick "
+                    "another --name (the name of a worker that was killed frees up once its "
+                    "heartbeat expires, within 8 minutes)")
+        if self.cfg.cache_dir is not None and self.cfg.cache_disk_bytes > 0:
+            try:
+                self.cfg.cache_dir.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryFile(dir=self.cfg.cache_dir):
+                    pass
+            except OSError as exc:
+                return f"cannot write to cache dir {self.cfg.cache_dir}: {exc}"
+        return None
+
+    def _check_redis(self) -> str | None:
+        """Eviction refused (unless allowed), persistence warned about, run_id noted."""
+        problem = check_redis(self.redis, self.cfg.allow_eviction)
+        if problem is None:
+            self._restarts = redis_checks.RestartWatch(self.redis)
+        return problem
+
+    def _serve(self, engine: Engine) -> int:
+        cfg = self.cfg
+        try:
+            info = engine.wait_ready()
+        except EngineError as exc:
+            raise StartupError(str(exc)) from exc
+        cache = self._vision_cache(info)
+        queues = [Queue(q, connection=self.redis, serializer=JSONSerializer) for q in cfg.queues]
+        worker = BatchWorker(queues, connection=self.redis, name=cfg.name,
+                             heartbeat_ttl=cfg.heartbeat_ttl)
+        lifecycle = JobLifecycle(worker, queues, cfg.keys, poison_kills=cfg.poison_kills)
+        try:
+            lifecycle.register_birth()
+        except ValueError as exc:  # RQ: "There exists an active worker named ..."
+            raise StartupError(str(exc)) from exc
+        pool = ThreadPoolExecutor(cfg.prep_threads, thread_name_prefix="vlmq-prep")
+        renderer = RenderPool(cfg.render_procs or cfg.prep_threads, mem_mb=cfg.render_mem_mb,
+                              timeout_s=cfg.render_timeout_s)
+        preparer = Preparer(engine, info, cache, self.redis, cfg.keys, pool, renderer,
+                            RiskLog(self.redis, cfg.keys, cfg.name), stores=cfg.stores)
+        self.stats.model = cfg.model
+        self.stats.model_type = info.model_type
+        self.stats.cache = cache
+        try:
+            renderer.warm()  # the first PDF page must not wait for a process to start
+        except RuntimeError as exc:
+            log.warning("%s; PDF pages start their render process when they need one", exc)
+        self.stats.renders = renderer
+        phases = self._phases(engine, lifecycle, preparer, cache)
+        limit = engine.state.batch_limit
+        log.info("worker %s ready: model %s (%s), queues %s, batch %s, window %s",
+                 cfg.name, cfg.model, info.model_type, ",".join(cfg.queues),
+                 f"{limit} rows, measured up to {cfg.max_batch}" if limit < cfg.max_batch
+                 else f"{cfg.max_batch} rows", cfg.window or "2 x the batch")
+        try:
+            # Reclaim dead workers' jobs (RQ requeues them while retries are left) before
+            # the first look at the queues, so even a --burst worker resumes them.
+            lifecycle.maintain()
+            self._loop(phases)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            renderer.close()
+            self._shutdown(phases)
+        return 0
+
+    def _vision_cache(self, info: EngineInfo) -> VisionCache:
+        cfg = self.cfg
+        if not info.cacheable:
+            log.warning("vision features of model type %s cannot be cached: "
+                        "running every image uncached (%s)", info.model_type,
+                        family_of(info.model_type).cache_off)
+        disk = cfg.cache_dir if info.cacheable and cfg.cache_disk_bytes > 0 else None
+        try:
+            return VisionCache(cfg.cache_mem_bytes, disk, cfg.cache_disk_bytes)
+        except OSError as exc:
+            raise StartupError(f"cannot use cache dir {cfg.cache_dir}: {exc}") from exc
+
+    def _phases(self, engine: Engine, lifecycle: JobLifecycle, preparer: Preparer,
+                cache: VisionCache) -> Phases:
+        """Wire the phases: each gets the few parts it uses."""
+        cfg, redis, stats, events = self.cfg, self.redis, self.stats, self.events
+        results = ResultCache(redis, cfg.keys, preparer.model_identity,
+                              ttl_s=cfg.result_cache_ttl_s, max_bytes=cfg.result_cache_bytes)
+
+        def stored(done: list[tuple[Running, list[ItemResult]]]) -> None:
+            """Best effort, once the results count as written (every job's in one go)."""
+            stats.result_cache_stores += store_results_many(results, done)
+
+        writer = ResultWriter(redis, cfg.keys, lifecycle, self.scheduler, stats,
+                              on_stored=stored)
+        prep = PrepStage(preparer, engine, self.scheduler, events, window=cfg.prep_window)
+        fallback = Fallback(preparer, preparer.pool, self.scheduler.jobs, events)
+        return Phases(
+            engine=engine, lifecycle=lifecycle, writer=writer, prep=prep,
+            starter=JobStarter(redis, cfg.keys, lifecycle, preparer, results, writer,
+                               self.scheduler, stats,
+                               job_limit=lambda: cfg.job_limit(engine.state.batch_limit)),
+            collector=Collector(engine, events, prep, fallback, writer, self.scheduler),
+            upkeep=Upkeep(redis, cfg.keys, cfg.name, lifecycle, self.scheduler, writer, stats,
+                          engine.state, cache, events.flight, risk=preparer.risk,
+                          stats_s=cfg.stats_s, restarts=self._restarts,
+                          allow_eviction=cfg.allow_eviction))
+
+    # --- stop ----------------------------------------------------------------------------
+
+    def _shutdown(self, p: Phases) -> None:
+        """Requeue unfinished jobs (their written items stay) and leave the worker registry."""
+        cfg = self.cfg
+        try:
+            for state in [*p.starter.starting, *self.scheduler.jobs.values()]:
+                why = p.lifecycle.requeue(state)
+                if why is None:
+                    log.info("job %s requeued with %d/%d items done", state.job_id,
+                             state.already_done + state.finished_here, state.total)
+                    self.stats.count_job(state.queue.name, "requeued")
+                    self.scheduler.jobs.pop(state.job_id, None)
+                else:
+                    p.writer.drop(state, why)
+            p.upkeep.publish(stopped=True)
+            self.stats.retire(self.redis, cfg.keys)
+            p.lifecycle.register_death()
+        except RedisError as exc:
+            if not transient(exc):
+                raise
+            log.warning("Redis unavailable at shutdown (%s): %d job(s) left STARTED; RQ "
+                        "requeues them once this worker's heartbeat expires",
+                        exc, len(self.scheduler))
+        log.info("worker %s stopped", cfg.name)
+
+    # --- main loop -----------------------------------------------------------------------
+
+    def _loop(self, p: Phases) -> None:
+        while True:
+            try:
+                if self._iterate(p):
+                    return
+            except RedisError as exc:
+                if not transient(exc):
+                    raise
+                # Results stay in memory (the writer holds them) and jobs stay in flight; RQ's
+                # registries only need a heartbeat within heartbeat_ttl once Redis is back.
+                why = f"{type(exc).__name__}: {exc}"
+                if self.deadline is not None and time.monotonic() >= self.deadline:
+                    log.warning("Redis unavailable (%s) past the grace period: stopping", why)
+                    return
+                log.warning("Redis unavailable (%s); retrying in %.0f s", why, REDIS_RETRY_S)
+                p.upkeep.look_soon()
+                time.sleep(REDIS_RETRY_S)
+
+    def _iterate(self, p: Phases) -> bool:
+        """One turn of the main loop; True when the worker should stop."""
+        now = time.monotonic()
+        self._stop_if(p.upkeep.watch_restart(), now)
+        took = 0 if self.stop_requested else self._intake_and_prep(p)
+        p.collector.collect(timeout=self._engine_wait(p, took))
+        p.upkeep.tick(now)
+        return self._stopped(p, now) if self.stop_requested else self._burst_done(p)
+
+    def _intake_and_prep(self, p: Phases) -> int:
+        """Take jobs (waiting in a blocking pop when idle on one queue), then fill the
+        prep window; returns how many jobs were taken."""
+        cfg = self.cfg
+        idle = not (self._busy(p) or self.scheduler.jobs or p.writer.holding or cfg.burst)
+        took = p.starter.pull(block_s=IDLE_BLOCK_S if idle and len(cfg.queues) == 1 else 0.0)
+        self.stats.observe_waiting(p.prep.fill())
+        return took
+
+    def _engine_wait(self, p: Phases, took: int) -> float:
+        """How long this turn waits on the engine's first answer."""
+        if took or p.writer.holding:
+            return 0.0  # results to write and jobs to end now: no waiting on the engine
+        if self._busy(p):
+            return BUSY_WAIT_S
+        # Idle: the blocking pop waited already; several queues are polled.
+        return 0.0 if len(self.cfg.queues) == 1 and not self.cfg.burst else IDLE_POLL_S
+
+    def _busy(self, p: Phases) -> bool:
+        return self.events.flight.total(p.engine.state) > 0
+
+    def _stopped(self, p: Phases, now: float) -> bool:
+        """A stop was asked for: done once nothing is out any more, or at the deadline."""
+        if not self._busy(p):
+            p.collector.collect(timeout=0)  # what finished since the last look
+            # A failure collected just now may have sent its page to the fallback.
+            return not self._busy(p)
+        return self.deadline is not None and now >= self.deadline
+
+    def _burst_done(self, p: Phases) -> bool:
+        done = (self.cfg.burst and p.starter.queues_empty and not self.scheduler.jobs
+                and not p.starter.starting and not p.writer.holding)
+        if done:
+            log.info("burst: queues empty and all work done")
+        return done
+
+    def _stop_if(self, problem: str | None, now: float) -> None:
+        """A new Redis that evicts: stop as a fresh start would refuse to run."""
+        if problem:
+            log.error("%s; stopping", problem)
+            self.stop_requested = True
+            self.deadline = now + self.cfg.grace_s
+
+
+def run_worker(cfg: WorkerConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # vlmq logs each job's start and finish itself; RQ's per-job lines would repeat them.
+    logging.getLogger("rq.worker").setLevel(logging.WARNING)
+    service = WorkerService(cfg)
+    old = {s: signal.signal(s, service.request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return service.run()
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)

@@ -1,0 +1,1 @@
+"""Preparing items on CPU threads: fetch, decode and render, text layers, the vision cache."""
