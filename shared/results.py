@@ -91,10 +91,6 @@ def end_job_event(redis: Redis, keys: Keys, job_id: str, status: str, *, queue: 
                             keys.job_items(job_id)], args=args, client=pipeline or redis)
 
 
-def done_indexes(redis: Redis, keys: Keys, job_id: str) -> set[int]:
-    return {int(k) for k in redis.hkeys(keys.job_items(job_id))}
-
-
 def count_done(redis: Redis, keys: Keys, job_id: str) -> int:
     return int(redis.hlen(keys.job_items(job_id)))
 

@@ -33,8 +33,8 @@ KEEP_INPUTS_S = 3600
 MAX_STOP_CHARS = 256
 MAX_MODEL_CHARS = 512
 
-# schema: a JSON Schema object (task extract), checked by shared/extract_schema.py.
-KINDS = ("int", "float", "str", "strs", "labels", "choice", "schema")
+# Setting.kind is one of: int, float, str, strs, labels, choice, schema (a JSON Schema
+# object for task extract, checked by shared/extract_schema.py).
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Protocol, cast
 
 from vlmq.worker.engine.batcher import Finished
-from vlmq.worker.engine.item_order import Scheduler
+from vlmq.worker.engine.item_order import ItemOrder
 from vlmq.worker.events import (
     Answered,
     Event,
@@ -41,13 +41,13 @@ class PrepTimes(Protocol):
 
 class Collector:
     def __init__(self, engine: Answers, events: EventQueue, prep: PrepTimes,
-                 fallback: Fallback, writer: ResultWriter, scheduler: Scheduler[Running]) -> None:
+                 fallback: Fallback, writer: ResultWriter, order: ItemOrder[Running]) -> None:
         self.engine = engine
         self.events = events
         self.prep = prep
         self.fallback = fallback
         self.writer = writer
-        self.scheduler = scheduler
+        self.order = order
 
     def collect(self, timeout: float) -> None:
         """Handle what came back (waiting up to `timeout` for the engine's first answer),
@@ -78,6 +78,6 @@ class Collector:
             case LayerAnswered(job_id=job_id, idx=idx, text=text, prep_s=prep_s):
                 self.writer.record_layer(job_id, idx, text, prep_s)
             case PrepRetry(job_id=job_id, idx=idx):
-                self.scheduler.retry_item(job_id, idx)
+                self.order.retry_item(job_id, idx)
             case _:  # a new kind of event needs its case here
                 raise TypeError(f"not a worker event: {event!r}")

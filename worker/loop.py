@@ -36,7 +36,7 @@ from vlmq.shared.urls import redact_url
 from vlmq.worker.collect import Collector
 from vlmq.worker.config import WorkerConfig
 from vlmq.worker.engine.batcher import Engine, EngineError, EngineInfo
-from vlmq.worker.engine.item_order import Scheduler
+from vlmq.worker.engine.item_order import ItemOrder
 from vlmq.worker.engine.mlx_adapter import family_of
 from vlmq.worker.events import EventQueue
 from vlmq.worker.intake.job_start import JobStarter
@@ -90,7 +90,7 @@ class WorkerService:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
         self.redis = connect(cfg.redis_url)
-        self.scheduler: Scheduler[Running] = Scheduler()
+        self.order: ItemOrder[Running] = ItemOrder()
         # Everything the pool threads hand the main loop, and how much is still out.
         self.events = EventQueue()
         self.stop_requested = False
@@ -158,7 +158,7 @@ class WorkerService:
         if not cfg.metrics_port:
             return None
         metrics = WorkerMetrics(self.stats,
-                                lambda: (len(self.scheduler), self.events.flight.preparing))
+                                lambda: (len(self.order), self.events.flight.preparing))
         try:
             port = metrics.serve(cfg.metrics_host, cfg.metrics_port)
         except MetricsError as exc:
@@ -264,17 +264,17 @@ class WorkerService:
             """Best effort, once the results count as written (every job's in one go)."""
             stats.result_cache_stores += store_results_many(results, done)
 
-        writer = ResultWriter(redis, cfg.keys, lifecycle, self.scheduler, stats,
+        writer = ResultWriter(redis, cfg.keys, lifecycle, self.order, stats,
                               on_stored=stored)
-        prep = PrepStage(preparer, engine, self.scheduler, events, window=cfg.prep_window)
-        fallback = Fallback(preparer, preparer.pool, self.scheduler.jobs, events)
+        prep = PrepStage(preparer, engine, self.order, events, window=cfg.prep_window)
+        fallback = Fallback(preparer, preparer.pool, self.order.jobs, events)
         return Phases(
             engine=engine, lifecycle=lifecycle, writer=writer, prep=prep,
             starter=JobStarter(redis, cfg.keys, lifecycle, preparer, results, writer,
-                               self.scheduler, stats,
+                               self.order, stats,
                                job_limit=lambda: cfg.job_limit(engine.state.batch_limit)),
-            collector=Collector(engine, events, prep, fallback, writer, self.scheduler),
-            upkeep=Upkeep(redis, cfg.keys, cfg.name, lifecycle, self.scheduler, writer, stats,
+            collector=Collector(engine, events, prep, fallback, writer, self.order),
+            upkeep=Upkeep(redis, cfg.keys, cfg.name, lifecycle, self.order, writer, stats,
                           engine.state, cache, events.flight, risk=preparer.risk,
                           stats_s=cfg.stats_s, restarts=self._restarts,
                           allow_eviction=cfg.allow_eviction))
@@ -285,13 +285,13 @@ class WorkerService:
         """Requeue unfinished jobs (their written items stay) and leave the worker registry."""
         cfg = self.cfg
         try:
-            for state in [*p.starter.starting, *self.scheduler.jobs.values()]:
+            for state in [*p.starter.starting, *self.order.jobs.values()]:
                 why = p.lifecycle.requeue(state)
                 if why is None:
                     log.info("job %s requeued with %d/%d items done", state.job_id,
                              state.already_done + state.finished_here, state.total)
                     self.stats.count_job(state.queue.name, "requeued")
-                    self.scheduler.jobs.pop(state.job_id, None)
+                    self.order.jobs.pop(state.job_id, None)
                 else:
                     p.writer.drop(state, why)
             p.upkeep.publish(stopped=True)
@@ -302,7 +302,7 @@ class WorkerService:
                 raise
             log.warning("Redis unavailable at shutdown (%s): %d job(s) left STARTED; RQ "
                         "requeues them once this worker's heartbeat expires",
-                        exc, len(self.scheduler))
+                        exc, len(self.order))
         log.info("worker %s stopped", cfg.name)
 
     # --- main loop -----------------------------------------------------------------------
@@ -338,7 +338,7 @@ class WorkerService:
         """Take jobs (waiting in a blocking pop when idle on one queue), then fill the
         prep window; returns how many jobs were taken."""
         cfg = self.cfg
-        idle = not (self._busy(p) or self.scheduler.jobs or p.writer.holding or cfg.burst)
+        idle = not (self._busy(p) or self.order.jobs or p.writer.holding or cfg.burst)
         took = p.starter.pull(block_s=IDLE_BLOCK_S if idle and len(cfg.queues) == 1 else 0.0)
         self.stats.observe_waiting(p.prep.fill())
         return took
@@ -364,7 +364,7 @@ class WorkerService:
         return self.deadline is not None and now >= self.deadline
 
     def _burst_done(self, p: Phases) -> bool:
-        done = (self.cfg.burst and p.starter.queues_empty and not self.scheduler.jobs
+        done = (self.cfg.burst and p.starter.queues_empty and not self.order.jobs
                 and not p.starter.starting and not p.writer.holding)
         if done:
             log.info("burst: queues empty and all work done")

@@ -15,7 +15,7 @@ from rq.worker import WorkerStatus
 from vlmq.shared import redis_checks
 from vlmq.shared.keys import Keys
 from vlmq.worker.engine.batcher import EngineState
-from vlmq.worker.engine.item_order import Scheduler
+from vlmq.worker.engine.item_order import ItemOrder
 from vlmq.worker.events import Flight
 from vlmq.worker.intake.poison import RiskLog
 from vlmq.worker.intake.rq_jobs import JobLifecycle, Running
@@ -42,7 +42,7 @@ def check_redis(redis: Redis, allow_eviction: bool | None) -> str | None:
 
 class Upkeep:
     def __init__(self, redis: Redis, keys: Keys, name: str, lifecycle: JobLifecycle,
-                 scheduler: Scheduler[Running], writer: ResultWriter, stats: WorkerStats,
+                 order: ItemOrder[Running], writer: ResultWriter, stats: WorkerStats,
                  engine: EngineState, cache: VisionCache, flight: Flight, *,
                  risk: RiskLog | None, stats_s: float,
                  restarts: redis_checks.RestartWatch | None,
@@ -51,7 +51,7 @@ class Upkeep:
         self.keys = keys
         self.name = name
         self.lifecycle = lifecycle
-        self.scheduler = scheduler
+        self.order = order
         self.writer = writer
         self.stats = stats
         self.engine = engine
@@ -70,25 +70,25 @@ class Upkeep:
             self.heartbeat()
             self._next_heartbeat = now + self.lifecycle.heartbeat_interval
         if now >= self._next_stats:
-            self._drop(self.lifecycle.lost(list(self.scheduler.jobs.values())))
+            self._drop(self.lifecycle.lost(list(self.order.jobs.values())))
             self.lifecycle.sweep_index()
             self.publish()
             self._next_stats = now + self.stats_s
 
     def heartbeat(self) -> None:
         """Keep every owned job alive in RQ; drop jobs lost or past their timeout."""
-        states = list(self.scheduler.jobs.values())
+        states = list(self.order.jobs.values())
         self._drop(self.lifecycle.heartbeat(states))
         if self.risk is not None:
             self.risk.flush()  # records a connection reset left behind
         for state in states:
-            if state.job_id in self.scheduler.jobs and state.timed_out():
+            if state.job_id in self.order.jobs and state.timed_out():
                 done = state.already_done + state.finished_here
                 self.writer.fail(state, _timeout_message(state, done, state.total))
         self.lifecycle.maintain()
 
     def publish(self, *, stopped: bool = False) -> None:
-        jobs, preparing = (0, 0) if stopped else (len(self.scheduler), self.flight.preparing)
+        jobs, preparing = (0, 0) if stopped else (len(self.order), self.flight.preparing)
         self.stats.publish(self.redis, self.keys, self.engine, self.cache, jobs, preparing)
 
     def _drop(self, lost: Iterable[tuple[Running, str]]) -> None:
@@ -110,7 +110,7 @@ class Upkeep:
         now = time.monotonic()
         # Every turn while jobs run: a result flushed to the new Redis would be dropped as
         # "deleted" before a slower check said why.
-        if self.restarts is None or (not self.scheduler.jobs
+        if self.restarts is None or (not self.order.jobs
                                      and now < self._next_restart_check):
             return None
         self._next_restart_check = now + RESTART_CHECK_S
@@ -121,14 +121,14 @@ class Upkeep:
         # The heartbeat may have recreated a partial worker hash: register from scratch.
         self.redis.delete(self.lifecycle.worker.key)
         self.lifecycle.register_birth()
-        if self.scheduler.jobs:
+        if self.order.jobs:
             self.lifecycle.worker.set_state(WorkerStatus.BUSY)
         self.publish()
         log.info("worker %s registered again after the Redis restart", self.name)
         return check_redis(self.redis, self.allow_eviction)
 
     def _forget_lost(self, old: str, new: str) -> None:
-        states = list(self.scheduler.jobs.values())
+        states = list(self.order.jobs.values())
         with self.redis.pipeline(transaction=False) as pipe:
             for state in states:
                 pipe.exists(state.job.key)

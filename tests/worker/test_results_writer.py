@@ -17,7 +17,7 @@ from vlmq.shared.enqueue import enqueue, fetch_job
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import Item, JobPayload
 from vlmq.worker.engine.batcher import Finished
-from vlmq.worker.engine.item_order import Scheduler
+from vlmq.worker.engine.item_order import ItemOrder
 from vlmq.worker.intake.rq_jobs import INCOMPLETE, BatchWorker, JobLifecycle, Running
 from vlmq.worker.results.writer import ResultWriter
 from vlmq.worker.stats import WorkerStats
@@ -36,7 +36,7 @@ def done(job_id: str, idx: int, text: str = "t") -> Finished:
 
 
 class Rig:
-    """One worker's lifecycle, scheduler and writer, as WorkerService wires them."""
+    """One worker's lifecycle, order and writer, as WorkerService wires them."""
 
     def __init__(self, redis: Redis, keys: Keys, name: str) -> None:
         self.redis = redis
@@ -44,22 +44,22 @@ class Rig:
         worker = BatchWorker(["ocr"], connection=redis, name=name)
         self.life = JobLifecycle(worker)
         self.life.register_birth()
-        self.scheduler: Scheduler[Running] = Scheduler()
-        self.writer = ResultWriter(redis, keys, self.life, self.scheduler,
+        self.order: ItemOrder[Running] = ItemOrder()
+        self.writer = ResultWriter(redis, keys, self.life, self.order,
                                    WorkerStats(name, 4, 8))
 
     def take(self) -> Running:
         running = self.life.take()
         assert isinstance(running, Running), running
         running.pending.extend(range(running.total))
-        self.scheduler.add(running)
+        self.order.add(running)
         return running
 
     def run_items(self, state: Running, n: int) -> list[int]:
         """Schedule n items and record them as finished; returns their indexes."""
         out = []
         for _ in range(n):
-            nxt = self.scheduler.next_item()
+            nxt = self.order.next_item()
             assert nxt is not None and nxt[0] is state
             self.writer.record_finished(state.job_id, nxt[1], done(state.job_id, nxt[1]), 0.1)
             out.append(nxt[1])
@@ -102,7 +102,7 @@ def test_finish_stores_the_summary_and_a_json_terminal_event(redis, keys, rig):
     rig.run_items(state, 2)
     rig.writer.flush()
     rig.writer.finish_complete()
-    assert job_id not in rig.scheduler.jobs
+    assert job_id not in rig.order.jobs
     assert fetch_job(redis, job_id).get_status() == "finished"
     last = events(redis, keys, job_id)[-1]
     assert last["type"] == "finished"
@@ -115,7 +115,7 @@ def test_fail_ends_the_job_with_the_plain_message_in_its_event(redis, keys, rig)
     state = rig.take()
     rig.run_items(state, 1)
     rig.writer.fail(state, "job timeout of 5 s exceeded")
-    assert rig.writer.holding == 0 and job_id not in rig.scheduler.jobs
+    assert rig.writer.holding == 0 and job_id not in rig.order.jobs
     assert fetch_job(redis, job_id).get_status() == "failed"
     assert events(redis, keys, job_id)[-1] == {"type": "failed",
                                               "error": "job timeout of 5 s exceeded"}
@@ -143,7 +143,7 @@ def test_a_worker_that_lost_its_job_writes_nothing_more(redis, keys, rig):
 
     rig.run_items(stale, 2)  # the stalled worker wakes up with items 1 and 2 done
     rig.writer.flush()
-    assert job_id not in rig.scheduler.jobs and rig.writer.holding == 0
+    assert job_id not in rig.order.jobs and rig.writer.holding == 0
     # Its heartbeat neither extends the job nor puts its stale wip entry back.
     assert rig.life.heartbeat([stale])[0][1].startswith("taken over by worker w-")
     assert rig.life.fail(stale, "late failure") is not None  # refused: not ours
@@ -212,7 +212,7 @@ def test_a_job_canceled_through_rq_gets_one_canceled_event(redis, keys, rig):
     rig.run_items(state, 1)
     fetch_job(redis, job_id).cancel()  # RQ's own API writes no vlmq event
     rig.writer.flush()  # finds the job is not ours: drops it, writes its canceled event
-    assert job_id not in rig.scheduler.jobs
+    assert job_id not in rig.order.jobs
     R.end_job_event(redis, keys, job_id, "canceled", queue="ocr", ttl_s=60)  # a 2nd canceler
     assert [e["type"] for e in events(redis, keys, job_id)] == ["canceled"]
     assert R.read_items(redis, keys, job_id) == []
@@ -239,7 +239,7 @@ def test_a_cancel_that_wrote_its_own_event_is_not_doubled(redis, keys, rig):
     R.add_event(redis, keys, job_id, {"type": "canceled"}, pipeline=pipe)
     pipe.execute()
     rig.writer.flush()
-    rig.writer.drop(rig.scheduler.jobs[job_id], "canceled")
+    rig.writer.drop(rig.order.jobs[job_id], "canceled")
     assert [e["type"] for e in events(redis, keys, job_id)] == ["canceled"]
 
 
@@ -267,7 +267,7 @@ def test_a_job_whose_owner_key_expired_is_left_for_rq_to_requeue(redis, keys, ri
     rig.run_items(state, 1)
     redis.delete(keys.job_owner(job_id))  # expired while this worker stalled for long
     rig.writer.flush()
-    assert job_id not in rig.scheduler.jobs and R.read_items(redis, keys, job_id) == []
+    assert job_id not in rig.order.jobs and R.read_items(redis, keys, job_id) == []
     # Its wip entry stays, so RQ's cleanup requeues the job and another worker resumes it.
     reclaim(redis)
     assert fetch_job(redis, job_id).get_status() == "queued"

@@ -23,7 +23,7 @@ from vlmq.shared.keys import Keys
 from vlmq.shared.messages import TEXT_FROM_LAYER, TEXT_FROM_MODEL, Item, JobPayload
 from vlmq.worker.collect import Collector
 from vlmq.worker.engine.batcher import EngineState, Finished
-from vlmq.worker.engine.item_order import Scheduler
+from vlmq.worker.engine.item_order import ItemOrder
 from vlmq.worker.events import (
     Answered,
     EventQueue,
@@ -152,7 +152,7 @@ class NoLayers:
 
 
 class Rig:
-    """One worker's lifecycle, scheduler, writer and collector over real Redis."""
+    """One worker's lifecycle, order, writer and collector over real Redis."""
 
     def __init__(self, redis: Redis, layers: Layers) -> None:
         self.redis = redis
@@ -160,16 +160,16 @@ class Rig:
         worker = BatchWorker(["ocr"], connection=redis, name=f"w-{uuid.uuid4().hex[:6]}")
         self.life = JobLifecycle(worker, keys=self.keys)
         self.life.register_birth()
-        self.scheduler: Scheduler[Running] = Scheduler()
-        self.writer = ResultWriter(redis, self.keys, self.life, self.scheduler,
+        self.order: ItemOrder[Running] = ItemOrder()
+        self.writer = ResultWriter(redis, self.keys, self.life, self.order,
                                    WorkerStats(worker.name, 4, 8))
         self.events = EventQueue()
         self.outbox = Outbox()
         self.prep = PrepTimes()
         self.pool = ThreadPoolExecutor(2)
-        self.fallback = Fallback(layers, self.pool, self.scheduler.jobs, self.events)
+        self.fallback = Fallback(layers, self.pool, self.order.jobs, self.events)
         self.collector = Collector(self.outbox, self.events, self.prep, self.fallback,
-                                   self.writer, self.scheduler)
+                                   self.writer, self.order)
 
     def start(self, n: int, task: str = "ocr", kind: str = "image",
               settings: dict[str, Any] | None = None) -> Running:
@@ -182,9 +182,9 @@ class Rig:
         assert isinstance(running, Running), running
         running.settings = resolve_job(running.payload, "qwen2_vl", None)
         running.pending.extend(range(n))
-        self.scheduler.add(running)
+        self.order.add(running)
         for _ in range(n):
-            assert self.scheduler.next_item() is not None
+            assert self.order.next_item() is not None
         return running
 
     def close(self) -> None:
@@ -219,14 +219,14 @@ def test_each_kind_of_outcome_reaches_redis_through_one_dispatch(redis: Redis,
     assert stored[2].text == "the page's own text" and stored[2].text_source == TEXT_FROM_LAYER
     assert stored[3].error == "cannot decode image: truncated" and stored[3].text is None
     assert fetch_job(redis, job_id).get_status() == "finished"
-    assert job_id not in rig.scheduler.jobs
+    assert job_id not in rig.order.jobs
 
 
 def test_a_retry_puts_the_item_back_first_in_its_job(rig: Rig) -> None:
     running = rig.start(3)
     rig.collector.dispatch(PrepRetry(running.job_id, 1))
     assert list(running.pending) == [1] and running.outstanding == {0, 2}
-    assert rig.scheduler.next_item() == (running, 1)
+    assert rig.order.next_item() == (running, 1)
 
 
 def test_outcomes_of_a_job_no_longer_here_write_nothing(redis: Redis, rig: Rig) -> None:

@@ -34,7 +34,7 @@ class JobState:
     """One job in flight and where its items stand.
 
     The worker's record of a running job (rq_jobs.Running) extends this one, so a job is
-    held once: the scheduler, the result writer and the RQ lifecycle share that object.
+    held once: the order, the result writer and the RQ lifecycle share that object.
     """
 
     job_id: str
@@ -70,7 +70,7 @@ class JobState:
 S = TypeVar("S", bound=JobState)
 
 
-class Scheduler(Generic[S]):
+class ItemOrder(Generic[S]):
     def __init__(self) -> None:
         self.jobs: OrderedDict[str, S] = OrderedDict()
 
@@ -82,10 +82,6 @@ class Scheduler(Generic[S]):
 
     def __len__(self) -> int:
         return len(self.jobs)
-
-    @property
-    def unscheduled(self) -> int:
-        return sum(len(j.pending) for j in self.jobs.values())
 
     @property
     def outstanding(self) -> int:

@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 from vlmq.shared.connection import transient
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult
-from vlmq.worker.engine.item_order import Scheduler
+from vlmq.worker.engine.item_order import ItemOrder
 from vlmq.worker.intake.rq_jobs import JobLifecycle, Refused, Running
 from vlmq.worker.prep.requests import Preparer
 from vlmq.worker.results.cache import ResultCache, cached_results_many
@@ -30,7 +30,7 @@ log = logging.getLogger("vlmq.worker")
 
 class JobStarter:
     def __init__(self, redis: Redis, keys: Keys, lifecycle: JobLifecycle, preparer: Preparer,
-                 results: ResultCache, writer: ResultWriter, scheduler: Scheduler[Running],
+                 results: ResultCache, writer: ResultWriter, order: ItemOrder[Running],
                  stats: WorkerStats, *, job_limit: Callable[[], int]) -> None:
         """`job_limit`: how many jobs may be in flight now (it follows the batch limit)."""
         self.redis = redis
@@ -39,7 +39,7 @@ class JobStarter:
         self.preparer = preparer
         self.results = results
         self.writer = writer
-        self.scheduler = scheduler
+        self.order = order
         self.stats = stats
         self.job_limit = job_limit
         # Started in Redis but not yet here: a transient Redis error cut their start short,
@@ -54,7 +54,7 @@ class JobStarter:
         if self.starting:  # a Redis error cut their start short: finish it first
             jobs, self.starting = self.starting, []
             self.start(jobs)
-        room = self.job_limit() - len(self.scheduler)
+        room = self.job_limit() - len(self.order)
         if room <= 0:
             self.queues_empty = False
             return 0
@@ -92,7 +92,7 @@ class JobStarter:
     def _resolve(self, running: Running) -> bool:
         """The job's settings on this model; False when it failed instead."""
         try:
-            earlier = self.scheduler.jobs.get(running.job_id)
+            earlier = self.order.jobs.get(running.job_id)
             if earlier is not None:
                 # take() only starts a QUEUED job: it was requeued (by hand, or by RQ's
                 # cleanup after this worker missed its heartbeats), so the earlier
@@ -143,7 +143,7 @@ class JobStarter:
         done = running.already_done
         log.info("job %s started: %s, %d items%s", running.job_id, running.payload.task,
                  running.total, f" ({done} already done, resuming)" if done else "")
-        self.scheduler.add(running)
+        self.order.add(running)
         self.writer.hold(running.job_id, hits.values())
 
     def _failed(self, running: Running, exc: Exception) -> None:

@@ -197,10 +197,6 @@ def select(choice: str | None = None, threads: int | None = None) -> BlasInfo:
     return _selected
 
 
-def selected() -> BlasInfo | None:
-    return _selected
-
-
 def mlx_backends() -> list[str]:
     """Installed MLX backend wheels. More than one is a broken install: each writes
     mlx/lib/libmlx.so, and the one unpacked last is the backend MLX runs on."""

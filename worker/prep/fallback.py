@@ -45,7 +45,7 @@ class Fallback:
                  events: EventQueue) -> None:
         self.layers = layers
         self.pool = pool
-        self.jobs = jobs  # the scheduler's jobs in flight
+        self.jobs = jobs  # the order's jobs in flight
         self.events = events
 
     def forget(self, job_id: str, idx: int) -> None:

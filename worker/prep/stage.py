@@ -1,7 +1,7 @@
 """Feeding the Preparer: which items go to the CPU pool now, and where each one goes next.
 
 Items are prepared while fewer than the prep window are prepared-but-not-batched (a small
-job may go the batch limit past it: Scheduler.next_item_within). A prepared request goes to the
+job may go the batch limit past it: ItemOrder.next_item_within). A prepared request goes to the
 engine from the pool thread itself, so MLX never waits on the main loop; every other
 outcome (answered by a text layer, failed, to retry) is an event for the main loop.
 """
@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 
 from vlmq.shared.connection import transient
 from vlmq.worker.engine.batcher import Engine, EngineError
-from vlmq.worker.engine.item_order import Scheduler
+from vlmq.worker.engine.item_order import ItemOrder
 from vlmq.worker.events import EventQueue, LayerAnswered, PrepFailed, PrepRetry, Stage
 from vlmq.worker.intake.running import Running
 from vlmq.worker.prep.requests import FromLayer, Prepared, Preparer, PrepError
@@ -29,13 +29,13 @@ log = logging.getLogger("vlmq.worker")
 class PrepStage:
     """The window over the Preparer's pool, and the pool's hand-off of what it prepared."""
 
-    def __init__(self, preparer: Preparer, engine: Engine, scheduler: Scheduler[Running],
+    def __init__(self, preparer: Preparer, engine: Engine, order: ItemOrder[Running],
                  events: EventQueue, *, window: Callable[[int], int]) -> None:
         """`window`: the prep window for a batch limit (it follows the limit the engine
         measures); a job with no more items left than the limit may pass it."""
         self.preparer = preparer
         self.engine = engine
-        self.scheduler = scheduler
+        self.order = order
         self.events = events
         self.window = window
         self._prep_s: dict[tuple[str, int], float] = {}  # item -> its preparation time
@@ -45,7 +45,7 @@ class PrepStage:
         batch (prepared or being prepared, not yet taken into it)."""
         flight, engine = self.events.flight, self.engine.state
         limit = engine.batch_limit
-        while (nxt := self.scheduler.next_item_within(flight.ahead(engine), self.window(limit),
+        while (nxt := self.order.next_item_within(flight.ahead(engine), self.window(limit),
                                                       limit)) is not None:
             state, idx = nxt
             flight.enter(Stage.PREP)

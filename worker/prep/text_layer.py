@@ -32,7 +32,6 @@ MAX_IMAGE_COVER = 0.5
 MAX_CHARS = 100_000
 # Image objects looked at per page; a crafted page with millions stops being counted here.
 MAX_IMAGE_OBJECTS = 10_000
-MODES = ("off", "fallback", "prefer")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from vlmq.shared.connection import transient
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import TEXT_FROM_LAYER, ItemResult, JobSummary
 from vlmq.worker.engine.batcher import Finished
-from vlmq.worker.engine.item_order import Scheduler, Tally
+from vlmq.worker.engine.item_order import ItemOrder, Tally
 from vlmq.worker.intake.rq_jobs import INCOMPLETE, JobLifecycle, Running
 from vlmq.worker.stats import WorkerStats
 
@@ -90,13 +90,13 @@ class ResultWriter:
     """Holds item results until they are stored, and ends jobs once every item is."""
 
     def __init__(self, redis: Redis, keys: Keys, lifecycle: JobLifecycle,
-                 scheduler: Scheduler[Running], stats: WorkerStats, *,
+                 order: ItemOrder[Running], stats: WorkerStats, *,
                  on_stored: Callable[[list[tuple[Running, list[ItemResult]]]], None] | None
                  = None) -> None:
         self.redis = redis
         self.keys = keys
         self.lifecycle = lifecycle
-        self.scheduler = scheduler
+        self.order = order
         self.stats = stats
         # Runs once per flush with the jobs whose results were stored (the result cache).
         self.on_stored = on_stored
@@ -112,7 +112,7 @@ class ResultWriter:
 
     def record_finished(self, job_id: str, idx: int, f: Finished, prep_s: float, *,
                         layer: str | None = None) -> bool:
-        state = self.scheduler.item_returned(job_id, idx)
+        state = self.order.item_returned(job_id, idx)
         if state is None:
             return False  # the job was dropped meanwhile, or this item came back already
         self._unwritten.setdefault(job_id, {})[idx] = finished_result(state, idx, f, prep_s,
@@ -121,7 +121,7 @@ class ResultWriter:
 
     def record_failure(self, job_id: str, idx: int, message: str, *,
                        layer: str | None = None) -> bool:
-        state = self.scheduler.item_returned(job_id, idx)
+        state = self.order.item_returned(job_id, idx)
         if state is None:
             return False
         self._unwritten.setdefault(job_id, {})[idx] = failed_result(state, idx, message,
@@ -129,7 +129,7 @@ class ResultWriter:
         return True
 
     def record_layer(self, job_id: str, idx: int, text: str, prep_s: float) -> bool:
-        state = self.scheduler.item_returned(job_id, idx)
+        state = self.order.item_returned(job_id, idx)
         if state is None:
             return False
         self._unwritten.setdefault(job_id, {})[idx] = layer_result(state, idx, text, prep_s)
@@ -144,8 +144,8 @@ class ResultWriter:
         """Stop running a job this worker no longer owns; write nothing more for it."""
         log.warning("job %s dropped (%s): %d result(s) not written", state.job_id, why,
                     len(self._unwritten.pop(state.job_id, {})))
-        if self.scheduler.jobs.get(state.job_id) is state:
-            del self.scheduler.jobs[state.job_id]
+        if self.order.jobs.get(state.job_id) is state:
+            del self.order.jobs[state.job_id]
         self.lifecycle.drop(state, why)
 
     # --- flush ---------------------------------------------------------------------------
@@ -157,7 +157,7 @@ class ResultWriter:
         held); any other error fails only the job whose keys refused the write."""
         batch: list[tuple[Running, dict[int, ItemResult]]] = []
         for job_id in list(self._unwritten):
-            state = self.scheduler.jobs.get(job_id)
+            state = self.order.jobs.get(job_id)
             if state is None:
                 del self._unwritten[job_id]
                 continue
@@ -207,7 +207,7 @@ class ResultWriter:
         the worker wrote, and ends with the others in one fenced transaction that checks
         every item is still stored; the others (resumed jobs, or results that vanished)
         read their items back first."""
-        done = [s for s in self.scheduler.jobs.values()
+        done = [s for s in self.order.jobs.values()
                 if s.complete and s.job_id not in self._unwritten]
         known = [s for s in done if s.already_done == 0 and not s.verify
                  and len(s.written) == s.total]
@@ -235,7 +235,7 @@ class ResultWriter:
             state.finished_here -= min(state.finished_here, len(missing))
             for i in missing:
                 state.written.pop(i, None)
-            self.scheduler.redo(state.job_id, missing)
+            self.order.redo(state.job_id, missing)
             return
         state.verify = False
         self._end([(state, self._summary(state, (_tally(r) for r in stored.values())))],
@@ -272,7 +272,7 @@ class ResultWriter:
             if why is not None:
                 self.drop(state, why)
                 continue
-            self.scheduler.remove(state.job_id)
+            self.order.remove(state.job_id)
             self.stats.count_job(state.queue.name, "finished")
             layers = summary.text_sources.get(TEXT_FROM_LAYER, 0)
             log.info("job %s finished: %d ok, %d failed, %d tokens, %.1f s, %d vision-cache "
@@ -291,7 +291,7 @@ class ResultWriter:
     def fail(self, state: Running, message: str) -> None:
         """Fail a job (bad payload, timeout, unwritable results); its held results go."""
         self._unwritten.pop(state.job_id, None)
-        self.scheduler.jobs.pop(state.job_id, None)
+        self.order.jobs.pop(state.job_id, None)
         why = self.lifecycle.fail(state, message)
         if why is not None:
             log.warning("job %s dropped (%s) instead of failing it: %s", state.job_id, why,

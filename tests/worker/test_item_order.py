@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 
 from vlmq.shared.messages import Item, JobPayload
-from vlmq.worker.engine.item_order import JobState, Scheduler
+from vlmq.worker.engine.item_order import ItemOrder, JobState
 
 SHA = "0" * 64
 
@@ -17,7 +17,7 @@ def _state(job_id: str, n: int) -> JobState:
 
 
 def test_the_job_with_fewest_items_left_goes_first_and_ties_keep_arrival_order() -> None:
-    s: Scheduler[JobState] = Scheduler()
+    s: ItemOrder[JobState] = ItemOrder()
     s.add(_state("big-1", 40))
     s.add(_state("big-2", 40))
     order = [s.next_item() for _ in range(3)]
@@ -33,7 +33,7 @@ def test_the_job_with_fewest_items_left_goes_first_and_ties_keep_arrival_order()
 
 
 def test_an_item_retried_after_a_transient_error_comes_back_first() -> None:
-    s: Scheduler[JobState] = Scheduler()
+    s: ItemOrder[JobState] = ItemOrder()
     s.add(_state("a", 3))
     _, i = s.next_item()
     s.retry_item("a", i)
@@ -44,7 +44,7 @@ def test_an_item_retried_after_a_transient_error_comes_back_first() -> None:
 
 
 def test_items_whose_results_vanished_are_scheduled_again_first() -> None:
-    s: Scheduler[JobState] = Scheduler()
+    s: ItemOrder[JobState] = ItemOrder()
     s.add(_state("a", 4))
     for _ in range(4):
         _, i = s.next_item()
@@ -56,7 +56,7 @@ def test_items_whose_results_vanished_are_scheduled_again_first() -> None:
 
 
 def test_a_small_job_is_prepared_past_a_full_window_and_a_big_one_is_not() -> None:
-    s: Scheduler[JobState] = Scheduler()
+    s: ItemOrder[JobState] = ItemOrder()
     s.add(_state("big", 40))
     window, small = 8, 4
     assert s.next_item_within(window - 1, window, small) is not None  # room: anyone
