@@ -28,7 +28,7 @@ from vlmq.shared import constants as C
 # list is shown): `vlmq jobs` starts without importing the worker's, the schedules', the
 # exports' or the dashboard's modules. Each has register(group), as producer_cli.
 LATER = ("vlmq.cli.export", "vlmq.cli.schedules", "vlmq.cli.worker",
-         "vlmq.cli.dashboard", "vlmq.producer.ops.metrics_exporter", "vlmq.cli.units")
+         "vlmq.cli.dashboard", "vlmq.cli.metrics", "vlmq.cli.units")
 
 
 class _Main(click.Group):

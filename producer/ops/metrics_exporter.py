@@ -15,7 +15,6 @@ fails on Redis answers 503 with `vlmq_up 0`, so an alert can tell "Redis down" f
 
 from __future__ import annotations
 
-import errno
 import logging
 import socket
 import time
@@ -24,7 +23,6 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import click
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
@@ -33,11 +31,8 @@ from prometheus_client.registry import Collector
 from redis import Redis
 from redis.exceptions import RedisError
 
-from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, fail
-from vlmq.producer.client import check_redis_url, redact_url
 from vlmq.shared import constants as C
 from vlmq.shared import job_index
-from vlmq.shared.connection import connect
 from vlmq.shared.keys import RQ_QUEUES, RQ_REGISTRIES, Keys
 from vlmq.shared.redis_text import as_str
 
@@ -213,55 +208,3 @@ def make_server(host: str, port: int, registry: CollectorRegistry) -> ThreadingH
         daemon_threads = True
 
     return Server((host, port), Handler)
-
-
-@click.command("metrics")
-@click.option("--redis-url", envvar="REDIS_URL", default=None,
-              help="Redis to watch (default: the root --redis-url / REDIS_URL).")
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Interface to listen on (0.0.0.0: every interface).")
-@click.option("--port", type=click.IntRange(1, 65535), default=DEFAULT_PORT,
-              show_default=True)
-@click.option("--queued-items", is_flag=True,
-              help="Also count the items of queued jobs (vlmq_queue_items): one SORT per "
-                   "queue that reads every queued job hash inside Redis.")
-@click.pass_context
-def metrics_cmd(ctx: click.Context, redis_url: str | None, host: str, port: int,
-                queued_items: bool) -> None:
-    """Serve fleet metrics for Prometheus at http://HOST:PORT/metrics.
-
-    Queue depth, jobs by state per queue, dead letters, the head job's age per queue and
-    live workers; each worker serves its own figures (vlmq worker --metrics-port).
-    Read-only, and cheap at any number of jobs.
-    """
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    try:
-        url = check_redis_url(redis_url) if redis_url else ctx.find_root().obj["redis_url"]
-    except ValueError as exc:
-        fail(f"error: {exc} (from --redis-url)", EXIT_BAD_INPUT)
-    redis = connect(url)
-    registry = CollectorRegistry()
-    registry.register(FleetCollector(redis, Keys.from_env(), items=queued_items))
-    try:
-        server = make_server(host, port, registry)
-    except OSError as exc:
-        why = ("the port is in use: pick another --port" if exc.errno == errno.EADDRINUSE
-               else str(exc))
-        fail(f"error: cannot listen on {host}:{port}: {why}", EXIT_FAILED)
-    try:
-        redis.ping()
-    except RedisError as exc:
-        log.warning("cannot reach Redis at %s (%s): scrapes answer vlmq_up 0 until it is "
-                    "back", redact_url(url), exc)
-    log.info("fleet metrics at http://%s:%d/metrics (Redis %s)", host,
-             server.server_address[1], redact_url(url))
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        log.info("interrupted: stopping")
-    finally:
-        server.server_close()
-
-
-def register(group: click.Group) -> None:
-    group.add_command(metrics_cmd)
