@@ -54,7 +54,7 @@ from vlmq.worker.results.writer import ResultWriter
 from vlmq.worker.stats import WorkerStats
 from vlmq.worker.upkeep import Upkeep, check_redis
 
-__all__ = ["StartupError", "WorkerConfig", "WorkerService", "run_worker"]
+__all__ = ["StartupError", "WorkerConfig", "WorkerLoop", "run_worker"]
 
 log = logging.getLogger("vlmq.worker")
 
@@ -86,7 +86,7 @@ class Phases:
     writer: ResultWriter
 
 
-class WorkerService:
+class WorkerLoop:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
         self.redis = connect(cfg.redis_url)
@@ -382,7 +382,7 @@ def run_worker(cfg: WorkerConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # vlmq logs each job's start and finish itself; RQ's per-job lines would repeat them.
     logging.getLogger("rq.worker").setLevel(logging.WARNING)
-    service = WorkerService(cfg)
+    service = WorkerLoop(cfg)
     old = {s: signal.signal(s, service.request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         return service.run()

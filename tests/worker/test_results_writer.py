@@ -36,7 +36,7 @@ def done(job_id: str, idx: int, text: str = "t") -> Finished:
 
 
 class Rig:
-    """One worker's lifecycle, order and writer, as WorkerService wires them."""
+    """One worker's lifecycle, order and writer, as WorkerLoop wires them."""
 
     def __init__(self, redis: Redis, keys: Keys, name: str) -> None:
         self.redis = redis
