@@ -28,6 +28,7 @@ from prometheus_client.samples import Sample
 from redis import Redis
 
 from tests.support import helpers
+from tests.support.factories import images, payload
 from tests.support.pdf_craft import drawing_bomb_pdf
 from vlmq.producer.client import Client
 from vlmq.producer.ops.metrics_exporter import FleetCollector, make_server
@@ -246,16 +247,12 @@ def _scrape(redis: Redis, *, items: bool = False) -> dict[str, list[Sample]]:
             in _samples(generate_latest(registry).decode()).items()}
 
 
-def _payload(n: int) -> dict[str, object]:
-    items = [{"kind": "image", "blob": "0" * 64, "source": f"x{i}.png"} for i in range(n)]
-    return {"v": 1, "task": "caption", "prompt": "Describe.", "items": items}
-
-
 def test_exporter_counts_queues_failures_dead_letters_and_workers(redis: Redis,
                                                                    keys: Keys) -> None:
     """Crafted with the worker's own lifecycle: a poison entry dead-lettered, a job failed,
     two left queued (the head enqueued 100 s ago by Redis's clock)."""
-    ids = [helpers.raw_enqueue(redis, _payload(n), queue="caption") for n in (1, 2, 3)]
+    ids = [helpers.raw_enqueue(redis, payload(*images(n), task="caption"), queue="caption")
+           for n in (1, 2, 3)]
     redis.lpush(Keys.rq_queue("caption"), "not a job id!")
     with helpers.worker_lifecycle(redis, ["caption"]) as life:
         refused = life.take()
@@ -325,7 +322,8 @@ def _commands_per_scrape(redis: Redis) -> int:
 def _add_jobs(redis: Redis, n: int) -> None:
     """n queued jobs and n finished ones in two queues: real job hashes, RQ's keys."""
     for queue in ("ocr", "caption"):
-        ids = [helpers.raw_enqueue(redis, _payload(1), queue=queue) for _ in range(n)]
+        ids = [helpers.raw_enqueue(redis, payload(*images(1), task="caption"), queue=queue)
+               for _ in range(n)]
         pipe = redis.pipeline(transaction=False)
         for job_id in ids[: n // 2]:
             pipe.lrem(Keys.rq_queue(queue), 1, job_id)

@@ -13,8 +13,9 @@ import pytest
 from click.testing import Result
 from redis import Redis
 
-from tests.protocol.test_enqueue_lua import PREFIX, SHA, call, refused
+from tests.support.factories import SHA
 from tests.support.helpers import make_images, make_pdf
+from tests.support.lua_calls import call, refused, store_blob
 from vlmq.producer import Client
 from vlmq.producer.ops.schedules import ScheduleStore
 from vlmq.producer.options import JobOptions
@@ -22,7 +23,6 @@ from vlmq.shared import bounded_reads as bounded
 from vlmq.shared import constants as C
 from vlmq.shared import extract_schema as J
 from vlmq.shared.errors import PayloadError
-from vlmq.shared.keys import Keys
 from vlmq.shared.messages import Item, parse_payload
 
 Cli = Callable[..., Result]
@@ -188,8 +188,7 @@ def _lua_payload(**fields: Any) -> dict[str, Any]:
 
 @pytest.fixture
 def blob(redis: Redis) -> Redis:
-    redis.set(Keys(PREFIX).blob(SHA), b"bytes")
-    return redis
+    return store_blob(redis)
 
 
 LUA_REFUSED = [

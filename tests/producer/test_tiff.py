@@ -13,7 +13,6 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from PIL import Image, ImageDraw, TiffImagePlugin
@@ -21,6 +20,8 @@ from redis import Redis
 from redis.exceptions import ResponseError
 
 from tests.support import helpers
+from tests.support.factories import item, payload
+from tests.support.lua_calls import call, store_blob
 from vlmq.producer.client import Client
 from vlmq.producer.inputs import (
     FoundFile,
@@ -36,9 +37,8 @@ from vlmq.producer.ops.export import export_results
 from vlmq.producer.ops.schedules import ENTRY_MARK, _checked
 from vlmq.producer.options import JobOptions
 from vlmq.shared import constants as C
-from vlmq.shared.enqueue import lua_script
 from vlmq.shared.errors import InputError, PayloadError
-from vlmq.shared.keys import RQ_QUEUES, Keys
+from vlmq.shared.keys import Keys
 from vlmq.shared.messages import parse_payload
 from vlmq.stores.backends import FolderStore
 from vlmq.worker.intake.job_settings import (
@@ -206,41 +206,25 @@ def test_a_schedule_reads_an_old_image_entry_for_a_tiff_again(fax: Path) -> None
 
 # -- the wire: payload parsing and enqueue.lua ----------------------------------------------
 
-SHA = "cd" * 32
-
-
-def _payload(item: dict[str, Any]) -> dict[str, Any]:
-    return {"v": 1, "task": "ocr", "items": [item]}
-
-
 def test_payload_takes_tiff_with_a_page_and_refuses_it_without() -> None:
-    item = parse_payload(_payload({"kind": "tiff", "blob": SHA, "page": 3})).items[0]
-    assert (item.kind, item.page) == ("tiff", 3)
+    parsed = parse_payload(payload(item("tiff", page=3))).items[0]
+    assert (parsed.kind, parsed.page) == ("tiff", 3)
     with pytest.raises(PayloadError, match=r"items\[0\]\.page.*required for a tiff item"):
-        parse_payload(_payload({"kind": "tiff", "blob": SHA}))
+        parse_payload(payload(item("tiff")))
     with pytest.raises(PayloadError, match="only allowed on pdf and tiff items"):
-        parse_payload(_payload({"kind": "image", "blob": SHA, "page": 1}))
-
-
-def _eval(redis: Redis, payload: dict[str, Any]) -> Any:
-    k = Keys("vlmq")
-    raw = json.dumps([C.TASK_FUNC, None, [payload], {}])
-    key_list = [Keys.rq_job("j1"), Keys.rq_queue("ocr"), RQ_QUEUES, k.job_items("j1"),
-                k.job_events("j1")]
-    return redis.eval(lua_script(), len(key_list), *key_list, "j1", "ocr", raw, "d",
-                      "60", "60", "60", "2026-11-29T12:00:00.000000Z", "3")
+        parse_payload(payload(item(page=1)))
 
 
 def test_enqueue_lua_takes_tiff_with_a_page_and_refuses_it_without(redis: Redis) -> None:
-    redis.set(Keys("vlmq").blob(SHA), b"bytes")
+    store_blob(redis)
     with pytest.raises(ResponseError, match=r"items\[0\]\.page: must be an integer"):
-        _eval(redis, _payload({"kind": "tiff", "blob": SHA}))
+        call(redis, data=payload(item("tiff")))
     with pytest.raises(ResponseError, match=r"items\[0\]\.kind: must be one of image, pdf, tiff"):
-        _eval(redis, _payload({"kind": "tif", "blob": SHA, "page": 1}))
+        call(redis, data=payload(item("tif", page=1)))
     with pytest.raises(ResponseError, match="only allowed on pdf and tiff items"):
-        _eval(redis, _payload({"kind": "image", "blob": SHA, "page": 1}))
+        call(redis, data=payload(item(page=1)))
     assert not redis.exists(Keys.rq_job("j1"))
-    assert _eval(redis, _payload({"kind": "tiff", "blob": SHA, "page": 2})) == 1
+    assert call(redis, data=payload(item("tiff", page=2))) == 1
     assert redis.lrange("rq:queue:ocr", 0, -1) == [b"j1"]
 
 

@@ -9,46 +9,16 @@ from typing import Any
 
 import pytest
 from redis import Redis
-from redis.exceptions import ResponseError
 
+from tests.support.factories import OTHER_SHA, SHA
+from tests.support.lua_calls import PREFIX, call, good_payload, refused, store_blob
 from vlmq.shared import constants as C
-from vlmq.shared.enqueue import lua_script
 from vlmq.shared.keys import RQ_QUEUES, Keys
-
-SHA = "cd" * 32
-PREFIX = "vlmq"
-
-
-def payload() -> dict[str, Any]:
-    return {"v": 1, "task": "ocr",
-            "items": [{"kind": "pdf", "blob": SHA, "source": "a.pdf", "page": 2},
-                      {"kind": "image", "blob": SHA, "source": "b.png", "custom_id": "b"}]}
-
-
-def call(redis: Redis, *, data: Any = None, keys: list[str] | None = None,
-         job_id: str = "j1", queue: str = "ocr") -> Any:
-    k = Keys(PREFIX)
-    raw = data if isinstance(data, str) else json.dumps(
-        [C.TASK_FUNC, None, [data if data is not None else payload()], {}])
-    key_list = keys if keys is not None else [
-        Keys.rq_job(job_id), Keys.rq_queue(queue), RQ_QUEUES, k.job_items(job_id),
-        k.job_events(job_id)]
-    return redis.eval(lua_script(), len(key_list), *key_list, job_id, queue, raw, "d",
-                      "60", "60", "60", "2026-11-29T12:00:00.000000Z", "3")
 
 
 @pytest.fixture
 def blob(redis: Redis) -> Redis:
-    redis.set(Keys(PREFIX).blob(SHA), b"bytes")
-    return redis
-
-
-def refused(redis: Redis, needle: str, **kwargs: Any) -> None:
-    before = {k: redis.type(k) for k in redis.scan_iter()}
-    with pytest.raises(ResponseError) as info:
-        call(redis, **kwargs)
-    assert needle in str(info.value), str(info.value)
-    assert {k: redis.type(k) for k in redis.scan_iter()} == before
+    return store_blob(redis)
 
 
 def test_a_good_payload_is_enqueued(blob: Redis) -> None:
@@ -57,7 +27,7 @@ def test_a_good_payload_is_enqueued(blob: Redis) -> None:
 
 
 def mutated(path: str, value: Any) -> dict[str, Any]:
-    out = copy.deepcopy(payload())
+    out = copy.deepcopy(good_payload())
     target: Any = out
     parts = path.split(".")
     for part in parts[:-1]:
@@ -92,8 +62,8 @@ PAYLOAD_CASES = [
     ("unknown item field", mutated("items.0.dpi", 300), "items[0]: unknown field dpi"),
     ("unknown top-level field", mutated("priority", 5), "payload: unknown field priority"),
     ("result_cache", mutated("result_cache", "yes"), 'result_cache: must be true, false or'),
-    ("missing blob", mutated("items.1.blob", "ef" * 32),
-     f"items[1].blob: no blob {PREFIX}:blob:{'ef' * 32}"),
+    ("missing blob", mutated("items.1.blob", OTHER_SHA),
+     f"items[1].blob: no blob {PREFIX}:blob:{OTHER_SHA}"),
 ]
 
 
@@ -114,8 +84,8 @@ def test_custom_id_of_256_characters_is_accepted(blob: Redis) -> None:
 
 @pytest.mark.parametrize(("raw", "needle"), [
     ("not json", "data: must be the JSON array"),
-    (json.dumps(["os.system", None, [payload()], {}]), "data: function must be"),
-    (json.dumps([C.TASK_FUNC, None, [payload(), payload()], {}]),
+    (json.dumps(["os.system", None, [good_payload()], {}]), "data: function must be"),
+    (json.dumps([C.TASK_FUNC, None, [good_payload(), good_payload()], {}]),
      "data: args must be a list holding exactly one payload"),
     (json.dumps([C.TASK_FUNC, None, [], {}]), "data: args must be a list holding exactly one"),
 ])

@@ -9,16 +9,10 @@ from redis import Redis
 from redis.client import PubSub
 from rq.job import JobStatus
 
+from tests.support.factories import job_payload
 from vlmq.shared import results as R
 from vlmq.shared.enqueue import enqueue, fail_job, fetch_job, raw_exc_info
 from vlmq.shared.keys import Keys
-from vlmq.shared.messages import Item, JobPayload
-
-FAKE_SHA = "ab" * 32
-
-
-def _payload() -> JobPayload:
-    return JobPayload(task="ocr", items=(Item(kind="image", blob=FAKE_SHA, source="a.png"),))
 
 
 def _done_messages(pubsub: PubSub, timeout: float = 1.0) -> list[str]:
@@ -32,7 +26,7 @@ def _done_messages(pubsub: PubSub, timeout: float = 1.0) -> list[str]:
 
 def test_loaded_and_raw_jobs_fail_alike_with_one_terminal_event(redis: Redis,
                                                                 keys: Keys) -> None:
-    loaded_id = enqueue(redis, _payload(), queue="q")
+    loaded_id = enqueue(redis, job_payload(), queue="q")
     raw_id = "raw-1"  # a hash RQ could not load: failed by id
     redis.hset(Keys.rq_job(raw_id), mapping={"status": "queued", "origin": "q"})
     pubsub = redis.pubsub()

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from redis import Redis
 
+from tests.support.factories import OTHER_SHA, SHA, job_payload
 from tests.support.helpers import raw_enqueue, wait_for, worker_lifecycle
 from vlmq.producer.ops import job_admin as manage
 from vlmq.shared import job_index, lua
@@ -21,14 +22,11 @@ from vlmq.shared.results import write_item
 from vlmq.worker.intake.rq_jobs import BatchWorker, JobLifecycle, Running
 
 KEYS = Keys()
-SHA = "ab" * 32
 
 
 def payload(n: int = 2, labels: dict[str, str] | None = None,
             task: str = "caption") -> JobPayload:
-    return JobPayload(task=task, items=tuple(
-        Item(kind="image", blob=SHA, source=f"p{i}.png") for i in range(n)),
-        settings={"labels": labels} if labels else {})
+    return job_payload(n, task=task, **({"labels": labels} if labels else {}))
 
 
 def result(index: int, text: str | None = None, error: str | None = None) -> ItemResult:
@@ -285,7 +283,7 @@ def test_queued_items_are_summed_inside_redis(redis: Redis) -> None:
 
 
 def test_purge_keeps_blobs_a_live_job_holds(redis: Redis) -> None:
-    other = "cd" * 32
+    other = OTHER_SHA
     redis.set(KEYS.blob(other), b"y")
     holder = enqueue(redis, payload(1), queue="q")
     job_id = enqueue(redis, JobPayload(task="caption", items=(

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from collections import deque
 
-from vlmq.shared.messages import Item, JobPayload
+from tests.support.factories import job_payload
 from vlmq.worker.engine.item_order import ItemOrder, JobState
-
-SHA = "0" * 64
 
 
 def _state(job_id: str, n: int) -> JobState:
-    payload = JobPayload(task="caption",
-                         items=tuple(Item("image", SHA, f"{i}.png") for i in range(n)))
+    payload = job_payload(n, task="caption", name="{}.png")
     return JobState(job_id=job_id, payload=payload, pending=deque(range(n)))
 
 

@@ -11,20 +11,14 @@ import pytest
 from redis import Redis
 from rq.job import JobStatus
 
+from tests.support.factories import job_payload
 from vlmq.shared import constants as C
 from vlmq.shared.enqueue import enqueue, fetch_job
 from vlmq.shared.keys import Keys
-from vlmq.shared.messages import Item, JobPayload
 from vlmq.worker.intake.poison import RiskLog
 from vlmq.worker.intake.rq_jobs import BatchWorker, JobLifecycle, Running
 
-FAKE_SHA = "ab" * 32
 _NEVER_EXITED: list[AbstractContextManager[None]] = []
-
-
-def payload() -> JobPayload:
-    return JobPayload(task="ocr", items=tuple(
-        Item(kind="image", blob=FAKE_SHA, source=f"p{i}.png") for i in range(3)))
 
 
 def lifecycle(redis: Redis, ttl: int) -> JobLifecycle:
@@ -66,8 +60,8 @@ def _exit_steps() -> Iterator[None]:
 
 
 def test_only_the_job_in_risky_work_is_charged_and_fails_at_poison_kills(redis: Redis) -> None:
-    bad = enqueue(redis, payload(), queue="q")
-    innocent = enqueue(redis, payload(), queue="q")
+    bad = enqueue(redis, job_payload(3), queue="q")
+    innocent = enqueue(redis, job_payload(3), queue="q")
 
     first = die_with(redis, bad)
     reclaim(redis)
@@ -96,7 +90,7 @@ def test_a_death_nobody_is_charged_for_spends_one_retry_of_each_job(redis: Redis
     """No item was in risky work (an operator's kill -9, or a crash in an unwatched step):
     RQ's own accounting applies, so a job that keeps killing workers there still runs out
     of retries instead of being requeued forever."""
-    ids = [enqueue(redis, payload(), queue="q") for _ in range(2)]
+    ids = [enqueue(redis, job_payload(3), queue="q") for _ in range(2)]
     life = lifecycle(redis, 1)
     while life.take() is not None:
         pass

@@ -13,25 +13,19 @@ from redis import Redis
 from rq import Queue
 from rq.job import Job, JobStatus
 
+from tests.support.factories import SHA, item, payload
 from vlmq.shared import bounded_reads as bounded
 from vlmq.shared import constants as C
 from vlmq.shared.enqueue import enqueue_lua, raw_exc_info
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import Keys
-from vlmq.shared.messages import Item, JobPayload, parse_payload
+from vlmq.shared.messages import parse_payload
 from vlmq.worker.intake.queue_guard import scrub_intermediate
 from vlmq.worker.intake.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
 
-FAKE_SHA = "ab" * 32
-
-
-def payload() -> dict[str, object]:
-    return JobPayload(task="ocr", items=(Item(kind="image", blob=FAKE_SHA, source="a.png"),),
-                      ).to_dict()
-
 
 def _enqueue(redis: Redis, payload: dict[str, object], **kw: str) -> str:
-    redis.set(Keys().blob(FAKE_SHA), b"x")  # enqueue.lua checks that every blob exists
+    redis.set(Keys().blob(SHA), b"x")  # enqueue.lua checks that every blob exists
     return enqueue_lua(redis, payload, **kw)
 
 
@@ -50,7 +44,7 @@ def dead(redis: Redis) -> list[dict[str, str]]:
 
 def bomb_data(inflated: int) -> bytes:
     """zlib of a JSON job tuple whose string is `inflated` bytes of spaces."""
-    head = json.dumps([C.TASK_FUNC, None, [payload()], {}])[:-1] + ', "'
+    head = json.dumps([C.TASK_FUNC, None, [payload(item(source="a.png"))], {}])[:-1] + ', "'
     z = zlib.compressobj(9)
     out = z.compress(head.encode())
     chunk = b" " * (1 << 20)
@@ -64,7 +58,7 @@ def deep_json(depth: int) -> bytes:
 
 
 def poison_job(redis: Redis, field: str, value: bytes | None) -> str:
-    job_id = _enqueue(redis, payload(), queue="q")
+    job_id = _enqueue(redis, payload(item(source="a.png")), queue="q")
     if value is None:
         redis.hdel(Keys.rq_job(job_id), field)
     else:
@@ -100,7 +94,7 @@ def test_poison_entry_is_dead_lettered_and_the_next_job_runs(redis: Redis, life:
                                                              case: str) -> None:
     make, reason = CASES[case]
     bad_id = make(redis)
-    good_id = _enqueue(redis, payload(), queue="q")
+    good_id = _enqueue(redis, payload(item(source="a.png")), queue="q")
 
     refused = life.take()
     assert isinstance(refused, Refused), refused
@@ -128,7 +122,7 @@ def test_bomb_is_refused_without_inflating_it(redis: Redis, life: JobLifecycle) 
 
 
 def test_id_x_colon_y_fails_its_own_hash_not_job_x(redis: Redis, life: JobLifecycle) -> None:
-    x = _enqueue(redis, payload(), queue="other", job_id="x")
+    x = _enqueue(redis, payload(item(source="a.png")), queue="other", job_id="x")
     redis.hset("rq:job:x:y", mapping={"status": "queued", "data": b"[]"})
     redis.rpush("rq:queue:q", "x:y")
     assert isinstance(life.take(), Refused)
@@ -140,7 +134,7 @@ def test_maintenance_survives_poison_in_the_intermediate_list(redis: Redis,
                                                               life: JobLifecycle) -> None:
     queue = Queue("q", connection=redis)
     redis.rpush(queue.intermediate_queue_key, b"\xff\xfe", "x:y")
-    healthy = _enqueue(redis, payload(), queue="q")
+    healthy = _enqueue(redis, payload(item(source="a.png")), queue="q")
     redis.lmove("rq:queue:q", queue.intermediate_queue_key)  # another worker mid-take
     life.worker.last_cleaned_at = None  # due now
     life.maintain()
@@ -165,7 +159,7 @@ def test_bounded_helpers() -> None:
 
 def test_lone_surrogate_in_a_prompt_is_a_clear_payload_error() -> None:
     raw = json.loads('{"v": 1, "task": "caption", "prompt": "caf\\ud800", "items": '
-                     '[{"kind": "image", "blob": "' + FAKE_SHA + '"}]}')
+                     '[{"kind": "image", "blob": "' + SHA + '"}]}')
     with pytest.raises(PayloadError, match=r"prompt: is not valid UTF-8 text \(a lone "
                                            r"surrogate U\+D800 at character 3\)"):
         parse_payload(raw)

@@ -17,13 +17,14 @@ import pytest
 from redis import Redis
 
 from tests.support import helpers
+from tests.support.factories import job_payload
 from tests.support.helpers import finish, make_images
 from vlmq.producer.client import Client
 from vlmq.producer.options import JobOptions
 from vlmq.shared import results as R
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import Keys
-from vlmq.shared.messages import Item, ItemResult, JobPayload, parse_payload
+from vlmq.shared.messages import ItemResult, JobPayload, parse_payload
 from vlmq.worker.engine.item_order import JobState
 from vlmq.worker.intake.job_settings import resolve_job
 from vlmq.worker.results.cache import (
@@ -116,9 +117,8 @@ def test_cli_no_result_cache_is_sent_to_redis(redis_url: str, redis: Redis,
 
 
 def _payload(n: int, first: int = 0) -> JobPayload:
-    items = tuple(Item(kind="image", blob=f"{first + i:064x}", source=f"img{first + i}.png")
-                  for i in range(n))
-    return JobPayload(task="caption", items=items)
+    """`n` images, each of its own content: a job whose results the cache keys apart."""
+    return job_payload(n, task="caption", blob=None, name="img{}.png", first=first)
 
 
 def _state(job_id: str, payload: JobPayload) -> JobState:

@@ -17,19 +17,14 @@ from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegist
 from rq.serializers import JSONSerializer
 from rq.worker import Worker, WorkerStatus
 
+from tests.support.factories import job_payload
 from tests.support.helpers import Tripwire, raw_enqueue
 from vlmq.shared import constants as C
 from vlmq.shared.enqueue import enqueue, fetch_job
-from vlmq.shared.messages import Item, JobPayload
+from vlmq.shared.messages import JobPayload
 from vlmq.worker.intake.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
 
-FAKE_SHA = "ab" * 32  # a valid sha256 hex string; lifecycle tests never read blobs
 QUEUES = ("high", "low")
-
-
-def payload(n_items: int = 2, model: str | None = None) -> JobPayload:
-    items = tuple(Item(kind="image", blob=FAKE_SHA, source=f"scan-{i}.png") for i in range(n_items))
-    return JobPayload(task="ocr", items=items, settings={"model": model} if model else {})
 
 
 def make_lifecycle(redis: Redis, **kwargs: object) -> JobLifecycle:
@@ -72,8 +67,8 @@ def failure_text(redis: Redis, job_id: str) -> str:
 # --- taking -------------------------------------------------------------------------------
 
 def test_take_three_jobs_from_two_queues_runs_them_concurrently(redis, redis_url, life):
-    low = enqueue(redis, payload(), queue="low")
-    high = [enqueue(redis, payload(), queue="high") for _ in range(2)]
+    low = enqueue(redis, job_payload(2), queue="low")
+    high = [enqueue(redis, job_payload(2), queue="high") for _ in range(2)]
 
     running = [take_running(life) for _ in range(3)]
     assert life.take() is None
@@ -128,7 +123,7 @@ def test_a_crashing_validator_fails_the_job_not_the_worker(redis, life, monkeypa
         raise RuntimeError("validator bug")
 
     monkeypatch.setattr("vlmq.worker.intake.taking.payload_of", broken)
-    job_id = enqueue(redis, payload(), queue="low")
+    job_id = enqueue(redis, job_payload(2), queue="low")
     refused = take_refused(life)
     assert "validator bug" in refused.reason
     assert fetch_job(redis, job_id).get_status() == JobStatus.FAILED
@@ -138,7 +133,7 @@ def test_a_crashing_validator_fails_the_job_not_the_worker(redis, life, monkeypa
 # --- ending -------------------------------------------------------------------------------
 
 def test_succeed_stores_summary_as_result_and_leaves_no_wip_entries(redis, life):
-    job_id = enqueue(redis, payload(), queue="low")
+    job_id = enqueue(redis, job_payload(2), queue="low")
     r = take_running(life)
     summary = {"items": 2, "ok": 2, "failed": 0, "prompt_tokens": 10,
                "completion_tokens": 7, "wall_s": 0.5, "cache_hits": 1}
@@ -158,7 +153,7 @@ def test_succeed_stores_summary_as_result_and_leaves_no_wip_entries(redis, life)
 
 
 def test_succeed_rejects_a_summary_json_cannot_hold(redis, life):
-    enqueue(redis, payload(), queue="low")
+    enqueue(redis, job_payload(2), queue="low")
     r = take_running(life)
     with pytest.raises(TypeError):
         life.succeed(r, {"when": object()})
@@ -166,7 +161,7 @@ def test_succeed_rejects_a_summary_json_cannot_hold(redis, life):
 
 
 def test_fail_records_message_in_failed_registry(redis, life):
-    job_id = enqueue(redis, payload(model="other/model"), queue="low")
+    job_id = enqueue(redis, job_payload(2, model="other/model"), queue="low")
     r = take_running(life)
     life.fail(r, f"job wants model {r.payload.get('model')!r} but this worker runs 'tiny/qwen2-vl'")
 
@@ -179,8 +174,8 @@ def test_fail_records_message_in_failed_registry(redis, life):
 
 
 def test_fail_retries_only_when_asked(redis, life):
-    retried = enqueue(redis, payload(), queue="low")
-    final = enqueue(redis, payload(), queue="low")
+    retried = enqueue(redis, job_payload(2), queue="low")
+    final = enqueue(redis, job_payload(2), queue="low")
     for job_id in (retried, final):
         redis.hset(f"rq:job:{job_id}", "retries_left", 1)  # as if enqueued with Retry(max=1)
 
@@ -198,8 +193,8 @@ def test_fail_retries_only_when_asked(redis, life):
 def test_heartbeats_keep_long_jobs_from_being_abandoned(redis):
     life = make_lifecycle(redis, heartbeat_ttl=2)
     life.register_birth()
-    beating_id = enqueue(redis, payload(), queue="low")
-    silent_id = enqueue(redis, payload(), queue="low")
+    beating_id = enqueue(redis, job_payload(2), queue="low")
+    silent_id = enqueue(redis, job_payload(2), queue="low")
     beating, _silent = take_running(life), take_running(life)
 
     deadline = time.monotonic() + 3.6  # past the 2 s TTL in whole seconds
@@ -222,8 +217,8 @@ def test_heartbeats_keep_long_jobs_from_being_abandoned(redis):
 
 
 def test_heartbeat_reports_jobs_deleted_while_running(redis, life):
-    kept_id = enqueue(redis, payload(), queue="low")
-    deleted_id = enqueue(redis, payload(), queue="low")
+    kept_id = enqueue(redis, job_payload(2), queue="low")
+    deleted_id = enqueue(redis, job_payload(2), queue="low")
     kept, deleted = take_running(life), take_running(life)
     fetch_job(redis, deleted_id).delete()
 
@@ -233,7 +228,7 @@ def test_heartbeat_reports_jobs_deleted_while_running(redis, life):
 
 
 def test_timed_out_follows_the_rq_job_timeout(redis, life):
-    enqueue(redis, payload(), queue="low", timeout=5)
+    enqueue(redis, job_payload(2), queue="low", timeout=5)
     r = take_running(life)
     assert not r.timed_out()
     assert r.timed_out(at=r.started + 6)
@@ -273,7 +268,7 @@ def test_malformed_payload_is_failed_naming_the_field(redis, life, bad, field):
 
 
 def test_malformed_job_tuple_is_refused(redis, life):
-    job_id = raw_enqueue(redis, payload().to_dict(), queue="low")
+    job_id = raw_enqueue(redis, job_payload(2).to_dict(), queue="low")
     redis.hset(f"rq:job:{job_id}", "data", '{"not": "a tuple"}')
     refused = take_refused(life)
     assert "[func, instance, args, kwargs]" in refused.reason
@@ -281,8 +276,8 @@ def test_malformed_job_tuple_is_refused(redis, life):
 
 
 def test_unreadable_job_hash_is_failed_without_crashing(redis, life):
-    bad_id = raw_enqueue(redis, payload().to_dict(), queue="low")
-    good_id = raw_enqueue(redis, payload().to_dict(), queue="low")
+    bad_id = raw_enqueue(redis, job_payload(2).to_dict(), queue="low")
+    good_id = raw_enqueue(redis, job_payload(2).to_dict(), queue="low")
     redis.hset(f"rq:job:{bad_id}", "created_at", "yesterday")  # Job.restore raises on it
 
     refused = take_refused(life)
@@ -294,7 +289,7 @@ def test_unreadable_job_hash_is_failed_without_crashing(redis, life):
 
 
 def test_lua_job_without_origin_is_repaired_into_its_queue(redis, life):
-    job_id = raw_enqueue(redis, payload().to_dict(), queue="low")
+    job_id = raw_enqueue(redis, job_payload(2).to_dict(), queue="low")
     redis.hdel(f"rq:job:{job_id}", "origin")
     r = take_running(life)
     assert r.job.origin == "low"
@@ -306,8 +301,8 @@ def test_lua_job_without_origin_is_repaired_into_its_queue(redis, life):
 # --- shutdown -----------------------------------------------------------------------------
 
 def test_requeue_puts_job_back_first_for_another_worker(redis, life):
-    first = enqueue(redis, payload(), queue="low")
-    second = enqueue(redis, payload(), queue="low")
+    first = enqueue(redis, job_payload(2), queue="low")
+    second = enqueue(redis, job_payload(2), queue="low")
     r = take_running(life)
     assert r.job_id == first
 
@@ -337,7 +332,7 @@ def test_register_death_removes_the_worker(redis):
 
 
 def test_maintain_runs_rq_registry_cleanup(redis, life):
-    enqueue(redis, payload(), queue="low")
+    enqueue(redis, job_payload(2), queue="low")
     take_running(life)
     life.maintain()  # first call is always due; must not touch live, heartbeated jobs
     assert life.worker.last_cleaned_at is not None
