@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import helpers
-from tests.worker.test_structured import RECEIPT
+from tests.support.schemas import RECEIPT
 from vlmq.producer.client import Client, Job
 from vlmq.producer.options import JobOptions
 from vlmq.shared.messages import ItemResult

@@ -13,7 +13,7 @@ import pytest
 from redis import Redis
 
 from tests.support import helpers
-from tests.worker.test_structured import INVOICE, PERSON, RECEIPT
+from tests.support.schemas import INVOICE, PERSON, RECEIPT
 from vlmq.producer.client import Client
 from vlmq.producer.options import JobOptions
 from vlmq.shared import constants as C

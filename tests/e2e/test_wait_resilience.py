@@ -21,8 +21,7 @@ from redis import Redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tests.e2e.test_redis_outage import Server
-from tests.support.helpers import VLMQ, make_images, worker_lifecycle
+from tests.support.helpers import VLMQ, PersistentRedis, make_images, wait_for, worker_lifecycle
 from vlmq.cli.results import EXIT_UNREACHABLE
 from vlmq.producer.client import Client
 from vlmq.shared.keys import Keys
@@ -36,10 +35,10 @@ OUTAGE_S = 8.0
 
 
 @pytest.fixture
-def persistent_redis(tmp_path: Path) -> Iterator[Server]:
+def persistent_redis(tmp_path: Path) -> Iterator[PersistentRedis]:
     """A private Redis whose data survives its restart (append-only file)."""
     binary = server_binary() or pytest.skip("needs redis-server to restart a private Redis")
-    srv = Server(binary, tmp_path / "redis")
+    srv = PersistentRedis(binary, tmp_path / "redis")
     (tmp_path / "redis").mkdir()
     srv.start()
     try:
@@ -49,15 +48,21 @@ def persistent_redis(tmp_path: Path) -> Iterator[Server]:
 
 
 @contextmanager
-def waiting(srv: Server, inputs: Path, timeout: float) -> Iterator[tuple[str, Popen[str]]]:
+def waiting(srv: PersistentRedis, inputs: Path, timeout: float) -> Iterator[tuple[str, Popen[str]]]:
     """A one-image job and `vlmq wait --timeout` on it, past its first reads (inside
-    wait_all's loop); the wait is killed on the way out."""
+    wait_all's loop: Redis lists a client blocked in XREAD on the job's events); the wait
+    is killed on the way out."""
     with Client(srv.url) as client:
         job = client.caption(make_images(inputs, 1))
     proc = Popen([VLMQ, "--redis-url", srv.url, "wait", job.id, "--timeout", str(timeout)],
                  stdout=PIPE, stderr=PIPE, text=True)
-    time.sleep(1.5)
-    assert proc.poll() is None, proc.communicate()
+
+    def following() -> bool:
+        assert proc.poll() is None, proc.communicate()
+        return any(c.get("cmd") == "xread" for c in conn.client_list())
+
+    with Redis.from_url(srv.url) as conn:
+        wait_for(following, 300, "`vlmq wait` to follow the job's events")
     try:
         yield job.id, proc
     finally:
@@ -65,9 +70,9 @@ def waiting(srv: Server, inputs: Path, timeout: float) -> Iterator[tuple[str, Po
         proc.wait()
 
 
-def test_wait_survives_a_redis_restart_and_exits_0(persistent_redis: Server,
+def test_wait_survives_a_redis_restart_and_exits_0(persistent_redis: PersistentRedis,
                                                    tmp_path: Path) -> None:
-    with waiting(persistent_redis, tmp_path / "in", 60) as (job_id, proc):
+    with waiting(persistent_redis, tmp_path / "in", 600) as (job_id, proc):
         persistent_redis.stop()
         time.sleep(OUTAGE_S)
         persistent_redis.start()
@@ -77,22 +82,22 @@ def test_wait_survives_a_redis_restart_and_exits_0(persistent_redis: Server,
                 running = life.take()
                 assert isinstance(running, Running)
                 assert life.succeed(running, {"ok": 1, "failed": 0}) is None
-        out, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, (out, err)
     assert f"{job_id}: finished" in out
 
 
-def test_wait_exits_69_when_redis_is_still_down_at_its_timeout(persistent_redis: Server,
+def test_wait_exits_69_when_redis_is_still_down_at_its_timeout(persistent_redis: PersistentRedis,
                                                                 tmp_path: Path) -> None:
-    with waiting(persistent_redis, tmp_path / "in", 4) as (_, proc):
+    with waiting(persistent_redis, tmp_path / "in", 10) as (_, proc):
         persistent_redis.stop()
-        out, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_UNREACHABLE, (out, err)
-    assert "still unreachable after 4s" in err
+    assert "still unreachable after 10s" in err
 
 
 def test_a_risk_record_a_reset_left_behind_is_cleared_once_redis_is_back(
-        persistent_redis: Server) -> None:
+        persistent_redis: PersistentRedis) -> None:
     # No client retries: the deletion meets the outage, as after a reset mid-step.
     with Redis.from_url(persistent_redis.url, retry=Retry(NoBackoff(), 0)) as conn, \
             Redis.from_url(persistent_redis.url) as check:

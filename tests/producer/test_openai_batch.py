@@ -18,7 +18,7 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 from tests.support import helpers
-from tests.worker.test_structured import RECEIPT
+from tests.support.schemas import RECEIPT
 from vlmq.producer.client import Client
 from vlmq.producer.manifest import ManifestError
 from vlmq.producer.openai_files import read_openai_batch

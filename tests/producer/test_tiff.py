@@ -15,27 +15,24 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from PIL import Image, ImageDraw, TiffImagePlugin
+from PIL import Image
 from redis import Redis
 from redis.exceptions import ResponseError
 
 from tests.support import helpers
 from tests.support.factories import item, payload
 from tests.support.lua_calls import call, store_blob
+from tests.support.tiff_craft import PAGES, fax_bytes, fax_page, tiff_bytes
 from vlmq.producer.client import Client
-from vlmq.producer.inputs import (
-    FoundFile,
-    PagesWithoutPdf,
-    Prepared,
-    check_file,
-    check_stored,
-    prepare,
-)
+from vlmq.producer.expand import FoundFile
+from vlmq.producer.files import check_file, check_stored
+from vlmq.producer.inputs import Prepared, prepare
 from vlmq.producer.manifest import read_manifest
 from vlmq.producer.ops.dashboard.render import RenderError, render
 from vlmq.producer.ops.export import export_results
 from vlmq.producer.ops.schedules import ENTRY_MARK, _checked
 from vlmq.producer.options import JobOptions
+from vlmq.producer.page_specs import PagesWithoutPdf
 from vlmq.shared import constants as C
 from vlmq.shared.errors import InputError, PayloadError
 from vlmq.shared.keys import Keys
@@ -48,34 +45,7 @@ from vlmq.worker.intake.job_settings import (
 )
 from vlmq.worker.prep import decode as P
 
-# (mode, compression) of each page: Group 4 needs 1-bit pixels; LZW takes the rest.
-PAGES = [("1", "group4"), ("L", "tiff_lzw"), ("RGB", "tiff_lzw"), ("1", "group4"),
-         ("L", "tiff_lzw")]
 FAST = {"max_tokens": 4, "result_cache": "off"}
-
-
-def _page(i: int, mode: str, size: tuple[int, int] = (200, 260)) -> Image.Image:
-    """A page unlike its neighbours (so each page's features differ), in `mode`."""
-    im = helpers.page_image(i, size)
-    ImageDraw.Draw(im).text((20, size[1] - 30), f"PAGE {i + 1}", fill=(0, 0, 0))
-    return im.convert(mode)
-
-
-def tiff_bytes(frames: list[tuple[Image.Image, str | None]]) -> bytes:
-    """A multi-page TIFF, each frame written with its own compression (None: raw)."""
-    buf = io.BytesIO()
-    with TiffImagePlugin.AppendingTiffWriter(buf) as tf:
-        for im, compression in frames:
-            if compression is None:
-                im.save(tf, format="TIFF")
-            else:
-                im.save(tf, format="TIFF", compression=compression)
-            tf.newFrame()
-    return buf.getvalue()
-
-
-def fax_bytes() -> bytes:
-    return tiff_bytes([(_page(i, mode), comp) for i, (mode, comp) in enumerate(PAGES)])
 
 
 @pytest.fixture
@@ -111,14 +81,14 @@ def test_pages_selects_tiff_pages_and_refuses_one_out_of_range(fax: Path) -> Non
 
 def test_a_one_frame_tiff_is_a_tiff_of_one_page(tmp_path: Path) -> None:
     path = tmp_path / "one.tif"
-    _page(0, "RGB").save(path, compression="tiff_lzw")
+    fax_page(0, "RGB").save(path, compression="tiff_lzw")
     assert [(i.kind, i.page) for i in prepare([path]).items] == [("tiff", 1)]
     assert [i.page for i in prepare([path], pages="1").items] == [1]  # --pages applies
 
 
 def test_bigtiff_is_typed_as_tiff_by_its_magic(tmp_path: Path) -> None:
     path = tmp_path / "big.tif"
-    frames = [_page(i, "L") for i in range(2)]
+    frames = [fax_page(i, "L") for i in range(2)]
     frames[0].save(path, save_all=True, append_images=frames[1:], big_tiff=True)
     assert path.read_bytes()[:4] in (b"II+\x00", b"MM\x00+")
     checked = check_file(path)
@@ -130,7 +100,7 @@ def test_a_bomb_sized_page_is_refused_naming_its_page(tmp_path: Path) -> None:
     big = Image.new("1", (9000, 8000), 1)
     assert big.width * big.height > C.MAX_IMAGE_PIXELS
     path = tmp_path / "bomb.tiff"
-    path.write_bytes(tiff_bytes([(_page(0, "1"), "group4"), (_page(1, "1"), "group4"),
+    path.write_bytes(tiff_bytes([(fax_page(0, "1"), "group4"), (fax_page(1, "1"), "group4"),
                                  (big, "group4")]))
     assert path.stat().st_size < 100_000
     with pytest.raises(InputError, match=r"page 3: image is larger than the 64000000-pixel "
@@ -141,8 +111,8 @@ def test_a_bomb_sized_page_is_refused_naming_its_page(tmp_path: Path) -> None:
 
 def test_a_truncated_last_page_is_refused_naming_its_page(tmp_path: Path) -> None:
     # The last page raw (Pillow writes its directory before its pixels): cut into them.
-    data = tiff_bytes([(_page(i, mode), comp) for i, (mode, comp) in enumerate(PAGES[:4])]
-                      + [(_page(4, "L"), None)])
+    data = tiff_bytes([(fax_page(i, mode), comp) for i, (mode, comp) in enumerate(PAGES[:4])]
+                      + [(fax_page(4, "L"), None)])
     path = tmp_path / "cut.tiff"
     path.write_bytes(data[:-2000])
     with pytest.raises(InputError, match=r"page 5: is a corrupt or truncated TIFF page"):
@@ -163,7 +133,7 @@ def test_a_stored_tiff_is_checked_as_a_stream(tmp_path: Path, fax: Path) -> None
 
 
 def _animations(folder: Path) -> list[Path]:
-    frames = [_page(i, "RGB", (96, 120)) for i in range(3)]
+    frames = [fax_page(i, "RGB", (96, 120)) for i in range(3)]
     out = []
     for name, fmt in (("anim.gif", "GIF"), ("anim.png", "PNG"), ("anim.webp", "WEBP"),
                       ("stereo.mpo", "MPO")):
@@ -242,7 +212,7 @@ def test_decode_tiff_page_decodes_that_page_only() -> None:
 
 def test_decode_tiff_page_guards_only_the_page_asked_for() -> None:
     big = Image.new("1", (9000, 8000), 1)
-    data = tiff_bytes([(_page(0, "1"), "group4"), (big, "group4")])
+    data = tiff_bytes([(fax_page(0, "1"), "group4"), (big, "group4")])
     assert P.decode_tiff_page(data, 1, 64).size[1] == 64
     with pytest.raises(P.PreprocessError, match=r"page 2 is 9000x8000 .*decompression bomb"):
         P.decode_tiff_page(data, 2, 64)

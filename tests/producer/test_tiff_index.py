@@ -18,17 +18,17 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.producer.test_tiff import fax_bytes
 from tests.support.tiff_craft import (
     GROUP4,
     LZW,
     best_time,
     encoded_strip,
+    fax_bytes,
     many_pages,
     page_value,
 )
 from vlmq.media import tiff as T
-from vlmq.producer.inputs import check_file, check_stored
+from vlmq.producer.files import check_file, check_stored
 from vlmq.shared import constants as C
 from vlmq.shared.errors import InputError
 from vlmq.stores.backends import FolderStore

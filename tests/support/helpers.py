@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -184,3 +185,99 @@ def raw_enqueue(redis: Redis, payload: Any, *, queue: str) -> str:
     redis.sadd("rq:queues", f"rq:queue:{queue}")
     redis.rpush(f"rq:queue:{queue}", job_id)
     return job_id
+
+
+class Output:
+    """A subprocess's output (stdout, stderr merged into it), read line by line as it comes
+    by a thread of its own: a test waits for a line the process prints, the sign that it
+    has reached a point, instead of sleeping for a time it might need."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None, "start the process with stdout=PIPE"
+        self.proc = proc
+        self._lines: list[str] = []
+        self._changed = threading.Condition()
+        self._ended = False
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._changed:
+                self._lines.append(line)
+                self._changed.notify_all()
+        with self._changed:
+            self._ended = True
+            self._changed.notify_all()
+
+    def text(self) -> str:
+        with self._changed:
+            return "".join(self._lines)
+
+    def wait_for(self, needle: str, timeout: float = 300) -> str:
+        """The first line holding `needle`, once printed; AssertionError (with the output)
+        when the process ends without it or `timeout` s pass."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                found = next((line for line in self._lines if needle in line), None)
+                if found is not None:
+                    return found
+                left = deadline - time.monotonic()
+                if self._ended or left <= 0:
+                    why = "the process ended" if self._ended else f"{timeout} s passed"
+                    raise AssertionError(f"{why} before it printed {needle!r}; output:\n"
+                                         + "".join(self._lines))
+                self._changed.wait(left)
+
+    def finish(self, timeout: float = 300) -> tuple[int, str]:
+        """As finish(): the exit code and all the output, the process killed (and the test
+        failed) when it has not exited within `timeout` s."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self._thread.join(timeout=30)
+            raise AssertionError(f"process did not exit in {timeout} s; output:\n"
+                                 + self.text()) from None
+        self._thread.join(timeout=60)
+        return self.proc.returncode, self.text()
+
+
+class PersistentRedis:
+    """A private Redis that keeps its data across a restart (append-only file, fsync
+    always), for tests that stop and start it under a client or a worker."""
+
+    def __init__(self, binary: str, folder: Path) -> None:
+        from vlmq.worker.redis_server import free_port
+
+        self.cmd = [binary, "--port", str(free_port()), "--bind", "127.0.0.1", "--save", "",
+                    "--appendonly", "yes", "--appendfsync", "always", "--dir", str(folder)]
+        self.url = f"redis://127.0.0.1:{self.cmd[2]}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        from vlmq.worker.redis_server import answers
+
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        wait_for(lambda: answers(self.url, timeout=1.0), 120, "redis to start")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()  # SIGTERM: Redis flushes the AOF and exits
+            self.proc.wait(timeout=120)
+
+
+def abandoned(redis: Redis, queue: str, *job_ids: str) -> bool:
+    """Whether every one of `job_ids` has an execution in `queue`'s started registry that
+    has expired (no heartbeat within its TTL): what RQ's cleanup takes for a dead worker's."""
+    from rq import Queue
+    from rq.registry import StartedJobRegistry
+    from rq.utils import current_timestamp
+
+    registry = StartedJobRegistry(queue=Queue(queue, connection=redis))
+    expired = set(registry.get_expired_job_ids(current_timestamp()))
+    return set(job_ids) <= expired

@@ -12,7 +12,9 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 
-from PIL import Image
+from PIL import Image, ImageDraw, TiffImagePlugin
+
+from tests.support.helpers import page_image
 
 RAW, LZW, GROUP4 = 1, 5, 4
 
@@ -86,3 +88,34 @@ def many_pages(pages: int, *, size: tuple[int, int] = (8, 8), endian: str = "<",
         out += bytes(8 if bigtiff else 4)  # next-page offset, filled by the next page
         out += data
     return bytes(out)
+
+
+# -- a small fax: five pages of mixed modes and compressions, Pillow's own writer --------
+
+# (mode, compression) of each page: Group 4 needs 1-bit pixels; LZW takes the rest.
+PAGES = [("1", "group4"), ("L", "tiff_lzw"), ("RGB", "tiff_lzw"), ("1", "group4"),
+         ("L", "tiff_lzw")]
+
+
+def fax_page(i: int, mode: str, size: tuple[int, int] = (200, 260)) -> Image.Image:
+    """A page unlike its neighbours (so each page's features differ), in `mode`."""
+    im = page_image(i, size)
+    ImageDraw.Draw(im).text((20, size[1] - 30), f"PAGE {i + 1}", fill=(0, 0, 0))
+    return im.convert(mode)
+
+
+def tiff_bytes(frames: list[tuple[Image.Image, str | None]]) -> bytes:
+    """A multi-page TIFF, each frame written with its own compression (None: raw)."""
+    buf = io.BytesIO()
+    with TiffImagePlugin.AppendingTiffWriter(buf) as tf:
+        for im, compression in frames:
+            if compression is None:
+                im.save(tf, format="TIFF")
+            else:
+                im.save(tf, format="TIFF", compression=compression)
+            tf.newFrame()
+    return buf.getvalue()
+
+
+def fax_bytes() -> bytes:
+    return tiff_bytes([(fax_page(i, mode), comp) for i, (mode, comp) in enumerate(PAGES)])

@@ -8,16 +8,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.support.factories import random_image
 from vlmq.worker.engine import families
 from vlmq.worker.engine import mlx_adapter as A
 from vlmq.worker.model.tiny import build_tiny_model
 
 PROMPT = "Read this page."
-
-
-def _image(seed: int, size: tuple[int, int]) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +90,7 @@ def test_load_errors_are_clear(tmp_path: Path) -> None:
 @pytest.mark.parametrize("size", [(224, 224), (300, 120), (64, 200), (57, 57), (500, 400)])
 def test_prepare_matches_processor_and_hit_path(loaded: A.LoadedModel, size) -> None:
     proc, cfg = loaded.processor, loaded.model.config
-    image = _image(1, size)
+    image = random_image(1, size)
     prep = A.prepare(proc, cfg, image, PROMPT)
     assert isinstance(prep.input_ids, np.ndarray)
     assert isinstance(prep.pixel_values, np.ndarray)
@@ -120,7 +116,7 @@ def test_text_only_prepare(loaded: A.LoadedModel) -> None:
 
 
 def test_uncached_path_matches_sequential_generate(loaded: A.LoadedModel) -> None:
-    image = _image(2, (224, 168))
+    image = random_image(2, (224, 168))
     prep = A.prepare(loaded.processor, loaded.model.config, image, PROMPT)
     ids, kwargs = A.build_prompt_kwargs(loaded.model, loaded.processor, prep, None)
     assert _greedy(loaded, ids, kwargs, 8) == _sequential(loaded, image, 8)
@@ -128,7 +124,7 @@ def test_uncached_path_matches_sequential_generate(loaded: A.LoadedModel) -> Non
 
 def test_cached_features_give_same_tokens(loaded: A.LoadedModel) -> None:
     proc, cfg, model = loaded.processor, loaded.model.config, loaded.model
-    image = _image(3, (224, 224))
+    image = random_image(3, (224, 224))
     miss = A.prepare(proc, cfg, image, PROMPT)
     feats = A.vision_features(model, miss)
     assert feats.shape[0] == int(miss.input_ids.tolist().count(cfg.image_token_id))
@@ -146,8 +142,8 @@ def test_cached_features_give_same_tokens(loaded: A.LoadedModel) -> None:
 def test_cached_features_are_really_used(loaded: A.LoadedModel) -> None:
     """Features of another same-size image change the output: the hit path runs no tower."""
     proc, cfg, model = loaded.processor, loaded.model.config, loaded.model
-    a = A.prepare(proc, cfg, _image(4, (224, 224)), PROMPT)
-    b = A.prepare(proc, cfg, _image(5, (224, 224)), PROMPT)
+    a = A.prepare(proc, cfg, random_image(4, (224, 224)), PROMPT)
+    b = A.prepare(proc, cfg, random_image(5, (224, 224)), PROMPT)
     hit = A.prepare_from_grid(proc, cfg, a.image_grid_thw, PROMPT)
     ids, kw_with_b = A.build_prompt_kwargs(model, proc, hit, A.vision_features(model, b))
     ids_b, kw_b = A.build_prompt_kwargs(model, proc, b, None)
@@ -159,7 +155,7 @@ def test_cached_features_are_really_used(loaded: A.LoadedModel) -> None:
 def test_numpy_round_trip_is_exact(loaded: A.LoadedModel) -> None:
     import mlx.core as mx
 
-    prep = A.prepare(loaded.processor, loaded.model.config, _image(6, (112, 112)), PROMPT)
+    prep = A.prepare(loaded.processor, loaded.model.config, random_image(6, (112, 112)), PROMPT)
     feats = A.vision_features(loaded.model, prep)
     arr, name = A.features_to_numpy(feats)
     assert (name, arr.dtype) == ("float32", np.float32)
@@ -180,7 +176,7 @@ def test_qwen2_5_vl_hit_path(tmp_path: Path) -> None:
     loaded = A.load_model(str(build_tiny_model(tmp_path / "q25", arch="qwen2_5_vl")))
     assert loaded.cacheable
     proc, cfg, model = loaded.processor, loaded.model.config, loaded.model
-    miss = A.prepare(proc, cfg, _image(7, (168, 112)), PROMPT)
+    miss = A.prepare(proc, cfg, random_image(7, (168, 112)), PROMPT)
     hit = A.prepare_from_grid(proc, cfg, miss.image_grid_thw, PROMPT)
     assert hit.input_ids.tolist() == miss.input_ids.tolist()
     _, kw_u = A.build_prompt_kwargs(model, proc, miss, None)
@@ -190,7 +186,7 @@ def test_qwen2_5_vl_hit_path(tmp_path: Path) -> None:
 
 def test_deferred_path_matches_numpy_path(loaded: A.LoadedModel) -> None:
     """The generic (MLX-thread) preparation used for non-Qwen families gives the same tokens."""
-    image = _image(8, (224, 140))
+    image = random_image(8, (224, 140))
     prep = A.prepare(loaded.processor, loaded.model.config, image, PROMPT)
     deferred = A.Prepared(text=prep.text, input_ids=None, deferred_image=image)
     assert deferred.prompt_tokens is None

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.worker.test_structured import Rig
+from tests.support.engine_rig import Rig
 from vlmq.worker.engine.batch_size import BatchSizer, Shape
 from vlmq.worker.engine.batcher import Engine
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.worker.test_structured import INVOICE, RECEIPT, Rig
+from tests.support.engine_rig import Rig
+from tests.support.schemas import INVOICE, RECEIPT
 from vlmq.worker.engine import constraints as S
 from vlmq.worker.engine.batcher import Engine, Finished, Request, faults
 from vlmq.worker.engine.constraints import ConstraintError

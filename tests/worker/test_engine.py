@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
 
+from tests.support.factories import random_image
 from vlmq.worker.engine import mlx_adapter as A
 from vlmq.worker.engine.batcher import Engine, EngineError, Finished, Request
 
@@ -29,11 +29,6 @@ ITEMS = [
 ]
 
 
-def _image(seed: int, size: tuple[int, int]) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
-
-
 @dataclass
 class Ref:
     prepared: A.Prepared
@@ -48,7 +43,7 @@ def refs(tiny_model: Path) -> dict[tuple[str, int], Ref]:
     model, processor = load(str(tiny_model))
     out = {}
     for job, seed, size, max_tokens in ITEMS:
-        image = _image(seed, size)
+        image = random_image(seed, size)
         prep = A.prepare(processor, model.config, image, PROMPT)
         *_, last = stream_generate(
             model, processor, prep.text, image=[image], max_tokens=max_tokens, temperature=0.0

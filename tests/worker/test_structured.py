@@ -5,7 +5,6 @@ validate, and a value cut short must fail, never be returned."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,82 +12,12 @@ from typing import Any
 import jsonschema
 import numpy as np
 import pytest
-from PIL import Image
 
-from vlmq.worker.engine import mlx_adapter as A
-from vlmq.worker.engine.batcher import Engine, Finished, Request
-from vlmq.worker.engine.constraints import ConstraintError, Structured, apply_portable
+from tests.support.engine_rig import Rig
+from tests.support.schemas import INVOICE, PERSON, RECEIPT, SCHEMAS
+from vlmq.worker.engine.batcher import Finished
+from vlmq.worker.engine.constraints import ConstraintError, apply_portable
 from vlmq.worker.model.tiny import build_tiny_model
-
-PROMPT = "Extract the fields of this document as JSON."
-LINE = {"type": "object", "additionalProperties": False, "required": ["name", "qty"],
-        "properties": {"name": {"type": "string", "maxLength": 12},
-                       "qty": {"type": "integer", "minimum": 1, "maximum": 99}}}
-RECEIPT = {  # nested objects, an array with min/max items, an enum, a bounded number
-    "type": "object", "additionalProperties": False,
-    "required": ["vendor", "total", "currency", "lines"],
-    "properties": {
-        "vendor": {"type": "string", "maxLength": 24},
-        "total": {"type": "number", "minimum": 0, "maximum": 100000, "multipleOf": 0.01},
-        "currency": {"enum": ["EUR", "USD", "GBP"]},
-        "lines": {"type": "array", "minItems": 1, "maxItems": 3, "items": LINE}}}
-INVOICE = {  # a string pattern, optional fields, a boolean
-    "type": "object", "additionalProperties": False, "required": ["date", "number"],
-    "properties": {
-        "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
-        "number": {"type": "integer", "minimum": 0, "maximum": 999999},
-        "paid": {"type": "boolean"},
-        "note": {"type": "string", "maxLength": 16}}}
-PERSON = {  # an object in an object, an array of enums, a nullable field
-    "type": "object", "additionalProperties": False, "required": ["person", "tags"],
-    "properties": {
-        "person": {"type": "object", "additionalProperties": False, "required": ["name", "age"],
-                   "properties": {"name": {"type": "string", "maxLength": 16},
-                                  "age": {"type": "integer", "minimum": 0, "maximum": 130},
-                                  "email": {"type": ["string", "null"], "maxLength": 20}}},
-        "tags": {"type": "array", "items": {"enum": ["invoice", "receipt", "letter"]},
-                 "maxItems": 3}}}
-SCHEMAS = [RECEIPT, INVOICE, PERSON]
-MAX_TOKENS = 220
-
-
-def _image(seed: int, size: tuple[int, int] = (112, 112)) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
-
-
-class Rig:
-    """One model loaded in an engine at `max_batch`, and what builds its requests."""
-
-    def __init__(self, model: Path, max_batch: int) -> None:
-        from mlx_vlm import load
-
-        self.engine = Engine(str(model), max_batch=max_batch)
-        self.engine.wait_ready(timeout=120)
-        self.model, self.processor = load(str(model))
-        self.structured = Structured(self.processor.tokenizer,
-                                     A.eos_token_ids(self.processor))
-
-    def request(self, key: object, seed: int, schema: dict[str, Any] | None,
-                max_tokens: int = MAX_TOKENS, size: tuple[int, int] = (112, 112)) -> Request:
-        prep = A.prepare(self.processor, self.model.config, _image(seed, size), PROMPT)
-        return Request(key=key, prepared=prep, cached_features=None, max_tokens=max_tokens,
-                       temperature=0.0, stop=(),
-                       constraint=None if schema is None else self.structured.row(schema))
-
-    def run(self, reqs: list[Request], timeout: float = 120) -> dict[object, Finished]:
-        for r in reqs:
-            self.engine.submit(r)
-        got: dict[object, Finished] = {}
-        deadline = time.monotonic() + timeout
-        while len(got) < len(reqs) and time.monotonic() < deadline:
-            for f in self.engine.get_finished(timeout=0.2):
-                got[f.key] = f
-        assert len(got) == len(reqs), f"{len(got)}/{len(reqs)} came back"
-        return got
-
-    def close(self) -> None:
-        self.engine.close(timeout=10)
 
 
 @pytest.fixture(scope="module")

@@ -7,17 +7,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from PIL import Image
 
+from tests.support.factories import random_image
 from vlmq.worker.engine import families
 from vlmq.worker.model.tiny import SIZES, build_tiny_model
-
-
-def _image(seed: int, size: tuple[int, int] = (224, 224)) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
 
 
 def _greedy_ids(model, processor, image: Image.Image, max_tokens: int = 8) -> list[int]:
@@ -46,7 +41,8 @@ def test_distinct_images_give_distinct_outputs(tiny_model: Path) -> None:
     from mlx_vlm import load
 
     model, processor = load(str(tiny_model))
-    outputs = {tuple(_greedy_ids(model, processor, _image(seed))) for seed in range(4)}
+    outputs = {tuple(_greedy_ids(model, processor, random_image(seed, (224, 224))))
+               for seed in range(4)}
     assert len(outputs) == 4
 
 
@@ -68,7 +64,7 @@ def test_qwen2_5_vl_loads_and_generates(tmp_path: Path) -> None:
     model, processor = load(str(path))
     assert type(processor).__module__.startswith("mlx_vlm")
     assert model.config.model_type == "qwen2_5_vl"
-    assert len(_greedy_ids(model, processor, _image(0, (112, 84)), max_tokens=4)) == 4
+    assert len(_greedy_ids(model, processor, random_image(0, (112, 84)), max_tokens=4)) == 4
 
 
 def test_unknown_arch_is_refused(tmp_path: Path) -> None:

@@ -1,0 +1,50 @@
+"""One tiny model loaded in a real engine, and the extract requests it is given: the
+constrained-decoding tests (structured, containment, batch size) share it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.support.factories import random_image
+from vlmq.worker.engine import mlx_adapter as A
+from vlmq.worker.engine.batcher import Engine, Finished, Request
+from vlmq.worker.engine.constraints import Structured
+
+PROMPT = "Extract the fields of this document as JSON."
+MAX_TOKENS = 220
+
+
+class Rig:
+    """One model loaded in an engine at `max_batch`, and what builds its requests."""
+
+    def __init__(self, model: Path, max_batch: int) -> None:
+        from mlx_vlm import load
+
+        self.engine = Engine(str(model), max_batch=max_batch)
+        self.engine.wait_ready(timeout=120)
+        self.model, self.processor = load(str(model))
+        self.structured = Structured(self.processor.tokenizer,
+                                     A.eos_token_ids(self.processor))
+
+    def request(self, key: object, seed: int, schema: dict[str, Any] | None,
+                max_tokens: int = MAX_TOKENS, size: tuple[int, int] = (112, 112)) -> Request:
+        prep = A.prepare(self.processor, self.model.config, random_image(seed, size), PROMPT)
+        return Request(key=key, prepared=prep, cached_features=None, max_tokens=max_tokens,
+                       temperature=0.0, stop=(),
+                       constraint=None if schema is None else self.structured.row(schema))
+
+    def run(self, reqs: list[Request], timeout: float = 120) -> dict[object, Finished]:
+        for r in reqs:
+            self.engine.submit(r)
+        got: dict[object, Finished] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < len(reqs) and time.monotonic() < deadline:
+            for f in self.engine.get_finished(timeout=0.2):
+                got[f.key] = f
+        assert len(got) == len(reqs), f"{len(got)}/{len(reqs)} came back"
+        return got
+
+    def close(self) -> None:
+        self.engine.close(timeout=10)
