@@ -12,6 +12,22 @@
 -- ARGV[2] or this run of the job has its terminal event already: the hash field vlmq_end
 -- is set, or the stream's last entry is a terminal event (written by a canceler that did
 -- not use this script; nothing is ever written after a terminal event).
+-- Key names: the generated block below is shared/keys.py's KEY_TABLE, so no key is spelled here.
+-- BEGIN KEYS: generated from vlmq/shared/keys.py by `python -m vlmq.shared.lua --write`; do not edit by hand.
+local KEY = {}
+function KEY.batch(prefix, batch_id) return prefix .. ':batch:' .. batch_id end
+function KEY.batch_events(prefix, batch_id) return prefix .. ':batch:' .. batch_id .. ':events' end
+function KEY.batch_jobs(prefix, batch_id) return prefix .. ':batch:' .. batch_id .. ':jobs' end
+function KEY.batch_pending(prefix, batch_id) return prefix .. ':batch:' .. batch_id .. ':pending' end
+function KEY.blob(prefix, sha256) return prefix .. ':blob:' .. sha256 end
+function KEY.blob_jobs(prefix, sha256) return prefix .. ':blob-jobs:' .. sha256 end
+function KEY.job_batch(prefix, job_id) return prefix .. ':job:' .. job_id .. ':batch' end
+function KEY.job_events(prefix, job_id) return prefix .. ':job:' .. job_id .. ':events' end
+function KEY.job_failed(prefix, job_id) return prefix .. ':job:' .. job_id .. ':failed' end
+function KEY.job_inputs(prefix, job_id) return prefix .. ':job:' .. job_id .. ':inputs' end
+-- END KEYS
+-- The prefix is KEYS[2]'s, less the events stream's own name.
+local prefix = string.sub(KEYS[2], 1, #KEYS[2] - #KEY.job_events('', ARGV[1]))
 if redis.call('HGET', KEYS[1], 'status') ~= ARGV[2] then
   return nil
 end
@@ -35,7 +51,7 @@ local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', '10000', '*', unpack(field
 redis.call('HSET', KEYS[1], 'vlmq_end', id)
 local ttl = tonumber(ARGV[3])
 -- The failed-items set (write_items.lua) lives exactly as long as the items hash.
-local failed_items = string.sub(KEYS[3], 1, #KEYS[3] - #':items') .. ':failed'
+local failed_items = KEY.job_failed(prefix, ARGV[1])
 for _, key in ipairs({KEYS[2], KEYS[3], failed_items}) do
   if ttl > 0 then
     redis.call('EXPIRE', key, ttl)
@@ -51,26 +67,26 @@ end
 -- BEGIN BATCH (producer/job_sets.py, PROTOCOL.md section 9): a job of a batch leaves the
 -- batch's pending set once; the job that empties it writes the batch's one terminal event.
 do
-  local prefix = string.sub(KEYS[2], 1, #KEYS[2] - #(':job:' .. ARGV[1] .. ':events'))
-  local job_batch = prefix .. ':job:' .. ARGV[1] .. ':batch'
+  local job_batch = KEY.job_batch(prefix, ARGV[1])
   local batch = redis.call('GET', job_batch)
   if batch then
-    local bkey = prefix .. ':batch:' .. batch
+    local bkey, pending = KEY.batch(prefix, batch), KEY.batch_pending(prefix, batch)
+    local batch_events = KEY.batch_events(prefix, batch)
     if tonumber(ARGV[3]) > 0 then redis.call('EXPIRE', job_batch, ARGV[3]) end
-    if redis.call('SREM', bkey .. ':pending', ARGV[1]) == 1 then
+    if redis.call('SREM', pending, ARGV[1]) == 1 then
       redis.call('HINCRBY', bkey, ARGV[2], 1)
-      if redis.call('SCARD', bkey .. ':pending') == 0 then
+      if redis.call('SCARD', pending) == 0 then
         local n = redis.call('HMGET', bkey, 'jobs', 'finished', 'failed', 'canceled', 'ttl')
         local status = 'finished'
         if tonumber(n[3] or '0') > 0 then status = 'failed'
         elseif tonumber(n[4] or '0') > 0 then status = 'canceled' end
         local now = redis.call('TIME')
         redis.call('HSET', bkey, 'status', status, 'ended_at', now[1] .. '.' .. now[2])
-        redis.call('XADD', bkey .. ':events', '*', 'type', status, 'batch', batch,
+        redis.call('XADD', batch_events, '*', 'type', status, 'batch', batch,
           'jobs', n[1] or '0', 'finished', n[2] or '0', 'failed', n[3] or '0',
           'canceled', n[4] or '0')
         local batch_ttl = tonumber(n[5] or '0') or 0
-        for _, key in ipairs({bkey, bkey .. ':jobs', bkey .. ':events'}) do
+        for _, key in ipairs({bkey, KEY.batch_jobs(prefix, batch), batch_events}) do
           if batch_ttl > 0 then redis.call('EXPIRE', key, batch_ttl) end
         end
         redis.call('PUBLISH', ARGV[4], cjson.encode({id = batch, status = status, batch = true}))
@@ -84,15 +100,14 @@ end
 -- blob no live job holds lives on for the longest of this job's keep_inputs and any failed
 -- holder's record. A blob that a live job still holds is never shortened.
 do
-  local base = string.sub(KEYS[2], 1, #KEYS[2] - #':events')
-  local prefix = string.sub(base, 1, #base - #(':job:' .. ARGV[1]))
+  local inputs = KEY.job_inputs(prefix, ARGV[1])
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local failed = ARGV[2] == 'failed'
   local until_ms = (ttl > 0) and string.format('%d', now + ttl * 1000) or 'inf'
-  local held = redis.call('HGETALL', base .. ':inputs')
+  local held = redis.call('HGETALL', inputs)
   for i = 1, #held, 2 do
-    local jobs = prefix .. ':blob-jobs:' .. held[i]
+    local jobs = KEY.blob_jobs(prefix, held[i])
     if failed then
       redis.call('ZADD', jobs, until_ms, ARGV[1])
     else
@@ -102,14 +117,14 @@ do
     local last = redis.call('ZRANGE', jobs, -1, -1, 'WITHSCORES')[2]
     if last ~= 'inf' then
       local ms = math.max(tonumber(held[i + 1]) * 1000, last and tonumber(last) - now or 0)
-      redis.call('PEXPIRE', prefix .. ':blob:' .. held[i], ms)
+      redis.call('PEXPIRE', KEY.blob(prefix, held[i]), ms)
       redis.call('PEXPIRE', jobs, ms)
     end
   end
   if failed and ttl > 0 then
-    redis.call('EXPIRE', base .. ':inputs', ttl)
+    redis.call('EXPIRE', inputs, ttl)
   elseif not failed then
-    redis.call('DEL', base .. ':inputs')
+    redis.call('DEL', inputs)
   end
 end
 -- END INPUTS

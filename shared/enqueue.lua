@@ -10,6 +10,29 @@
 -- the argument, key or payload field. Every check runs before the first write, so an
 -- error or a 0 leaves Redis exactly as it was. The worker validates the payload fully
 -- (generation settings, label types...); the checks here are those that need no model.
+-- Key names: the generated block below is shared/keys.py's KEY_TABLE, so no key is spelled here.
+-- BEGIN KEYS: generated from vlmq/shared/keys.py by `python -m vlmq.shared.lua --write`; do not edit by hand.
+local KEY = {}
+function KEY.blob(prefix, sha256) return prefix .. ':blob:' .. sha256 end
+function KEY.blob_jobs(prefix, sha256) return prefix .. ':blob-jobs:' .. sha256 end
+function KEY.job_events(prefix, job_id) return prefix .. ':job:' .. job_id .. ':events' end
+function KEY.job_inputs(prefix, job_id) return prefix .. ':job:' .. job_id .. ':inputs' end
+function KEY.job_items(prefix, job_id) return prefix .. ':job:' .. job_id .. ':items' end
+function KEY.jobs_index(prefix) return prefix .. ':jobs' end
+function KEY.jobs_label_index(prefix, key, value) return prefix .. ':jobs:label:' .. #key .. ':' .. key .. '=' .. value end
+function KEY.jobs_meta(prefix) return prefix .. ':jobs:meta' end
+function KEY.jobs_queue_index(prefix, queue) return prefix .. ':jobs:queue:' .. queue end
+function KEY.rq_job(job_id) return 'rq:job:' .. job_id end
+function KEY.rq_queue(queue) return 'rq:queue:' .. queue end
+function KEY.rq_queues() return 'rq:queues' end
+local KEY_SHOWN = {
+  job_events = '<prefix>:job:<job_id>:events',
+  job_items = '<prefix>:job:<job_id>:items',
+  rq_job = 'rq:job:<job_id>',
+  rq_queue = 'rq:queue:<queue>',
+  rq_queues = 'rq:queues',
+}
+-- END KEYS
 if #KEYS ~= 5 then
   return redis.error_reply('KEYS: expected 5 keys, got ' .. #KEYS)
 end
@@ -19,22 +42,23 @@ end
 if not string.match(ARGV[2], '^[%w_.-]+$') or #ARGV[2] > 64 then
   return redis.error_reply('queue: must match [A-Za-z0-9_.-]{1,64}')
 end
-if KEYS[1] ~= 'rq:job:' .. ARGV[1] then
-  return redis.error_reply('KEYS[1]: must be rq:job:<job_id>')
+if KEYS[1] ~= KEY.rq_job(ARGV[1]) then
+  return redis.error_reply('KEYS[1]: must be ' .. KEY_SHOWN.rq_job)
 end
-if KEYS[2] ~= 'rq:queue:' .. ARGV[2] then
-  return redis.error_reply('KEYS[2]: must be rq:queue:<queue>')
+if KEYS[2] ~= KEY.rq_queue(ARGV[2]) then
+  return redis.error_reply('KEYS[2]: must be ' .. KEY_SHOWN.rq_queue)
 end
-if KEYS[3] ~= 'rq:queues' then
-  return redis.error_reply('KEYS[3]: must be rq:queues')
+if KEYS[3] ~= KEY.rq_queues() then
+  return redis.error_reply('KEYS[3]: must be ' .. KEY_SHOWN.rq_queues)
 end
-local items_tail = ':job:' .. ARGV[1] .. ':items'
+local items_tail = KEY.job_items('', ARGV[1])  -- the name less its prefix
 local prefix = string.sub(KEYS[4], 1, #KEYS[4] - #items_tail)
 if #KEYS[4] <= #items_tail or string.sub(KEYS[4], -#items_tail) ~= items_tail then
-  return redis.error_reply('KEYS[4]: must be <prefix>:job:<job_id>:items')
+  return redis.error_reply('KEYS[4]: must be ' .. KEY_SHOWN.job_items)
 end
-if KEYS[5] ~= prefix .. ':job:' .. ARGV[1] .. ':events' then
-  return redis.error_reply('KEYS[5]: must be <prefix>:job:<job_id>:events, with the prefix of KEYS[4]')
+if KEYS[5] ~= KEY.job_events(prefix, ARGV[1]) then
+  return redis.error_reply('KEYS[5]: must be ' .. KEY_SHOWN.job_events ..
+    ', with the prefix of KEYS[4]')
 end
 for i, name in pairs({[5] = 'timeout', [6] = 'result_ttl', [7] = 'failure_ttl'}) do
   if not string.match(ARGV[i], '^%d+$') or tonumber(ARGV[i]) < 1 then
@@ -99,7 +123,7 @@ local function is_int(x, lo, hi)
 end
 -- Payload settings: the generated table below is shared/settings.py's, row for row, so
 -- Lua refuses the same out-of-range values as the worker, naming the same field.
--- BEGIN SETTINGS: generated from vlmq/shared/settings.py by `python -m vlmq.shared.settings --write-lua`; do not edit by hand.
+-- BEGIN SETTINGS: generated from vlmq/shared/settings.py by `python -m vlmq.shared.lua --write`; do not edit by hand.
 local SETTINGS = {
   {name = 'prompt', path = {'prompt'}, kind = 'str', max_len = 20000},
   {name = 'schema', path = {'schema'}, kind = 'schema', max_bytes = 65536},
@@ -111,8 +135,8 @@ local SETTINGS = {
   {name = 'labels', path = {'labels'}, kind = 'labels', max_count = 64},
   {name = 'result_cache', path = {'result_cache'}, kind = 'choice', values = {true, false, 'sampled'}, shown = 'true, false or "sampled"'},
   {name = 'text_layer', path = {'text_layer'}, kind = 'choice', values = {'off', 'fallback', 'prefer'}, shown = '"off", "fallback" or "prefer"'},
-  {name = 'blob_ttl', path = {'blob_ttl'}, kind = 'int', lo = 1, hi = 31622400},
-  {name = 'keep_inputs', path = {'keep_inputs'}, kind = 'int', lo = 1, hi = 31622400},
+  {name = 'blob_ttl', path = {'blob_ttl'}, kind = 'int', lo = 1, hi = 31622400, default = 604800},
+  {name = 'keep_inputs', path = {'keep_inputs'}, kind = 'int', lo = 1, hi = 31622400, default = 3600},
   {name = 'batch', path = {'batch'}, kind = 'str', max_len = 128},
 }
 -- END SETTINGS
@@ -321,7 +345,7 @@ for i, item in ipairs(items) do
   end
 end
 for _, sha in ipairs(blob_order) do
-  local at, key = blobs[sha], prefix .. ':blob:' .. sha
+  local at, key = blobs[sha], KEY.blob(prefix, sha)
   if redis.call('EXISTS', key) == 0 then
     return redis.error_reply(at .. '.blob: no blob ' .. key ..
       ' (upload it first, SET NX with a TTL)')
@@ -360,20 +384,23 @@ redis.call('HSET', KEYS[1],
 redis.call('SADD', KEYS[3], KEYS[2])
 redis.call('RPUSH', KEYS[2], ARGV[1])
 -- Input holds (PROTOCOL.md section 2): the job holds each blob until it ends (end_job.lua).
--- Defaults as in shared/settings.py: blob_ttl 604800 s, keep_inputs 3600 s.
-local function given(name, default)
-  if payload[name] == nil or payload[name] == cjson.null then return default end
-  return payload[name]
+-- A setting the payload leaves out takes its row's default (the generated SETTINGS table).
+local function given(name)
+  if payload[name] ~= nil and payload[name] ~= cjson.null then return payload[name] end
+  for _, s in ipairs(SETTINGS) do
+    if s.name == name then return s.default end
+  end
 end
-local hold_ms = given('blob_ttl', 604800) * 1000
-local keep = string.format('%d', given('keep_inputs', 3600))
-local inputs = prefix .. ':job:' .. ARGV[1] .. ':inputs'
+local hold_ms = given('blob_ttl') * 1000
+local keep = string.format('%d', given('keep_inputs'))
+local inputs = KEY.job_inputs(prefix, ARGV[1])
 for sha in pairs(blobs) do
-  local jobs = prefix .. ':blob-jobs:' .. sha
+  local jobs = KEY.blob_jobs(prefix, sha)
+  local blob = KEY.blob(prefix, sha)
   redis.call('ZADD', jobs, 'inf', ARGV[1])
   redis.call('HSET', inputs, sha, keep)
-  local left = redis.call('PTTL', prefix .. ':blob:' .. sha)
-  if left >= 0 and left < hold_ms then redis.call('PEXPIRE', prefix .. ':blob:' .. sha, hold_ms) end
+  local left = redis.call('PTTL', blob)
+  if left >= 0 and left < hold_ms then redis.call('PEXPIRE', blob, hold_ms) end
   if redis.call('PTTL', jobs) < hold_ms then redis.call('PEXPIRE', jobs, hold_ms) end
 end
 if next(blobs) then redis.call('PEXPIRE', inputs, hold_ms) end
@@ -395,14 +422,14 @@ do
   local score = string.format('%d', us)
   local labels = payload.labels
   if type(labels) ~= 'table' then labels = {} end
-  redis.call('ZADD', prefix .. ':jobs', score, ARGV[1])
-  redis.call('ZADD', prefix .. ':jobs:queue:' .. ARGV[2], score, ARGV[1])
+  redis.call('ZADD', KEY.jobs_index(prefix), score, ARGV[1])
+  redis.call('ZADD', KEY.jobs_queue_index(prefix, ARGV[2]), score, ARGV[1])
   for k, v in pairs(labels) do
-    redis.call('ZADD', prefix .. ':jobs:label:' .. #k .. ':' .. k .. '=' .. v, score, ARGV[1])
+    redis.call('ZADD', KEY.jobs_label_index(prefix, k, v), score, ARGV[1])
   end
   local meta = cjson.encode({task = payload.task, items = #items, queue = ARGV[2],
     labels = labels})
-  redis.call('HSET', prefix .. ':jobs:meta', ARGV[1],
+  redis.call('HSET', KEY.jobs_meta(prefix), ARGV[1],
     string.sub(meta, 1, -2) .. ',"created":' .. score .. '}')
   redis.call('HSET', KEYS[1], 'vlmq_items', #items)  -- summed by one SORT ... GET
 end

@@ -1,4 +1,10 @@
-"""Every Redis key vlmq writes, in one place, under a configurable prefix.
+"""Every Redis key vlmq writes, in one table, under a configurable prefix.
+
+KEY_TABLE is the one place a key name is spelled. `Keys` builds the names Python uses
+from it, every Lua script carries a generated block of the same names (shared/lua.py,
+`python -m vlmq.shared.lua --write`; the block lives in the file because other languages'
+producers load the scripts from disk), and PROTOCOL.md's key tables are generated from it
+(shared/docs_tables.py). A new key is one row here plus a `Keys` method.
 
 RQ's own keys (queues, registries, job hashes) keep RQ's names so that `rq info` and
 rq-dashboard work unchanged; only vlmq's additions live under the prefix.
@@ -8,24 +14,12 @@ from __future__ import annotations
 
 import os
 import re
+import string
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 DEFAULT_PREFIX = "vlmq"
 PREFIX_ENV = "VLMQ_PREFIX"
-
-# RQ's names: the only place vlmq spells them. They mirror rq 3.0 (tests/protocol/test_keys.py
-# checks them against RQ's own classes; tests/protocol/test_protocol.py pins the wire names).
-RQ_JOB = "rq:job:{id}"
-RQ_QUEUE = "rq:queue:{name}"
-RQ_QUEUES = "rq:queues"
-RQ_RESULTS = "rq:results:{id}"
-RQ_WORKER = "rq:worker:{name}"
-RQ_WORKERS = "rq:workers"
-RQ_QUEUE_WORKERS = "rq:workers:{queue}"
-# A queue's registries (zsets scored by expiry), by the name vlmq shows each under.
-RQ_REGISTRIES = {"started": "rq:wip:{queue}", "finished": "rq:finished:{queue}",
-                 "failed": "rq:failed:{queue}", "deferred": "rq:deferred:{queue}",
-                 "scheduled": "rq:scheduled:{queue}", "canceled": "rq:canceled:{queue}"}
 
 # Whole-string patterns: use .fullmatch (`$` would accept a trailing newline).
 JOB_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -34,6 +28,205 @@ SHA256_RE = re.compile(r"[0-9a-f]{64}")
 # a batch id on the wire, and commands tell batches from jobs by the batch record.
 BATCH_ID_PREFIX = "b-"
 QUEUE_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+@dataclass(frozen=True)
+class KeyName:
+    """One key (or pub/sub channel): its name pattern and what PROTOCOL.md says of it.
+
+    `pattern` holds `{prefix}` (vlmq's keys; RQ's have none) and one `{field}` per part the
+    caller gives. A field named in `lengths` is not given but computed: the UTF-8 byte
+    length of the field it maps to, so that fields which may hold the separator still
+    name exactly one key. The prose columns may hold `{placeholders}` that
+    shared/docs_tables.py fills from the constants they quote, so the document's numbers
+    follow the code's.
+    """
+
+    name: str  # the Keys attribute, and the name in the Lua block
+    pattern: str
+    type: str
+    writers: str
+    content: str
+    lifetime: str
+    lengths: tuple[tuple[str, str], ...] = ()
+    section: str = "keys"  # which PROTOCOL.md table lists it
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """Every field of the pattern, in order ("prefix" included)."""
+        return tuple(f for _, f, _, _ in string.Formatter().parse(self.pattern) if f)
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """The fields a caller gives: all but the prefix and the computed lengths."""
+        computed = dict(self.lengths)
+        return tuple(f for f in self.fields if f != "prefix" and f not in computed)
+
+    @property
+    def shown(self) -> str:
+        """The name as the documents and Lua's error messages write it, e.g.
+        `<prefix>:job:<job_id>:items`."""
+        return self.pattern.replace("{", "<").replace("}", ">")
+
+    def build(self, prefix: str, values: Mapping[str, str]) -> str:
+        """The key for `values` (one per param) under `prefix`."""
+        computed = {n: str(len(values[of].encode())) for n, of in self.lengths}
+        return self.pattern.format(prefix=prefix, **values, **computed)
+
+
+
+# What the document says is "none" for a channel's lifetime.
+_CHANNEL = "nothing is kept: a subscriber hears it or misses it"
+_RQ = "worker (RQ)"
+
+KEY_TABLE: tuple[KeyName, ...] = (
+    KeyName("blob", "{prefix}:blob:{sha256}", "string", "producer",
+            "input bytes (an image file or a whole PDF); SET NX",
+            "short ({upload_ttl} s) until a job holds it; then the job's `blob_ttl` "
+            "({blob_ttl_days} days by default) while a job uses it; `keep_inputs` "
+            "({keep_inputs} s by default) after the last one ends, or a failed job's failure "
+            "TTL (section 2)"),
+    KeyName("blob_jobs", "{prefix}:blob-jobs:{sha256}", "zset", "enqueue, end_job.lua",
+            "the jobs holding the blob: member job id, score `inf` while the job lives, the "
+            "epoch ms its failure record expires once it failed", "the blob's"),
+    KeyName("job_inputs", "{prefix}:job:{job_id}:inputs", "hash", "enqueue",
+            "field = sha256 of each blob the job holds, value = the job's `keep_inputs` (s)",
+            "the job's `blob_ttl`; deleted when the job finishes or is canceled or deleted, "
+            "the failure TTL once it failed"),
+    KeyName("rq_job", "rq:job:{job_id}", "hash", "producer", "the RQ job (section 3)",
+            "none while queued or running; `result_ttl` s after it finishes, `failure_ttl` s "
+            "after it fails (RQ)"),
+    KeyName("rq_queue", "rq:queue:{queue}", "list", "producer",
+            "job ids waiting; RPUSH to enqueue", "none"),
+    KeyName("rq_queues", "rq:queues", "set", "producer",
+            "every queue key (`rq:queue:<queue>`)", "none"),
+    KeyName("job_items", "{prefix}:job:{job_id}:items", "hash", "worker",
+            "field = item index (decimal), value = item result JSON (section 4)",
+            "the job's `result_ttl`, counted from the last write"),
+    KeyName("job_events", "{prefix}:job:{job_id}:events", "stream", "worker, `vlmq cancel`",
+            "progress events and the one terminal event (section 5)",
+            "refreshed on each write; the job hash's lifetime once it ends (section 5)"),
+    KeyName("job_owner", "{prefix}:job:{job_id}:owner", "string", "worker",
+            "the execution running the job, `<execution id> <worker name>` (section 5, "
+            "fencing); a producer never writes it",
+            "the heartbeat TTL, refreshed by the owner's heartbeats"),
+    KeyName("job_failed", "{prefix}:job:{job_id}:failed", "set", "worker (write_items.lua)",
+            "indexes of the job's failed items", "as the items hash"),
+    KeyName("job_risk", "{prefix}:job:{job_id}:risk", "hash", "worker",
+            "item index -> `<worker>\\|<step>\\|<unix time>` while that item is in a step "
+            "that could kill its worker", "cleared after the step; left behind if the worker died"),
+    KeyName("job_kills", "{prefix}:job:{job_id}:kills", "hash", "worker",
+            "`count`: workers that died while one of the job's items was in such a step",
+            "the failure TTL ({failure_ttl_days} days) from the last death"),
+    KeyName("job_batch", "{prefix}:job:{job_id}:batch", "string", "producer",
+            "the batch id of a job in a batch",
+            "none while the job runs; the job's events lifetime once it ends"),
+    KeyName("rq_results", "rq:results:{job_id}", "stream", _RQ,
+            "the job summary once finished, or the failure message (section 6)",
+            "same as the job hash"),
+    KeyName("done_channel", "{prefix}:done", "channel", "end_job.lua",
+            "pub/sub: `{\"id\", \"status\"}` once per job that ends, and "
+            "`{\"id\", \"status\", \"batch\": true}` once per batch (sections 5, 9)", _CHANNEL),
+    KeyName("done_queue_channel", "{prefix}:done:{queue}", "channel", "end_job.lua",
+            "pub/sub: the same message, for the jobs of one queue only", _CHANNEL),
+    KeyName("batch", "{prefix}:batch:{batch_id}", "hash", "producer",
+            "a batch's record (section 9): `task`, `created_at`, `labels` (JSON), `items`, "
+            "`jobs`, `ttl`; once it ends `status`, `ended_at` and its jobs' ends counted by "
+            "type (`finished`, `failed`, `canceled`)", "none while it runs; `ttl` s after it ends"),
+    KeyName("batch_jobs", "{prefix}:batch:{batch_id}:jobs", "list", "producer",
+            "the batch's job ids in order", "as the batch hash"),
+    KeyName("batch_pending", "{prefix}:batch:{batch_id}:pending", "set",
+            "producer, end_job.lua", "the batch's jobs that have not ended", "gone when empty"),
+    KeyName("batch_events", "{prefix}:batch:{batch_id}:events", "stream", "end_job.lua",
+            "the batch's one terminal event (section 9)", "as the batch hash"),
+    KeyName("jobs_index", "{prefix}:jobs", "zset", "enqueue (Python, enqueue.lua)",
+            "every indexed job id, score = its `created_at` in epoch microseconds (section 8a)",
+            "until the job is deleted, or its hash is found gone"),
+    KeyName("jobs_queue_index", "{prefix}:jobs:queue:{queue}", "zset", "enqueue",
+            "the same, for one queue", "as `<prefix>:jobs`"),
+    KeyName("jobs_label_index", "{prefix}:jobs:label:{n}:{key}={value}", "zset", "enqueue",
+            "the same, for one label; `<n>` = the key's length in UTF-8 bytes, so any key and "
+            "value name one zset", "as `<prefix>:jobs`", lengths=(("n", "key"),)),
+    KeyName("jobs_meta", "{prefix}:jobs:meta", "hash", "enqueue",
+            "job id -> JSON `{\"task\", \"items\", \"queue\", \"labels\", \"created\"}` "
+            "(section 8a)", "as `<prefix>:jobs`"),
+    KeyName("jobs_sweep", "{prefix}:jobs:sweep", "string", "worker",
+            "the rank in `<prefix>:jobs` where the last sweep stopped", "none"),
+    KeyName("worker_stats", "{prefix}:worker:{name}:stats", "hash", "worker",
+            "live worker stats (section 7)", "a few stats intervals, refreshed while the "
+            "worker lives"),
+    KeyName("workers", "{prefix}:workers", "set", "worker",
+            "names of workers that publish stats", "none (a stopped worker removes itself)"),
+    KeyName("redis_restart", "{prefix}:redis:restart", "hash", "worker",
+            "left in a Redis that restarted empty: `last` (when, old and new run_id) and "
+            "`job:<id>` for each job lost with it; `vlmq wait` reads it",
+            "{restart_days} days"),
+    KeyName("dead", "{prefix}:dead", "list", "worker",
+            "queue entries no worker can run, newest first (at most {dead_max}): JSON "
+            "`{\"queue\", \"entry\", \"reason\", \"worker\", \"at\"}`",
+            "none (trimmed to {dead_max})"),
+    KeyName("rq_worker", "rq:worker:{name}", "hash", _RQ,
+            "one RQ worker (state, queues, death...)", "RQ's (while the worker lives)"),
+    KeyName("rq_workers", "rq:workers", "set", _RQ, "every live RQ worker's key",
+            "none (RQ keeps it current)"),
+    KeyName("rq_queue_workers", "rq:workers:{queue}", "set", _RQ,
+            "live RQ workers serving that queue", "none (RQ keeps it current)"),
+    # A queue's registries (zsets of job ids scored by expiry), by the state vlmq shows.
+    KeyName("rq_started", "rq:wip:{queue}", "zset", _RQ,
+            "the queue's started jobs, scored by when their execution lapses", "none"),
+    KeyName("rq_finished", "rq:finished:{queue}", "zset", _RQ,
+            "the queue's finished jobs, scored by when their record expires", "none"),
+    KeyName("rq_failed", "rq:failed:{queue}", "zset", _RQ,
+            "the queue's failed jobs, scored by when their record expires", "none"),
+    KeyName("rq_deferred", "rq:deferred:{queue}", "zset", _RQ,
+            "the queue's deferred jobs (RQ's; vlmq enqueues none)", "none"),
+    KeyName("rq_scheduled", "rq:scheduled:{queue}", "zset", _RQ,
+            "the queue's scheduled jobs (RQ's; vlmq enqueues none)", "none"),
+    KeyName("rq_canceled", "rq:canceled:{queue}", "zset", _RQ,
+            "the queue's canceled jobs (section 8)", "none"),
+    KeyName("schedules", "{prefix}:schedules", "set", "`vlmq schedule`",
+            "schedule names", "none"),
+    KeyName("schedule", "{prefix}:schedule:{name}", "hash", "`vlmq schedule`, schedulers",
+            "a schedule's definition (`def`, JSON), `next_due` (epoch ms) and `paused`",
+            "until the schedule is removed"),
+    KeyName("schedule_done", "{prefix}:schedule:{name}:done", "set", "schedulers",
+            "the work units (settings, source, sha256, page) the schedule has done",
+            "as the schedule"),
+    KeyName("schedule_pending", "{prefix}:schedule:{name}:pending", "hash", "schedulers",
+            "job id -> the units (and roots) of the schedule's jobs not yet finished",
+            "as the schedule"),
+    KeyName("schedule_runs", "{prefix}:schedule:{name}:runs", "hash", "schedulers",
+            "run id -> run record (due time, job id, items, skipped, status)",
+            "as the schedule"),
+    KeyName("schedule_files", "{prefix}:schedule:{name}:files", "hash", "schedulers",
+            "path -> `size:mtime_ns:sha256:kind:pages` from the schedule's last run",
+            "as the schedule"),
+    KeyName("schedule_lock", "{prefix}:schedule:{name}:lock", "string", "schedulers",
+            "held while one run of the schedule reads its paths and enqueues",
+            "the lock's timeout"),
+    KeyName("result_cache_gen", "{prefix}:rcache:gen:{g}", "hash", "worker",
+            "field: an item key's digest (128 bits, base64url, 22 characters); value: "
+            "`<job id> <index> <text hash>`, the item result that holds the text and the "
+            "first 8 hex digits of the text's sha256",
+            "until the end of span `g` (a day: `g` = epoch seconds // 86400); entries sit in "
+            "the span in which their target result expires, capped by the cache's ttl",
+            section="rcache"),
+)
+
+KEY: Mapping[str, KeyName] = {k.name: k for k in KEY_TABLE}
+
+# RQ's names, from the table. They mirror rq 3.0 (tests/protocol/test_keys.py checks them
+# against RQ's own classes; tests/protocol/test_protocol.py pins the wire names).
+RQ_QUEUES = KEY["rq_queues"].pattern
+RQ_WORKERS = KEY["rq_workers"].pattern
+# A queue's registries by the name vlmq shows each under: kind -> pattern with {queue}.
+RQ_REGISTRIES = {kind: KEY[f"rq_{kind}"].pattern for kind in
+                 ("started", "finished", "failed", "deferred", "scheduled", "canceled")}
+
+
+def _name(entry: str, prefix: str = "", /, **values: str) -> str:
+    """The key `entry` of KEY_TABLE names, for `values` under `prefix`."""
+    return KEY[entry].build(prefix, values)
 
 
 @dataclass(frozen=True)
@@ -47,24 +240,24 @@ class Keys:
         return cls(os.environ.get(PREFIX_ENV, DEFAULT_PREFIX))
 
     def blob(self, sha256: str) -> str:
-        return f"{self.prefix}:blob:{sha256}"
+        return _name("blob", self.prefix, sha256=sha256)
 
     def blob_jobs(self, sha256: str) -> str:
         """Zset: the jobs holding a blob, scored by when the hold ends in epoch ms (`inf`
         while the job is queued or running; a failed job's failure record expiry)."""
-        return f"{self.prefix}:blob-jobs:{sha256}"
+        return _name("blob_jobs", self.prefix, sha256=sha256)
 
     def job_inputs(self, job_id: str) -> str:
         """Hash: sha256 of each blob a job holds -> the job's keep_inputs (seconds)."""
-        return f"{self.prefix}:job:{job_id}:inputs"
+        return _name("job_inputs", self.prefix, job_id=job_id)
 
     def job_items(self, job_id: str) -> str:
         """Hash: item index (decimal string) -> ItemResult JSON."""
-        return f"{self.prefix}:job:{job_id}:items"
+        return _name("job_items", self.prefix, job_id=job_id)
 
     def job_events(self, job_id: str) -> str:
         """Stream of progress events for one job (item done, job finished/failed)."""
-        return f"{self.prefix}:job:{job_id}:events"
+        return _name("job_events", self.prefix, job_id=job_id)
 
     def job_owner(self, job_id: str) -> str:
         """String: the execution that owns a running job, `<execution id> <worker name>`.
@@ -73,182 +266,182 @@ class Keys:
         makes for the job (item results, events, the job's end, heartbeats) checks it
         atomically, so a worker that lost the job (stalled past its heartbeat) writes nothing.
         """
-        return f"{self.prefix}:job:{job_id}:owner"
+        return _name("job_owner", self.prefix, job_id=job_id)
 
     @property
     def done_channel(self) -> str:
         """Pub/sub channel: `{"id": ..., "status": ...}` once per job that ends."""
-        return f"{self.prefix}:done"
+        return _name("done_channel", self.prefix)
 
     def done_queue_channel(self, queue: str) -> str:
         """Pub/sub channel: the same message, for jobs of one queue only."""
-        return f"{self.prefix}:done:{queue}"
+        return _name("done_queue_channel", self.prefix, queue=queue)
 
     def job_risk(self, job_id: str) -> str:
         """Hash: item index -> "<worker>|<step>|<unix time>" while that item is in a step
         that could kill its worker (worker/intake/poison.py); left behind if it did."""
-        return f"{self.prefix}:job:{job_id}:risk"
+        return _name("job_risk", self.prefix, job_id=job_id)
 
     def job_kills(self, job_id: str) -> str:
         """Hash: how many workers died while one of this job's items was in risky work."""
-        return f"{self.prefix}:job:{job_id}:kills"
+        return _name("job_kills", self.prefix, job_id=job_id)
 
     def job_batch(self, job_id: str) -> str:
         """String: the id of the batch a job belongs to, written with the batch record
         before the job is enqueued; end_job.lua reads it to count the job's end once."""
-        return f"{self.prefix}:job:{job_id}:batch"
+        return _name("job_batch", self.prefix, job_id=job_id)
 
     # --- job indexes (shared/job_index.py; PROTOCOL.md section "Job indexes") ---------
 
     @property
     def jobs_index(self) -> str:
         """Zset: every indexed job id, scored by its enqueue time (RQ's created_at, epoch µs)."""
-        return f"{self.prefix}:jobs"
+        return _name("jobs_index", self.prefix)
 
     def jobs_queue_index(self, queue: str) -> str:
         """Zset: the indexed jobs of one queue, scored as jobs_index."""
-        return f"{self.prefix}:jobs:queue:{queue}"
+        return _name("jobs_queue_index", self.prefix, queue=queue)
 
     def jobs_label_index(self, key: str, value: str) -> str:
         """Zset: the indexed jobs carrying label key=value, scored as jobs_index.
 
         The key's length in UTF-8 bytes comes first, so any key and value (both may hold
         '=' or ':') name exactly one zset."""
-        return f"{self.prefix}:jobs:label:{len(key.encode())}:{key}={value}"
+        return _name("jobs_label_index", self.prefix, key=key, value=value)
 
     @property
     def jobs_meta(self) -> str:
         """Hash: job id -> JSON summary {task, items, queue, labels, created} for listing
         without the payload; outlives the job hash so stale index entries can be found."""
-        return f"{self.prefix}:jobs:meta"
+        return _name("jobs_meta", self.prefix)
 
     @property
     def jobs_sweep(self) -> str:
         """String: the jobs_index rank where the last sweep for expired jobs stopped."""
-        return f"{self.prefix}:jobs:sweep"
+        return _name("jobs_sweep", self.prefix)
 
     def job_failed(self, job_id: str) -> str:
         """Set: indexes of a job's failed items (write_items.lua); expires with the items
         hash, so done = HLEN items and failed = SCARD of this."""
-        return f"{self.prefix}:job:{job_id}:failed"
+        return _name("job_failed", self.prefix, job_id=job_id)
 
     def batch(self, batch_id: str) -> str:
         """Hash: a batch's record (task, created_at, labels, items, jobs, ttl) and, once it
         ends, its status and its jobs' end counts (finished, failed, canceled)."""
-        return f"{self.prefix}:batch:{batch_id}"
+        return _name("batch", self.prefix, batch_id=batch_id)
 
     def batch_jobs(self, batch_id: str) -> str:
         """List: a batch's job ids in order (its items' order)."""
-        return f"{self.prefix}:batch:{batch_id}:jobs"
+        return _name("batch_jobs", self.prefix, batch_id=batch_id)
 
     def batch_pending(self, batch_id: str) -> str:
         """Set: the batch's jobs that have not ended; the last one out ends the batch."""
-        return f"{self.prefix}:batch:{batch_id}:pending"
+        return _name("batch_pending", self.prefix, batch_id=batch_id)
 
     def batch_events(self, batch_id: str) -> str:
         """Stream: the batch's one terminal event (end_job.lua writes it)."""
-        return f"{self.prefix}:batch:{batch_id}:events"
+        return _name("batch_events", self.prefix, batch_id=batch_id)
 
     @property
     def redis_restart(self) -> str:
         """Hash a worker leaves in a Redis that restarted empty: when, and which jobs it
         lost with it, so `vlmq wait` can say why a job is gone."""
-        return f"{self.prefix}:redis:restart"
+        return _name("redis_restart", self.prefix)
 
     def worker_stats(self, name: str) -> str:
         """Hash of one worker's live stats; expires when the worker stops refreshing it."""
-        return f"{self.prefix}:worker:{name}:stats"
+        return _name("worker_stats", self.prefix, name=name)
 
     @property
     def dead(self) -> str:
         """List of queue entries no worker can run (undecodable, bad id, unreadable hash),
         newest first, each a JSON object with the reason."""
-        return f"{self.prefix}:dead"
+        return _name("dead", self.prefix)
 
     @property
     def workers(self) -> str:
         """Set of worker names that have published stats."""
-        return f"{self.prefix}:workers"
+        return _name("workers", self.prefix)
 
     def result_cache_gen(self, gen: int) -> str:
         """Hash: one generation of the result cache (worker/results/cache.py). Field = an
         item key's digest (128 bits, base64url), value = "<job id> <index> <text hash>",
         the stored item result holding its text; generation `gen` holds the entries whose
         target expires in day `gen` (epoch s // span) and expires at that day's end."""
-        return f"{self.prefix}:rcache:gen:{gen}"
+        return _name("result_cache_gen", self.prefix, g=str(gen))
 
     @property
     def schedules(self) -> str:
         """Set of schedule names."""
-        return f"{self.prefix}:schedules"
+        return _name("schedules", self.prefix)
 
     def schedule(self, name: str) -> str:
         """Hash: a schedule's definition (def, JSON), next_due (epoch ms) and paused."""
-        return f"{self.prefix}:schedule:{name}"
+        return _name("schedule", self.prefix, name=name)
 
     def schedule_done(self, name: str) -> str:
         """Set of the work units (settings, source, sha256, page) a schedule has done."""
-        return f"{self.prefix}:schedule:{name}:done"
+        return _name("schedule_done", self.prefix, name=name)
 
     def schedule_pending(self, name: str) -> str:
         """Hash: job id -> the units (and roots) of a schedule's job not yet finished."""
-        return f"{self.prefix}:schedule:{name}:pending"
+        return _name("schedule_pending", self.prefix, name=name)
 
     def schedule_runs(self, name: str) -> str:
         """Hash: run id -> run record (due time, job id, items, skipped, status)."""
-        return f"{self.prefix}:schedule:{name}:runs"
+        return _name("schedule_runs", self.prefix, name=name)
 
     def schedule_files(self, name: str) -> str:
         """Hash: path -> "size:mtime_ns:sha256:kind:pages" from a schedule's last run."""
-        return f"{self.prefix}:schedule:{name}:files"
+        return _name("schedule_files", self.prefix, name=name)
 
     def schedule_lock(self, name: str) -> str:
         """Lock held while one run of a schedule reads its paths and enqueues."""
-        return f"{self.prefix}:schedule:{name}:lock"
+        return _name("schedule_lock", self.prefix, name=name)
 
     # --- RQ's keys (static: RQ's names take no vlmq prefix) ---------------------------
 
     @staticmethod
     def rq_job(job_id: str) -> str:
-        return RQ_JOB.format(id=job_id)
+        return _name("rq_job", job_id=job_id)
 
     @staticmethod
     def rq_job_glob() -> str:
         """SCAN pattern for job hashes; it also matches RQ's `rq:job:<id>:<sub>` keys,
         which rq_job_id tells apart."""
-        return RQ_JOB.format(id="*")
+        return _name("rq_job", job_id="*")
 
     @staticmethod
     def rq_job_id(key: str) -> str | None:
         """The job id of a job hash key, or None for any other key (RQ keeps a job's
         dependents and dependencies under `rq:job:<id>:...`)."""
-        head = RQ_JOB.format(id="")
+        head = _name("rq_job", job_id="")
         job_id = key.removeprefix(head)
         return job_id if key.startswith(head) and job_id and ":" not in job_id else None
 
     @staticmethod
     def rq_queue(name: str) -> str:
-        return RQ_QUEUE.format(name=name)
+        return _name("rq_queue", queue=name)
 
     @staticmethod
     def rq_registry(kind: str, queue: str) -> str:
         """One of RQ_REGISTRIES (started, finished, failed, ...) of `queue`."""
-        return RQ_REGISTRIES[kind].format(queue=queue)
+        return _name(f"rq_{kind}", queue=queue)
 
     @staticmethod
     def rq_results(job_id: str) -> str:
         """Stream of a job's results (RQ's Result entries)."""
-        return RQ_RESULTS.format(id=job_id)
+        return _name("rq_results", job_id=job_id)
 
     @staticmethod
     def rq_worker(name: str) -> str:
         """Hash of one RQ worker (state, queues, death...)."""
-        return RQ_WORKER.format(name=name)
+        return _name("rq_worker", name=name)
 
     @staticmethod
     def rq_queue_workers(queue: str) -> str:
         """Set of the live workers that listen on `queue`."""
-        return RQ_QUEUE_WORKERS.format(queue=queue)
+        return _name("rq_queue_workers", queue=queue)
 
     @staticmethod
     def rq_name(key: str) -> str:

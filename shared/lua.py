@@ -4,15 +4,29 @@ One way keeps them reviewable as Lua, shipped in the wheel (package data `*.lua`
 readable by other-language clients from the same file (enqueue.lua is part of the
 protocol). Scripts are registered, not EVALed: redis-py then sends EVALSHA and loads the
 source only when the server does not have it, including inside a pipeline.
+
+No script spells a key name or a setting's range by hand: each file carries generated
+blocks, the key names it uses (from shared/keys.py's KEY_TABLE) and, in enqueue.lua, the
+settings table (shared/settings.py). The blocks live in the files themselves, not only
+in what Python loads, because other languages' producers read the files from disk.
+`python -m vlmq.shared.lua --write` regenerates them; `--check` (and
+tests/protocol/test_key_table.py) fails while a file differs from what the tables give.
 """
 
 from __future__ import annotations
 
+import re
+import string
+import sys
 from functools import cache
 from importlib import resources
+from pathlib import Path
 
 from redis import Redis
 from redis.commands.core import Script
+
+from vlmq.shared import settings as S
+from vlmq.shared.keys import KEY, KeyName
 
 # The scripts, by file name (each file's header says its KEYS, ARGV and reply).
 ENQUEUE = "enqueue.lua"
@@ -22,6 +36,14 @@ RESULT_CACHE_STORE = "result_cache_store.lua"
 RESULT_CACHE_LOOKUP = "result_cache_lookup.lua"
 SCHEDULE_CLAIM = "schedule_claim.lua"
 BLOB_EXTEND_TTL = "blob_extend_ttl.lua"
+SCRIPTS = (ENQUEUE, END_JOB, WRITE_ITEMS, RESULT_CACHE_STORE, RESULT_CACHE_LOOKUP,
+           SCHEDULE_CLAIM, BLOB_EXTEND_TTL)
+
+# The key block's first and last line (a tuple: lua's str constants are the script names).
+KEY_MARKERS = ("-- BEGIN KEYS", "-- END KEYS")
+# What a script names outside its block: KEY.<name>(...) builds a key, KEY_SHOWN.<name>
+# is its documented form (`<prefix>:job:<job_id>:items`) for error messages.
+_USES = re.compile(r"\bKEY(_SHOWN)?\.(\w+)")
 
 
 @cache
@@ -34,3 +56,99 @@ def script(redis: Redis, name: str) -> Script:
     """A packaged script bound to `redis`; call it with keys=, args= (and client= for a
     pipeline)."""
     return redis.register_script(source(name))
+
+
+# --- the generated blocks ----------------------------------------------------------------
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def lua_function(key: KeyName) -> str:
+    """`key` as a Lua function of its prefix (vlmq's keys) and its params, in order."""
+    computed = dict(key.lengths)
+    parts: list[str] = []
+    for literal, field, _, _ in string.Formatter().parse(key.pattern):
+        if literal:
+            parts.append(_quote(literal))
+        if field:
+            parts.append("#" + computed[field] if field in computed else field)
+    args = (["prefix"] if "prefix" in key.fields else []) + list(key.params)
+    return f"function KEY.{key.name}({', '.join(args)}) return {' .. '.join(parts)} end"
+
+
+def _outside(text: str, begin: str, end: str) -> str:
+    """`text` without its block from `begin` to `end` (all of it when there is none)."""
+    if begin not in text:
+        return text
+    return text[:text.index(begin)] + text[text.index(end) + len(end):]
+
+
+def key_block(script_text: str) -> str:
+    """The key block for a script: the keys (and shown forms) it names outside the block.
+    A name that is not in KEY_TABLE is a KeyError: a script cannot use a key the table
+    does not define."""
+    begin, end = KEY_MARKERS
+    uses = _USES.findall(_outside(script_text, begin, end))
+    built = sorted({name for shown, name in uses if not shown})
+    shown = sorted({name for is_shown, name in uses if is_shown})
+    lines = [f"{begin}: generated from vlmq/shared/keys.py by "
+             "`python -m vlmq.shared.lua --write`; do not edit by hand.", "local KEY = {}",
+             *(lua_function(KEY[name]) for name in built)]
+    if shown:
+        lines += ["local KEY_SHOWN = {",
+                  *(f"  {name} = {_quote(KEY[name].shown)}," for name in shown), "}"]
+    return "\n".join([*lines, end])
+
+
+def with_blocks(script_text: str) -> str:
+    """`script_text` with each generated block it has replaced by the current one."""
+    out, (begin, end) = script_text, KEY_MARKERS
+    if begin in out:
+        start = out.rfind("\n", 0, out.index(begin)) + 1
+        stop = out.index(end) + len(end)
+        out = out[:start] + key_block(out) + out[stop:]
+    if S.LUA_BEGIN in out:
+        out = S.lua_with_block(out)
+    return out
+
+
+def script_path(name: str) -> Path:
+    """Where a packaged script's file is (the checkout's, in an editable install)."""
+    return Path(str(resources.files("vlmq.shared").joinpath(name)))
+
+
+def stale_scripts() -> list[str]:
+    """The scripts whose generated blocks differ from what the tables give now."""
+    return [name for name in SCRIPTS
+            if with_blocks(text := script_path(name).read_text(encoding="utf-8")) != text]
+
+
+def write_scripts() -> list[str]:
+    """Regenerate every script's blocks in place; returns the files rewritten."""
+    stale = stale_scripts()
+    for name in stale:
+        path = script_path(name)
+        path.write_text(with_blocks(path.read_text(encoding="utf-8")), encoding="utf-8")
+    source.cache_clear()
+    return stale
+
+
+def main(argv: list[str]) -> int:
+    """`--write`: regenerate the blocks; `--check`: exit 1 naming the stale files."""
+    if argv == ["--write"]:
+        for name in write_scripts():
+            print(f"rewrote {name}")
+        return 0
+    if argv == ["--check"]:
+        stale = stale_scripts()
+        for name in stale:
+            print(f"{name} is out of date: run python -m vlmq.shared.lua --write")
+        return 1 if stale else 0
+    print("usage: python -m vlmq.shared.lua --write | --check", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

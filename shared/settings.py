@@ -1,10 +1,11 @@
 """Every job setting, defined once: name, wire path, type, range, default, CLI flag, help.
 
 The CLI flags of every command that takes job settings, `JobOptions`, payload parsing, the
-manifest and schedule fields and the range checks in enqueue.lua all follow from SETTINGS,
-so a new setting is one row here plus the worker code that uses it. enqueue.lua carries a
-generated copy of the table (`python -m vlmq.shared.settings --write-lua`); a test keeps
-the copy in step with the rows.
+manifest and schedule fields, the worker's JobSettings (worker/intake/job_settings.py), the
+range checks and defaults in enqueue.lua and PROTOCOL.md's settings table all follow from
+SETTINGS, so a new setting is one row here plus the worker code that uses it. enqueue.lua
+carries a generated copy of the table (`python -m vlmq.shared.lua --write`, which
+shared/lua.py runs over every script); tests keep the copy in step with the rows.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import re
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from vlmq.shared import constants as C
@@ -73,6 +72,9 @@ class Setting:
     schedule: bool = True  # a schedule may set it
     retry: bool = True  # a retry carries it over
     decides_text: bool = False  # a change gives an item other text (schedules re-run it)
+    # What the payload field means, for PROTOCOL.md's settings table (shared/docs_tables.py
+    # adds what it accepts and its default from the fields above).
+    doc: str = ""
 
     @property
     def cli_flag(self) -> str:
@@ -205,28 +207,37 @@ _CHECKS = {"int": _check_int, "float": _check_float, "str": _check_str, "strs": 
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("prompt", "str", "Prompt text (default: the model's own for the task).",
-            wire="prompt", max_len=C.MAX_PROMPT_CHARS, decides_text=True),
+            wire="prompt", max_len=C.MAX_PROMPT_CHARS, decides_text=True,
+            doc="required for `generate`; null: the worker's default for the model and task "
+            "(for `extract`, one built from the schema)"),
     # Task extract only (required there): the worker constrains each item's output to it.
     Setting("schema", "schema", "JSON Schema file the answer must follow (task extract; "
             f"at most {C.MAX_SCHEMA_BYTES // 1024} KiB).", wire="schema",
-            max_len=C.MAX_SCHEMA_BYTES, metavar="FILE", decides_text=True),
+            max_len=C.MAX_SCHEMA_BYTES, metavar="FILE", decides_text=True,
+            doc="required for `extract`, refused on other tasks: the JSON Schema each item's "
+            "answer follows (below the table)"),
     Setting("model", "str", "Model id the worker should use (default: its own).",
-            wire="model", max_len=MAX_MODEL_CHARS, decides_text=True),
+            wire="model", max_len=MAX_MODEL_CHARS, decides_text=True,
+            doc="the model id the job needs; a worker serving another model fails the job, "
+            "naming both"),
     Setting("max_tokens", "int", "Most tokens to generate per item.",
             wire="generation.max_tokens", lo=1, hi=C.MAX_TOKENS_LIMIT, metavar="N",
-            decides_text=True),
+            decides_text=True, doc="most tokens generated per item; null: the model's default"),
     Setting("max_side", "int", "Resize so the longer side is at most PX pixels "
             "(default: the model's own).", wire="max_side", lo=C.MAX_SIDE_RANGE[0],
-            hi=C.MAX_SIDE_RANGE[1], metavar="PX", decides_text=True),
+            hi=C.MAX_SIDE_RANGE[1], metavar="PX", decides_text=True,
+            doc="longest side in pixels of the image (or rendered PDF page) given to the "
+            "model; null: the worker's default"),
     Setting("temperature", "float", "Sampling temperature, 0 = greedy (default: the model's "
             "own).", wire="generation.temperature", lo=0.0, hi=C.MAX_TEMPERATURE, metavar="T",
-            decides_text=True),
+            decides_text=True, doc="null: the model's default (0 for OCR)"),
     Setting("stop", "strs", "Extra stop string (repeatable).", wire="generation.stop",
             default=(), max_count=C.MAX_STOP_STRINGS, max_len=MAX_STOP_CHARS,
-            decides_text=True),
+            decides_text=True, doc="stop strings beside the model's own"),
     Setting("labels", "labels", "Label stored with the job (repeatable).", wire="labels",
             default={}, max_count=C.MAX_LABELS, flag="--label", metavar="K=V",
-            manifest=False),
+            manifest=False,
+            doc="echoed back; `vlmq jobs/status --label k=v` select on them"),
     Setting("result_cache", "choice", "The workers' shared result cache: on (temperature 0 "
             "items only), off, or sampled (also items generated with temperature > 0).",
             wire="result_cache", default="on", choices=("on", "off", "sampled"),
@@ -236,7 +247,10 @@ SETTINGS: tuple[Setting, ...] = (
                              "cache holds its text."),
                       Switch("--result-cache-sampled", "sampled",
                              "Also cache (and reuse) items generated with temperature > 0; by "
-                             "default only deterministic (temperature 0) items are."))),
+                             "default only deterministic (temperature 0) items are.")),
+            doc="`true`: the workers' shared result cache answers and keeps deterministic, "
+            "temperature-0 items; `false`: every item is generated afresh; `\"sampled\"`: "
+            "items generated with temperature > 0 are cached too"),
     # fallback by default: it never replaces what the model wrote, costs nothing on pages
     # the model reads, and turns a page the model failed into its exact embedded text.
     # prefer changes what good pages look like (plain text, not the model's markdown), so
@@ -247,20 +261,30 @@ SETTINGS: tuple[Setting, ...] = (
             "skips the model).", wire="text_layer", default="fallback",
             choices=("off", "fallback", "prefer"),
             wire_values=(("off", "off"), ("fallback", "fallback"), ("prefer", "prefer")),
-            metavar="MODE", decides_text=True),
+            metavar="MODE", decides_text=True,
+            doc="what a PDF page's own text layer is used for in an `ocr` job (section 4, "
+            "\"Text layers\"); other tasks and items ignore it"),
     Setting("blob_ttl", "int", f"Keep the uploaded inputs S seconds "
             f"(default {C.BLOB_TTL_S // 86400} days).", wire="blob_ttl",
-            default=C.BLOB_TTL_S, lo=1, hi=MAX_TTL_S, metavar="S", manifest=False),
+            default=C.BLOB_TTL_S, lo=1, hi=MAX_TTL_S, metavar="S", manifest=False,
+            doc="seconds the job's input blobs are kept while the job is queued or running; "
+            "the worker refreshes them for this long when it starts the job, and a retry "
+            "keeps it"),
     Setting("keep_inputs", "int", f"Keep the inputs S seconds after the last job using them "
             f"finishes, is canceled or deleted (default {KEEP_INPUTS_S}); a failed job keeps "
             "them as long as its failure record.", wire="keep_inputs", default=KEEP_INPUTS_S,
-            lo=1, hi=MAX_TTL_S, metavar="S", manifest=False),
+            lo=1, hi=MAX_TTL_S, metavar="S", manifest=False,
+            doc="seconds the inputs stay once the last job using them has finished, been "
+            "canceled or deleted (section 2); a failed job keeps them as long as its "
+            "failure record"),
     # Set by the producer when a set becomes several jobs (producer/job_sets.py), never by
     # hand; a retry belongs to a new batch, so it is not carried over.
     Setting("batch", "str", "The batch the job belongs to (set by vlmq when a set becomes "
             "several jobs).", wire="batch", max_len=128, pattern=JOB_ID_RE,
             invalid="invalid batch id {value!r} (must match [A-Za-z0-9_-]{{1,128}})",
-            metavar="ID", manifest=False, schedule=False, retry=False),
+            metavar="ID", manifest=False, schedule=False, retry=False,
+            doc="the batch the job belongs to (section 9); set by the producer that made the "
+            "batch, never carried by a retry"),
     Setting("result_ttl", "int", f"Keep the results S seconds after the job ends "
             f"(default {C.RESULT_TTL_S // 86400} days).", job_field="result_ttl",
             default=C.RESULT_TTL_S, lo=1, hi=MAX_TTL_S, metavar="S", manifest=False),
@@ -355,7 +379,10 @@ def _lua_row(s: Setting) -> str:
     fields = [f"name = {_lua_literal(s.wire)}",
               "path = {" + ", ".join(_lua_literal(p) for p in s.path) + "}",
               f"kind = {_lua_literal(s.kind)}"]
-    for attr in ("lo", "hi", "max_len", "max_count"):
+    # A number's default is the one Lua applies when the payload leaves it out (blob_ttl,
+    # keep_inputs: the input holds enqueue.lua writes).
+    numeric_default = s.kind in ("int", "float") and s.default is not None
+    for attr in ("lo", "hi", "max_len", "max_count", *(("default",) if numeric_default else ())):
         value = getattr(s, attr)
         if value is not None:  # a schema's max_len counts bytes: named so for Lua
             name = "max_bytes" if s.kind == "schema" and attr == "max_len" else attr
@@ -370,7 +397,7 @@ def _lua_row(s: Setting) -> str:
 def lua_block() -> str:
     """The table enqueue.lua checks payload settings against, generated from SETTINGS."""
     lines = [f"{LUA_BEGIN}: generated from vlmq/shared/settings.py by "
-             "`python -m vlmq.shared.settings --write-lua`; do not edit by hand.",
+             "`python -m vlmq.shared.lua --write`; do not edit by hand.",
              "local SETTINGS = {", *(_lua_row(s) for s in WIRE), "}", LUA_END]
     return "\n".join(lines)
 
@@ -382,27 +409,12 @@ def lua_with_block(script: str) -> str:
     return script[:start] + lua_block() + script[end:]
 
 
-def _lua_path() -> Path:
-    return Path(str(resources.files("vlmq.shared").joinpath("enqueue.lua")))
-
-
-def _main(argv: list[str]) -> int:
-    path = _lua_path()
-    current = path.read_text(encoding="utf-8")
-    wanted = lua_with_block(current)
-    if argv[1:] == ["--write-lua"]:
-        path.write_text(wanted, encoding="utf-8")
-        return 0
-    if argv[1:] == ["--check-lua"]:
-        return 0 if wanted == current else 1
-    print(lua_block())
-    return 0
-
-
 def rows(scope: str) -> Iterator[Setting]:
     """The settings a `scope` ("manifest", "schedule", "retry") may carry."""
     return (s for s in SETTINGS if getattr(s, scope))
 
 
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv))
+if __name__ == "__main__":  # the command this module's generated block used to name
+    from vlmq.shared import lua
+
+    sys.exit(lua.main(["--write" if sys.argv[1:] == ["--write-lua"] else "--check"]))

@@ -4,15 +4,20 @@ The job's own values win; what it leaves unset comes from the served checkpoint'
 else its model type's row (worker/model/defaults.py). check_job, the Preparer, the result
 cache and the engine Request all read this one object, so the result-cache key can never
 describe other settings than the ones the item was generated with.
+
+Every field is a job setting of shared/settings.py's table, named as its row: the defaults
+and which fields decide an item's text (the result-cache key) are read from the rows, so
+the worker holds no second copy of either.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from vlmq.shared import constants as C
 from vlmq.shared import extract_schema as json_schema
+from vlmq.shared import settings as S
 from vlmq.shared.messages import JobPayload
 from vlmq.worker.model.defaults import Resolved, resolve
 
@@ -22,25 +27,26 @@ DEFAULT_PDF_MAX_SIDE = 1288
 DEFAULT_IMAGE_MAX_SIDE = 2048
 
 
-# JobSettings fields that leave an item's text as it is (kept out of the result-cache key).
-NOT_DECIDING_TEXT = frozenset({"result_cache", "blob_ttl"})
+def _default(name: str) -> Any:
+    """The settings row's default: the one a job that leaves `name` unset gets."""
+    return S.BY_NAME[name].default
 
 
 @dataclass(frozen=True)
 class JobSettings(Resolved):
     """The generation settings (Resolved) plus the rest of what the job's items run with."""
 
-    max_side: int | None = None  # None: the worker's default for the item's kind
-    result_cache: str = "on"  # "on", "off" or "sampled"
-    blob_ttl: int = C.BLOB_TTL_S
-    text_layer: str = "fallback"  # "off", "fallback" or "prefer" (PDF pages only)
+    max_side: int | None = _default("max_side")  # None: the worker's default for the kind
+    result_cache: str = _default("result_cache")  # a choice of the row
+    blob_ttl: int = _default("blob_ttl")
+    text_layer: str = _default("text_layer")  # PDF pages only
     # extract: the JSON Schema every item's value obeys, as its canonical text (hashable,
     # and what the result-cache key and the matcher's grammar cache hold)
-    schema: str | None = None
+    schema: str | None = _default("schema")
 
     def deciding_text(self, kind: str) -> dict[str, Any]:
         """Every setting that can change an item's text, as the result-cache key holds
-        them: a field added here is in the key unless it is listed as not deciding text."""
+        them: a field added here is in the key unless its row does not decide text."""
         out = {k: v for k, v in asdict(self).items() if k not in NOT_DECIDING_TEXT}
         out["max_side"] = self.side_for(kind)
         if kind != "pdf":  # only a PDF page has a text layer: other items share one key
@@ -54,6 +60,16 @@ class JobSettings(Resolved):
         return DEFAULT_PDF_MAX_SIDE if kind in C.PAGED_KINDS else DEFAULT_IMAGE_MAX_SIDE
 
 
+# JobSettings fields that leave an item's text as it is (kept out of the result-cache key):
+# those whose row does not decide text. A field that is no row is a KeyError at import.
+NOT_DECIDING_TEXT = frozenset(f.name for f in fields(JobSettings)
+                              if not S.BY_NAME[f.name].decides_text)
+# The fields a job's payload gives as they are (Resolved's come from the model's rows, the
+# schema as its canonical text).
+_AS_GIVEN = tuple(f.name for f in fields(JobSettings)
+                  if f.name not in {g.name for g in fields(Resolved)} | {"schema"})
+
+
 def resolve_job(payload: JobPayload, model_type: str, model_id: str | None) -> JobSettings:
     """The settings `payload`'s items run with on this model; ValueError when the job
     cannot run here (a task with no prompt for this model type)."""
@@ -63,8 +79,5 @@ def resolve_job(payload: JobPayload, model_type: str, model_id: str | None) -> J
         prompt = json_schema.default_prompt(schema)
     res = resolve(model_type, payload.task, prompt, payload.get("max_tokens"),
                   payload.get("temperature"), payload.get("stop"), model_id=model_id)
-    return JobSettings(**asdict(res), max_side=payload.get("max_side"),
-                       result_cache=str(payload.get("result_cache")),
-                       blob_ttl=int(payload.get("blob_ttl")),
-                       text_layer=str(payload.get("text_layer")),
+    return JobSettings(**asdict(res), **{name: payload.get(name) for name in _AS_GIVEN},
                        schema=None if schema is None else json_schema.schema_text(schema))
