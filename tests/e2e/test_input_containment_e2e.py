@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from tests.support import helpers
+from tests.support.factories import slow_png
 from tests.support.tiff_craft import many_pages
-from tests.worker.test_decode_limits import slow_png
 from vlmq.producer.client import Client, Job
 from vlmq.stores.backends import FolderStore, Stores
 

@@ -21,7 +21,14 @@ from redis import Redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tests.support.helpers import VLMQ, PersistentRedis, make_images, wait_for, worker_lifecycle
+from tests.support.helpers import (
+    VLMQ,
+    PersistentRedis,
+    following_events,
+    make_images,
+    wait_for,
+    worker_lifecycle,
+)
 from vlmq.cli.results import EXIT_UNREACHABLE
 from vlmq.producer.client import Client
 from vlmq.shared.keys import Keys
@@ -59,7 +66,7 @@ def waiting(srv: PersistentRedis, inputs: Path, timeout: float) -> Iterator[tupl
 
     def following() -> bool:
         assert proc.poll() is None, proc.communicate()
-        return any(c.get("cmd") == "xread" for c in conn.client_list())
+        return following_events(conn)
 
     with Redis.from_url(srv.url) as conn:
         wait_for(following, 300, "`vlmq wait` to follow the job's events")

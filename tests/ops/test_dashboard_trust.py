@@ -11,7 +11,7 @@ import re
 import socket
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from redis import Redis
 
 from tests.support.dashboard_data import Dataset, dataset
+from tests.support.helpers import wait_for
 from vlmq.cli.dashboard import CHANNEL_TIMEOUT_S, CLEANUP_INTERVAL_S
 from vlmq.cli.main import main
 from vlmq.producer.ops.dashboard.app import Settings, create_app
@@ -40,8 +41,52 @@ def data(redis_url: str, redis: Redis, tmp_path: Path) -> Iterator[Dataset]:
 def served(redis_url: str, *extra: str, env: dict[str, str] | None = None,
            log: Path | None = None) -> Iterator[int]:
     """A running `vlmq dashboard`; yields its port."""
-    with running_dashboard(redis_url, *extra, env=env, log=log) as (base, _proc):
-        yield int(base.rsplit(":", 1)[1])
+    with served_process(redis_url, *extra, env=env, log=log) as (port, _pid):
+        yield port
+
+
+@contextmanager
+def served_process(redis_url: str, *extra: str, env: dict[str, str] | None = None,
+                   log: Path | None = None) -> Iterator[tuple[int, int]]:
+    """The same; yields its port and its process id."""
+    with running_dashboard(redis_url, *extra, env=env, log=log) as (base, proc):
+        yield int(base.rsplit(":", 1)[1]), proc.pid
+
+
+def accepted(pid: int, port: int) -> int:
+    """Connections the server process has accepted on `port`: established sockets on that
+    port among its open files (those still in the kernel's listen backlog are not yet its).
+    Read from /proc; elsewhere from psutil, where installed."""
+    if not os.path.isdir(f"/proc/{pid}/fd"):
+        psutil = pytest.importorskip("psutil")
+        return sum(1 for c in psutil.Process(pid).net_connections(kind="tcp")
+                   if c.laddr and c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with suppress(OSError):  # closed meanwhile
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:["):-1])
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with suppress(OSError), open(table, encoding="ascii") as fh:
+            for row in fh.read().splitlines()[1:]:
+                local, state, inode = (row.split()[i] for i in (1, 3, 9))
+                count += (state == "01" and int(local.rsplit(":", 1)[1], 16) == port
+                          and inode in inodes)
+    return count
+
+
+def still_open(s: socket.socket) -> bool:
+    """Whether the peer has not closed `s` (nothing to read yet, no end of stream)."""
+    timeout = s.gettimeout()
+    s.setblocking(False)  # with a timeout set, recv would first wait for data
+    try:
+        return s.recv(1, socket.MSG_PEEK) != b""
+    except BlockingIOError:
+        return True
+    finally:
+        s.settimeout(timeout)
 
 
 def call(port: int, path: str, *, host: str | None = None, method: str = "GET",
@@ -139,18 +184,20 @@ def test_the_allow_list(redis_url: str) -> None:
 
 def test_half_open_connections_do_not_lock_the_dashboard_out(redis_url: str,
                                                              data: Dataset) -> None:
-    with served(redis_url) as port, ExitStack() as held:
+    with served_process(redis_url) as (port, pid), ExitStack() as held:
         socks: list[socket.socket] = []
         for i in range(HALF_OPEN):
-            s = held.enter_context(socket.create_connection(("127.0.0.1", port), timeout=10))
+            s = held.enter_context(socket.create_connection(("127.0.0.1", port), timeout=60))
             if i % 2:  # half of them stall in the middle of a request's headers
                 s.sendall(f"GET /jobs HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n".encode())
             socks.append(s)
-        time.sleep(0.5)  # all accepted by the server's loop
-        start = time.monotonic()
+        wait_for(lambda: accepted(pid, port) >= HALF_OPEN, 300,
+                 "the server's loop to accept every stalled connection")
         code, _, body = call(port, f"/jobs/{data.finished}")
         assert code == 200 and b"Invoice 4711" in body
-        assert time.monotonic() - start < 10
+        # Answered while every stalled one was still held: not once the server had closed
+        # idle ones (after CHANNEL_TIMEOUT_S) to make room, which a lock-out comes to.
+        assert all(still_open(s) for s in socks), "the answer waited for idle ones to close"
         # The stalled ones are closed by the server once idle for CHANNEL_TIMEOUT_S.
         deadline = time.monotonic() + CHANNEL_TIMEOUT_S + CLEANUP_INTERVAL_S + 20
         for s in socks:

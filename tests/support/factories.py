@@ -73,3 +73,12 @@ def image_bytes(fmt: str = "PNG", size: tuple[int, int] = (48, 32),
     buf = io.BytesIO()
     Image.new(mode, size, color).save(buf, fmt)
     return buf.getvalue()
+
+
+def slow_png(seed: int = 0) -> bytes:
+    """8000x8000 (64 Mpx, just within the pixel limit) in 2 MB: its decode and resize take
+    a second or more here, far past the 0.3 s limit the tests set."""
+    a = (np.add.outer(np.arange(8000), np.arange(8000) * (seed + 1)) % 251).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(a).convert("RGB").save(buf, "PNG", compress_level=1)
+    return buf.getvalue()

@@ -271,6 +271,14 @@ class PersistentRedis:
             self.proc.wait(timeout=120)
 
 
+def following_events(redis: Redis) -> bool:
+    """Whether a client of `redis`'s db has last run XREAD: a `wait` blocked on a job's
+    event stream, inside its loop. Other dbs' clients (other test runs) are not counted."""
+    db = redis.connection_pool.connection_kwargs.get("db", 0)
+    return any(c.get("cmd") == "xread" and int(c.get("db", -1)) == db
+               for c in redis.client_list())
+
+
 def abandoned(redis: Redis, queue: str, *job_ids: str) -> bool:
     """Whether every one of `job_ids` has an execution in `queue`'s started registry that
     has expired (no heartbeat within its TTL): what RQ's cleanup takes for a dead worker's."""
