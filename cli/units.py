@@ -28,11 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from vlmq.cli import worker as worker_cli
 from vlmq.cli.common import EXIT_BAD_INPUT, fail
 from vlmq.shared import constants as C
 from vlmq.shared.urls import MASK, redact_url
+from vlmq.worker import options as WO
 from vlmq.worker.default_dirs import default_cache_dir
 
 # Seconds past --grace before the init system sends SIGKILL: after the grace the worker
@@ -223,19 +225,25 @@ def _parse_env(values: Sequence[str]) -> dict[str, str]:
     return env
 
 
-def _worker_params(args: Sequence[str]) -> dict[str, Any]:
-    """The worker's own parser checks the arguments now, not in a restart loop later."""
+def _worker_params(args: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """(the option values, the names given on the command line in their order). The
+    worker's own parser and the table's conversions check the arguments now, not in a
+    restart loop later."""
     try:
         with worker_cli.worker_cmd.make_context("vlmq worker", list(args)) as wctx:
-            return dict(wctx.params)
+            params = dict(wctx.params)  # in the order given, then the rest
+            given = [name for name in params
+                     if wctx.get_parameter_source(name) is ParameterSource.COMMANDLINE]
+        worker_cli.config_values(params)
     except click.ClickException as exc:
         raise click.UsageError(f"worker arguments: {exc.format_message()}") from exc
+    return params, given
 
 
 def build_spec(ctx: click.Context, kind: str, name: str, system: bool, env_opts: Sequence[str],
                env_file: Path | None, run_as: str | None, worker_args: Sequence[str]) -> Spec:
     _check_unit_options(kind, name, system, run_as)
-    params = _worker_params(worker_args)
+    params, given = _worker_params(worker_args)
     _check_absolute_paths(params)
     env = _service_env(ctx, env_opts)
     cache_dir, system_cache = _cache_dir(env, system)
@@ -243,7 +251,7 @@ def build_spec(ctx: click.Context, kind: str, name: str, system: bool, env_opts:
     if system:
         run_as = run_as or os.environ.get("SUDO_USER") or getpass.getuser()
     return Spec(kind=kind, name=name, system=system,
-                program=[vlmq_executable(), "worker", *worker_args], env=env,
+                program=[vlmq_executable(), "worker", *WO.unit_args(params, given)], env=env,
                 grace=float(params["grace"]), cache_dir=cache_dir, env_file=env_file,
                 run_as=run_as, system_cache=system_cache)
 
@@ -259,15 +267,21 @@ def _check_unit_options(kind: str, name: str, system: bool, run_as: str | None) 
         raise click.UsageError("--run-as goes with --system")
 
 
+def _relative(row: WO.WorkerOption, value: Any) -> bool:
+    if value is None:
+        return False
+    path = Path(value)
+    return not path.is_absolute() and (row.local_path == WO.PATH or path.exists())
+
+
 def _check_absolute_paths(params: dict[str, Any]) -> None:
     """The service runs in its cache directory, so a relative local path would name another
     file there."""
-    model = str(params["model"])
-    cache_arg = params.get("cache_dir")
-    if (Path(model).exists() and not Path(model).is_absolute()) or (
-            cache_arg is not None and not Path(cache_arg).is_absolute()):
-        raise click.UsageError("worker arguments: give --model and --cache-dir as absolute "
-                               "paths; the service runs in its cache directory")
+    rows = WO.local_paths()
+    if any(_relative(row, params[row.name]) for row in rows):
+        flags = " and ".join(row.cli_flag for row in rows)
+        raise click.UsageError(f"worker arguments: give {flags} as absolute paths; the "
+                               "service runs in its cache directory")
 
 
 def _service_env(ctx: click.Context, env_opts: Sequence[str]) -> dict[str, str]:

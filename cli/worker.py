@@ -1,28 +1,27 @@
 """Worker-side commands (`vlmq worker`, `vlmq model make-tiny`, `vlmq model check`).
 
 They join the root group (vlmq.cli.main), so this module imports only click, the
-standard library and the families' data (vlmq.worker.engine.families, no MLX); MLX loads inside
-the command bodies, where it is needed, after a check that says which install extra is
-missing.
+standard library, the worker's option table (vlmq.worker.options) and the families' data
+(vlmq.worker.engine.families), no MLX; MLX loads inside the command bodies, where it is
+needed, after a check that says which install extra is missing. `vlmq worker`'s options are
+the table's rows (worker_options).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import socket
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from vlmq.cli.common import store_option
 from vlmq.shared import constants as C
-from vlmq.shared.keys import QUEUE_NAME_RE
-from vlmq.stores.backends import Stores
+from vlmq.worker import options as WO
 from vlmq.worker.default_dirs import default_cache_dir
 from vlmq.worker.engine import families
-from vlmq.worker.engine.batch_size import DEFAULT_CAP
 
 if TYPE_CHECKING:  # the service loads MLX; the commands import it in their bodies
     from vlmq.worker.loop import WorkerConfig
@@ -32,7 +31,7 @@ __all__ = ["default_cache_dir", "register"]
 # What the worker extra installs and the worker commands import.
 WORKER_MODULES = ("mlx", "mlx_vlm")
 
-DEFAULT_QUEUES = tuple(C.DEFAULT_QUEUE[task] for task in C.TASKS)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def require_worker_extra() -> None:
@@ -44,112 +43,62 @@ def require_worker_extra() -> None:
             "pip install 'vlmq[worker]'")
 
 
-def _split_queues(values: tuple[str, ...]) -> list[str]:
-    out: list[str] = []
-    for value in values:
-        for name in value.replace(",", " ").split():
-            if name not in out:
-                out.append(name)
-    return out
+def _whole(bound: float | None) -> int | None:
+    return None if bound is None else int(bound)
 
 
-def _checked_queues(values: tuple[str, ...]) -> list[str]:
-    """--queues as names in priority order (the defaults when none is given), refused before
-    the model loads when one is not a queue name."""
-    queues = _split_queues(values) or list(DEFAULT_QUEUES)
-    bad = [q for q in queues if not QUEUE_NAME_RE.fullmatch(q)]
-    if bad:
-        raise click.BadParameter(f"{bad[0]!r} is not a queue name (letters, digits, _ . -)",
-                                 param_hint="--queues")
-    return queues
+def _click_type(row: WO.WorkerOption) -> Any:
+    if row.kind == "int":
+        return click.IntRange(_whole(row.lo), _whole(row.hi))
+    if row.kind == "float":
+        return click.FloatRange(row.lo, row.hi)
+    if row.kind == "choice":
+        return click.Choice(row.choices)
+    if row.kind == "path":
+        return click.Path(file_okay=False, path_type=Path)
+    return None
+
+
+def click_option(row: WO.WorkerOption) -> Callable[[F], F]:
+    """The click option of one table row."""
+    if row.kind == "stores":  # the --store every command shares
+        return store_option
+    kw: dict[str, Any] = {"help": row.help, "metavar": row.metavar, "envvar": row.envvar}
+    if row.kind == "flag":
+        kw["is_flag"] = True
+    elif row.kind == "strs":
+        kw["multiple"] = True
+    else:
+        kw.update(type=_click_type(row), required=row.required)
+    if not row.required and row.kind != "strs":
+        kw.update(default=row.default, show_default=row.show_default)
+    return click.option(row.cli_flag, row.name, **kw)
+
+
+def worker_options(rows: Sequence[WO.WorkerOption] = WO.OPTIONS) -> Callable[[F], F]:
+    """A click option per table row, in the table's order; the command gets each value
+    under the row's name."""
+    def decorate(func: F) -> F:
+        for row in reversed(rows):
+            func = click_option(row)(func)
+        return func
+
+    return decorate
+
+
+def config_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """WorkerConfig's arguments from the options' values; a value the table's conversion
+    refuses (a queue name) is a usage error naming its option, before any model loads."""
+    try:
+        return WO.config_values(values)
+    except WO.OptionError as exc:
+        raise click.BadParameter(exc.message, param_hint=exc.flag) from None
 
 
 @click.command("worker")
-@click.option("--model", "model", required=True,
-              help="Local model folder, or a hub id (mlx-community/...).")
-@click.option("--queues", "queues_opt", multiple=True, metavar="Q1,Q2,...",
-              help="Queues to serve, in priority order, comma-separated: --queues ocr,caption "
-                   "(repeatable; default: ocr,caption,generate).")
-@click.option("--burst", is_flag=True, help="Exit once the queues are empty and all work is done.")
-@click.option("--max-batch", type=click.IntRange(1, 256), default=DEFAULT_CAP, show_default=True,
-              help="Most sequences decoded together. The batch starts at 8 and grows "
-                   "while measured tokens/s keeps rising (the worker logs what it chose "
-                   "and why); --fixed-batch uses exactly this many.")
-@click.option("--fixed-batch", is_flag=True,
-              help="Decode exactly --max-batch sequences together: no measuring.")
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Disk tier of the vision-feature cache (default: ~/.cache/vlmq/vision).")
-@click.option("--cache-mem-mb", type=click.IntRange(0), default=1024, show_default=True,
-              help="Memory tier of the vision-feature cache (LRU by bytes).")
-@click.option("--cache-disk-gb", type=click.FloatRange(0), default=10.0, show_default=True,
-              help="Disk tier bound (LRU); survives restarts.")
-@click.option("--name", default=None, help="Worker name (default: host.pid).")
-@click.option("--grace", type=click.FloatRange(0), default=30.0, show_default=True,
-              help="Seconds to finish in-flight items after SIGTERM/SIGINT before requeueing.")
-@click.option("--prep-threads", type=click.IntRange(1, 64), default=None,
-              help="CPU threads for fetch/decode/render/tokenize (default: cores, at most 4).")
-@click.option("--heartbeat-ttl", type=click.IntRange(1), default=None,
-              help="Seconds without a heartbeat after which this worker's jobs count as "
-                   "abandoned and are requeued (default 90).")
-@click.option("--on-repetition", type=click.Choice(["stop", "retry"]), default="stop",
-              show_default=True,
-              help="A row whose tail loops is stopped (finish_reason 'repetition', text kept "
-                   "up to the first repeat), or retried once at temperature 0.7.")
-@click.option("--repetition-repeats", type=click.IntRange(0), default=8, show_default=True,
-              help="Repeats of a block that count as a loop (0: guard off).")
-@click.option("--repetition-min-span", type=click.IntRange(1), default=32, show_default=True,
-              help="Tokens a loop must cover, so short runs of one token are left alone.")
-@click.option("--repetition-period", type=click.IntRange(1, 1024), default=64,
-              show_default=True, help="Longest repeating block, in tokens.")
-@click.option("--result-cache-ttl", type=click.IntRange(1), default=30 * 24 * 3600,
-              show_default=True, metavar="S",
-              help="Seconds a finished item's text stays in the shared result cache "
-                   "(in Redis, for every worker).")
-@click.option("--result-cache-mb", type=click.FloatRange(0), default=256.0, show_default=True,
-              help="Byte budget of the shared result cache; the oldest entries go first. "
-                   "0 turns it off for the items this worker runs.")
-@click.option("--with-scheduler", is_flag=True,
-              help="Also fire schedules (vlmq schedule) from this process, as `vlmq "
-                   "scheduler` does; any number of schedulers may run.")
-@click.option("--render-mem-mb", type=click.IntRange(64), default=1024, show_default=True,
-              help="Memory limit of each render process (PDF pages, images, TIFF pages), "
-                   "and the largest referenced input read; an item over it fails alone.")
-@click.option("--render-timeout", type=click.FloatRange(0.1), default=60.0, show_default=True,
-              help="Seconds one PDF page, image or TIFF page may take to decode before it "
-                   "fails alone.")
-@click.option("--render-procs", type=click.IntRange(1, 64), default=None,
-              help="Render processes, which decode every input (default: --prep-threads).")
-@click.option("--max-kv-tokens", type=click.IntRange(1), default=None,
-              help="Admit a sequence only while the sum of (prompt + max_tokens) in flight "
-                   "stays under this (default: from the model's KV size and the machine's "
-                   "memory); a longer request runs alone.")
-@click.option("--poison-kills", type=click.IntRange(1), default=2, show_default=True,
-              help="A job whose item was being processed when this many workers died is "
-                   "failed, naming the item (other jobs of a dead worker keep their retries).")
-@click.option("--blas", "blas_choice", default=None, metavar="auto|reference|PATH",
-              help="BLAS for MLX's CPU matmuls on Linux: auto (system OpenBLAS, else the "
-                   "wheel copy), reference (the slow one mlx[cpu] links) or a library path "
-                   "(default: $VLMQ_BLAS, else auto).")
-@click.option("--allow-eviction", is_flag=True,
-              help="Run even though Redis's maxmemory-policy may evict keys (a warning "
-                   "still says what that loses); also $VLMQ_ALLOW_EVICTION=1.")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=0, show_default=True,
-              help="Serve Prometheus metrics at http://HOST:PORT/metrics (0: off).")
-@click.option("--metrics-host", default="127.0.0.1", show_default=True,
-              help="Interface the metrics endpoint listens on (0.0.0.0: every interface).")
-@store_option
+@worker_options()
 @click.pass_context
-def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burst: bool,
-               max_batch: int, fixed_batch: bool,
-               cache_dir: Path | None, cache_mem_mb: int, cache_disk_gb: float,
-               name: str | None, grace: float, prep_threads: int | None,
-               heartbeat_ttl: int | None, on_repetition: str, repetition_repeats: int,
-               repetition_min_span: int, repetition_period: int,
-               result_cache_ttl: int, result_cache_mb: float, with_scheduler: bool,
-               render_mem_mb: int, render_timeout: float, render_procs: int | None,
-               max_kv_tokens: int | None, poison_kills: int,
-               blas_choice: str | None, allow_eviction: bool, metrics_port: int,
-               metrics_host: str, stores: Stores) -> None:
+def worker_cmd(ctx: click.Context, /, **values: Any) -> None:
     """Serve jobs with one loaded model and a continuous batcher.
 
     Items from every job in flight share one batch; each result is written the moment it
@@ -157,47 +106,16 @@ def worker_cmd(ctx: click.Context, model: str, queues_opt: tuple[str, ...], burs
     requeue the rest (their finished items are kept), exit 0.
     """
     require_worker_extra()
-    from vlmq.worker.engine.repetition import RepetitionGuard
     from vlmq.worker.loop import WorkerConfig, run_worker
 
-    queues = _checked_queues(queues_opt)
     redis_url = ctx.obj["redis_url"] if ctx.obj else os.environ.get("REDIS_URL")
-    cfg = WorkerConfig(
-        redis_url=redis_url or C.DEFAULT_REDIS_URL,
-        model=model,
-        queues=queues,
-        burst=burst,
-        max_batch=max_batch,
-        auto_batch=not fixed_batch,
-        cache_dir=cache_dir if cache_dir is not None else default_cache_dir() / "vision",
-        cache_mem_bytes=cache_mem_mb * 1024 * 1024,
-        cache_disk_bytes=int(cache_disk_gb * 1024**3),
-        name=name or f"{socket.gethostname()}.{os.getpid()}",
-        grace_s=grace,
-        prep_threads=prep_threads or min(4, os.cpu_count() or 2),
-        heartbeat_ttl=heartbeat_ttl,
-        repetition=None if repetition_repeats == 0 else RepetitionGuard(
-            max_period=repetition_period, min_repeats=max(2, repetition_repeats),
-            min_span=repetition_min_span, on_repetition=on_repetition),
-        result_cache_ttl_s=result_cache_ttl,
-        result_cache_bytes=int(result_cache_mb * 1024 * 1024),
-        render_procs=render_procs,
-        render_mem_mb=render_mem_mb,
-        render_timeout_s=render_timeout,
-        max_kv_tokens=max_kv_tokens,
-        poison_kills=poison_kills,
-        blas=blas_choice,
-        allow_eviction=allow_eviction or None,
-        stores=stores,
-        metrics_port=metrics_port,
-        metrics_host=metrics_host,
-    )
-    if not with_scheduler:
+    cfg = WorkerConfig(redis_url=redis_url or C.DEFAULT_REDIS_URL, **config_values(values))
+    if not values["with_scheduler"]:
         ctx.exit(run_worker(cfg))
-    ctx.exit(_run_with_scheduler(ctx, cfg, stores))
+    ctx.exit(_run_with_scheduler(ctx, cfg))
 
 
-def _run_with_scheduler(ctx: click.Context, cfg: WorkerConfig, stores: Stores) -> int:
+def _run_with_scheduler(ctx: click.Context, cfg: WorkerConfig) -> int:
     """The worker with the scheduler loop beside it, stopped when the worker ends.
 
     The loop is the producer's (it enqueues): the root command passes it in, so the worker
@@ -207,7 +125,7 @@ def _run_with_scheduler(ctx: click.Context, cfg: WorkerConfig, stores: Stores) -
 
     if not ctx.obj or "start_scheduler" not in ctx.obj:
         raise click.UsageError("--with-scheduler needs the `vlmq` root command")
-    thread, stop = ctx.obj["start_scheduler"](cfg.redis_url, stores)
+    thread, stop = ctx.obj["start_scheduler"](cfg.redis_url, cfg.stores)
     try:
         return run_worker(cfg)
     finally:

@@ -1,4 +1,10 @@
-"""A worker's options, as the CLI (cli/worker.py) and tests build them."""
+"""A worker's configuration: what `vlmq worker` parsed, in the units the worker uses.
+
+The fields that options fill take their defaults from the option table
+(worker/options.py): a WorkerConfig built in code (the demo, tests) gets the same
+defaults as `vlmq worker` given nothing. tests/worker/test_worker_options.py holds the
+fields and the rows to each other.
+"""
 
 from __future__ import annotations
 
@@ -7,47 +13,53 @@ from pathlib import Path
 
 from vlmq.shared.keys import Keys
 from vlmq.stores.backends import Stores
-from vlmq.worker.engine.batch_size import DEFAULT_CAP
 from vlmq.worker.engine.repetition import RepetitionGuard
-from vlmq.worker.intake.poison import DEFAULT_POISON_KILLS
-from vlmq.worker.prep.render_pool import DEFAULT_MEM_MB as DEFAULT_RENDER_MEM_MB
-from vlmq.worker.prep.render_pool import DEFAULT_TIMEOUT_S as DEFAULT_RENDER_TIMEOUT_S
-from vlmq.worker.results.cache import DEFAULT_MAX_BYTES, DEFAULT_TTL_S
+from vlmq.worker.options import from_table
 
 
 @dataclass
 class WorkerConfig:
     redis_url: str
     model: str
-    queues: list[str]
-    burst: bool = False
-    max_batch: int = DEFAULT_CAP  # the cap; with auto_batch the limit is measured below it
-    auto_batch: bool = True  # the row limit follows measured throughput (batch_size.py)
-    cache_dir: Path | None = None
-    cache_mem_bytes: int = 1024 * 1024 * 1024
-    cache_disk_bytes: int = 10 * 1024**3
-    name: str = "vlmq-worker"
-    grace_s: float = 30.0
-    prep_threads: int = 2
+    # Filled by options (worker/options.py), in their order; defaults from the table.
+    queues: list[str] = field(default_factory=from_table("queues"))  # in priority order
+    burst: bool = field(default_factory=from_table("burst"))
+    max_batch: int = field(default_factory=from_table("max_batch"))  # the cap
+    auto_batch: bool = field(default_factory=from_table("auto_batch"))  # measured limit
+    cache_dir: Path | None = field(default_factory=from_table("cache_dir"))  # None: no disk
+    cache_mem_bytes: int = field(default_factory=from_table("cache_mem_bytes"))
+    cache_disk_bytes: int = field(default_factory=from_table("cache_disk_bytes"))
+    name: str = field(default_factory=from_table("name"))
+    grace_s: float = field(default_factory=from_table("grace_s"))
+    prep_threads: int = field(default_factory=from_table("prep_threads"))
+    # None: RQ's job monitoring interval + 60 s
+    heartbeat_ttl: int | None = field(default_factory=from_table("heartbeat_ttl"))
+    # The guard on looping rows; None: off
+    repetition: RepetitionGuard | None = field(default_factory=from_table("repetition"))
+    result_cache_ttl_s: int = field(default_factory=from_table("result_cache_ttl_s"))
+    # 0 turns the shared result cache off
+    result_cache_bytes: int = field(default_factory=from_table("result_cache_bytes"))
+    render_mem_mb: int = field(default_factory=from_table("render_mem_mb"))
+    render_timeout_s: float = field(default_factory=from_table("render_timeout_s"))
+    render_procs: int | None = field(default_factory=from_table("render_procs"))  # None: prep
+    # None: derived from the model and machine memory
+    max_kv_tokens: int | None = field(default_factory=from_table("max_kv_tokens"))
+    # Worker deaths a job may cause before it fails
+    poison_kills: int = field(default_factory=from_table("poison_kills"))
+    # auto | reference | a library path; None: $VLMQ_BLAS, else auto
+    blas: str | None = field(default_factory=from_table("blas"))
+    # None: $VLMQ_ALLOW_EVICTION
+    allow_eviction: bool | None = field(default_factory=from_table("allow_eviction"))
+    # Prometheus /metrics (worker/metrics.py); port 0: not served
+    metrics_port: int = field(default_factory=from_table("metrics_port"))
+    metrics_host: str = field(default_factory=from_table("metrics_host"))
+    # The stores referenced items are read from (machine configuration, --store)
+    stores: Stores = field(default_factory=from_table("stores"))
+    # Not options (options.CONFIG_ONLY).
+    keys: Keys = field(default_factory=Keys.from_env)
     window: int | None = None      # prepared-but-not-batched bound; default 2 x the limit
     max_jobs: int | None = None    # jobs in flight; default max(4, the batch limit)
     stats_s: float = 2.0
-    heartbeat_ttl: int | None = None  # None: RQ's job monitoring interval + 60 s
-    result_cache_ttl_s: int = DEFAULT_TTL_S
-    result_cache_bytes: int = DEFAULT_MAX_BYTES  # 0 turns the shared result cache off
-    render_procs: int | None = None  # PDF render processes; default prep_threads
-    render_mem_mb: int = DEFAULT_RENDER_MEM_MB
-    render_timeout_s: float = DEFAULT_RENDER_TIMEOUT_S
-    max_kv_tokens: int | None = None  # None: derived from the model and machine memory
-    poison_kills: int = DEFAULT_POISON_KILLS  # worker deaths a job may cause before it fails
-    blas: str | None = None  # auto | reference | a library path; None: $VLMQ_BLAS, else auto
-    allow_eviction: bool | None = None  # None: $VLMQ_ALLOW_EVICTION
-    metrics_port: int = 0  # Prometheus /metrics (worker/metrics.py); 0: not served
-    metrics_host: str = "127.0.0.1"
-    # The stores referenced items are read from (machine configuration, --store).
-    stores: Stores = field(default_factory=Stores)
-    keys: Keys = field(default_factory=Keys.from_env)
-    repetition: RepetitionGuard | None = field(default_factory=RepetitionGuard)  # None: off
 
     def prep_window(self, batch_limit: int) -> int:
         return self.window or 2 * batch_limit

@@ -29,12 +29,14 @@ SECRET_URL = "redis://:hunter2-secret@db.example:6380/3"
 GRACE_DEFAULT = next(p.default for p in worker_cmd.params if p.name == "grace")
 
 
-def service(home: Path, *args: str, redis_url: str = SECRET_URL,
-            code: int | None = 0) -> subprocess.CompletedProcess[str]:
-    """The real console script with a temporary HOME and nothing of this shell's XDG/VLMQ."""
+def service(home: Path, *args: str, redis_url: str = SECRET_URL, code: int | None = 0,
+            env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The real console script with a temporary HOME and nothing of this shell's XDG/VLMQ
+    (but `env_extra`)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("XDG_", "VLMQ_", "REDIS_URL", "SUDO_"))}
     env["HOME"] = str(home)
+    env.update(env_extra or {})
     proc = subprocess.run([str(VLMQ), "--redis-url", redis_url, "service", *args],
                           env=env, capture_output=True, text=True, timeout=60)
     if code is not None:
@@ -176,11 +178,28 @@ def exec_start_argv(unit_text: str) -> list[str]:
 
 def test_exec_start_parses_back(tmp_path: Path) -> None:
     args = ["--model", "/m/it's \"q\"", "--name", "back\\slash $HOME ${X} 100%n; x",
-            "--queues", "ocr", "--store", "docs=file:///srv/my docs"]
+            "--queues", "ocr", "--store", "docs=file:///srv/my%20docs%25"]
     text = service(tmp_path, "print", "systemd", "--", *args).stdout
     assert exec_start_argv(text) == [str(VLMQ), "worker", *args]
     if SYSTEMD_ANALYZE is not None:
         verify(text, tmp_path, user=True)
+
+
+def test_unit_arguments_are_the_options_given_as_the_table_writes_them(tmp_path: Path) -> None:
+    """In the order given, each in the table's own form (a store as its NAME=URL, a float
+    as its shortest word); what came from the environment stays there: the unit's
+    environment carries this shell's VLMQ_* variables."""
+    args = ["--queues", "ocr", "--grace", "50.0", "--model", "m/x", "--queues", "caption",
+            "--store", "docs=/srv/my docs", "--fixed-batch"]
+    text = service(tmp_path, "print", "systemd", "--", *args).stdout
+    assert exec_start_argv(text)[2:] == [
+        "--queues", "ocr", "--queues", "caption", "--grace", "50", "--model", "m/x",
+        "--store", "docs=file:///srv/my%20docs", "--fixed-batch"]
+    from_env = service(tmp_path, "print", "systemd", "--", "--model", "m/x",
+                       env_extra={"VLMQ_STORES": "docs=file:///srv/docs"}).stdout
+    assert exec_start_argv(from_env)[2:] == ["--model", "m/x"]
+    assert 'Environment="VLMQ_STORES=file:///srv/docs"' not in from_env
+    assert 'Environment="VLMQ_STORES=docs=file:///srv/docs"' in from_env
 
 
 def test_systemd_word_doubles_dollar_and_percent() -> None:
@@ -252,6 +271,9 @@ def test_install_launchd_sources_the_env_file(tmp_path: Path) -> None:
     (["systemd", "--env", "1BAD=x", "--", "--model", "m/x"], "KEY=VALUE"),
     (["systemd", "--name", "a/b", "--", "--model", "m/x"], "--name"),
     (["systemd", "--", "--model", "m/x", "--cache-dir", "rel/dir"], "absolute"),
+    # The table's conversions run too: a queue name the worker would refuse on every restart.
+    (["systemd", "--", "--model", "m/x", "--queues", "ocr:x"], "--queues"),
+    (["systemd", "--", "--model", "m/x", "--store", "docs=rel/dir"], "--store"),
 ])
 def test_bad_input_is_one_clear_error(tmp_path: Path, args: list[str], needle: str) -> None:
     proc = service(tmp_path, "print", *args, code=2)

@@ -33,10 +33,10 @@ from vlmq.shared import constants as C
 from vlmq.shared.enqueue import fail_job
 from vlmq.shared.keys import Keys
 from vlmq.shared.redis_text import as_str
+from vlmq.worker.options import DEFAULT_POISON_KILLS as DEFAULT_POISON_KILLS
 
 log = logging.getLogger(__name__)
 
-DEFAULT_POISON_KILLS = 2
 RISK_TTL_S = C.FAILURE_TTL_S  # outlives any reclaim; deleted as soon as the step ends
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from PIL import Image
 
+from vlmq.worker import options
 from vlmq.worker.prep import decode as P
 from vlmq.worker.prep import text_layer as TL
 from vlmq.worker.prep.render_wire import (
@@ -42,8 +43,8 @@ from vlmq.worker.prep.render_wire import (
     write_msg,
 )
 
-DEFAULT_MEM_MB = 1024
-DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_MEM_MB = options.DEFAULT_RENDER_MEM_MB  # the table of worker options owns them
+DEFAULT_TIMEOUT_S = options.DEFAULT_RENDER_TIMEOUT_S
 _STOP_WAIT_S = 2.0
 # A child's start (interpreter, imports) is not part of any page's time limit.
 _START_TIMEOUT_S = 60.0

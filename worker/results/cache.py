@@ -39,14 +39,15 @@ from redis.exceptions import RedisError
 from vlmq.shared import lua
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import TEXT_FROM_MODEL, Item, ItemResult
+from vlmq.worker import options
 from vlmq.worker.engine.item_order import JobState
 from vlmq.worker.intake.job_settings import JobSettings
 from vlmq.worker.prep.requests import PREPROCESS_VERSION
 
 log = logging.getLogger("vlmq.worker")
 
-DEFAULT_TTL_S = 30 * 24 * 3600
-DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+DEFAULT_TTL_S = options.DEFAULT_RESULT_CACHE_TTL_S  # the table of worker options owns them
+DEFAULT_MAX_BYTES = options.DEFAULT_RESULT_CACHE_BYTES
 # One generation per day of target expiry: a lookup probes ttl/span + 1 hashes (31 by
 # default) in one script call. Every worker of a fleet must use the same span.
 GEN_SPAN_S = 24 * 3600
