@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from redis import Redis
 
-from tests.support.helpers import Spawn, finish, make_pdf, wait_for
+from tests.support.helpers import Output, Spawn, finish, make_pdf, wait_for
 from vlmq.producer.client import Client
 from vlmq.shared.keys import Keys
 
@@ -39,21 +38,24 @@ def test_a_stalled_worker_writes_nothing_into_a_job_another_worker_took(
                                 max_tokens=24)
     first = start_worker(redis_url, tiny_model, tmp_path / "a", "--max-batch", "2",
                          "--heartbeat-ttl", "3", name="first")
-    wait_for(lambda: job.progress()[0] >= 2, 120, "the first worker's first items")
+    first_out = Output(first)
+    wait_for(lambda: job.progress()[0] >= 2, 300, "the first worker's first items")
     os.kill(first.pid, signal.SIGSTOP)  # stalled mid-job, items in flight
     stalled_at = job.progress()[0]
     second = start_worker(redis_url, tiny_model, tmp_path / "b", "--max-batch", "2",
                           "--heartbeat-ttl", "3", name="second")
     # RQ's cleanup (run by the second worker) requeues the job once the first worker's
     # heartbeat TTL has passed, and the second worker takes it.
-    wait_for(lambda: owner(redis, job.id) == "second", 120, "the second worker to take over")
-    wait_for(lambda: job.progress()[0] >= stalled_at + 2, 120, "the second worker's items")
+    wait_for(lambda: owner(redis, job.id) == "second", 300, "the second worker to take over")
+    wait_for(lambda: job.progress()[0] >= stalled_at + 2, 300, "the second worker's items")
     os.kill(first.pid, signal.SIGCONT)  # wakes up with results of a job that is not its own
-    wait_for(lambda: job.status() == "finished", 180, "the job to finish")
-    time.sleep(3)  # room for any late write by the first worker
+    wait_for(lambda: job.status() == "finished", 300, "the job to finish")
+    # Stopped only once the first worker has met the job it lost and dropped it: whatever
+    # late write it would make, it has tried.
+    first_out.wait_for(f"job {job.id} dropped (")
     os.kill(second.pid, signal.SIGTERM)
     os.kill(first.pid, signal.SIGTERM)
-    rc_first, out_first = finish(first)
+    rc_first, out_first = first_out.finish()
     rc_second, out_second = finish(second)
     assert rc_first == 0 and rc_second == 0, out_first + out_second
 

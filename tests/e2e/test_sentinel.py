@@ -117,8 +117,8 @@ def trio(tmp_path: Path) -> Iterator[Trio]:
     t = Trio(master, replica, sentinel, procs)
     try:
         for port in (master, replica, sentinel):
-            wait_for(lambda p=port: answers(f"redis://127.0.0.1:{p}", 0.2), 10, f"port {port}")
-        wait_for(lambda: _synced(replica, sentinel), 20, "the replica to be synced and known")
+            wait_for(lambda p=port: answers(f"redis://127.0.0.1:{p}", 0.2), 120, f"port {port}")
+        wait_for(lambda: _synced(replica, sentinel), 120, "the replica to be synced and known")
         yield t
     finally:
         for proc in procs:
@@ -141,16 +141,16 @@ def test_a_failover_mid_job_loses_and_duplicates_nothing(
                                    "150"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True)
         procs.append(waiter)  # killed at teardown like the worker
-        wait_for(lambda: job.progress()[0] >= 2, 90, "the job's first items")
+        wait_for(lambda: job.progress()[0] >= 2, 300, "the job's first items")
         assert job.progress()[0] < pages, "the job ended before the failover: make it longer"
         _ask(trio.sentinel, "SENTINEL", "FAILOVER", SERVICE)
-        wait_for(lambda: trio.master_port() == trio.replica, 30, "the replica to be promoted")
+        wait_for(lambda: trio.master_port() == trio.replica, 300, "the replica to be promoted")
         wait_for(lambda: new.hget(f"rq:job:{job.id}", "status") == b"finished", 120,
                  "the job to finish on the new master")
-        w_out, w_err = waiter.communicate(timeout=30)
+        w_out, w_err = waiter.communicate(timeout=300)
         assert waiter.returncode == 0, (w_out, w_err)
         os.kill(worker.pid, signal.SIGTERM)
-        rc, out = finish(worker, timeout=60)
+        rc, out = finish(worker, timeout=300)
         assert rc == 0, out
         assert "Redis master of vmaster moved" in out, out  # followed it, not by luck
 

@@ -169,7 +169,7 @@ def test_a_single_queue_is_waited_on_with_a_blocking_pop(redis: Redis, tmp_path:
     pushed: list[str] = []
 
     def push_once_blocked() -> None:
-        wait_for(lambda: blocked_in_blmove(redis), 30, "the worker's blocking pop")
+        wait_for(lambda: blocked_in_blmove(redis), 300, "the worker's blocking pop")
         pushed.append(client.caption(images, queue="one").id)
 
     with worker_lifecycle(redis, ["one"]) as life:
@@ -190,14 +190,14 @@ def test_idle_worker_blocks_takes_a_pushed_job_and_stops_promptly(
         start_worker: Spawn) -> None:
     proc = start_worker(redis_url, tiny_model, tmp_path, "--queues", "idle", name="idle1")
     wait_for(lambda: bool(stats(redis, keys, "idle1")), 120, "the worker to be ready")
-    wait_for(lambda: blocked_in_blmove(redis), 30, "the idle worker's blocking pop")
+    wait_for(lambda: blocked_in_blmove(redis), 300, "the idle worker's blocking pop")
     client = Client(redis_url)
     job = client.caption(make_images(tmp_path / "imgs", 1), queue="idle", max_side=64,
                          max_tokens=4)
-    wait_for(lambda: job.status() == "finished", 60, "the pushed job to finish")
-    wait_for(lambda: blocked_in_blmove(redis), 30, "the worker to block again")
+    wait_for(lambda: job.status() == "finished", 300, "the pushed job to finish")
+    wait_for(lambda: blocked_in_blmove(redis), 300, "the worker to block again")
     proc.send_signal(signal.SIGTERM)
-    rc, out = finish(proc, timeout=30)
+    rc, out = finish(proc, timeout=300)
     assert rc == 0, out
     assert "worker idle1 stopped" in out
 
@@ -212,9 +212,9 @@ def test_render_processes_are_up_when_the_worker_says_ready(
     assert int(first["render_procs"]) == 2 and int(first["pdf_renders"]) == 0
     job = Client(redis_url).ocr([make_pdf(tmp_path / "doc.pdf", 2)], queue="warm",
                                 max_side=64, max_tokens=4)
-    wait_for(lambda: job.status() == "finished", 60, "the PDF job")
+    wait_for(lambda: job.status() == "finished", 300, "the PDF job")
     proc.send_signal(signal.SIGTERM)
-    rc, out = finish(proc, timeout=30)
+    rc, out = finish(proc, timeout=300)
     assert rc == 0, out
 
 

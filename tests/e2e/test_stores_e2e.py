@@ -73,7 +73,7 @@ def world(module_redis_url: str, tiny_model: Path,
         procs.append(subprocess.Popen([server, "-H", "127.0.0.1", "-p", str(port)],
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True, start_new_session=True))
-        helpers.wait_for(lambda: _listening(port), 30, "moto_server to listen")
+        helpers.wait_for(lambda: _listening(port), 300, "moto_server to listen")
         aws_env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing-key",
                    "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1"}
         s3 = boto3.session.Session().client(

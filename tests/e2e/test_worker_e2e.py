@@ -14,7 +14,16 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
-from tests.support.helpers import VLMQ, Spawn, Tripwire, finish, make_images, make_pdf, wait_for
+from tests.support.helpers import (
+    VLMQ,
+    Spawn,
+    Tripwire,
+    abandoned,
+    finish,
+    make_images,
+    make_pdf,
+    wait_for,
+)
 from vlmq.producer.client import Client
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import BlobStore
@@ -128,10 +137,10 @@ def test_sigterm_requeues_and_a_new_worker_finishes_each_item_once(
     job = client.ocr([make_pdf(tmp_path / "long.pdf", pages)], max_side=112, max_tokens=24)
     proc = start_worker(redis_url, tiny_model, tmp_path, "--max-batch", "2", "--grace", "20",
                         name="first")
-    wait_for(lambda: job.progress()[0] >= 2, 60, "two items done")
+    wait_for(lambda: job.progress()[0] >= 2, 300, "two items done")
     first_items_at = time.time()
     os.killpg(proc.pid, signal.SIGTERM)
-    rc, out = finish(proc, timeout=60)
+    rc, out = finish(proc, timeout=300)
     assert rc == 0, out
     done_at_stop = job.progress()[0]
     assert 2 <= done_at_stop < pages, out
@@ -165,13 +174,14 @@ def test_a_killed_worker_s_job_is_reclaimed_and_resumed_at_item_level(
     job = client.ocr([make_pdf(tmp_path / "long.pdf", pages)], max_side=112, max_tokens=24)
     proc = start_worker(redis_url, tiny_model, tmp_path, "--max-batch", "2",
                         "--heartbeat-ttl", "2", name="doomed")
-    wait_for(lambda: job.progress()[0] >= 2, 60, "two items done")
+    wait_for(lambda: job.progress()[0] >= 2, 300, "two items done")
     os.killpg(proc.pid, signal.SIGKILL)  # no chance to requeue anything
     proc.communicate()
     done_at_kill = job.progress()[0]
     assert job.status() == "started" and done_at_kill < pages
 
-    time.sleep(3)  # past the dead worker's heartbeat TTL
+    wait_for(lambda: abandoned(redis, "ocr", job.id), 120,
+             "the dead worker's execution to expire (its heartbeat TTL)")
     rc, out = finish(start_worker(redis_url, tiny_model, tmp_path, "--burst", name="heir"))
     assert rc == 0, out
     assert f"({done_at_kill} already done, resuming)" in out
@@ -244,7 +254,7 @@ def test_backpressure_keeps_a_window_and_a_small_job_overtakes_a_big_one(
             assert int(s["window"]) == 8 and int(s["waiting"]) <= bound
         return big.progress()[0] >= 10
 
-    wait_for(progressed, 90, "the big job to get going")
+    wait_for(progressed, 300, "the big job to get going")
     rss_early = _rss_mb(proc.pid)
     small = client.caption(make_images(tmp_path / "imgs", 3), max_side=56, max_tokens=4)
     wait_for(lambda: big.progress()[0] >= 180, 120, "the big job to near its end")
@@ -320,7 +330,7 @@ def test_a_job_canceled_mid_run_stays_canceled(
     job = client.ocr([make_pdf(tmp_path / "long.pdf", pages)], max_side=112, max_tokens=24)
     proc = start_worker(redis_url, tiny_model, tmp_path, "--burst", "--max-batch", "2",
                         "--heartbeat-ttl", "3")
-    wait_for(lambda: job.progress()[0] >= 2, 60, "two items done")
+    wait_for(lambda: job.progress()[0] >= 2, 300, "two items done")
     fetch_job(redis, job.id).cancel()
     rc, out = finish(proc, timeout=120)
     assert rc == 0, out

@@ -679,7 +679,7 @@ def private_redis(tmp_path: Path) -> Iterator[str]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     try:
-        wait_for(lambda: answers(url, timeout=0.2), 10, "the private redis to start")
+        wait_for(lambda: answers(url, timeout=0.2), 120, "the private redis to start")
         yield url
     finally:
         proc.terminate()

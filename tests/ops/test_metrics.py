@@ -245,7 +245,7 @@ def test_worker_refuses_a_metrics_port_in_use(redis_url: str, tiny_model: Path,
         port = taken.getsockname()[1]
         proc = start_worker(redis_url, tiny_model, tmp_path, "--metrics-port", str(port),
                             name="wbusy")
-        rc, out = helpers.finish(proc, timeout=60)
+        rc, out = helpers.finish(proc, timeout=300)
     assert rc == 1, out
     assert f"cannot serve metrics on 127.0.0.1:{port}: the port is in use" in out, out
     assert "loading model" not in out, out  # refused before the model load

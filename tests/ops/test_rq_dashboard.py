@@ -84,7 +84,7 @@ def start(redis_url: str, tmp: Path, *, with_config: bool) -> tuple[subprocess.P
 def stop(proc: subprocess.Popen[str]) -> str:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
+    out, _ = proc.communicate(timeout=300)
     return out
 
 

@@ -62,21 +62,21 @@ def test_a_skewed_worker_takes_no_live_job_and_its_own_are_taken_when_it_dies(
     client = Client(redis_url)
     live = _long_job(client, tmp_path, "qa", 40)
     healthy = _spawn(procs, redis_url, tiny_model, tmp_path / "a", "healthy", "qa")
-    wait_for(lambda: _owner(redis, live) == "healthy", 60, "the healthy worker's job")
+    wait_for(lambda: _owner(redis, live) == "healthy", 300, "the healthy worker's job")
     retries = redis.hget(f"rq:job:{live.id}", "retries_left")
     ahead = _long_job(client, tmp_path, "qb", 12)
     skewed = _spawn(procs, redis_url, tiny_model, tmp_path / "b", "ahead", "qa,qb", "+300s")
-    wait_for(lambda: _owner(redis, ahead) == "ahead", 60, "the skewed worker's job")
+    wait_for(lambda: _owner(redis, ahead) == "ahead", 300, "the skewed worker's job")
     assert live.status() == "started", "the live job ended too soon: make it longer"
     # The skewed worker's maintenance ran at its start; kill it mid-job.
     os.kill(skewed.pid, signal.SIGKILL)
     _, out_skewed = finish(skewed)
     assert "clock is -300" in out_skewed or "clock is +300" in out_skewed, out_skewed
 
-    wait_for(lambda: live.status() == "finished", 90, "the live job to finish")
+    wait_for(lambda: live.status() == "finished", 300, "the live job to finish")
     assert redis.hget(f"rq:job:{live.id}", "retries_left") == retries
     rescuer = _spawn(procs, redis_url, tiny_model, tmp_path / "c", "rescuer", "qb")
-    wait_for(lambda: ahead.status() == "finished", 60, "the dead skewed worker's job")
+    wait_for(lambda: ahead.status() == "finished", 300, "the dead skewed worker's job")
     for proc in (healthy, rescuer):
         os.kill(proc.pid, signal.SIGTERM)
     (_, out_healthy), (_, out_rescuer) = finish(healthy), finish(rescuer)

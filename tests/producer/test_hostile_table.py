@@ -441,7 +441,7 @@ def test_hostile_inputs_table(redis: Redis, redis_url: str, tmp_path: Path,
                 job.wait(timeout=300)
         except WaitTimeout as exc:
             worker.kill()
-            out, _ = worker.communicate(timeout=30)
+            out, _ = worker.communicate(timeout=300)
             raise AssertionError(f"wave {n}: {exc}; worker output:\n{out[-6000:]}") from None
         wait_for(lambda: redis.llen(KEYS.rq_queue("ocr")) == 0
                  and redis.llen("rq:queue:ocr:intermediate") == 0, 60, "the queue to drain")
@@ -454,6 +454,6 @@ def test_hostile_inputs_table(redis: Redis, redis_url: str, tmp_path: Path,
         assert [r.error for r in innocent.results()] == [None] * 3, f"wave {n}"
     assert not failures, "\n".join(failures)
     worker.terminate()
-    out, _ = worker.communicate(timeout=60)
+    out, _ = worker.communicate(timeout=300)
     assert out.count("ready: model") == 1, "the worker restarted"
     assert "Traceback" not in out, out

@@ -120,17 +120,25 @@ def test_cancel_queued_and_running_jobs(redis_url: str, redis: Redis, tiny_model
     slow = client.caption(images, options=JobOptions(max_side=112, max_tokens=64))
     procs.append(helpers.start_worker(redis_url, tiny_model, tmp_path, "--max-batch", "2"))
     wait_for(lambda: slow.progress()[0] >= 1, 180, "the first item")
+    stats = Keys().worker_stats("w1")
+
+    def report() -> dict[str, float]:  # the worker's last published stats
+        return {k.decode(): float(v) for k, v in redis.hgetall(stats).items()
+                if k in (b"uptime_s", b"jobs_in_flight")}
+
+    before = report().get("uptime_s", -1.0)
     slow.cancel()
     assert slow.status() == "canceled"
-    # The worker drops it at its next ownership check: the count stops growing.
-    settled: list[int] = []
-
-    def stable() -> bool:
-        settled.append(slow.progress()[0])
-        return len(settled) > 40 and len(set(settled[-40:])) == 1  # 2 s unchanged
-
-    wait_for(stable, 60, "the worker to drop the canceled job")
-    assert settled[-1] < 12
+    # The worker drops it at its next ownership check: a report made after the cancel says
+    # it holds no job, and by its next report the count has not grown.
+    wait_for(lambda: report().get("uptime_s", -1.0) > before
+             and report().get("jobs_in_flight") == 0, 300,
+             "the worker to drop the canceled job")
+    dropped_at = report()["uptime_s"]
+    done = slow.progress()[0]
+    wait_for(lambda: report().get("uptime_s", -1.0) > dropped_at, 300,
+             "the worker's next report")
+    assert slow.progress()[0] == done < 12
     assert all(r.ok for r in slow.results())  # what was done stays readable
     types = [e[1][b"type"] for e in redis.xrange(Keys().job_events(slow.id))]
     assert types.count(b"canceled") == 1

@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import pytest
 from redis import Redis
 
 from tests.support import helpers
-from tests.support.helpers import VLMQ, finish, page_image, wait_for
+from tests.support.helpers import VLMQ, Output, finish, page_image, wait_for
 from vlmq.producer.ops.schedules import Schedule, ScheduleError
 from vlmq.shared.keys import Keys
 
@@ -49,10 +48,14 @@ def test_two_schedulers_fire_each_due_time_once_and_runs_are_incremental(
     procs.extend(subprocess.Popen([VLMQ, "scheduler", "--tick", "0.1"], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, start_new_session=True) for _ in range(2))
-    time.sleep(7)
+    watched = [Output(proc) for proc in procs]
+    for out in watched:  # both in their loop, competing for each due time
+        out.wait_for("running")
+    wait_for(lambda: sum(not r["manual"] for r in _runs(redis_url, "pics")) >= 3, 300,
+             "three due times fired")
     for proc in procs:
         proc.send_signal(signal.SIGINT)
-    outs = [finish(proc, timeout=30) for proc in procs]
+    outs = [out.finish() for out in watched]
     assert all(rc == 0 for rc, _ in outs), outs
 
     runs = [r for r in _runs(redis_url, "pics") if not r["manual"]]

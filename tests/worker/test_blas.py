@@ -50,7 +50,7 @@ def test_default_worker_runs_openblas_and_reference_does_not(
     logs = []
     for proc in (default, ref):
         proc.terminate()
-        rc, out = finish(proc, timeout=60)
+        rc, out = finish(proc, timeout=300)
         assert rc == 0, out
         logs.append(out)
     assert f"BLAS: openblas {library} (wheel opencv-python" in logs[0] or \
@@ -68,7 +68,7 @@ def test_unusable_blas_choice_is_refused_before_loading(
     args = () if via_env else ("--blas", value)
     proc = helpers.start_worker(redis_url, tiny_model, tmp_path, "--burst", *args)
     procs.append(proc)
-    rc, out = finish(proc, timeout=60)
+    rc, out = finish(proc, timeout=300)
     assert rc == 1
     assert f"{value!r} is neither auto, reference nor an existing library file" in out
     assert "loading model" not in out

@@ -246,7 +246,7 @@ def test_a_signal_during_the_main_loops_wait_never_wedges_it() -> None:
         # child is not asked to count them: a last, distinct signal tells it to stop,
         # and a wedged get() would never see it.
         proc.send_signal(signal.SIGUSR2)
-        out, _ = proc.communicate(timeout=20)
+        out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -12,6 +12,7 @@ from redis import Redis
 from rq.job import JobStatus
 
 from tests.support.factories import job_payload
+from tests.support.helpers import abandoned, wait_for
 from vlmq.shared import constants as C
 from vlmq.shared.enqueue import enqueue, fetch_job
 from vlmq.shared.keys import Keys
@@ -94,7 +95,7 @@ def test_a_death_nobody_is_charged_for_spends_one_retry_of_each_job(redis: Redis
     life = lifecycle(redis, 1)
     while life.take() is not None:
         pass
-    time.sleep(2.2)  # its executions expire without a heartbeat
+    wait_for(lambda: abandoned(redis, "q", *ids), 120, "its executions to expire unbeaten")
     reclaim(redis)
     for job in (fetch_job(redis, j) for j in ids):
         assert job.get_status() == JobStatus.QUEUED

@@ -12,17 +12,16 @@ from collections.abc import Iterator
 import pytest
 from redis import Redis
 
+from tests.support.factories import job_payload
+from tests.support.helpers import abandoned, wait_for
 from vlmq.shared import results as R
 from vlmq.shared.enqueue import enqueue, fetch_job
 from vlmq.shared.keys import Keys
-from vlmq.shared.messages import Item, JobPayload
 from vlmq.worker.engine.batcher import Finished
 from vlmq.worker.engine.item_order import ItemOrder
 from vlmq.worker.intake.rq_jobs import INCOMPLETE, BatchWorker, JobLifecycle, Running
 from vlmq.worker.results.writer import ResultWriter
 from vlmq.worker.stats import WorkerStats
-
-SHA = "ab" * 32
 
 
 def events(redis: Redis, keys: Keys, job_id: str) -> list[dict[str, str]]:
@@ -74,9 +73,7 @@ def rig(redis: Redis, keys: Keys) -> Iterator[Rig]:
 
 
 def job(redis: Redis, n: int, labels: dict[str, str] | None = None) -> str:
-    items = tuple(Item("image", SHA, f"{i}.png") for i in range(n))
-    return enqueue(redis, JobPayload(task="ocr", items=items,
-                                     settings={"labels": labels} if labels else {}),
+    return enqueue(redis, job_payload(n, name="{}.png", **({"labels": labels} if labels else {})),
                    queue="ocr")
 
 
@@ -249,7 +246,8 @@ def test_a_job_abandoned_with_no_retries_left_gets_its_failed_event(redis, keys)
     dead.life.worker.heartbeat_ttl = 1
     dead.take()
     redis.hset(keys.rq_job(job_id), "retries_left", 0)
-    time.sleep(2.1)  # its heartbeat TTL passes: the worker "died"
+    wait_for(lambda: abandoned(redis, "ocr", job_id), 120, "its execution to expire: the "
+             "worker \"died\"")
     other = Rig(redis, keys, f"w-{uuid.uuid4().hex[:6]}")
     other.life.maintain()  # RQ's cleanup fails it; vlmq writes the terminal event
     other.life.worker.last_cleaned_at = None

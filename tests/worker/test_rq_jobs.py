@@ -18,7 +18,7 @@ from rq.serializers import JSONSerializer
 from rq.worker import Worker, WorkerStatus
 
 from tests.support.factories import job_payload
-from tests.support.helpers import Tripwire, raw_enqueue
+from tests.support.helpers import Tripwire, abandoned, raw_enqueue
 from vlmq.shared import constants as C
 from vlmq.shared.enqueue import enqueue, fetch_job
 from vlmq.shared.messages import JobPayload
@@ -197,10 +197,14 @@ def test_heartbeats_keep_long_jobs_from_being_abandoned(redis):
     silent_id = enqueue(redis, job_payload(2), queue="low")
     beating, _silent = take_running(life), take_running(life)
 
-    deadline = time.monotonic() + 3.6  # past the 2 s TTL in whole seconds
-    while time.monotonic() < deadline:
+    # Beating until the silent one's execution has expired: the beaten one's has not.
+    deadline = time.monotonic() + 120
+    while not abandoned(redis, "low", silent_id):
         assert life.heartbeat([beating]) == []
-        time.sleep(0.4)
+        assert time.monotonic() < deadline, "the silent job's execution never expired"
+        time.sleep(0.1)
+    assert life.heartbeat([beating]) == []
+    assert not abandoned(redis, "low", beating_id)
     StartedJobRegistry(queue=Queue("low", connection=redis)).cleanup()
 
     assert fetch_job(redis, beating_id).get_status() == JobStatus.STARTED
