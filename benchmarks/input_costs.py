@@ -42,7 +42,7 @@ from tests.support.tiff_craft import LZW, best_time, encoded_strip, many_pages
 
 def tiff_pages(pages: int, side: int) -> dict[str, float]:
     """Part 1: in-process decode of page 1 and page N, and the producer's check."""
-    from vlmq.producer.inputs import check_file
+    from vlmq.producer.files import check_file
     from vlmq.worker.prep import decode as P
 
     last = encoded_strip(Image.new("L", (8, 8), 99), "tiff_lzw")

@@ -26,12 +26,12 @@ from vlmq.cli.common import (
 )
 from vlmq.cli.results import result_cmd, wait_cmd
 from vlmq.producer.client import Client, Job, QueueInfo, WorkerInfo
-from vlmq.producer.inputs import PagesWithoutPdf
 from vlmq.producer.job_sets import JOB_ITEMS, Batch, Part, is_batch, submit_parts
 from vlmq.producer.manifest import Group, read_manifest
 from vlmq.producer.openai_files import read_openai_batch
 from vlmq.producer.ops.job_admin import CannotCancel
 from vlmq.producer.options import JobOptions, job_options
+from vlmq.producer.page_specs import PagesWithoutPdf
 from vlmq.producer.upload import DEFAULT_MAX_PENDING_MB, retention
 from vlmq.shared import constants as C
 from vlmq.shared import job_index, redis_checks

@@ -14,7 +14,7 @@ import click
 
 from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, fail, store_option
 from vlmq.producer.client import Client
-from vlmq.producer.inputs import S3_SCHEME
+from vlmq.producer.expand import S3_SCHEME
 from vlmq.producer.ops.export import FORMATS
 from vlmq.producer.ops.schedules import (
     TASKS,

@@ -23,9 +23,10 @@ from rq.serializers import JSONSerializer
 
 from vlmq.producer import job_sets as batches
 from vlmq.producer.errors import JobNotFound
-from vlmq.producer.inputs import PageSpec, Prepared, prepare
+from vlmq.producer.inputs import Prepared, prepare
 from vlmq.producer.ops import job_admin as manage
 from vlmq.producer.options import JOB_FIELDS, JobOptions
+from vlmq.producer.page_specs import PageSpec
 from vlmq.producer.progress import ProgressBar, ProgressLines, display
 from vlmq.producer.upload import DEFAULT_MAX_PENDING_MB, Uploader
 from vlmq.shared import constants as C

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlmq.producer.inputs import CheckedFile, Prepared, check_file, parse_pages
+from vlmq.producer.files import CheckedFile, check_file
+from vlmq.producer.inputs import Prepared
 from vlmq.producer.job_sets import JOB_ITEMS, split_prepared
 from vlmq.producer.options import JobOptions, read_schema_file
+from vlmq.producer.page_specs import parse_pages
 from vlmq.shared import constants as C
 from vlmq.shared import extract_schema as json_schema
 from vlmq.shared import settings as S

@@ -30,7 +30,7 @@ from redis import Redis
 from redis.client import Pipeline
 from redis.exceptions import OutOfMemoryError
 
-from vlmq.producer.inputs import BlobSource
+from vlmq.producer.files import BlobSource
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import UPLOAD_TTL_S, BlobStore
 from vlmq.shared.keys import Keys

@@ -46,14 +46,9 @@ from redis.typing import EncodableT, FieldT
 from vlmq.producer import job_sets as batches
 from vlmq.producer.client import TERMINAL, Client, Job
 from vlmq.producer.errors import JobNotFound
-from vlmq.producer.inputs import (
-    S3_SCHEME,
-    CheckedFile,
-    FoundFile,
-    Prepared,
-    check_found,
-    expand_inputs,
-)
+from vlmq.producer.expand import S3_SCHEME, FoundFile, expand_inputs
+from vlmq.producer.files import CheckedFile, check_found
+from vlmq.producer.inputs import Prepared
 from vlmq.producer.ops.export import ExportReport, export_results
 from vlmq.producer.options import JobOptions
 from vlmq.shared import constants as C

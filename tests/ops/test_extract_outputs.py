@@ -23,7 +23,8 @@ from tests.support.dashboard_data import result
 from tests.support.helpers import make_images, pdf_bytes, worker_lifecycle
 from vlmq.cli.main import main
 from vlmq.producer import Client, JobOptions
-from vlmq.producer.inputs import Prepared, check_file
+from vlmq.producer.files import check_file
+from vlmq.producer.inputs import Prepared
 from vlmq.producer.ops.dashboard.app import Settings, create_app
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult

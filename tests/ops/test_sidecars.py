@@ -22,7 +22,7 @@ import pytest
 from PIL import Image
 
 from tests.support import helpers
-from vlmq.producer.inputs import expand_inputs, expand_sources
+from vlmq.producer.expand import expand_inputs, expand_sources
 from vlmq.producer.ops.export import export_results
 from vlmq.producer.ops.export_ledger import MANIFEST_NAME
 from vlmq.shared.messages import ItemResult

@@ -22,7 +22,7 @@ from tests.support.helpers import pdf_bytes, worker_lifecycle
 from vlmq.producer import Client, JobFailed, JobNotFound, WaitTimeout, sample_files
 from vlmq.producer import client as client_module
 from vlmq.producer.client import wait_all
-from vlmq.producer.inputs import PagesWithoutPdf
+from vlmq.producer.page_specs import PagesWithoutPdf
 from vlmq.shared import constants as C
 from vlmq.shared.enqueue import fetch_job, is_json_data, payload_of
 from vlmq.shared.errors import InputError, PayloadError

@@ -28,7 +28,7 @@ from tests.support import helpers
 from vlmq.media import formats as image_formats
 from vlmq.media.formats import UNKNOWN, Plugins, describe
 from vlmq.producer.client import Client
-from vlmq.producer.inputs import check_file
+from vlmq.producer.files import check_file
 from vlmq.producer.ops.dashboard.render import RenderError, render
 from vlmq.shared.errors import InputError
 from vlmq.shared.messages import ItemResult

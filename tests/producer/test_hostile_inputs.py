@@ -22,7 +22,8 @@ from tests.support import helpers
 from tests.support.helpers import VLMQ
 from vlmq.cli.demo import DEMO_QUEUE_PREFIX, demo_queues, round_problem
 from vlmq.producer.client import Client
-from vlmq.producer.inputs import InputErrors, check_file, prepare
+from vlmq.producer.files import check_file
+from vlmq.producer.inputs import InputErrors, prepare
 from vlmq.producer.manifest import MAX_LINE_BYTES, ManifestError, read_manifest
 from vlmq.producer.ops.output_formats import FORMATS, JobResults
 from vlmq.producer.options import JobOptions

@@ -13,15 +13,11 @@ import pytest
 from PIL import Image
 
 from tests.support.helpers import pdf_bytes
-from vlmq.producer import inputs
-from vlmq.producer.inputs import (
-    BlobSource,
-    InputErrors,
-    check_file,
-    expand_paths,
-    parse_pages,
-    prepare,
-)
+from vlmq.producer import files
+from vlmq.producer.expand import expand_paths
+from vlmq.producer.files import BlobSource, check_file
+from vlmq.producer.inputs import InputErrors, prepare
+from vlmq.producer.page_specs import parse_pages
 from vlmq.shared import constants as C
 from vlmq.shared.errors import InputError
 
@@ -272,13 +268,13 @@ def test_item_limit_stops_reading_files_once_passed(tmp_path: Path,
         write(tmp_path / f"img{i}.png", image_bytes(color=(i, 0, 0)))
     write(tmp_path / "img9-empty.png", b"")  # after the limit: never read, never reported
     checked: list[str] = []
-    real_check = inputs.check_file
+    real_check = files.check_file
 
-    def counting_check(path: str | os.PathLike[str], **kw: Any) -> inputs.CheckedFile:
+    def counting_check(path: str | os.PathLike[str], **kw: Any) -> files.CheckedFile:
         checked.append(os.fspath(path))
         return real_check(path, **kw)
 
-    monkeypatch.setattr(inputs, "check_file", counting_check)
+    monkeypatch.setattr(files, "check_file", counting_check)
     with pytest.raises(InputError) as info:
         prepare([tmp_path], limit=3)
     assert "the first 4 file(s) already make 4 items, over the 3-item limit" in str(info.value)

@@ -7,9 +7,6 @@ the problem, so the worker can fail that one item and carry on with the job.
 
 from __future__ import annotations
 
-import io
-import math
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -18,12 +15,12 @@ from typing import IO, TypeAlias, TypeVar
 
 import numpy as np
 import pypdfium2 as pdfium
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image
 
-from vlmq.media import formats as image_formats
+from vlmq.media import opener
 from vlmq.media import tiff as TIFF
-from vlmq.media.pdfium import PDFIUM_LOCK, open_problem
-from vlmq.shared import constants as C
+from vlmq.media.opener import MediaError
+from vlmq.media.pdfium import PDFIUM_LOCK
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.errors import VlmqError
 from vlmq.worker.prep import text_layer as TL
@@ -104,12 +101,14 @@ def _source(data: Data) -> Iterator[Source]:
             got.close()
 
 
-def _head(src: Source, n: int) -> bytes:
-    """The first n bytes, for a message naming what the input is."""
-    if isinstance(src, bytes):
-        return src[:n]
-    src.seek(0)
-    return src.read(n)
+@contextmanager
+def _item_errors() -> Iterator[None]:
+    """The opener's refusal of an input (media/opener.py) as this item's PreprocessError,
+    with the same message."""
+    try:
+        yield
+    except MediaError as exc:
+        raise PreprocessError(str(exc)) from exc
 
 
 def check_side(max_side: int | None) -> None:
@@ -127,81 +126,25 @@ def check_page(page: int) -> None:
 def decode_image(data: Data, max_side: int | None) -> Image.Image:
     """Decode an image to RGB, upright, with the longest side <= max_side (never upscaled).
 
-    The pixel limit is checked from the header, before any pixel is decoded, so a small
-    file that claims a huge canvas costs nothing. A file is read as the codec asks, so the
+    Opened by the one opener (media/opener.py): the caps are checked from the header,
+    before any pixel is decoded, so a small file that claims a huge canvas costs nothing,
+    and an animated image is its first frame. A file is read as the codec asks, so the
     tail a PNG ends before is never read.
     """
     check_side(max_side)
     COUNTERS.incr("image_decodes")
-    image_formats.register_plugins()  # HEIC/HEIF (pillow-heif), before the first open
-    with _source(data) as src, _open_image(src) as im:
-        w, h = _check_frame(im, "image")
-        if max_side is not None and im.format == "JPEG" and max(w, h) > 2 * max_side:
-            # Let libjpeg decode at 1/2, 1/4 or 1/8 scale; the result is still >= target.
-            s = max_side / max(w, h)
-            im.draft(None, (math.ceil(w * s), math.ceil(h * s)))
-        rgb = _upright_rgb(im, "corrupt or truncated image")
+    with _item_errors(), _source(data) as src, opener.open_image(src) as im:
+        opener.reduce_for(im, max_side)  # JPEG: libjpeg decodes at 1/2, 1/4 or 1/8 scale
+        rgb = _rgb(opener.decode(im))
     return _bound(rgb, max_side)
 
 
-def _open_image(src: Source) -> Image.Image:
-    """Pillow's lazy open of any image format; errors say what the input is instead."""
-    fp = io.BytesIO(src) if isinstance(src, bytes) else src
-    fp.seek(0)
+def _rgb(im: Image.Image, page: int | None = None) -> Image.Image:
+    """A decoded frame in RGB; a mode Pillow cannot convert is the frame's corruption."""
     try:
-        return Image.open(fp)
-    except UnidentifiedImageError as exc:
-        # Name the format where its magic bytes are known (JPEG XL, DjVu, SVG...).
-        what = image_formats.describe(_head(src, image_formats.HEAD_BYTES))
-        raise PreprocessError("not an image (cannot identify image file)"
-                              + (f": {what}" if what else "")) from exc
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        # Pillow's own guard (about 89 Mpx) fires inside open(), before ours can; it warns
-        # rather than raises unless warnings are errors, so both forms are handled.
-        raise PreprocessError(f"image rejected as a decompression bomb: {exc}") from exc
-    except OSError as exc:
-        raise PreprocessError(f"corrupt image header ({exc})") from exc
-
-
-def _check_frame(im: Image.Image, what: str) -> tuple[int, int]:
-    """The open frame's size, refused (PreprocessError naming `what`) when it is empty,
-    over the pixel limit or too far from square; read from its header, nothing decoded."""
-    w, h = im.size
-    if w < 1 or h < 1:
-        raise PreprocessError(f"{what} has an empty size ({w}x{h})")
-    if w * h > C.MAX_IMAGE_PIXELS:
-        raise PreprocessError(f"{what} is {w}x{h} = {w * h} pixels, over the limit of "
-                              f"{C.MAX_IMAGE_PIXELS} (decompression bomb guard)")
-    check_aspect(w, h, what)
-    return w, h
-
-
-def _upright_rgb(im: Image.Image, failing: str) -> Image.Image:
-    """The open frame decoded, EXIF-upright, in RGB; a decode error is `failing (why)`."""
-    try:
-        im.load()
-        return _to_rgb(ImageOps.exif_transpose(im))
-    except (OSError, SyntaxError, ValueError, EOFError) as exc:
-        raise PreprocessError(f"{failing} ({exc})") from exc
-
-
-def aspect_problem(w: float, h: float, what: str) -> str | None:
-    """Why a w x h input is too far from square for the vision processors, or None.
-
-    Measured on the input as given: the processor's own message measures the image after
-    max_side resizing (60000x1 becomes 2048x1), so its figure misleads.
-    """
-    ratio = max(w, h) / min(w, h)
-    if ratio < C.MAX_ASPECT_RATIO:
-        return None
-    return (f"{what} is {w:g}x{h:g}, an aspect ratio of {ratio:.1f}; the vision processor "
-            f"needs it under {C.MAX_ASPECT_RATIO}")
-
-
-def check_aspect(w: float, h: float, what: str) -> None:
-    problem = aspect_problem(w, h, what)
-    if problem is not None:
-        raise PreprocessError(problem)
+        return _to_rgb(im)
+    except opener.DECODE_ERRORS as exc:
+        raise opener.frame_error(opener.Problem.CORRUPT, page=page, detail=exc) from exc
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:
@@ -253,36 +196,18 @@ def decode_tiff_page(data: Data, page: int, max_side: int | None, *,
 
     Any page costs what page 1 does: the document's page index (read once, kept with it)
     says where the page's directory is, and the page opens as a one-page TIFF. Only that
-    directory is checked (pixel limit, aspect) and only its pixels decoded, so a bomb on
+    directory is checked (the opener's caps) and only its pixels decoded, so a bomb on
     another page is not this item's problem. With `doc_key` (the blob's sha256) the bytes
     are fetched and indexed once for all the pages that follow.
     """
     check_side(max_side)
     check_page(page)
     COUNTERS.incr("image_decodes")
-    doc = _tiff_doc(data, doc_key)
-    if page > doc.pages:
-        raise PreprocessError(_unreachable(doc.index, page))
-    with doc.page(page) as fp:
-        try:
-            im = Image.open(fp, formats=["TIFF"])
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-            raise PreprocessError(f"page {page} rejected as a decompression bomb: {exc}"
-                                  ) from exc
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError, TypeError,
-                KeyError, IndexError) as exc:
-            raise PreprocessError(f"page {page}: corrupt TIFF directory ({exc})") from exc
-        with im:
-            _check_frame(im, f"page {page}")
-            rgb = _upright_rgb(im, f"page {page}: corrupt or truncated TIFF page")
+    with _item_errors():
+        doc = _tiff_doc(data, doc_key)
+        with opener.tiff_page(doc, page) as im:
+            rgb = _rgb(opener.decode(im, page=page), page)
     return _bound(rgb, max_side)
-
-
-def _unreachable(index: TIFF.Index, page: int) -> str:
-    if index.problem is not None:
-        return (f"page {page} cannot be reached: the TIFF's page chain stops after page "
-                f"{index.pages} ({index.problem})")
-    return f"page {page} is out of range: the TIFF has {index.pages} page(s)"
 
 
 def _tiff_doc(data: Data, doc_key: str | None) -> TIFF.Document:
@@ -295,10 +220,7 @@ def _tiff_doc(data: Data, doc_key: str | None) -> TIFF.Document:
                 _TIFFS.move_to_end(doc_key)
                 return kept
     with _source(data) as src:
-        try:
-            doc = TIFF.Document(src)
-        except TIFF.TiffError as exc:
-            raise PreprocessError(f"not a readable TIFF: the file {exc}") from exc
+        doc = opener.open_tiff(src)
     if doc_key is not None:
         with _TIFFS_LOCK:
             _TIFFS[doc_key] = doc
@@ -387,20 +309,8 @@ def _load_pdf(src: Source) -> pdfium.PdfDocument:
     """PDFium reads a file as it needs (lazily), through a descriptor of its own: the
     document may outlive the caller's file."""
     COUNTERS.incr("pdf_opens")
-    what = "blob" if isinstance(src, bytes) else "file"
-    own = src if isinstance(src, bytes) else os.fdopen(os.dup(src.fileno()), "rb")
-    try:
-        pdf = pdfium.PdfDocument(own, autoclose=True)
-    except pdfium.PdfiumError as exc:
-        if not isinstance(own, bytes):
-            own.close()
-        head = _head(src, C.BLOB_MAX_BYTES)  # the failure path only: the bytes tell why
-        raise PreprocessError(f"not a readable PDF: the {what} {open_problem(exc, head)}"
-                              ) from exc
-    if len(pdf) < 1:
-        pdf.close()
-        raise PreprocessError(f"not a readable PDF: the {what} is a PDF with no pages")
-    return pdf
+    with _item_errors():
+        return opener.open_pdf(src, own_handle=True)
 
 
 def _open_pdf(src: Source, doc_key: str | None) -> tuple[pdfium.PdfDocument, bool]:
@@ -420,33 +330,6 @@ def _open_pdf(src: Source, doc_key: str | None) -> tuple[pdfium.PdfDocument, boo
 
 
 def _render(pdf: pdfium.PdfDocument, page: int, max_side: int) -> Image.Image:
-    """PDFIUM_LOCK held. Closes page and bitmap here, never leaving them to GC on some thread."""
-    n = len(pdf)
-    if page > n:
-        raise PreprocessError(f"page {page} is out of range: the PDF has {n} page(s)")
-    try:
-        pg = pdf[page - 1]
-    except pdfium.PdfiumError as exc:
-        raise PreprocessError(f"page {page} of {n} cannot be loaded ({exc})") from exc
-    try:
-        w, h = pg.get_size()  # points, with the page's /Rotate already applied
-        if not (w > 0 and h > 0):
-            raise PreprocessError(f"page {page} of {n} has an empty size ({w}x{h} pt)")
-        bitmap = pg.render(scale=_fit_scale(max(w, h), max_side))
-        try:
-            img: Image.Image = bitmap.to_pil()
-            return img.convert("RGB")  # a copy, independent of the bitmap buffer
-        finally:
-            bitmap.close()
-    except pdfium.PdfiumError as exc:
-        raise PreprocessError(f"page {page} of {n} cannot be rendered ({exc})") from exc
-    finally:
-        pg.close()
-
-
-def _fit_scale(longest_pt: float, max_side: int) -> float:
-    """Largest scale whose rendered longest side is exactly max_side (pypdfium2 uses ceil)."""
-    scale = max_side / longest_pt
-    while math.ceil(longest_pt * scale) > max_side:
-        scale = math.nextafter(scale, 0.0)
-    return scale
+    """PDFIUM_LOCK held."""
+    with _item_errors():
+        return opener.render_page(pdf, page, max_side)

@@ -29,6 +29,7 @@ from typing import Any, BinaryIO
 
 from PIL import Image
 
+from vlmq.media import opener
 from vlmq.worker.prep import decode as P
 from vlmq.worker.prep.render_wire import EXIT_OVER_MEMORY, WireError, read_msg, recv_fd, write_msg
 
@@ -134,7 +135,10 @@ def _answer(header: dict[str, Any], src: P.Source | None) -> Reply | None:
         return None
     opens = P.COUNTERS.snapshot()["pdf_opens"]
     try:
-        reply, pixels = OPS[op](header, src if src is not None else _no_data)
+        # Alone on this thread, so Pillow's bomb warning can be a refusal, as it is at
+        # enqueue and in the preview, rather than a line on the worker's stderr.
+        with opener.strict_warnings():
+            reply, pixels = OPS[op](header, src if src is not None else _no_data)
     except P.PreprocessError as exc:
         return {"error": str(exc)}, b""
     reply["opened"] = P.COUNTERS.snapshot()["pdf_opens"] > opens

@@ -3,7 +3,9 @@
 Blobs are untrusted (any producer can enqueue a PDF): PDFium or Pillow on a hostile file
 can take minutes or gigabytes. The child gets a memory limit and is killed after
 RENDER_TIMEOUT_S, so the dashboard itself never hangs or grows. Results are cached in
-memory because the same page is usually looked at more than once.
+memory because the same page is usually looked at more than once. Inputs open through
+media/opener.py, so a preview refuses what the worker refuses (the same caps, the same
+frame of an animated image, the same TIFF page index), with the worker's message.
 
 Run as `python render.py KIND PAGE MAX_PX` with the blob on stdin;
 writes a PNG to stdout, or a one-line reason to stderr and exits 2.
@@ -17,11 +19,14 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 RENDER_TIMEOUT_S = 15.0
 MAX_PX = 1400  # longest side of a preview
 CHILD_MEMORY_BYTES = 2 << 30
-MAX_IMAGE_PIXELS = 80_000_000
 CACHE_ENTRIES = 128
 
 
@@ -56,7 +61,8 @@ class PreviewCache:
 def render(data: bytes, kind: str, page: int | None, max_px: int = MAX_PX, *,
            timeout_s: float = RENDER_TIMEOUT_S) -> bytes:
     """PNG preview of an image blob, or of one page (1-based) of a PDF or TIFF blob."""
-    # The file itself, not `-m`: the child then imports no vlmq package (faster start).
+    # The file itself, not `-m`: the child imports only vlmq.media (the one opener, and
+    # the caps the worker decodes under), not the dashboard's packages (faster start).
     cmd = [sys.executable, "-I", __file__, kind, str(page or 0), str(max_px)]
     try:
         done = subprocess.run(cmd, input=data, capture_output=True, timeout=timeout_s,
@@ -70,85 +76,61 @@ def render(data: bytes, kind: str, page: int | None, max_px: int = MAX_PX, *,
 
 
 def _render_pdf(data: bytes, page: int, max_px: int) -> bytes:
-    import pypdfium2 as pdfium
+    from vlmq.media import opener
+    from vlmq.media.pdfium import PDFIUM_LOCK
 
-    doc = pdfium.PdfDocument(data)
-    try:
-        if not 1 <= page <= len(doc):
-            raise RenderError(f"the PDF has {len(doc)} pages, not {page}")
-        pdf_page = doc[page - 1]
-        width, height = pdf_page.get_size()
-        if width <= 0 or height <= 0:
-            raise RenderError("the page has no size")
-        scale = min(max_px / max(width, height), 4.0)
-        bitmap = pdf_page.render(scale=scale)
-        image = bitmap.to_pil()
-        out = io.BytesIO()
-        image.convert("RGB").save(out, "PNG")
-        return out.getvalue()
-    finally:
-        doc.close()
+    with PDFIUM_LOCK:
+        pdf = opener.open_pdf(data)
+        try:
+            if not 1 <= page <= len(pdf):
+                raise RenderError(f"the PDF has {len(pdf)} pages, not {page}")
+            # At most 4x: a tiny page is not blown up to the preview's size.
+            return _png(opener.render_page(pdf, page, max_px, max_scale=4.0), max_px)
+        finally:
+            pdf.close()
 
 
 def _render_image(data: bytes, max_px: int) -> bytes:
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    """The frame the worker decodes (an animated image's first), under the same caps,
+    upright as the model sees it (JPEG EXIF orientation; HEIF's irot is applied by
+    libheif, which leaves no EXIF orientation behind to apply twice)."""
+    from vlmq.media import opener
 
-    # Only this small module of vlmq's: HEIC/HEIF through pillow-heif, and the formats
-    # that still cannot be read named in the reason.
-    from vlmq.media import formats as image_formats
-
-    image_formats.register_plugins()
-    Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
-    try:
-        image = Image.open(io.BytesIO(data))
-    except UnidentifiedImageError:
-        what = image_formats.describe(data[:image_formats.HEAD_BYTES])
-        raise RenderError(what or "it is not an image Pillow can read") from None
-    with image:
-        image.draft("RGB", (max_px, max_px))  # JPEG: decode at a reduced size
-        image.thumbnail((max_px, max_px))
-        # Upright as the model sees it (JPEG EXIF orientation; HEIF's irot is applied by
-        # libheif, which leaves no EXIF orientation behind to apply twice).
-        upright = ImageOps.exif_transpose(image)
-        out = io.BytesIO()
-        upright.convert("RGB").save(out, "PNG")
-        return out.getvalue()
+    with opener.open_image(data) as image:
+        opener.reduce_for(image, max_px)  # JPEG: decode at a reduced size
+        return _png(opener.decode(image), max_px)
 
 
 def _render_tiff(data: bytes, page: int, max_px: int) -> bytes:
-    """One page (frame) of a TIFF; the pixel cap is checked on that page, since Pillow's
-    own guard looks at the first page only."""
-    from PIL import Image
+    """One page of a TIFF, through the page index the worker uses; the caps are checked
+    on that page's own header, as the worker checks them."""
+    from vlmq.media import opener
 
-    Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
-    with Image.open(io.BytesIO(data), formats=["TIFF"]) as image:
-        try:
-            image.seek(page - 1)
-        except EOFError:
-            # Counted on a fresh open: after a seek past the end, n_frames is one too many.
-            with Image.open(io.BytesIO(data), formats=["TIFF"]) as fresh:
-                count = getattr(fresh, "n_frames", 1)
-            raise RenderError(f"the TIFF has {count} pages, not {page}") from None
-        width, height = image.size
-        if width * height > MAX_IMAGE_PIXELS:
-            raise RenderError(f"page {page} is {width}x{height}, over the "
-                              f"{MAX_IMAGE_PIXELS}-pixel preview limit")
-        image.thumbnail((max_px, max_px))
-        out = io.BytesIO()
-        image.convert("RGB").save(out, "PNG")
-        return out.getvalue()
+    doc = opener.open_tiff(data)
+    if page > doc.pages and doc.index.problem is None:
+        raise RenderError(f"the TIFF has {doc.pages} pages, not {page}")
+    with opener.tiff_page(doc, page) as image:
+        return _png(opener.decode(image, page=page), max_px)
+
+
+def _png(image: Image.Image, max_px: int) -> bytes:
+    image.thumbnail((max_px, max_px))
+    out = io.BytesIO()
+    image.convert("RGB").save(out, "PNG")
+    return out.getvalue()
 
 
 def _child(argv: list[str]) -> int:
     import resource
-    import warnings
+
+    from vlmq.media import opener
 
     resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_BYTES, CHILD_MEMORY_BYTES))
     kind, page, max_px = argv[0], int(argv[1]), int(argv[2])
     data = sys.stdin.buffer.read()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # a decompression-bomb warning is a refusal
+        # Pillow's warnings about a file refuse it, as at enqueue (a bomb-sized canvas).
+        with opener.strict_warnings(tiff=kind == "tiff"):
             if kind == "pdf":
                 png = _render_pdf(data, page, max_px)
             elif kind == "tiff":

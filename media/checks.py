@@ -1,0 +1,100 @@
+"""An input's content checked at enqueue: what it is (PDF, TIFF, image) and that the
+worker will be able to open it, by the same opener and caps (media/opener.py).
+
+A bulk job that fails on page 4,000 of a worker's queue because one scan was truncated
+costs hours; the producer is the cheap place to refuse it. Types are decided by content,
+never by file name, since scans arrive with whatever extension the scanner chose. The
+checks are stricter than the decode where that is cheap (PNG checksums, Pillow's
+warnings about a truncated TIFF directory), never looser: whatever the worker refuses
+for its size, shape or bytes is refused here first.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import IO, Final
+
+from vlmq.media import opener
+from vlmq.media import tiff as TIFF
+from vlmq.media.pdfium import PDFIUM_LOCK
+from vlmq.shared.errors import InputError
+
+PDF_MAGIC: Final = b"%PDF-"
+# The PDF spec lets the header sit anywhere in the first 1024 bytes (PDFium agrees).
+PDF_HEADER_WINDOW: Final = 1024
+
+
+def is_tiff(head: bytes) -> bool:
+    """A TIFF or BigTIFF, by its first four bytes (every byte-order mark Pillow accepts)."""
+    return head[:4] in TIFF.MARKS
+
+
+def check_content(data: bytes | IO[bytes], head: bytes, source: str) -> tuple[str, int]:
+    """(kind, pages) of an input by its content (`head`: its first bytes); InputError
+    naming `source` and the problem. A file is read as the checks need (seekable; a TIFF
+    must be the caller's own copy, since its pages are mapped)."""
+    try:
+        if PDF_MAGIC in head:
+            return "pdf", _pdf_page_count(data)
+        if is_tiff(head):
+            return "tiff", _check_tiff(data)
+        _check_image(data)
+        return "image", 1
+    except opener.MediaError as exc:
+        raise InputError(source, exc.at_enqueue) from exc
+
+
+def _pdf_page_count(data: bytes | IO[bytes]) -> int:
+    """Pages of a PDF given as bytes, or as a seekable file PDFium reads as it needs."""
+    with PDFIUM_LOCK:
+        pdf = opener.open_pdf(data)
+        try:
+            return len(pdf)
+        finally:
+            pdf.close()
+
+
+def _stream(data: bytes | IO[bytes]) -> IO[bytes]:
+    if isinstance(data, bytes):
+        return io.BytesIO(data)
+    data.seek(0)
+    return data
+
+
+def _check_image(data: bytes | IO[bytes]) -> None:
+    """Open lazily (refused by header size before decoding), verify, then decode.
+
+    verify() checks what the format carries (PNG CRCs) without decoding pixels; the
+    decode catches truncation. JPEG decodes at 1/8 scale: that still reads every byte,
+    so a truncated file fails, at a fraction of the cost of a full decode.
+    """
+    with opener.strict_warnings():
+        with opener.open_image(_stream(data)) as im:
+            width, height = im.size
+            try:
+                im.verify()
+            except opener.DECODE_ERRORS as exc:
+                raise opener.frame_error(opener.Problem.CORRUPT, detail=exc) from exc
+        with opener.open_image(_stream(data)) as im:
+            im.draft("RGB", (max(1, width // 8), max(1, height // 8)))
+            opener.decode(im, copy=False)
+
+
+def _check_tiff(data: bytes | IO[bytes]) -> int:
+    """Check every page of a TIFF, one at a time; returns the page count.
+
+    A TIFF is a document, each page an item, so each page is checked as an image is (a
+    bomb can hide in page 40 of a fax). The page chain is walked once (media/tiff.py) and
+    each page opened directly, so every page costs what page 1 does. A loop in the chain,
+    a directory past the end of the file or more than MAX_TIFF_PAGES pages refuses the
+    file. Memory is one page's however many pages there are. Errors name the page.
+    """
+    doc = opener.open_tiff(data)
+    if doc.index.problem is not None:
+        raise opener.MediaError(opener.Problem.DOCUMENT, str(doc.index.problem),
+                                at_enqueue=opener.tiff_problem(doc.index.problem))
+    with opener.strict_warnings(tiff=True):
+        for page in range(1, doc.pages + 1):
+            with opener.tiff_page(doc, page) as im:
+                opener.decode(im, page=page, copy=False)  # one page's pixels at a time
+    return doc.pages
