@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import io
 import json
 import os
 import subprocess
@@ -13,13 +12,13 @@ from pathlib import Path
 
 import click
 import pytest
-from PIL import Image
 from redis import Redis
 from rq import Queue, SimpleWorker, Worker
 from rq.job import JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
+from tests.support.factories import image_bytes
 from tests.support.helpers import (
     Tripwire,
     invoke_cli,
@@ -39,17 +38,8 @@ from vlmq.worker.redis_server import answers, free_port, server_binary
 VLMQ = Path(sys.executable).with_name("vlmq")
 
 
-def image_bytes(fmt: str = "PNG", color: tuple[int, int, int] = (200, 30, 30),
-                size: tuple[int, int] = (48, 32)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, color).save(buf, fmt)
-    return buf.getvalue()
-
-
 def bomb_png(side: int) -> bytes:
-    buf = io.BytesIO()
-    Image.new("1", (side, side)).save(buf, "PNG")
-    return buf.getvalue()
+    return image_bytes(size=(side, side), color=0, mode="1")
 
 
 def item_result(index: int, source: str, page: int | None, text: str | None,

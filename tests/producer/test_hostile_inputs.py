@@ -19,6 +19,7 @@ from redis import Redis
 from redis.exceptions import ResponseError
 
 from tests.support import helpers
+from tests.support.factories import SHA
 from tests.support.helpers import VLMQ
 from vlmq.cli.demo import DEMO_QUEUE_PREFIX, demo_queues, round_problem
 from vlmq.producer.client import Client
@@ -33,8 +34,6 @@ from vlmq.shared.errors import InputError
 from vlmq.shared.keys import RQ_QUEUES, Keys
 from vlmq.worker.prep.decode import PreprocessError, decode_image
 from vlmq.worker.redis_server import free_port
-
-SHA = "ab" * 32
 
 
 def _png(path: Path, size: tuple[int, int] = (16, 16)) -> Path:

@@ -8,7 +8,6 @@ process, and the innocent job must have finished every item.
 
 from __future__ import annotations
 
-import io
 import json
 import pickle
 import struct
@@ -20,11 +19,11 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from PIL import Image
 from redis import Redis
 from redis.exceptions import ResponseError
 
 from tests.support import helpers
+from tests.support.factories import OTHER_SHA, SHA, image_bytes, sha
 from tests.support.helpers import make_images, pdf_bytes, wait_for
 from tests.support.pdf_craft import (
     build_pdf,
@@ -57,15 +56,12 @@ class Case:
 # --- inputs ------------------------------------------------------------------------------
 
 def _png(size: tuple[int, int], mode: str = "RGB") -> bytes:
-    buf = io.BytesIO()
-    Image.new(mode, size, 200 if mode in ("L", "I;16") else (200, 40, 40)).save(buf, "PNG")
-    return buf.getvalue()
+    return image_bytes(size=size, mode=mode,
+                       color=200 if mode in ("L", "I;16") else (200, 40, 40))
 
 
 def _encoded(fmt: str, mode: str = "RGB") -> bytes:
-    buf = io.BytesIO()
-    Image.new(mode, (64, 64)).save(buf, fmt)
-    return buf.getvalue()
+    return image_bytes(fmt, (64, 64), color=0, mode=mode)
 
 
 def _png_claiming(w: int, h: int) -> bytes:
@@ -128,9 +124,9 @@ INPUT_CASES = [
              b"<< /Type /XObject /Subtype /Form /BBox [0 0 10 10] /Resources << /XObject "
              b"<< /X 5 0 R >> >> /Length 6 >>\nstream\n/X Do\nendstream"]))),
     Case("blob: missing", "item", "is missing (expired, or never uploaded)",
-         _item_job("image", None, sha="cd" * 32)),
+         _item_job("image", None, sha=OTHER_SHA)),
     Case("blob: content does not match its sha256", "item", "does not match its sha256",
-         _item_job("image", None, sha="ef" * 32, raw_blob=_png((8, 8)))),
+         _item_job("image", None, sha=sha(0), raw_blob=_png((8, 8)))),
     Case("blob: empty", "item", "not an image",
          _item_job("image", None, sha=sha256_hex(b""), raw_blob=b"")),
     Case("image: text bytes", "item", "not an image", _item_job("image", b"hello, world")),
@@ -160,13 +156,12 @@ INPUT_CASES = [
 
 # --- payloads ----------------------------------------------------------------------------
 
-GOOD_SHA = "ab" * 32
 
 
 def _payload(**over: Any) -> Callable[[Redis], str]:
     def make(redis: Redis) -> str:
         p: dict[str, Any] = {"v": 1, "task": "ocr", "max_side": 56,
-                             "items": [{"kind": "image", "blob": GOOD_SHA}]}
+                             "items": [{"kind": "image", "blob": SHA}]}
         p.update(over)
         p = {k: v for k, v in p.items() if v is not _DROP}
         return helpers.raw_enqueue(redis, p, queue="ocr")  # the worker's own checks
@@ -177,7 +172,7 @@ _DROP = object()
 
 
 def _img(**over: Any) -> list[dict[str, Any]]:
-    return [{"kind": "image", "blob": GOOD_SHA, **over}]
+    return [{"kind": "image", "blob": SHA, **over}]
 
 
 PAYLOAD_CASES = [
@@ -196,7 +191,7 @@ PAYLOAD_CASES = [
     Case("payload: blob upper case", "job", "items[0].blob: must be a lowercase hex",
          _payload(items=_img(blob="AB" * 32))),
     Case("payload: blob with a trailing newline", "job", "items[0].blob: must be a lowercase",
-         _payload(items=_img(blob=GOOD_SHA + "\n"))),
+         _payload(items=_img(blob=SHA + "\n"))),
     Case("payload: pdf item without page", "job", "is required for a pdf item",
          _payload(items=_img(kind="pdf"))),
     Case("payload: page 0", "job", "items[0].page: must be between 1",

@@ -12,6 +12,7 @@ import pytest
 from redis import Redis
 from redis.exceptions import ResponseError
 
+from tests.support.factories import SHA, payload
 from tests.support.helpers import make_images, make_pdf
 from vlmq.producer.client import Client
 from vlmq.producer.inputs import prepare
@@ -26,8 +27,6 @@ from vlmq.stores.backends import (
     parse_store,
     ref_path_problem,
 )
-
-SHA = "ab" * 32
 
 
 def ref_item(path: str, *, store: str = "scans", kind: str = "image", size: int = 10,
@@ -177,14 +176,9 @@ def test_bad_references_are_refused_naming_the_field(item: dict[str, object],
     assert exc.value.field == field
 
 
-def _payload(*items: dict[str, object]) -> dict[str, object]:
-    """A payload as another language's producer sends it."""
-    return {"v": 1, "task": "caption", "items": list(items)}
-
-
 def test_enqueue_lua_takes_references_without_blobs(redis: Redis) -> None:
-    job_id = enqueue_lua(redis, _payload(ref_item("a/b.png"), ref_item("c.pdf", kind="pdf")),
-                         queue="caption")
+    job_id = enqueue_lua(redis, payload(ref_item("a/b.png"), ref_item("c.pdf", kind="pdf"),
+                                 task="caption"), queue="caption")
     assert payload_of(fetch_job(redis, job_id)).items[0].ref == Ref("scans", "a/b.png")
     assert not list(redis.scan_iter("vlmq:blob:*"))
 
@@ -196,7 +190,8 @@ def test_enqueue_lua_takes_references_without_blobs(redis: Redis) -> None:
 def test_enqueue_lua_refuses_paths_that_leave_the_store(redis: Redis, path: str,
                                                          says: str) -> None:
     with pytest.raises(ResponseError) as exc:
-        enqueue_lua(redis, _payload(ref_item("ok.png"), ref_item(path)), queue="caption")
+        enqueue_lua(redis, payload(ref_item("ok.png"), ref_item(path), task="caption"),
+                    queue="caption")
     assert str(exc.value).startswith("items[1].ref.path: ") and says in str(exc.value)
     assert not list(redis.scan_iter("rq:job:*"))
 
@@ -211,7 +206,8 @@ def test_enqueue_lua_refuses_paths_that_leave_the_store(redis: Redis, path: str,
 def test_enqueue_lua_checks_the_reference_form(redis: Redis, change: dict[str, object],
                                                field: str) -> None:
     with pytest.raises(ResponseError) as exc:
-        enqueue_lua(redis, _payload({**ref_item("x.png"), **change}), queue="caption")
+        enqueue_lua(redis, payload({**ref_item("x.png"), **change}, task="caption"),
+                    queue="caption")
     assert str(exc.value).startswith(field + ":"), str(exc.value)
 
 

@@ -16,6 +16,7 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from tests.support.factories import SHA
 from tests.support.helpers import Tripwire, raw_enqueue, worker_lifecycle
 from vlmq.shared import constants as C
 from vlmq.shared.enqueue import (
@@ -30,8 +31,6 @@ from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import RQ_QUEUES, Keys
 from vlmq.shared.messages import Item, JobPayload, parse_payload
 from vlmq.worker.intake.rq_jobs import Refused, Running
-
-SHA = "ab" * 32
 
 
 def good_payload() -> dict[str, Any]:

@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 from redis import Redis
 
+from tests.support.factories import SHA  # no blob is read: the items' outcomes are given
 from vlmq.shared import results as R
 from vlmq.shared.enqueue import enqueue, fetch_job
 from vlmq.shared.keys import Keys
@@ -40,7 +41,6 @@ from vlmq.worker.prep.fallback import Fallback, Layers
 from vlmq.worker.results.writer import ResultWriter
 from vlmq.worker.stats import WorkerStats
 
-SHA = "cd" * 32  # no blob is read: the items' outcomes are given
 WAIT_S = 30.0
 
 
