@@ -23,7 +23,7 @@ The mapping, and why:
 - Images come inline (`data:` URIs, base64) or from `file://` paths (relative to the
   batch file's folder, or absolute; a path under a configured store goes by reference).
   An http(s) URL is refused: vlmq never fetches from the web. A data: image is written
-  to a spool folder and checked by content like any file (producer/inputs.py).
+  to a spool folder and checked by content like any file (producer/files.py).
 - Fields that change the answer and that vlmq cannot honour (n > 1, top_p, seed, tools,
   logprobs...) are refused naming them; bookkeeping fields (user, metadata, store...)
   are ignored.

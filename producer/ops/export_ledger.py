@@ -1,7 +1,7 @@
 """Which files in a folder vlmq's export wrote: the per-folder manifest both sides read.
 
 Export (producer/ops/export.py) writes it and overwrites only files it names with an unchanged
-sha256; enqueue (producer/inputs.py) skips only the files it names as sidecars. It lives
+sha256; enqueue (producer/expand.py) skips only the files it names as sidecars. It lives
 apart from both so inputs need not import export's formats (and the client they import).
 """
 
