@@ -3,14 +3,13 @@ nothing. These are what a producer in another language gets back from EVAL at on
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
 import pytest
 from redis import Redis
 
-from tests.support.factories import OTHER_SHA, SHA
+from tests.support.factories import OTHER_SHA, SHA, with_path
 from tests.support.lua_calls import PREFIX, call, good_payload, refused, store_blob
 from vlmq.shared import constants as C
 from vlmq.shared.keys import RQ_QUEUES, Keys
@@ -27,16 +26,7 @@ def test_a_good_payload_is_enqueued(blob: Redis) -> None:
 
 
 def mutated(path: str, value: Any) -> dict[str, Any]:
-    out = copy.deepcopy(good_payload())
-    target: Any = out
-    parts = path.split(".")
-    for part in parts[:-1]:
-        target = target[int(part)] if isinstance(target, list) else target[part]
-    if value is Ellipsis:
-        del target[parts[-1]]
-    else:
-        target[parts[-1]] = value
-    return out
+    return with_path(good_payload(), path, value)
 
 
 PAYLOAD_CASES = [

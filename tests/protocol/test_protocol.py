@@ -16,7 +16,7 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from tests.support.factories import SHA
+from tests.support.factories import SHA, with_path
 from tests.support.helpers import Tripwire, raw_enqueue, worker_lifecycle
 from vlmq.shared import constants as C
 from vlmq.shared.enqueue import (
@@ -51,16 +51,7 @@ def good_payload() -> dict[str, Any]:
 
 def mutate(path: str, value: Any) -> dict[str, Any]:
     """Copy of good_payload() with one dotted path set (or deleted when value is ...)."""
-    payload = good_payload()
-    parts = path.split(".")
-    target: Any = payload
-    for part in parts[:-1]:
-        target = target[int(part)] if isinstance(target, list) else target[part]
-    if value is Ellipsis:
-        del target[parts[-1]]
-    else:
-        target[parts[-1]] = value
-    return payload
+    return with_path(good_payload(), path, value)
 
 
 MALFORMED = [

@@ -7,6 +7,7 @@ the CLI and Redis-side helpers are in tests.support.helpers.
 
 from __future__ import annotations
 
+import copy
 import io
 from typing import Any
 
@@ -82,3 +83,18 @@ def slow_png(seed: int = 0) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(a).convert("RGB").save(buf, "PNG", compress_level=1)
     return buf.getvalue()
+
+
+def with_path(payload: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    """A deep copy of `payload` with one dotted path (list indexes as numbers) set, or
+    deleted when `value` is ...: one field wrong at a time, for the refusal tables."""
+    out = copy.deepcopy(payload)
+    target: Any = out
+    parts = path.split(".")
+    for part in parts[:-1]:
+        target = target[int(part)] if isinstance(target, list) else target[part]
+    if value is Ellipsis:
+        del target[parts[-1]]
+    else:
+        target[parts[-1]] = value
+    return out
