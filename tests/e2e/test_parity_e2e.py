@@ -73,7 +73,7 @@ def _reference(model_dir: Path, paths: list[Path], budgets: list[int]) -> list[s
 def _reference_under(choice: str, model_dir: Path, paths: list[Path],
                      budgets: list[int]) -> list[str]:
     """`_reference` in a fresh process whose MLX runs on the BLAS `choice`."""
-    code = ("import json, sys; from pathlib import Path; from vlmq.worker import blas; "
+    code = ("import json, sys; from pathlib import Path; from vlmq.worker.model import blas; "
             "blas.select(sys.argv[1]); from tests.e2e.test_parity_e2e import _reference; "
             "print(json.dumps(_reference(Path(sys.argv[2]), "
             "[Path(p) for p in json.loads(sys.argv[3])], json.loads(sys.argv[4]))))")

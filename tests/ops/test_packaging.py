@@ -22,11 +22,13 @@ def test_wheel_installs_the_vlmq_packages_only_and_runs_without_mlx(tmp_path: Pa
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"vlmq", next(t for t in tops if t.endswith(".dist-info"))}, tops
-    for needed in ("vlmq/cli/main.py", "vlmq/cli/demo.py", "vlmq/producer/cli.py",
-                   "vlmq/worker/service.py", "vlmq/shared/enqueue.lua",
-                   "vlmq/shared/schema.py", "vlmq/producer/samples/document.pdf",
-                   "vlmq/producer/dashboard/templates/job.html",
-                   "vlmq/producer/dashboard/static/style.css"):
+    for needed in ("vlmq/cli/main.py", "vlmq/cli/demo.py", "vlmq/cli/jobs.py",
+                   "vlmq/worker/loop.py", "vlmq/worker/engine/families/qwen2_vl.py",
+                   "vlmq/shared/enqueue.lua", "vlmq/shared/messages.py",
+                   "vlmq/media/opener.py", "vlmq/media/py.typed", "vlmq/stores/backends.py",
+                   "vlmq/producer/samples/document.pdf",
+                   "vlmq/producer/ops/dashboard/templates/job.html",
+                   "vlmq/producer/ops/dashboard/static/style.css"):
         assert needed in names
 
     env_dir = tmp_path / "venv"
