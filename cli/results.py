@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ from vlmq.cli.common import (
 )
 from vlmq.producer.client import Client, Job, RedisUnreachable, WaitTimeout, wait_all
 from vlmq.producer.errors import JobNotFound
-from vlmq.producer.job_sets import expand
+from vlmq.producer.job_sets import Batch, expand, is_batch
 from vlmq.producer.ops import output_formats as formats
 from vlmq.producer.ops.output_formats import FORMATS, JobResults, last_line
 from vlmq.shared import redis_checks
@@ -55,6 +56,44 @@ def _wait_row(job: Job, state: str) -> dict[str, Any]:
             "error": last_line(error) if error else None}
 
 
+def _batch_row(batch: Batch, state: str) -> dict[str, Any]:
+    """A batch's line: its end and its counts (PROTOCOL.md 8b), never its jobs one by one;
+    `vlmq jobs --status failed` or `vlmq status BATCH` say more."""
+    status = batch.status()
+    return {"id": batch.id, "batch": True, "status": state, "jobs": status["jobs"],
+            "by_status": status["by_status"], "failed_items": status["items"]["failed"],
+            "error": None}
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _wait_batches(client: Client, ids: Sequence[str], deadline: float | None
+                  ) -> list[dict[str, Any]]:
+    """Wait for each batch by its counts and terminal event, in turn, within the one
+    deadline."""
+    rows = []
+    for batch_id in ids:
+        batch = client.batch(batch_id)
+        rows.append(_batch_row(batch, batch.wait(timeout=_left(deadline), progress=True)))
+    return rows
+
+
+def _wait_all(client: Client, ids: Sequence[str], timeout: float | None, jobs: list[Job]
+              ) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Wait for the batches among `ids` (their rows), then for the jobs, put in `jobs`
+    first so a timeout's hint can name their queues (with their statuses), all within
+    `timeout`."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    batch_ids = [i for i in ids if is_batch(client, i)]
+    jobs += expand(client, [i for i in ids if i not in batch_ids])
+    batch_rows = _wait_batches(client, batch_ids, deadline)
+    statuses = wait_all(jobs, timeout=_left(deadline) if batch_ids else timeout,
+                        progress=True)
+    return batch_rows, statuses
+
+
 def _wait_line(row: Mapping[str, Any]) -> str:
     return (f"{row['id']}: {row['status']}"
             + (f": {row['error']}" if row["error"] else "")
@@ -72,18 +111,18 @@ def _wait_line(row: Mapping[str, Any]) -> str:
 def wait_cmd(ctx: click.Context, job_ids: tuple[str, ...], timeout: float | None,
              strict: bool, as_json: bool) -> None:
     """Wait for jobs with progress (a bar on a terminal, else a line every 10 % or 10 s);
-    a batch id waits for every job of the batch.
+    a batch id waits for the batch's end and prints one line for it.
 
     Exit codes: 0 every job finished; 1 a job failed, was canceled or is not found;
     3 (--strict only) every job finished but some items failed; 124 timed out;
     69 Redis still unreachable at --timeout (connection resets and failovers before it are
     ridden out).
     """
+    jobs: list[Job] = []
     with _client(ctx) as client:
         seen = redis_checks.run_id(client.redis)
         try:
-            jobs = expand(client, job_ids)
-            statuses = wait_all(jobs, timeout=timeout, progress=True)
+            batch_rows, statuses = _wait_all(client, job_ids, timeout, jobs)
         except JobNotFound as exc:
             # A job gone with a Redis restart is not a wrong id: say which it is.
             why = redis_checks.lost_with_restart(client.redis, client.keys, exc.job_id, seen)
@@ -92,7 +131,7 @@ def wait_cmd(ctx: click.Context, job_ids: tuple[str, ...], timeout: float | None
             fail(f"{exc}{_unserved_hint(client, jobs, exc.statuses)}", EXIT_TIMEOUT)
         except RedisUnreachable as exc:
             fail(f"error: {exc}", EXIT_UNREACHABLE)
-        rows = [_wait_row(job, statuses[job.id]) for job in jobs]
+        rows = batch_rows + [_wait_row(job, statuses[job.id]) for job in jobs]
     click.echo(json.dumps(rows) if as_json else "\n".join(map(_wait_line, rows)))
     if any(row["status"] != "finished" for row in rows):
         sys.exit(EXIT_FAILED)

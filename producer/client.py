@@ -51,7 +51,8 @@ from vlmq.shared.urls import redact_url
 from vlmq.stores.backends import Stores
 
 __all__ = ["DEFAULT_REDIS_URL", "Client", "Job", "JobFailed", "JobNotFound",
-           "RedisUnreachable", "WaitTimeout", "check_redis_url", "redact_url", "wait_all"]
+           "RedisUnreachable", "WaitTimeout", "check_redis_url", "follow_batch", "redact_url",
+           "wait_all"]
 
 log = logging.getLogger(__name__)
 
@@ -531,6 +532,36 @@ def wait_all(jobs: Sequence[Job], *, timeout: float | None = None,
                 if wait_s <= 0:
                     raise WaitTimeout(statuses, done, total, timeout or 0.0)
                 _follow_events(client, cursors, wait_s)
+            except RedisError as exc:
+                if not transient(exc):
+                    raise
+                _ride_out(client, exc, deadline, timeout, poll_s)
+
+
+def follow_batch(batch: batches.Batch, *, timeout: float | None = None,
+                 progress: bool = False, poll_s: float = POLL_S) -> str:
+    """Wait for a batch's end by its running counts and its terminal event (Batch.wait):
+    per poll one round trip of three commands and one blocking read of its events stream,
+    which the end wakes at once. Redis outages are ridden out as in wait_all."""
+    client = batch.client
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with ExitStack() as stack:
+        shown = display(stack, batch.items, "items") if progress else None
+        while True:
+            try:
+                counts, _, end = batch.look()
+                if end is None and counts.live == 0:  # left: jobs never enqueued, or none
+                    end = {"type": next((s for s in ("failed", "canceled")
+                                         if counts.by_state.get(s)), "finished")}
+                if shown is not None:
+                    shown.update(counts.done, final=end is not None)
+                if end is not None:
+                    return end["type"]
+                wait_s = _wait_s(deadline, poll_s)
+                if wait_s <= 0:
+                    raise WaitTimeout({batch.id: "running"}, counts.done, batch.items,
+                                      timeout or 0.0)
+                _follow_events(client, {client.keys.batch_events(batch.id): "0-0"}, wait_s)
             except RedisError as exc:
                 if not transient(exc):
                     raise

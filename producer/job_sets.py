@@ -36,6 +36,7 @@ from vlmq.producer.inputs import (
 from vlmq.producer.ops import job_admin as manage
 from vlmq.producer.options import JobOptions
 from vlmq.shared import constants as C
+from vlmq.shared import job_index
 from vlmq.shared.errors import InputError, PayloadError
 from vlmq.shared.keys import BATCH_ID_PREFIX, Keys
 from vlmq.shared.messages import Item, ItemResult, utc_now_iso
@@ -286,33 +287,40 @@ class Batch:
 
     def ended(self) -> dict[str, str] | None:
         """The batch's terminal event (PROTOCOL.md section 9), or None while it runs."""
-        entries: Any = self.client.redis.xrange(self.keys.batch_events(self.id), count=1)
-        if not entries:
-            return None
-        return {as_str(k): as_str(v) for k, v in entries[0][1].items()}
+        return _end_of(self.client.redis.xrange(self.keys.batch_events(self.id), count=1))
+
+    def look(self) -> tuple[job_index.Counts, int, dict[str, str] | None]:
+        """The batch's running counts, how many of its jobs have not ended, and its end:
+        one round trip of three commands, whatever the batch's size."""
+        pipe = self.client.redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.batch_counts(self.id))
+        pipe.scard(self.keys.batch_pending(self.id))
+        pipe.xrange(self.keys.batch_events(self.id), count=1)
+        raw, pending, entries = pipe.execute()
+        return job_index.Counts.of(raw), int(pending), _end_of(entries)
 
     def status(self) -> dict[str, Any]:
-        """Jobs by state, items done/failed/total, jobs never enqueued, and the end."""
-        rows = manage.with_counts(self.client.redis, self.keys, list(
-            manage.read_rows(self.client.redis, self.keys, self.job_ids())))
-        end = self.ended()
-        summary = manage.summarize(rows)
+        """Jobs by state, items done/failed/total, jobs never enqueued, and the end; from
+        the batch's running counts (PROTOCOL.md 8b), so a 100k-job batch costs what a
+        one-job batch does. Jobs deleted or expired are counted out, as they are gone."""
+        counts, pending, end = self.look()
+        summary = counts.summary()
         summary["items"]["total"] = self.items
         return {"batch": self.id, "task": self.task, "labels": self.labels,
                 "created_at": self.created_at, "status": end["type"] if end else "running",
-                **summary, "missing": len(self.missing()), "ended": end}
+                **summary, "missing": max(0, pending - counts.live), "ended": end}
 
     def wait(self, timeout: float | None = None, progress: bool = False) -> str:
-        """Block until every job has ended; returns the batch's end (finished, failed or
-        canceled). Raises WaitTimeout when `timeout` passes first."""
-        from vlmq.producer.client import wait_all
+        """Block until the batch has ended; returns its end (finished, failed or
+        canceled). Raises WaitTimeout when `timeout` passes first.
 
-        statuses = wait_all(self.jobs(), timeout=timeout, progress=progress)
-        end = self.ended()
-        if end is not None:
-            return end["type"]
-        values = set(statuses.values())
-        return next((s for s in ("failed", "canceled") if s in values), "finished")
+        It follows the batch's counts (progress) and its events stream (the end), a few
+        commands a poll whatever its size, never its jobs. A batch whose only unended
+        jobs were never enqueued (its producer stopped) ends here as the others did.
+        """
+        from vlmq.producer.client import follow_batch
+
+        return follow_batch(self, timeout=timeout, progress=progress)
 
     def results(self) -> Iterator[tuple[Job, ItemResult]]:
         """Every result written so far, job by job in batch order, items in order."""
@@ -361,5 +369,13 @@ class Batch:
         purged = self.client.delete(ids, purge_blobs=purge_blobs)
         self.client.redis.delete(self.keys.batch(self.id), self.keys.batch_jobs(self.id),
                                  self.keys.batch_pending(self.id),
-                                 self.keys.batch_events(self.id))
+                                 self.keys.batch_events(self.id),
+                                 self.keys.batch_counts(self.id))
         return purged
+
+
+def _end_of(entries: Any) -> dict[str, str] | None:
+    """A batch's terminal event from XRANGE's reply, or None."""
+    if not entries:
+        return None
+    return {as_str(k): as_str(v) for k, v in entries[0][1].items()}

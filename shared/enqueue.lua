@@ -13,8 +13,11 @@
 -- Key names: the generated block below is shared/keys.py's KEY_TABLE, so no key is spelled here.
 -- BEGIN KEYS: generated from vlmq/shared/keys.py by `python -m vlmq.shared.lua --write`; do not edit by hand.
 local KEY = {}
+function KEY.batch_counts(prefix, batch_id) return prefix .. ':batch:' .. batch_id .. ':counts' end
 function KEY.blob(prefix, sha256) return prefix .. ':blob:' .. sha256 end
 function KEY.blob_jobs(prefix, sha256) return prefix .. ':blob-jobs:' .. sha256 end
+function KEY.counts_label(prefix, key, value) return prefix .. ':counts:label:' .. #key .. ':' .. key .. '=' .. value end
+function KEY.counts_queue(prefix, queue) return prefix .. ':counts:queue:' .. queue end
 function KEY.job_events(prefix, job_id) return prefix .. ':job:' .. job_id .. ':events' end
 function KEY.job_inputs(prefix, job_id) return prefix .. ':job:' .. job_id .. ':inputs' end
 function KEY.job_items(prefix, job_id) return prefix .. ':job:' .. job_id .. ':items' end
@@ -22,6 +25,8 @@ function KEY.jobs_index(prefix) return prefix .. ':jobs' end
 function KEY.jobs_label_index(prefix, key, value) return prefix .. ':jobs:label:' .. #key .. ':' .. key .. '=' .. value end
 function KEY.jobs_meta(prefix) return prefix .. ':jobs:meta' end
 function KEY.jobs_queue_index(prefix, queue) return prefix .. ':jobs:queue:' .. queue end
+function KEY.jobs_state_index(prefix, name) return prefix .. ':by-state:' .. name end
+function KEY.jobs_tally(prefix) return prefix .. ':jobs:tally' end
 function KEY.rq_job(job_id) return 'rq:job:' .. job_id end
 function KEY.rq_queue(queue) return 'rq:queue:' .. queue end
 function KEY.rq_queues() return 'rq:queues' end
@@ -33,6 +38,105 @@ local KEY_SHOWN = {
   rq_queues = 'rq:queues',
 }
 -- END KEYS
+-- BEGIN TALLY: copied from vlmq/shared/tally_lib.lua by `python -m vlmq.shared.lua --write`; do not edit by hand.
+-- vlmq protocol v1: running counts of jobs by state and of their items (PROTOCOL.md 8b).
+-- Copied into every script that changes a job (enqueue.lua, write_items.lua,
+-- end_job.lua, tally.lua) by `python -m vlmq.shared.lua --write`, so that each change and
+-- the counts it moves land in one script. Each job has a record in KEY.jobs_tally: the
+-- state it is counted in (s), items (n), items done (d) and failed (f), its index score
+-- (c) and the count hashes it is in (t: its queue's, each label's, its batch's). Moving a
+-- job reads its record, so a count never depends on what the caller believes: TALLY.sync
+-- after any status change (or a hash found gone) puts the job where its hash says.
+local TALLY = {}
+-- States counted by name; anything else a hand-written hash holds is 'other'.
+TALLY.STATES = {queued = true, started = true, finished = true, failed = true,
+  canceled = true, stopped = true, deferred = true, scheduled = true}
+
+function TALLY.state(status)
+  if status and TALLY.STATES[status] then return status end
+  return 'other'
+end
+
+function TALLY.read(prefix, job_id)
+  local raw = redis.call('HGET', KEY.jobs_tally(prefix), job_id)
+  if not raw then return nil end
+  local ok, rec = pcall(cjson.decode, raw)
+  if not ok or type(rec) ~= 'table' or type(rec.t) ~= 'table' then return nil end
+  return rec
+end
+
+local function tally_save(prefix, job_id, rec)
+  redis.call('HSET', KEY.jobs_tally(prefix), job_id, cjson.encode(rec))
+end
+
+-- Add each delta to every count hash of the job. Only a new job (jobs = 1) creates a
+-- hash; one that expired with its batch is not brought back. A hash whose last job is
+-- counted out is deleted, so labels used once leave nothing behind.
+local function tally_add(rec, deltas)
+  for _, key in ipairs(rec.t) do
+    if deltas.jobs == 1 or redis.call('EXISTS', key) == 1 then
+      local left = nil
+      for name, delta in pairs(deltas) do
+        if delta ~= 0 then
+          local now = redis.call('HINCRBY', key, name, delta)
+          if name == 'jobs' then left = now end
+        end
+      end
+      if left == 0 then redis.call('DEL', key) end
+    end
+  end
+end
+
+-- A new job counted in `state`; a job that has a record already is left as it is.
+function TALLY.create(prefix, job_id, state, items, score, keys)
+  if redis.call('HEXISTS', KEY.jobs_tally(prefix), job_id) == 1 then return end
+  local rec = {s = state, n = items, d = 0, f = 0, c = score, t = keys}
+  tally_add(rec, {jobs = 1, items = items, [state] = 1, [state .. '_items'] = items})
+  redis.call('ZADD', KEY.jobs_state_index(prefix, state), score, job_id)
+  tally_save(prefix, job_id, rec)
+end
+
+function TALLY.move(prefix, job_id, rec, state)
+  if rec.s == state then return end
+  tally_add(rec, {[rec.s] = -1, [rec.s .. '_items'] = -rec.n, [state] = 1,
+    [state .. '_items'] = rec.n})
+  redis.call('ZREM', KEY.jobs_state_index(prefix, rec.s), job_id)
+  redis.call('ZADD', KEY.jobs_state_index(prefix, state), rec.c, job_id)
+  rec.s = state
+  tally_save(prefix, job_id, rec)
+end
+
+-- The job leaves every count (deleted, or its hash expired): all it added is taken back.
+function TALLY.forget(prefix, job_id, rec)
+  tally_add(rec, {jobs = -1, items = -rec.n, items_done = -rec.d, items_failed = -rec.f,
+    [rec.s] = -1, [rec.s .. '_items'] = -rec.n})
+  redis.call('ZREM', KEY.jobs_state_index(prefix, rec.s), job_id)
+  redis.call('HDEL', KEY.jobs_tally(prefix), job_id)
+end
+
+-- Count the job where its hash says: its status, or out when the hash is gone.
+function TALLY.sync(prefix, job_id)
+  local rec = TALLY.read(prefix, job_id)
+  if not rec then return end
+  local status = redis.call('HGET', KEY.rq_job(job_id), 'status')
+  if not status then
+    TALLY.forget(prefix, job_id, rec)
+  else
+    TALLY.move(prefix, job_id, rec, TALLY.state(status))
+  end
+end
+
+-- Items newly done, and the change in failed items, of one write of item results.
+function TALLY.items(prefix, job_id, done, failed)
+  if done == 0 and failed == 0 then return end
+  local rec = TALLY.read(prefix, job_id)
+  if not rec then return end
+  tally_add(rec, {items_done = done, items_failed = failed})
+  rec.d = rec.d + done
+  rec.f = rec.f + failed
+  tally_save(prefix, job_id, rec)
+end
+-- END TALLY
 if #KEYS ~= 5 then
   return redis.error_reply('KEYS: expected 5 keys, got ' .. #KEYS)
 end
@@ -431,6 +535,14 @@ do
     labels = labels})
   redis.call('HSET', KEY.jobs_meta(prefix), ARGV[1],
     string.sub(meta, 1, -2) .. ',"created":' .. score .. '}')
-  redis.call('HSET', KEYS[1], 'vlmq_items', #items)  -- summed by one SORT ... GET
+  redis.call('HSET', KEYS[1], 'vlmq_items', #items)
+  -- Running counts (PROTOCOL.md 8b): the job is counted queued in its queue's, each of
+  -- its labels' and its batch's counts, so status reads a count, never every job.
+  local counts = {KEY.counts_queue(prefix, ARGV[2])}
+  for k, v in pairs(labels) do counts[#counts + 1] = KEY.counts_label(prefix, k, v) end
+  if type(payload.batch) == 'string' then
+    counts[#counts + 1] = KEY.batch_counts(prefix, payload.batch)
+  end
+  TALLY.create(prefix, ARGV[1], 'queued', #items, score, counts)
 end
 return 1

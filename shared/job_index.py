@@ -11,6 +11,14 @@ time or label, so every job also has (shared/keys.py; PROTOCOL.md "Job indexes")
 They are written with the job: in the MULTI of shared/jobs.enqueue, and by enqueue.lua.
 RQ deletes expired job hashes without telling anyone, so readers prune the stale entries
 they meet and `sweep` walks the rest. This is the only module that reads or writes them.
+
+Running counts (PROTOCOL.md 8b; shared/tally_lib.lua): each queue, label and batch has a
+hash of its jobs by state and of their items, moved by the same script or MULTI that
+changes a job (enqueue, start, item writes, end, requeue, delete), so status reads a
+count instead of every job. A job is counted where its hash's status says, and counted
+out when its hash is deleted or found gone: RQ's TTL expiry is noticed by whoever meets
+the entry (a listing's prune, the sweep), which also re-syncs jobs RQ itself moved (its
+cleanup requeueing a dead worker's job) and that no vlmq script saw.
 """
 
 from __future__ import annotations
@@ -25,8 +33,8 @@ from typing import Any
 
 from redis import Redis, WatchError
 from redis.client import Pipeline
-from redis.exceptions import ResponseError
 
+from vlmq.shared import lua
 from vlmq.shared.keys import RQ_QUEUES, RQ_REGISTRIES, Keys
 from vlmq.shared.messages import JobPayload
 from vlmq.shared.redis_text import as_str
@@ -37,9 +45,14 @@ SCAN_COUNT = 1000
 # A job's state, as RQ records it (its hash's `status`), and where RQ keeps jobs in it.
 QUEUED = "queued"
 REGISTRY_STATES = frozenset(RQ_REGISTRIES)
-# Field of the RQ job hash holding its item count, so that one SORT ... GET sums a queue's
-# items inside Redis (RQ ignores fields it does not know, as it does vlmq_end).
+# Field of the RQ job hash holding its item count (RQ ignores fields it does not know, as
+# it does vlmq_end), so a reader of one hash need not inflate its payload.
 ITEMS_FIELD = "vlmq_items"
+# The states the running counts name (tally_lib.lua's TALLY.STATES, and "other" for any
+# status a hand-written hash holds); the first three are ends end_job.lua writes.
+ENDS = ("finished", "failed", "canceled")
+TALLY_STATES = (*ENDS, "queued", "started", "stopped", "deferred", "scheduled", "other")
+SYNC_CHUNK = 100  # job ids synced per script call: each call stays well under a ms
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,8 @@ class Meta:
     # Enqueue time in epoch µs (RQ's created_at, exactly: jobs enqueued in one ms keep
     # their order), the job's score in every index; below 2**53, so exact as a score.
     created: int = 0
+    # The batch the job is in: counted in the batch's counts; not part of the summary.
+    batch: str | None = field(default=None, compare=False)
 
     def to_json(self) -> str:
         return json.dumps({"task": self.task, "items": self.items, "queue": self.queue,
@@ -85,14 +100,21 @@ def meta_of(payload: JobPayload | Mapping[str, Any], queue: str, created_us: int
     """The summary of a parsed payload, or of a payload dict read leniently."""
     if isinstance(payload, JobPayload):
         return Meta(task=payload.task, items=len(payload.items), queue=queue,
-                    labels=dict(payload.labels), created=created_us)
+                    labels=dict(payload.labels), created=created_us, batch=batch_of(payload))
     items = payload.get("items")
     labels = payload.get("labels")
     task = payload.get("task")
     return Meta(task=task if isinstance(task, str) else "?",
                 items=len(items) if isinstance(items, list) else 0, queue=queue,
                 labels={str(k): str(v) for k, v in labels.items()}
-                if isinstance(labels, Mapping) else {}, created=created_us)
+                if isinstance(labels, Mapping) else {}, created=created_us,
+                batch=batch_of(payload))
+
+
+def batch_of(payload: JobPayload | Mapping[str, Any]) -> str | None:
+    """The payload's batch id, or None."""
+    batch = payload.get("batch")
+    return batch if isinstance(batch, str) and batch else None
 
 
 def us_of(when: datetime) -> int:
@@ -116,6 +138,36 @@ def us_of_rq_time(text: str) -> int | None:
     return None if when is None else us_of(when)
 
 
+def count_keys(keys: Keys, meta: Meta) -> list[str]:
+    """The running-count hashes a job is in (as enqueue.lua lists them)."""
+    return [keys.counts_queue(meta.queue),
+            *(keys.counts_label(k, v) for k, v in sorted(meta.labels.items())),
+            *([keys.batch_counts(meta.batch)] if meta.batch else [])]
+
+
+def tally_ensure(redis: Redis, keys: Keys, job_id: str, meta: Meta, *,
+                 pipeline: Pipeline | Redis) -> None:
+    """Count a job that is not yet (in the state its hash says); sync one that is."""
+    lua.script(redis, lua.TALLY)(
+        keys=[keys.jobs_tally],
+        args=["ensure", job_id, meta.items, meta.created, *count_keys(keys, meta)],
+        client=pipeline)
+
+
+def tally_sync(redis: Redis, keys: Keys, job_ids: Sequence[str], *,
+               pipeline: Pipeline | None = None) -> None:
+    """Count each job where its hash says, or out when its hash is gone; queue it after
+    the change on the change's MULTI (`pipeline`), else a round trip of its own."""
+    if not job_ids:
+        return
+    pipe = pipeline if pipeline is not None else redis.pipeline(transaction=False)
+    for i in range(0, len(job_ids), SYNC_CHUNK):
+        lua.script(redis, lua.TALLY)(keys=[keys.jobs_tally],
+                                     args=["sync", *job_ids[i:i + SYNC_CHUNK]], client=pipe)
+    if pipeline is None:
+        pipe.execute()
+
+
 def index_keys(keys: Keys, meta: Meta) -> list[str]:
     """Every zset a job with this summary is in."""
     return [keys.jobs_index, keys.jobs_queue_index(meta.queue),
@@ -127,13 +179,15 @@ def index_keys(keys: Keys, meta: Meta) -> list[str]:
 
 def add(redis: Redis, keys: Keys, job_id: str, meta: Meta, *,
         pipeline: Pipeline | None = None) -> None:
-    """Index a new job (queued on `pipeline`, the enqueue's MULTI, when given), and write
-    its item count into its RQ hash (ITEMS_FIELD)."""
+    """Index a new job (queued on `pipeline`, the enqueue's MULTI, when given), write its
+    item count into its RQ hash (ITEMS_FIELD), and count it (its queue's, labels' and
+    batch's counts) in the state the MULTI leaves its hash in."""
     pipe = pipeline if pipeline is not None else redis.pipeline(transaction=True)
     for key in index_keys(keys, meta):
         pipe.zadd(key, {job_id: meta.created})
     pipe.hset(keys.jobs_meta, job_id, meta.to_json())
     pipe.hset(Keys.rq_job(job_id), ITEMS_FIELD, meta.items)
+    tally_ensure(redis, keys, job_id, meta, pipeline=pipe)
     if pipeline is None:
         pipe.execute()
 
@@ -143,19 +197,22 @@ def ensure(redis: Redis, keys: Keys, job_id: str, payload: JobPayload | Mapping[
     """Index a job that may not be (a producer wrote RQ's hash by hand, or it predates the
     indexes), as a worker does when it starts a job. Writes only (ZADD NX, HSETNX: an entry
     or summary already there is left as it is), so on the worker's `pipeline` it costs no
-    round trip of its own."""
+    round trip of its own. The job's counts are synced to its status (started, when a
+    worker calls it), or it is counted from now on when it never was."""
     meta = meta_of(payload, queue, created_us)
     pipe = pipeline if pipeline is not None else redis.pipeline(transaction=True)
     for key in index_keys(keys, meta):
         pipe.zadd(key, {job_id: meta.created}, nx=True)
     pipe.hsetnx(keys.jobs_meta, job_id, meta.to_json())
+    tally_ensure(redis, keys, job_id, meta, pipeline=pipe)
     if pipeline is None:
         pipe.execute()
 
 
 def remove(redis: Redis, keys: Keys, job_id: str, meta: Meta | None, *,
            queue: str | None = None, pipeline: Pipeline | None = None) -> None:
-    """Take a job out of every index (those its summary names, and `queue`'s)."""
+    """Take a job out of every index (those its summary names, and `queue`'s), and out of
+    its counts once its hash is gone (queue this after the hash's deletion)."""
     pipe = pipeline if pipeline is not None else redis.pipeline(transaction=True)
     zsets = {keys.jobs_index}
     if meta is not None:
@@ -166,6 +223,7 @@ def remove(redis: Redis, keys: Keys, job_id: str, meta: Meta | None, *,
         pipe.zrem(key, job_id)
     pipe.hdel(keys.jobs_meta, job_id)
     pipe.delete(keys.job_failed(job_id))
+    tally_sync(redis, keys, [job_id], pipeline=pipe)
     if pipeline is None:
         pipe.execute()
 
@@ -218,6 +276,9 @@ def sweep(redis: Redis, keys: Keys, *, limit: int = 1000) -> int:
     ids = [as_str(m) for m in members]
     exists = exist(redis, ids)
     gone = prune(redis, keys, [j for j, e in zip(ids, exists, strict=True) if not e])
+    # Jobs RQ moved without a vlmq script (its cleanup requeueing a dead worker's job, its
+    # stop command) are counted where their hashes say, a lap later at most.
+    tally_sync(redis, keys, [j for j, e in zip(ids, exists, strict=True) if e])
     following = start + len(ids) - gone if len(ids) == limit else 0
     redis.set(keys.jobs_sweep, following)
     return gone
@@ -246,13 +307,14 @@ def _reindex(redis: Redis, keys: Keys, ids: list[str]) -> int:
     known = redis.hmget(keys.jobs_meta, ids)
     pipe = redis.pipeline(transaction=False)
     for job_id, (origin, created, data), meta in zip(ids, rows, known, strict=True):
-        if meta is not None:
-            continue
         meta_new = meta_of(loose_payload(data), as_str(origin or b""),
                            us_of_rq_time(as_str(created or b"")) or 0)
-        for key in index_keys(keys, meta_new):
-            pipe.zadd(key, {job_id: meta_new.created}, nx=True)
-        pipe.hsetnx(keys.jobs_meta, job_id, meta_new.to_json())
+        if meta is None:
+            for key in index_keys(keys, meta_new):
+                pipe.zadd(key, {job_id: meta_new.created}, nx=True)
+            pipe.hsetnx(keys.jobs_meta, job_id, meta_new.to_json())
+        # Counted (jobs from before the counts), or synced when they are already.
+        tally_ensure(redis, keys, job_id, meta_new, pipeline=pipe)
     pipe.execute()
     return len(ids)
 
@@ -349,48 +411,46 @@ def by_score_desc(redis: Redis, keys: Keys, job_ids: Sequence[str]) -> list[str]
     return [j for _, j in ranked]
 
 
-def queued_items(redis: Redis, keys: Keys, queue: str, *, chunk: int = 10_000) -> int:
-    """Items of the jobs waiting in `queue` (its RQ list), summed a chunk per command: SORT
-    reads each job hash's ITEMS_FIELD inside Redis. A job without it (written by hand, or
-    before the field) is counted from its summary, or leniently from its payload. A Redis
-    that refuses SORT (Redis 7.0 does while over maxmemory) is read a chunk of summaries
-    per round trip instead."""
-    total = 0
-    start = 0
-    while True:
-        try:
-            got: Any = redis.sort_ro(Keys.rq_queue(queue), start=start, num=chunk,
-                                     by="nosort", get=[Keys.rq_job("*") + "->" + ITEMS_FIELD])
-        except ResponseError:
-            return _queued_items_by_summary(redis, keys, queue, chunk=chunk)
-        try:
-            total += sum(map(int, got))
-        except (TypeError, ValueError):  # some job lacks the field: this chunk, job by job
-            ids = [as_str(j) for j in redis.lrange(Keys.rq_queue(queue), start,
-                                                    start + chunk - 1)]
-            total += _items_without_field(redis, keys, queue, ids)
-        if len(got) < chunk:
-            return total
-        start += chunk
+def queued_items(redis: Redis, keys: Keys, queue: str) -> int:
+    """Items of the jobs counted queued in `queue`: one HGET of its running counts,
+    whatever the queue's length (a job written by hand, with no count record, is counted
+    once a worker starts it or `vlmq reindex` indexes it)."""
+    return int(redis.hget(keys.counts_queue(queue), "queued_items") or 0)
 
 
-def _queued_items_by_summary(redis: Redis, keys: Keys, queue: str, *, chunk: int) -> int:
-    total = 0
-    start = 0
-    while True:
-        ids = [as_str(j) for j in redis.lrange(Keys.rq_queue(queue), start, start + chunk - 1)]
-        total += _items_without_field(redis, keys, queue, ids) if ids else 0
-        if len(ids) < chunk:
-            return total
-        start += chunk
+@dataclass(frozen=True)
+class Counts:
+    """One running-counts hash: jobs by state and their items (PROTOCOL.md 8b)."""
+
+    jobs: int = 0
+    items: int = 0
+    done: int = 0
+    failed: int = 0
+    by_state: dict[str, int] = field(default_factory=dict)
+    items_by_state: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, raw: Mapping[Any, Any]) -> Counts:
+        """From HGETALL's reply (states with no job left out)."""
+        d = {as_str(k): int(v) for k, v in raw.items()}
+        return cls(jobs=d.get("jobs", 0), items=d.get("items", 0),
+                   done=d.get("items_done", 0), failed=d.get("items_failed", 0),
+                   by_state={s: d[s] for s in sorted(TALLY_STATES) if d.get(s)},
+                   items_by_state={s: d[f"{s}_items"] for s in sorted(TALLY_STATES)
+                                   if d.get(f"{s}_items")})
+
+    @property
+    def live(self) -> int:
+        """Jobs in a state no end was written for (queued, started, ...)."""
+        return sum(n for s, n in self.by_state.items() if s not in ENDS)
+
+    def summary(self) -> dict[str, Any]:
+        """As job_admin.summarize gives it: jobs, by_status, items done/failed/total."""
+        return {"jobs": self.jobs, "by_status": dict(self.by_state),
+                "items": {"done": self.done, "failed": self.failed, "total": self.items}}
 
 
-def _items_without_field(redis: Redis, keys: Keys, queue: str, ids: list[str]) -> int:
-    """The items of these jobs from their summaries, or leniently from their payloads."""
-    metas = read_meta(redis, keys, ids)
-    total = sum(m.items for m in metas if m is not None)
-    pipe = redis.pipeline(transaction=False)
-    for job_id, meta in zip(ids, metas, strict=True):
-        if meta is None:
-            pipe.hget(Keys.rq_job(job_id), "data")
-    return total + sum(meta_of(loose_payload(d), queue, 0).items for d in pipe.execute())
+def read_counts(conn: Redis | Pipeline, key: str) -> Any:
+    """One running-counts hash (Counts.of the reply; on a pipeline, queued)."""
+    raw = conn.hgetall(key)
+    return Counts.of(raw) if isinstance(raw, Mapping) else raw

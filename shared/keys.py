@@ -150,6 +150,26 @@ KEY_TABLE: tuple[KeyName, ...] = (
     KeyName("jobs_meta", "{prefix}:jobs:meta", "hash", "enqueue",
             "job id -> JSON `{\"task\", \"items\", \"queue\", \"labels\", \"created\"}` "
             "(section 8a)", "as `<prefix>:jobs`"),
+    KeyName("jobs_tally", "{prefix}:jobs:tally", "hash", "enqueue, the scripts that change "
+            "a job (tally block)",
+            "job id -> JSON `{\"s\", \"n\", \"d\", \"f\", \"c\", \"t\"}`: the state the job "
+            "is counted in, its items, items done and failed, its index score and the count "
+            "hashes it is in (section 8b)",
+            "until the job is deleted or its hash is found gone (then it is counted out)"),
+    KeyName("jobs_state_index", "{prefix}:by-state:{name}", "zset", "tally block",
+            "the jobs counted in state `<name>` (queued, started, finished, failed, "
+            "canceled, stopped, deferred, scheduled, other), scored as `<prefix>:jobs`",
+            "as `<prefix>:jobs:tally`"),
+    KeyName("counts_queue", "{prefix}:counts:queue:{queue}", "hash", "tally block",
+            "running counts of the queue's jobs (section 8b): `jobs`, `items`, `items_done`, "
+            "`items_failed`, and per state `<state>` (jobs) and `<state>_items`",
+            "deleted when its last job is counted out"),
+    KeyName("counts_label", "{prefix}:counts:label:{n}:{key}={value}", "hash", "tally block",
+            "the same counts, for the jobs carrying one label (`<n>` as in the label index)",
+            "deleted when its last job is counted out", lengths=(("n", "key"),)),
+    KeyName("batch_counts", "{prefix}:batch:{batch_id}:counts", "hash", "tally block",
+            "the same counts, for the jobs of one batch", "as the batch hash once it ends; "
+            "deleted when its last job is counted out"),
     KeyName("jobs_sweep", "{prefix}:jobs:sweep", "string", "worker",
             "the rank in `<prefix>:jobs` where the last sweep stopped", "none"),
     KeyName("worker_stats", "{prefix}:worker:{name}:stats", "hash", "worker",
@@ -314,6 +334,31 @@ class Keys:
         """Hash: job id -> JSON summary {task, items, queue, labels, created} for listing
         without the payload; outlives the job hash so stale index entries can be found."""
         return _name("jobs_meta", self.prefix)
+
+    @property
+    def jobs_tally(self) -> str:
+        """Hash: job id -> JSON record of what the job adds to its counts (the state it is
+        counted in, items, done, failed, score, count hashes), so whoever changes or
+        forgets the job moves exactly that between counts (shared/tally_lib.lua)."""
+        return _name("jobs_tally", self.prefix)
+
+    def jobs_state_index(self, name: str) -> str:
+        """Zset: the jobs counted in state `name`, scored as jobs_index; `vlmq jobs
+        --status` reads it for states RQ keeps in no registry (stopped...)."""
+        return _name("jobs_state_index", self.prefix, name=name)
+
+    def counts_queue(self, queue: str) -> str:
+        """Hash: running counts of one queue's jobs by state and of their items, so `vlmq
+        status` reads a queue's queued items in one HGET instead of summing its jobs."""
+        return _name("counts_queue", self.prefix, queue=queue)
+
+    def counts_label(self, key: str, value: str) -> str:
+        """Hash: the same running counts for the jobs carrying label key=value."""
+        return _name("counts_label", self.prefix, key=key, value=value)
+
+    def batch_counts(self, batch_id: str) -> str:
+        """Hash: the same running counts for the jobs of one batch."""
+        return _name("batch_counts", self.prefix, batch_id=batch_id)
 
     @property
     def jobs_sweep(self) -> str:

@@ -36,8 +36,13 @@ RESULT_CACHE_STORE = "result_cache_store.lua"
 RESULT_CACHE_LOOKUP = "result_cache_lookup.lua"
 SCHEDULE_CLAIM = "schedule_claim.lua"
 BLOB_EXTEND_TTL = "blob_extend_ttl.lua"
+TALLY = "tally.lua"
 SCRIPTS = (ENQUEUE, END_JOB, WRITE_ITEMS, RESULT_CACHE_STORE, RESULT_CACHE_LOOKUP,
-           SCHEDULE_CLAIM, BLOB_EXTEND_TTL)
+           SCHEDULE_CLAIM, BLOB_EXTEND_TTL, TALLY)
+# The running counts' functions (PROTOCOL.md 8b), one file copied into every script that
+# changes a job, between these markers: each change and its counts land in one script.
+TALLY_LIB = "tally_lib.lua"
+TALLY_MARKERS = ("-- BEGIN TALLY", "-- END TALLY")
 
 # The key block's first and last line (a tuple: lua's str constants are the script names).
 KEY_MARKERS = ("-- BEGIN KEYS", "-- END KEYS")
@@ -102,9 +107,27 @@ def key_block(script_text: str) -> str:
     return "\n".join([*lines, end])
 
 
+def tally_block() -> str:
+    """The tally block: shared/tally_lib.lua between its markers."""
+    begin, end = TALLY_MARKERS
+    lib = script_path(TALLY_LIB).read_text(encoding="utf-8").rstrip("\n")
+    return "\n".join([f"{begin}: copied from vlmq/shared/{TALLY_LIB} by "
+                      "`python -m vlmq.shared.lua --write`; do not edit by hand.", lib, end])
+
+
+def _replace_block(text: str, markers: tuple[str, str], block: str) -> str:
+    begin, end = markers
+    start = text.rfind("\n", 0, text.index(begin)) + 1
+    stop = text.index(end) + len(end)
+    return text[:start] + block + text[stop:]
+
+
 def with_blocks(script_text: str) -> str:
-    """`script_text` with each generated block it has replaced by the current one."""
+    """`script_text` with each generated block it has replaced by the current one (the
+    tally block first: the key block names the keys it uses too)."""
     out, (begin, end) = script_text, KEY_MARKERS
+    if TALLY_MARKERS[0] in out:
+        out = _replace_block(out, TALLY_MARKERS, tally_block())
     if begin in out:
         start = out.rfind("\n", 0, out.index(begin)) + 1
         stop = out.index(end) + len(end)

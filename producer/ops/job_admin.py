@@ -133,15 +133,29 @@ def matches(row: JobRow, *, queue: str | None = None, status: str | None = None,
             and all(row.labels.get(k) == v for k, v in (labels or {}).items()))
 
 
+def _walkers(keys: Keys, *, queue: str | None, status: str | None,
+             labels: Mapping[str, str]) -> tuple[list[str], str | None]:
+    """The indexes that each hold every match, and the status still to look up in RQ's
+    lists (None once a state index stands for it)."""
+    walkers = [keys.jobs_queue_index(queue)] if queue else []
+    walkers += [keys.jobs_label_index(k, v) for k, v in sorted(labels.items())]
+    if status is not None and status != job_index.QUEUED \
+            and status not in job_index.REGISTRY_STATES:
+        # A state RQ keeps in no registry (stopped...): vlmq's index of the jobs counted
+        # in it (PROTOCOL.md 8b) holds every match, so the whole index is never walked.
+        walkers.append(keys.jobs_state_index(status))
+        status = None
+    return walkers or [keys.jobs_index], status
+
+
 def _pages(redis: Redis, keys: Keys, *, queue: str | None, status: str | None,
            labels: Mapping[str, str], limit: int | None) -> Iterator[list[str]]:
     """Candidate ids, newest first, from the cheapest source that holds every match: the
-    smallest of the job index, the queue's and the labels', or for a status RQ's queue
-    list or registries, when reading them whole costs less than walking the index until
-    `limit` jobs in that state turn up (as many as expected from the two sizes)."""
-    walkers = [keys.jobs_queue_index(queue)] if queue else []
-    walkers += [keys.jobs_label_index(k, v) for k, v in sorted(labels.items())]
-    walkers = walkers or [keys.jobs_index]
+    smallest of the job index, the queue's, the labels' and (a state RQ keeps nowhere)
+    the state's, or for a status RQ's queue list or registries, when reading them whole
+    costs less than walking the index until `limit` jobs in that state turn up (as many
+    as expected from the two sizes)."""
+    walkers, status = _walkers(keys, queue=queue, status=status, labels=labels)
     pipe = redis.pipeline(transaction=False)
     for key in walkers:
         pipe.zcard(key)
@@ -183,8 +197,16 @@ def list_jobs(redis: Redis, keys: Keys, *, queue: str | None = None,
 
 
 def group_status(redis: Redis, keys: Keys, labels: Mapping[str, str]) -> dict[str, Any]:
-    """Totals over every job carrying all of `labels`: jobs by state, and items; reads
-    only the jobs of the smallest of those labels' indexes."""
+    """Totals over every job carrying all of `labels`: jobs by state, and items.
+
+    One label is one HGETALL of its running counts (PROTOCOL.md 8b), whatever its size.
+    Several labels have no count of their own (one per combination would cost every
+    enqueue a hash per subset): the jobs of the smallest of their indexes are read.
+    """
+    if len(labels) == 1:
+        ((key, value),) = labels.items()
+        counts = job_index.read_counts(redis, keys.counts_label(key, value))
+        return {"labels": dict(labels), **counts.summary()}
     return {"labels": dict(labels), **summarize(list_jobs(redis, keys, labels=labels))}
 
 

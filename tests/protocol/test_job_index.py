@@ -272,13 +272,14 @@ def test_a_job_without_a_summary_is_read_from_its_payload(redis: Redis) -> None:
     assert (row.id, row.task, row.total, row.labels) == (job_id, "caption", 3, {"g": "m"})
 
 
-def test_queued_items_are_summed_inside_redis(redis: Redis) -> None:
+def test_queued_items_are_a_running_count(redis: Redis) -> None:
     for n in (3, 4, 5):
-        enqueue(redis, payload(n), queue="bulk")  # counted by SORT ... GET vlmq_items
-    summarized = raw_enqueue(redis, wire(7), queue="bulk")  # no field: its summary's
+        enqueue(redis, payload(n), queue="bulk")  # counted queued at enqueue
+    enqueue_lua(redis, wire(6), queue="bulk")  # by enqueue.lua alike
+    summarized = raw_enqueue(redis, wire(7), queue="bulk")  # by hand: counted once ensured
     job_index.ensure(redis, KEYS, summarized, wire(7), "bulk", 1)
-    raw_enqueue(redis, wire(1), queue="bulk")  # neither: read from its payload
-    assert job_index.queued_items(redis, KEYS, "bulk", chunk=2) == 20
+    raw_enqueue(redis, wire(1), queue="bulk")  # never ensured: not counted yet
+    assert job_index.queued_items(redis, KEYS, "bulk") == 25
     assert job_index.queued_items(redis, KEYS, "empty") == 0
 
 

@@ -22,6 +22,7 @@ from rq.utils import now
 from rq.worker import WorkerStatus
 
 from vlmq.shared import constants as C
+from vlmq.shared import job_index
 from vlmq.shared import results as R
 from vlmq.shared.connection import RedisClock
 from vlmq.shared.enqueue import fail_job
@@ -156,6 +157,8 @@ class JobEnd:
                 job.ended_at = now()
                 self._close(pipe, job, execution)
                 job.retry(queue, pipe)
+                job_index.tally_sync(self.connection, self.keys, [str(job.id)],
+                                     pipeline=pipe)  # counted queued (or scheduled) again
                 return
             fail_job(pipe, self.keys, job, queue.name, message, worker_name=worker.name,
                      execution=execution)  # sets ended_at, which _close counts
@@ -182,6 +185,8 @@ class JobEnd:
         def build(pipe: Pipeline) -> None:
             self._close(pipe, job, running.execution)
             queue.enqueue_job(job, pipeline=pipe, at_front=True)
+            job_index.tally_sync(self.connection, self.keys, [running.job_id],
+                                 pipeline=pipe)  # counted queued again, in the same EXEC
 
         why = self.fence.fenced(job, running.token, build)
         self._after_end()
