@@ -7,11 +7,20 @@ never by file name, since scans arrive with whatever extension the scanner chose
 checks are stricter than the decode where that is cheap (PNG checksums, Pillow's
 warnings about a truncated TIFF directory), never looser: whatever the worker refuses
 for its size, shape or bytes is refused here first.
+
+A reference (a file in a store, never uploaded) gets the light check (thorough=False): its
+type, its header (a bomb by declared size, a canvas over the caps), a PDF's page count (a
+truncated PDF still fails to open) and a TIFF's pages as always; an image's pixels are not
+decoded. At 600-byte files the decode was a third of a reference's whole cost at enqueue,
+and the worker decodes the image anyway: a truncated one fails its item with the same
+message, and the job goes on.
 """
 
 from __future__ import annotations
 
 import io
+import struct
+import zlib
 from typing import IO, Final
 
 from vlmq.media import opener
@@ -22,6 +31,10 @@ from vlmq.shared.errors import InputError
 PDF_MAGIC: Final = b"%PDF-"
 # The PDF spec lets the header sit anywhere in the first 1024 bytes (PDFium agrees).
 PDF_HEADER_WINDOW: Final = 1024
+PNG_SIGNATURE: Final = b"\x89PNG\r\n\x1a\n"
+# Bit depths Pillow reads for each PNG colour type (the PNG spec's own table).
+_PNG_DEPTHS: Final = {0: (1, 2, 4, 8, 16), 2: (8, 16), 3: (1, 2, 4, 8), 4: (8, 16),
+                      6: (8, 16)}
 
 
 def is_tiff(head: bytes) -> bool:
@@ -29,16 +42,21 @@ def is_tiff(head: bytes) -> bool:
     return head[:4] in TIFF.MARKS
 
 
-def check_content(data: bytes | IO[bytes], head: bytes, source: str) -> tuple[str, int]:
+def check_content(data: bytes | IO[bytes], head: bytes, source: str, *,
+                  thorough: bool = True) -> tuple[str, int]:
     """(kind, pages) of an input by its content (`head`: its first bytes); InputError
     naming `source` and the problem. A file is read as the checks need (seekable; a TIFF
-    must be the caller's own copy, since its pages are mapped)."""
+    must be the caller's own copy, since its pages are mapped). `thorough=False`: an
+    image's header only (the module's note says when)."""
     try:
         if PDF_MAGIC in head:
             return "pdf", _pdf_page_count(data)
         if is_tiff(head):
             return "tiff", _check_tiff(data)
-        _check_image(data)
+        if thorough:
+            _check_image(data)
+        else:
+            _check_header(data)
         return "image", 1
     except opener.MediaError as exc:
         raise InputError(source, exc.at_enqueue) from exc
@@ -59,6 +77,33 @@ def _stream(data: bytes | IO[bytes]) -> IO[bytes]:
         return io.BytesIO(data)
     data.seek(0)
     return data
+
+
+def _check_header(data: bytes | IO[bytes]) -> None:
+    """Pillow's lazy open: a known format, a header it can parse, a canvas within the
+    caps (a bomb is refused by its declared size); nothing decoded. A PNG's header is
+    read here directly (its signature, a well-formed IHDR with the right CRC, the caps),
+    at a tenth of what Pillow's open costs; anything else, or a PNG header that is not
+    plainly right, goes to Pillow, which then names the problem."""
+    if isinstance(data, bytes) and _png_header_ok(data):
+        return
+    with opener.strict_warnings(), opener.open_image(_stream(data)):
+        pass
+
+
+def _png_header_ok(data: bytes) -> bool:
+    """A PNG whose IHDR is well formed; its canvas is checked against the caps (MediaError
+    as Pillow's open would raise). False: not plainly a good PNG header."""
+    if len(data) < 33 or data[:8] != PNG_SIGNATURE or data[8:16] != b"\x00\x00\x00\rIHDR":
+        return False
+    width, height, depth, colour, compression, filters, interlace = struct.unpack(
+        ">IIBBBBB", data[16:29])
+    if struct.unpack(">I", data[29:33])[0] != zlib.crc32(data[12:29]):
+        return False
+    if depth not in _PNG_DEPTHS.get(colour, ()) or compression or filters or interlace > 1:
+        return False
+    opener.check_size(width, height)
+    return True
 
 
 def _check_image(data: bytes | IO[bytes]) -> None:

@@ -22,6 +22,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from vlmq.producer import job_sets as batches
+from vlmq.producer import stream_sets
 from vlmq.producer.errors import JobNotFound
 from vlmq.producer.inputs import Prepared, prepare
 from vlmq.producer.ops import job_admin as manage
@@ -148,6 +149,7 @@ class Client:
         return self._stores
 
     def close(self) -> None:
+        self.uploads.close()
         self.redis.close()
 
     def __enter__(self) -> Client:
@@ -244,17 +246,21 @@ class Client:
             quiet_until = time.monotonic() + HASH_QUIET_S
 
             def on_file(done: int, total: int) -> None:
-                if "bar" not in shown and time.monotonic() < quiet_until:
-                    return  # a set checked within seconds needs no progress
+                if total <= 0 or ("bar" not in shown and time.monotonic() < quiet_until):
+                    return  # a set checked within seconds needs no progress (a walked
+                    # set's total is unknown: the uploader's lines say what is enqueued)
                 if "bar" not in shown:
                     shown["bar"] = display(stack, total, "files hashed")
                 shown["bar"].update(done, final=done == total)
 
-            prepared = inputs if isinstance(inputs, Prepared) else prepare(
-                _as_list(inputs), pages=pages, recursive=recursive, skip_bad=skip_bad,
-                stores=self.stores, limit=None, on_file=on_file if progress else None)
-        return batches.submit_set(self, task, prepared, options or JobOptions(),
-                                job_size=job_size)
+            if not isinstance(inputs, Prepared):
+                # Checked and enqueued as walked: a large set's first job goes at once.
+                return stream_sets.submit_paths(
+                    self, task, _as_list(inputs), options or JobOptions(), pages=pages,
+                    recursive=recursive, skip_bad=skip_bad, job_size=job_size,
+                    stores=self.stores, on_file=on_file if progress else None)
+        return batches.submit_set(self, task, inputs, options or JobOptions(),
+                                  job_size=job_size)
 
     def check_redis(self) -> None:
         """Before the first upload: raise EvictionRefused on an evicting Redis unless

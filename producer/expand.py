@@ -11,7 +11,8 @@ from __future__ import annotations
 import glob
 import os
 import re
-from collections.abc import Iterable
+import stat
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,12 +46,15 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]], *,
 class FoundFile:
     """A file found from what was given: its path (or s3:// URL), its source name, and
     the folder the source is relative to (the folder given, a glob's fixed part, or the
-    file's own). `stamp` is "size:ETag" for an S3 object, from its listing."""
+    file's own). `stamp` is "size:ETag" for an S3 object, from its listing. `real` is a
+    local file's resolved path, resolved once here (it keeps the same file named twice
+    once) and reused for its store lookup and its open: one resolution per file."""
 
     path: str
     source: str
     root: str
     stamp: str | None = None
+    real: str | None = None
 
 
 def expand_inputs(paths: Iterable[str | os.PathLike[str]], stores: Stores, *,
@@ -58,25 +62,24 @@ def expand_inputs(paths: Iterable[str | os.PathLike[str]], stores: Stores, *,
     """expand_sources, with s3:// sources listed through the store that holds them."""
     found: list[FoundFile] = []
     errors: list[InputError] = []
-    local: list[str | os.PathLike[str]] = []
+    for f in iter_inputs(paths, stores, recursive=recursive):
+        (errors if isinstance(f, InputError) else found).append(f)  # type: ignore[arg-type]
+    return found, errors
 
-    def flush() -> None:
-        files, errs = expand_sources(local, recursive=recursive)
-        found.extend(files)
-        errors.extend(errs)
-        local.clear()
 
+def iter_inputs(paths: Iterable[str | os.PathLike[str]], stores: Stores, *,
+                recursive: bool = False) -> Iterator[FoundFile | InputError]:
+    """expand_inputs one file (or path error) at a time, in the same order, so a set of
+    a million files is checked and enqueued as it is walked rather than listed first."""
+    seen: set[str] = set()
     for raw in paths:
         if not os.fspath(raw).startswith(S3_SCHEME):
-            local.append(raw)
+            yield from _iter_sources([raw], recursive, seen)
             continue
-        flush()
         try:
-            found.extend(_expand_url(os.fspath(raw), stores, recursive))
+            yield from _expand_url(os.fspath(raw), stores, recursive)
         except InputError as exc:
-            errors.append(exc)
-    flush()
-    return found, errors
+            yield exc
 
 
 def _expand_url(url: str, stores: Stores, recursive: bool) -> list[FoundFile]:
@@ -156,38 +159,73 @@ def expand_sources(paths: Iterable[str | os.PathLike[str]], *, recursive: bool =
     """
     out: list[FoundFile] = []
     errors: list[InputError] = []
-    seen: set[str] = set()
-    manifests: dict[str, set[str]] = {}
+    for f in _iter_sources(paths, recursive, set()):
+        (errors if isinstance(f, InputError) else out).append(f)  # type: ignore[arg-type]
+    return out, errors
 
-    def add(name: str, source: str, root: str) -> None:
-        key = os.path.realpath(name)
+
+def _iter_sources(paths: Iterable[str | os.PathLike[str]], recursive: bool, seen: set[str]
+                  ) -> Iterator[FoundFile | InputError]:
+    """expand_sources one file at a time; `seen` holds the resolved paths given so far."""
+    manifests: dict[str, set[str]] = {}
+    folders: dict[str, str] = {}
+
+    def add(name: str, source: str, root: str) -> Iterator[FoundFile]:
+        key = resolve(name, folders)
         if key not in seen:
             seen.add(key)
-            out.append(FoundFile(name, source, root))
+            yield FoundFile(name, source, root, real=key)
 
     for raw in paths:
         name = os.fspath(raw)
         p = Path(name)
         if p.is_dir():
-            found = _walk(p, recursive)
-            if not found:
-                errors.append(InputError(name, "folder has no files" if recursive else
-                                         "folder has no files (pass --recursive to descend)"))
-            for f in found:
+            head = os.path.join(str(p), "")  # what each walked path starts with
+            empty = True
+            for f in _walk(p, recursive):
+                empty = False
                 if not is_sidecar(f, manifests):
-                    add(f, Path(os.path.relpath(f, p)).as_posix(), name)
+                    yield from add(f, _relative(f, head), name)
+            if empty:
+                yield InputError(name, "folder has no files" if recursive else
+                                 "folder has no files (pass --recursive to descend)")
         elif p.exists() or not _GLOB_CHARS.search(name):
-            add(name, *_own_name(name))  # a missing plain path is reported by check_file
+            yield from add(name, *_own_name(name))  # a missing path: check_file says so
         else:
             matches = sorted(glob.glob(name, recursive=recursive or "**" in name))
             files = [m for m in matches if Path(m).is_file()]
             if not files:
-                errors.append(InputError(name, "no files match this pattern"))
+                yield InputError(name, "no files match this pattern")
             base = _glob_base(name)
             for f in files:
                 if not is_sidecar(f, manifests):
-                    add(f, Path(os.path.relpath(f, base)).as_posix(), base)
-    return out, errors
+                    yield from add(f, Path(os.path.relpath(f, base)).as_posix(), base)
+
+
+def resolve(name: str, folders: dict[str, str]) -> str:
+    """os.path.realpath(name), with each folder's resolved path kept in `folders`: a file
+    that is not a symlink costs one lstat, not one per component of its path."""
+    folder, base = os.path.split(name)
+    if base in ("", ".", ".."):
+        return os.path.realpath(name)
+    try:
+        if stat.S_ISLNK(os.lstat(name).st_mode):
+            return os.path.realpath(name)
+    except OSError:
+        return os.path.realpath(name)  # missing: check_file says so
+    real = folders.get(folder)
+    if real is None:
+        if len(folders) > 4096:
+            folders.clear()  # one walk's folders at a time is what pays
+        real = folders[folder] = os.path.realpath(folder or ".")
+    return os.path.join(real, base)
+
+
+def _relative(path: str, head: str) -> str:
+    """A walked file's path relative to the folder walked (`head`, with its separator), as
+    posix: the walk's own prefix cut off, where os.path.relpath would resolve both."""
+    rel = path[len(head):] if path.startswith(head) else os.path.relpath(path, head)
+    return rel.replace(os.sep, "/") if os.sep != "/" else rel
 
 
 def is_sidecar(path: str, seen: dict[str, set[str]] | None = None) -> bool:
@@ -224,16 +262,15 @@ def _glob_base(pattern: str) -> str:
     return os.path.join(*fixed) if fixed else "."
 
 
-def _walk(folder: Path, recursive: bool) -> list[str]:
-    found: list[str] = []
+def _walk(folder: Path, recursive: bool) -> Iterator[str]:
+    """The folder's files in a stable order, one folder's names in memory at a time."""
     if recursive:
         for root, dirs, files in os.walk(folder):
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            found.extend(os.path.join(root, f) for f in sorted(files) if not f.startswith("."))
+            yield from (os.path.join(root, f) for f in sorted(files) if not f.startswith("."))
     else:
-        found = [str(c) for c in sorted(folder.iterdir())
-                 if c.is_file() and not c.name.startswith(".")]
-    return found
+        yield from (str(c) for c in sorted(folder.iterdir())
+                    if c.is_file() and not c.name.startswith("."))
 
 
 def check_name(found: FoundFile) -> None:

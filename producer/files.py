@@ -8,6 +8,7 @@ RAM: a file is read again at upload, and its hash proves it is still what was ch
 from __future__ import annotations
 
 import os
+import stat as stat_mod
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,11 +22,22 @@ from vlmq.shared import constants as C
 from vlmq.shared.blobs import sha256_hex
 from vlmq.shared.errors import InputError
 from vlmq.shared.messages import Ref
-from vlmq.stores.backends import Store, StoreError, StoreMissing, Stores, hash_stream
+from vlmq.stores.backends import (
+    FolderStore,
+    Store,
+    StoreError,
+    StoreMissing,
+    Stores,
+    hash_stream,
+)
 
 # An S3 object is hashed once on its way into this spool, then checked from it: in memory
 # while small, on disk past this.
 SPOOL_BYTES = 16 * 1024 * 1024
+# A referenced file up to this size is read whole, hashed and checked from memory (one read);
+# a larger one is hashed as a stream, then checked from the file.
+SMALL_REF_BYTES = 4 * 1024 * 1024
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 @dataclass(frozen=True)
@@ -61,7 +73,7 @@ class BlobSource:
 class CheckedFile:
     """One input file whose content has been verified; its bytes are not kept."""
 
-    path: Path
+    path: Path | str  # a reference's as given (str); an upload's as read (Path)
     source: str
     kind: str  # "pdf" | "tiff" | "image"
     pages: int  # page count of a PDF or TIFF (C.PAGED_KINDS); 1 for an image
@@ -70,7 +82,7 @@ class CheckedFile:
     ref: Ref | None = None  # where it is, when it lies in a store: enqueued by reference
 
     def blob(self) -> BlobSource:
-        return BlobSource(path=self.path, source=self.source, sha256=self.sha256,
+        return BlobSource(path=Path(self.path), source=self.source, sha256=self.sha256,
                           size=self.size)
 
 
@@ -120,17 +132,14 @@ def check_stored(store: Store, path: str, source: str, *, name: str | None = Non
 
     It is streamed: hashed in chunks, then PDFium and Pillow read the file itself (an S3
     object, or a TIFF, from a copy of its own: see _hashed), so memory stays bounded
-    whatever the size. Errors name the file as `name` (default: the source).
+    whatever the size. Errors name the file as `name` (default: the source). The content
+    check is check_content's light one (thorough=False): a reference is not uploaded, and
+    the worker decodes it anyway.
     """
     shown = name if name is not None else source
     try:
-        with store.open(path) as raw, _hashed(raw) as (fh, sha, size):
-            if not size:
-                raise InputError(shown, "is empty")
-            fh.seek(0)
-            head = fh.read(PDF_HEADER_WINDOW)
-            fh.seek(0)
-            kind, pages = check_content(fh, head, shown)
+        with store.open(path) as raw:
+            kind, pages, sha, size = _check_stream(raw, shown)
     except StoreMissing as exc:
         raise InputError(shown, f"no such file ({exc})") from exc
     except StoreError as exc:
@@ -139,6 +148,74 @@ def check_stored(store: Store, path: str, source: str, *, name: str | None = Non
         raise InputError(shown, f"cannot be read: {exc.strerror or exc}") from exc
     return CheckedFile(path=Path(shown), source=source, kind=kind, pages=pages, sha256=sha,
                        size=size, ref=Ref(store.name, path))
+
+
+def _check_stream(raw: IO[bytes], shown: str) -> tuple[str, int, str, int]:
+    """(kind, pages, sha256, size) of an open referenced file, hashed as a stream."""
+    with _hashed(raw) as (fh, sha, size):
+        if not size:
+            raise InputError(shown, "is empty")
+        fh.seek(0)
+        head = fh.read(PDF_HEADER_WINDOW)
+        fh.seek(0)
+        kind, pages = check_content(fh, head, shown, thorough=False)
+    return kind, pages, sha, size
+
+
+class LocalStores:
+    """The folder stores of `stores`, their roots resolved once for a whole set (not once
+    per file and store), innermost first: the first root holding a file names its ref."""
+
+    def __init__(self, stores: Stores) -> None:
+        self.stores = stores
+        roots = [(s.real_root(), s) for s in stores if isinstance(s, FolderStore)]
+        self.roots = sorted(((os.path.join(r, ""), s) for r, s in roots),
+                            key=lambda r: -len(r[0]))
+
+    def ref_for(self, real: str) -> tuple[FolderStore, str] | None:
+        """(store, path in it) for a resolved local path inside one of the stores."""
+        for head, store in self.roots:
+            if real.startswith(head) and len(real) > len(head):
+                rel = real[len(head):]
+                return store, rel.replace(os.sep, "/") if os.sep != "/" else rel
+        return None
+
+
+def _check_local_ref(found: FoundFile, real: str, store: FolderStore, rel: str
+                     ) -> CheckedFile | None:
+    """A file in a folder store, by its resolved path: opened once (no symlink followed:
+    it is resolved already), read whole when small. None when it is not a regular file
+    (check_file then says what it is), as Stores would refuse it."""
+    shown = found.path
+    try:
+        fd = os.open(real, _OPEN_FLAGS)
+    except OSError:
+        return None  # gone, or a symlink swapped in since it was resolved: check_file says
+    with os.fdopen(fd, "rb", buffering=0) as fh:
+        st = os.fstat(fd)
+        if not stat_mod.S_ISREG(st.st_mode):
+            return None
+        try:
+            # A small file in one read of its own size (a buffered read of SMALL_REF_BYTES
+            # would allocate that much per file); one that grew meanwhile is streamed.
+            data = os.read(fd, st.st_size + 1) if st.st_size <= SMALL_REF_BYTES else None
+            if data is not None and not data:
+                raise InputError(shown, "is empty")
+            if data is None or len(data) > st.st_size:
+                fh.seek(0)
+                kind, pages, sha, size = _check_stream(fh, shown)
+            else:
+                kind, pages = check_content(data, data[:PDF_HEADER_WINDOW], shown,
+                                            thorough=False)
+                sha, size = sha256_hex(data), len(data)
+        except StoreError as exc:
+            raise InputError(shown, str(exc)) from exc
+        except OSError as exc:
+            raise InputError(shown, f"cannot be read: {exc.strerror or exc}") from exc
+    # The path as given, unparsed: a reference's is only shown, and Path() costs as much
+    # as the rest of a small file's check.
+    return CheckedFile(path=shown, source=found.source, kind=kind, pages=pages,
+                       sha256=sha, size=size, ref=Ref(store.name, rel))
 
 
 @contextmanager
@@ -163,14 +240,23 @@ def _hashed(raw: IO[bytes]) -> Iterator[tuple[IO[bytes], str, int]]:
         yield sink, sha, size
 
 
-def check_found(found: FoundFile, stores: Stores) -> CheckedFile:
+def check_found(found: FoundFile, stores: Stores, local: LocalStores | None = None
+                ) -> CheckedFile:
     """One found input, checked: by reference when it lies in one of `stores` (an
-    s3:// source always does), else as an upload. Errors name it as found."""
+    s3:// source always does), else as an upload. Errors name it as found. `local`: the
+    stores' folder roots resolved once for the set (with `found.real`, a folder store's
+    file costs no further path resolution)."""
     if found.path.startswith(S3_SCHEME):
         hit = stores.for_url(found.path)
         if hit is None:
             raise InputError(found.path, no_store(found.path))
         return check_stored(hit[0], hit[1], found.source, name=found.path)
+    if stores and local is not None:
+        real = found.real if found.real is not None else os.path.realpath(found.path)
+        at = local.ref_for(real)
+        checked = _check_local_ref(found, real, *at) if at is not None else None
+        return checked if checked is not None else replace(check_file(found.path),
+                                                           source=found.source)
     ref = stores.ref_for_path(found.path) if stores else None
     if ref is not None and os.path.isfile(found.path):
         return check_stored(stores.get(ref.store), ref.path, found.source, name=found.path)

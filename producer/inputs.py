@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from vlmq.producer import files
 from vlmq.producer.expand import FoundFile, check_name, expand_inputs
-from vlmq.producer.files import BlobSource, CheckedFile
+from vlmq.producer.files import BlobSource, CheckedFile, LocalStores
 from vlmq.producer.page_specs import PageSpec, PagesWithoutPdf, parse_pages
 from vlmq.shared import constants as C
 from vlmq.shared.errors import InputError
@@ -97,10 +97,11 @@ def prepare(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
     """
     stores = stores if stores is not None else Stores()
     found, errors = expand_inputs(paths, stores, recursive=recursive)
+    local = LocalStores(stores)
     prepared = Prepared()
     for done, f in enumerate(found, start=1):
         try:
-            checked, page_list = _checked_pages(f, stores, pages)
+            checked, page_list = checked_pages(f, stores, pages, local)
         except InputError as exc:
             errors.append(exc)
             continue
@@ -113,21 +114,22 @@ def prepare(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
                              f"the first {done} file(s) already make {len(prepared.items)} "
                              f"items, over the {limit}-item limit per job; Client.submit_set "
                              "(and `vlmq enqueue`) split a set this size into a batch of jobs")
-    return _finished(prepared, errors, skip_bad=skip_bad, pages=pages)
+    return finished(prepared, errors, skip_bad=skip_bad, pages=pages)
 
 
-def _checked_pages(found: FoundFile, stores: Stores, pages: PageSpec
-                   ) -> tuple[CheckedFile, list[int | None]]:
+def checked_pages(found: FoundFile, stores: Stores, pages: PageSpec,
+                  local: LocalStores | None = None) -> tuple[CheckedFile, list[int | None]]:
     """One found file checked, with the pages of it that become items. Errors name the
-    path as found; the item carries the relative source."""
+    path as found; the item carries the relative source. `local`: the stores' folder
+    roots, resolved once per set."""
     check_name(found)
-    checked = files.check_found(found, stores)
+    checked = files.check_found(found, stores, local)
     if checked.kind not in C.PAGED_KINDS:
         return checked, [None]
     return checked, list(parse_pages(pages, checked.pages, found.path))
 
 
-def _finished(prepared: Prepared, errors: list[InputError], *, skip_bad: bool,
+def finished(prepared: Prepared, errors: list[InputError], *, skip_bad: bool,
               pages: PageSpec) -> Prepared:
     """The set once every file was looked at: refused whole for a bad file (unless
     skip_bad), for nothing to enqueue, or for a page range nothing has."""

@@ -109,10 +109,11 @@ def split_items(items: Sequence[Item], size: int = JOB_ITEMS, *,
             jobs.append(current)
             current, held = [], 0
         held += cost
-        while len(run) > size:
-            jobs.append(run[:size])
-            run = run[size:]
-        current.extend(run)
+        at = 0  # a long run is cut by index: slicing off its head each time is quadratic
+        while len(run) - at > size:
+            jobs.append(run[at:at + size])
+            at += size
+        current.extend(run[at:])
     if current:
         jobs.append(current)
     return jobs
@@ -120,13 +121,16 @@ def split_items(items: Sequence[Item], size: int = JOB_ITEMS, *,
 
 def split_prepared(prepared: Prepared, size: int = JOB_ITEMS, *,
                    max_bytes: int | None = None) -> list[Prepared]:
-    """`prepared` as one Prepared per job, each with only the blobs its items use."""
+    """`prepared` as one Prepared per job, each with only the blobs its items use.
+
+    Each job's blobs are looked up from its own items, so the split costs the set's size
+    once (walking every blob per job cost jobs x blobs)."""
     out = []
-    sizes = {sha: src.size for sha, src in prepared.blobs.items()}
+    blobs = prepared.blobs
+    sizes = {sha: src.size for sha, src in blobs.items()}
     for chunk in split_items(prepared.items, size, max_bytes=max_bytes, blob_sizes=sizes):
-        needed = {i.blob for i in chunk}
-        out.append(Prepared(items=chunk, blobs={k: v for k, v in prepared.blobs.items()
-                                                if k in needed}))
+        needed = dict.fromkeys(i.blob for i in chunk if i.blob is not None and i.blob in blobs)
+        out.append(Prepared(items=chunk, blobs={sha: blobs[sha] for sha in needed}))
     return out
 
 

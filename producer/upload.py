@@ -10,6 +10,14 @@ times the budget goes through a Redis of about the budget plus one job. Files ar
 memory one chunk at a time: at most UPLOAD_CHUNK blobs and UPLOAD_CHUNK_BYTES (or one file
 larger than that).
 
+The budget follows the pending jobs through their ends, not by reading them: the producer
+subscribes to the done channel (`<prefix>:done`, one message per job end, end_job.lua)
+before its first upload, so each end costs one message whatever else is pending. A full
+read of the pending jobs' statuses (one pipelined round trip per SWEEP_CHUNK jobs) happens
+only when the messages may have missed an end (no subscription, a lost connection) and at
+most every SWEEP_S besides; never once per upload, which made a set of one-item jobs cost
+the square of its size.
+
 Nothing is ever half-written: a blob is uploaded with a short TTL (blobs.UPLOAD_TTL_S) and
 lives longer only once a job holding it is enqueued, in one MULTI (shared/jobs.enqueue). A
 Ctrl-C, a crash or Redis running out of memory leaves the jobs enqueued so far whole and the
@@ -19,6 +27,7 @@ result cache answers the pages already done (README, "Big sets and Redis memory"
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -27,8 +36,8 @@ from typing import Any
 
 import click
 from redis import Redis
-from redis.client import Pipeline
-from redis.exceptions import OutOfMemoryError
+from redis.client import Pipeline, PubSub
+from redis.exceptions import OutOfMemoryError, RedisError
 
 from vlmq.producer.files import BlobSource
 from vlmq.shared import constants as C
@@ -44,6 +53,12 @@ UPLOAD_CHUNK_BYTES = 32 * MB  # file bytes held in memory at once (one larger fi
 # busy with the ones before it (job_bytes, for whoever cuts a set into jobs).
 JOBS_PER_BUDGET = 4
 POLL_S = 0.5
+# A full read of the pending jobs' statuses at most this often while the done channel is
+# followed (it catches an end no message told of), and this many jobs per round trip.
+SWEEP_S = 30.0
+SWEEP_CHUNK = 10_000
+# A status line names items done only while this few jobs are pending (one HLEN each).
+DESCRIBE_MAX = 1000
 STATUS_EVERY_S = 10.0
 # RQ statuses after which a job holds its inputs no more (failed: only until its record goes).
 ENDED = frozenset({b"finished", b"failed", b"stopped", b"canceled"})
@@ -59,7 +74,8 @@ class Uploader:
     """One producer's uploads and the budget they share, across the jobs it submits.
 
     `pending` maps each job this producer enqueued to the bytes it uploaded for it; a job
-    leaves it when it ends (its inputs are released then, end_job.lua).
+    leaves it when it ends (its inputs are released then, end_job.lua), heard of on the
+    done channel (`_ends`) or, failing that, read in a sweep.
     """
 
     def __init__(self, redis: Redis, keys: Keys, *,
@@ -72,6 +88,10 @@ class Uploader:
         self.max_pending_bytes = int(max_pending_mb * MB)
         self.progress = progress
         self.pending: dict[str, _Pending] = {}
+        self._bytes = 0  # the sum of pending's bytes, kept rather than summed per upload
+        self._ends: PubSub | None = None  # the done channel, once something is uploaded
+        self._stale = False  # an end may have gone unheard: sweep at the next refresh
+        self._swept = time.monotonic()
         self.blobs = BlobStore(redis, keys, ttl_s=UPLOAD_TTL_S)
         self._said = time.monotonic()  # the first line after STATUS_EVERY_S
         self._open = False  # a live line is on the terminal
@@ -80,7 +100,7 @@ class Uploader:
 
     @property
     def pending_bytes(self) -> int:
-        return sum(p.bytes for p in self.pending.values())
+        return self._bytes
 
     @property
     def job_bytes(self) -> int:
@@ -109,6 +129,8 @@ class Uploader:
         UPLOAD_TTL_S, or the job's blob_ttl when that is shorter."""
         self.blobs.ttl_s = min(UPLOAD_TTL_S, blob_ttl)
         missing = [s for _, s in self._missing(sources)]
+        if missing:
+            self.listen()  # before the job is enqueued, so its end cannot go unheard
         self.wait_for_room(sum(s.size for s in missing))
         uploaded = size = 0
         for _ in range(3):
@@ -143,7 +165,9 @@ class Uploader:
         self.totals["items"] += items
         self.totals["bytes"] += uploaded_bytes
         if uploaded_bytes:
+            self._forget(job_id)
             self.pending[job_id] = _Pending(items=items, bytes=uploaded_bytes)
+            self._bytes += uploaded_bytes
         self._status(lambda: f"enqueued {self.totals['jobs']} job(s), {self.totals['items']} "
                              f"item(s), {self.totals['bytes'] / MB:.1f} MB uploaded; "
                              + self.describe())
@@ -151,38 +175,117 @@ class Uploader:
     def wait_for_room(self, need: int) -> None:
         """Block until `need` more bytes fit the budget, or nothing of this producer's is
         pending (a job larger than the budget then goes alone)."""
-        while self.pending:
+        if self.pending:
             self.refresh()
-            if not self.pending or self.pending_bytes + need <= self.max_pending_bytes:
-                break
+        while self.pending and self.pending_bytes + need > self.max_pending_bytes:
             self._status(lambda: "waiting for workers: " + self.describe(),
                          force=not self._waited, live=True)
             self._waited = True
-            time.sleep(POLL_S)
+            self._await_end(POLL_S)
+            self.refresh()
         if self._open:  # end the line rewritten in place
             click.echo("", err=True)
             self._open = False
 
+    # --- following the pending jobs ------------------------------------------------------
+
+    def listen(self) -> None:
+        """Subscribe to the done channel (once). Without it (a Redis that refuses pub/sub)
+        every refresh sweeps, as before the channel was followed."""
+        if self._ends is not None:
+            return
+        try:
+            ends = self.redis.pubsub()  # type: ignore[no-untyped-call]
+            ends.subscribe(self.keys.done_channel)
+        except RedisError:
+            self._stale = True
+            return
+        self._ends = ends
+        self._stale = bool(self.pending)  # ended before the subscription: one sweep
+
+    def close(self) -> None:
+        """Let go of the done channel's connection."""
+        if self._ends is not None:
+            self._ends.close()
+            self._ends = None
+
     def refresh(self) -> None:
-        """Forget the jobs that have ended (or are gone): their inputs are released."""
+        """Forget the jobs that have ended (or are gone): their inputs are released. The
+        done channel's messages say which, at one message per end; the statuses of all
+        pending jobs are read only when an end may have gone unheard, or SWEEP_S after the
+        last such read."""
+        self._hear(0.0)
+        if self.pending and (self._stale or self._ends is None
+                             or time.monotonic() - self._swept >= SWEEP_S):
+            self._sweep()
+
+    def _hear(self, timeout: float) -> None:
+        """Take every end message already come (waiting up to `timeout` for the first).
+        A lost connection drops the subscription: the next refresh sweeps, the next upload
+        subscribes again."""
+        if self._ends is None:
+            return
+        try:
+            message = self._ends.get_message(timeout=timeout)
+            while message is not None:
+                self._ended(message)
+                message = self._ends.get_message(timeout=0.0)
+        except (RedisError, OSError):
+            self._ends.close()
+            self._ends = None
+            self._stale = True
+
+    def _ended(self, message: dict[str, Any]) -> None:
+        """One message of the done channel: the job it names (if ours) has ended."""
+        if message.get("type") != "message":
+            return  # the subscription's own confirmation
+        try:
+            job_id = json.loads(message["data"]).get("id")
+        except (ValueError, AttributeError, TypeError):
+            return  # not end_job.lua's: nothing of ours to forget
+        if isinstance(job_id, str):
+            self._forget(job_id)
+
+    def _await_end(self, timeout: float) -> None:
+        """Block until a job ends (a message comes) or `timeout` passes."""
+        if self._ends is None:
+            time.sleep(timeout)
+        else:
+            self._hear(timeout)
+
+    def _sweep(self) -> None:
+        """Read every pending job's status, SWEEP_CHUNK per round trip; forget the ended
+        and the gone."""
         ids = list(self.pending)
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id in ids:
-            pipe.hget(Keys.rq_job(job_id), "status")
-        for job_id, status in zip(ids, pipe.execute(), strict=True):
-            if status is None or status in ENDED:
-                del self.pending[job_id]
+        for at in range(0, len(ids), SWEEP_CHUNK):
+            chunk = ids[at:at + SWEEP_CHUNK]
+            pipe = self.redis.pipeline(transaction=False)
+            for job_id in chunk:
+                pipe.hget(Keys.rq_job(job_id), "status")
+            for job_id, status in zip(chunk, pipe.execute(), strict=True):
+                if status is None or status in ENDED:
+                    self._forget(job_id)
+        self._swept = time.monotonic()
+        self._stale = self._ends is None
+
+    def _forget(self, job_id: str) -> None:
+        gone = self.pending.pop(job_id, None)
+        if gone is not None:
+            self._bytes -= gone.bytes
 
     def describe(self) -> str:
         """Where the pending jobs stand, for a status line."""
         ids = list(self.pending)
+        head = (f"{len(ids)} job(s) with {self.pending_bytes / MB:.1f} MB of inputs pending "
+                f"(budget {self.max_pending_bytes / MB:g} MB)")
+        if len(ids) > DESCRIBE_MAX:
+            return head  # items done would cost one read per pending job
         pipe = self.redis.pipeline(transaction=False)
         for job_id in ids:
             pipe.hlen(self.keys.job_items(job_id))
         done = sum(int(n) for n in pipe.execute())
         total = sum(p.items for p in self.pending.values())
-        return (f"{len(ids)} job(s) with {self.pending_bytes / MB:.1f} MB of inputs pending "
-                f"(budget {self.max_pending_bytes / MB:g} MB), items done {done}/{total}")
+        return f"{head}, items done {done}/{total}"
 
     def _status(self, line: str | Callable[[], str], *, force: bool = False,
                 live: bool = False) -> None:
