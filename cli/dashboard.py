@@ -6,6 +6,7 @@ the command itself says which extra is missing.
 
 from __future__ import annotations
 
+import logging
 import resource
 import threading
 
@@ -24,6 +25,9 @@ CHANNEL_TIMEOUT_S = 10
 CLEANUP_INTERVAL_S = 1
 MAX_CONNECTIONS = 2000
 SPARE_FDS = 64  # files the process needs besides connections (Redis, previews, logs)
+# From a --trusted-proxy only: the scheme (so the session cookie is Secure behind TLS) and
+# the client's address (so wrong tokens are counted per client, not all as the proxy's).
+PROXY_HEADERS = frozenset({"x-forwarded-proto", "x-forwarded-for"})
 
 
 @click.command("dashboard")
@@ -39,12 +43,17 @@ SPARE_FDS = 64  # files the process needs besides connections (Redis, previews, 
                    "localhost, [::1] and the --host value are answered otherwise.")
 @click.option("--auth-token", envvar="VLMQ_DASHBOARD_TOKEN", show_envvar=True, default=None,
               metavar="TOKEN",
-              help="Require this token (16+ characters) on every page: a login form, or "
-                   "'Authorization: Bearer TOKEN'. Prefer the env var: arguments show in ps.")
+              help="Require this token on every page: a login form, or 'Authorization: "
+                   "Bearer TOKEN'. 16+ characters, 6+ different ones, no one character in "
+                   "more than half. Prefer the env var: arguments show in ps.")
+@click.option("--trusted-proxy", default=None, metavar="ADDRESS",
+              help="A reverse proxy's address (e.g. 127.0.0.1) whose X-Forwarded-Proto and "
+                   "X-Forwarded-For are believed: the session cookie is then Secure behind "
+                   "TLS, and wrong tokens are counted per real client.")
 @click.pass_context
 def dashboard_cmd(ctx: click.Context, redis_url: str | None, host: str, port: int,
                   allow_actions: bool, allowed_hosts: tuple[str, ...],
-                  auth_token: str | None) -> None:
+                  auth_token: str | None, trusted_proxy: str | None) -> None:
     """A web page over queues, workers and jobs: progress, and each page next to its text."""
     try:
         import waitress
@@ -69,7 +78,7 @@ def dashboard_cmd(ctx: click.Context, redis_url: str | None, host: str, port: in
                         allowed_hosts=allowed_hosts, auth_token=auth_token or None)
     try:
         app = create_app(settings, history=history)
-    except ValueError as exc:  # a short token; the message never contains it
+    except ValueError as exc:  # a weak token; the message never contains it
         fail(f"error: {exc} (from --auth-token / $VLMQ_DASHBOARD_TOKEN)", EXIT_BAD_INPUT)
     client = app.extensions["vlmq"]["client"]
     try:
@@ -93,6 +102,9 @@ def dashboard_cmd(ctx: click.Context, redis_url: str | None, host: str, port: in
     if host in ("0.0.0.0", "::"):
         click.echo("vlmq dashboard: only requests for loopback names and --allowed-host "
                    "names are answered; add the names people use to reach it", err=True)
+    # Failed logins (address, never the token) and refused Host names go to stderr.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
+                                                   "%(message)s")
     threading.Thread(target=sample, name="stats-sampler", daemon=True).start()
     click.echo(f"vlmq dashboard on http://{host}:{port}/ "
                f"({'actions allowed' if allow_actions else 'read-only'}); Ctrl-C stops it",
@@ -100,9 +112,18 @@ def dashboard_cmd(ctx: click.Context, redis_url: str | None, host: str, port: in
     try:
         waitress.serve(app, host=host, port=port, threads=SERVER_THREADS, ident="vlmq",
                        channel_timeout=CHANNEL_TIMEOUT_S, cleanup_interval=CLEANUP_INTERVAL_S,
-                       connection_limit=_connection_limit(), asyncore_use_poll=True)
+                       connection_limit=_connection_limit(), asyncore_use_poll=True,
+                       **_proxy_settings(trusted_proxy))
     finally:
         stop.set()
+
+
+def _proxy_settings(trusted_proxy: str | None) -> dict[str, object]:
+    """waitress' own proxy handling: headers from that address only, others' dropped."""
+    if trusted_proxy is None:
+        return {}
+    return {"trusted_proxy": trusted_proxy, "trusted_proxy_headers": set(PROXY_HEADERS),
+            "clear_untrusted_proxy_headers": True}
 
 
 def _connection_limit() -> int:

@@ -1,7 +1,8 @@
 """The served dashboard against the attacks of issue 16: DNS rebinding (foreign Host and
 Origin), the optional token login, item numbers that are not numbers, and half-open
-connections that must not lock everyone out. A real `vlmq dashboard` process over real
-HTTP where the server matters; Flask's test client where only the app does."""
+connections that must not lock everyone out; and of issue 29, links in model output. A
+real `vlmq dashboard` process over real HTTP where the server matters; Flask's test
+client where only the app does."""
 
 from __future__ import annotations
 
@@ -19,13 +20,16 @@ import pytest
 from click.testing import CliRunner
 from redis import Redis
 
-from tests.support.dashboard_data import Dataset, dataset
+from tests.support.dashboard_data import Dataset, dataset, result
 from tests.support.helpers import wait_for
 from vlmq.cli.dashboard import CHANNEL_TIMEOUT_S, CLEANUP_INTERVAL_S
 from vlmq.cli.main import main
+from vlmq.producer.ops.dashboard import browser
 from vlmq.producer.ops.dashboard.app import Settings, create_app
 from vlmq.producer.ops.dashboard.screenshot import running_dashboard
 from vlmq.producer.ops.dashboard.trust import COOKIE, TOKEN_ENV, allow_list
+from vlmq.shared.keys import Keys
+from vlmq.shared.results import write_item
 
 TOKEN = "s3cret-dashboard-token-0123456789"
 HALF_OPEN = 150
@@ -90,10 +94,12 @@ def still_open(s: socket.socket) -> bool:
 
 
 def call(port: int, path: str, *, host: str | None = None, method: str = "GET",
-         body: str | None = None, headers: dict[str, str] | None = None
-         ) -> tuple[int, dict[str, str], bytes]:
-    """One request over 127.0.0.1 with the given Host header (a rebound name arrives so)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+         body: str | None = None, headers: dict[str, str] | None = None,
+         source: str | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One request over 127.0.0.1 with the given Host header (a rebound name arrives so),
+    from the address `source` if given (another client)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30,
+                                      source_address=(source, 0) if source else None)
     try:
         sent = {"Host": host or f"127.0.0.1:{port}", **(headers or {})}
         if body is not None:
@@ -268,3 +274,44 @@ def test_token_flag_and_its_checks(redis_url: str, data: Dataset) -> None:
     assert "tiny-tok" not in short.stderr
     no_login = create_app(Settings(redis_url)).test_client()
     assert no_login.get("/login").status_code == 404
+
+
+# Issue 29, row 16: links and images in model output (or a PDF's text layer) that would
+# point the reader, or the browser itself, at an address of the attacker's choosing.
+METADATA = "http://169.254.169.254"
+HOSTILE_LINKS = (f"![t]({METADATA}/x.png) and [docs]({METADATA}/latest/) and "
+                 f"<{METADATA}/auto> and [ref][1] and ![alt][2]\n\n"
+                 f"[1]: {METADATA}/ref\n[2]: {METADATA}/img.png\n")
+
+
+def item_text(page: str) -> str:
+    return page.split('id="item-text"', 1)[1].split("</div>", 1)[0]
+
+
+def test_links_in_model_output_point_nowhere(redis_url: str, redis: Redis,
+                                             data: Dataset) -> None:
+    write_item(redis, Keys(), data.finished, result(2, "invoice.pdf", 3, HOSTILE_LINKS))
+    with served(redis_url) as port:
+        code, _, body = call(port, f"/jobs/{data.finished}?item=2")
+    assert code == 200
+    shown = item_text(body.decode())
+    assert "<a" not in shown and "href" not in shown and "<img" not in shown, shown
+    assert "src=" not in shown, shown
+    # What the text said is still there to read, addresses included, as plain text.
+    for part in ("docs", "[image: t]", "[image: alt]", "ref", f"{METADATA}/x.png",
+                 f"{METADATA}/latest/", f"{METADATA}/auto", f"{METADATA}/ref",
+                 f"{METADATA}/img.png"):
+        assert part in shown, (part, shown)
+
+
+@pytest.mark.skipif(browser.find_chromium() is None,
+                    reason="no Chromium (.ci/dev.py installs it as root)")
+def test_links_in_model_output_point_nowhere_in_a_browser(redis_url: str, redis: Redis,
+                                                          data: Dataset) -> None:
+    write_item(redis, Keys(), data.finished, result(2, "invoice.pdf", 3, HOSTILE_LINKS))
+    with served(redis_url) as port:
+        seen = browser.dump_dom(f"http://127.0.0.1:{port}/jobs/{data.finished}?item=2")
+    assert seen.console == []
+    shown = item_text(seen.stdout)
+    assert "<a" not in shown and "<img" not in shown, shown
+    assert f"{METADATA}/x.png" in shown

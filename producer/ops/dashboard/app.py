@@ -4,7 +4,8 @@ Read-only unless built with allow_actions: every view reads Redis, and only the 
 POST routes (cancel, retry failed items) write, through the same Client calls as the
 CLI, behind a per-process CSRF token. Job data is read as JSON only, never unpickled.
 Only allowed Host names are answered and POSTs must come from an allowed Origin
-(trust.py: DNS rebinding); an optional token login guards dashboards bound to a LAN.
+(trust.py: DNS rebinding); an optional token login guards dashboards bound to a LAN, with
+a session per login, a logout, and a limit on wrong tokens per client address.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hmac
 import logging
 import re
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +23,7 @@ from urllib.parse import urlsplit
 from flask import Flask, Response, abort, redirect, render_template, request, url_for
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, TooManyRequests
 from werkzeug.wrappers import Response as BaseResponse
 
 from vlmq.cli.common import split_labels
@@ -61,14 +63,17 @@ class Settings:
     auth_token: str | None = None  # when set, every page needs it (--auth-token)
 
 
-def create_app(settings: Settings, *, history: data.History | None = None) -> Flask:
+def create_app(settings: Settings, *, history: data.History | None = None,
+               clock: Callable[[], float] = time.monotonic) -> Flask:
+    """The app for `settings`; `clock` times failed-login windows and session expiry (a
+    test moves it instead of waiting)."""
     app = Flask(__name__)
     client = Client(settings.redis_url, prefix=settings.prefix)
     previews = PreviewCache()
     hist = history or data.History()
     csrf = secrets.token_urlsafe(32)
     allowed = trust.allow_list(settings.host, settings.port, settings.allowed_hosts)
-    gate = trust.Login(settings.auth_token) if settings.auth_token is not None else None
+    gate = trust.Login(settings.auth_token, clock) if settings.auth_token is not None else None
     app.extensions["vlmq"] = {"client": client, "history": hist}
     # Outside Flask, so a foreign Host reaches no view, static file or error page.
     app.wsgi_app = trust.HostGuard(app.wsgi_app, allowed)  # type: ignore[method-assign]
@@ -80,7 +85,13 @@ def create_app(settings: Settings, *, history: data.History | None = None) -> Fl
 
     @app.before_request
     def _logged_in() -> BaseResponse | None:
-        if gate is None or request.endpoint in ("login", "static") or gate.authorized(request):
+        if gate is None or request.endpoint in ("login", "logout", "static"):
+            return None
+        given = trust.bearer(request)
+        if given is not None:  # a script: the token itself, counted like a login's
+            if _try_token(gate, given):
+                return None
+        elif gate.sessions.valid(request.cookies.get(trust.COOKIE, "")):
             return None
         if request.method in ("GET", "HEAD") and "Authorization" not in request.headers:
             target = request.path + (f"?{request.query_string.decode()}"
@@ -92,7 +103,8 @@ def create_app(settings: Settings, *, history: data.History | None = None) -> Fl
     @app.context_processor
     def _globals() -> dict[str, Any]:
         return {"allow_actions": settings.allow_actions, "csrf": csrf,
-                "host": urlsplit(settings.redis_url).hostname or "?", "downloads": FORMATS}
+                "host": urlsplit(settings.redis_url).hostname or "?", "downloads": FORMATS,
+                "logout": gate is not None and trust.COOKIE in request.cookies}
 
     app.add_template_filter(duration, "duration")
     app.add_template_filter(markup.compact_json, "compact_json")
@@ -206,11 +218,26 @@ def create_app(settings: Settings, *, history: data.History | None = None) -> Fl
         target = trust.safe_next(request.values.get("next"))
         if request.method == "GET":
             return render_template("login.html", next=target, wrong=False), 200
-        if not gate.check_token(request.form.get("token", "")):
+        if not _try_token(gate, request.form.get("token", "")):
             return render_template("login.html", next=target, wrong=True), 401
+        gate.sessions.end(request.cookies.get(trust.COOKIE, ""))  # a new id each login
         resp = redirect(target, code=303)
-        resp.set_cookie(trust.COOKIE, gate.session, httponly=True, samesite="Strict",
-                        secure=request.is_secure, path="/")
+        # Secure when the request came over https: waitress says so, directly or from a
+        # --trusted-proxy's X-Forwarded-Proto (no one else's header is believed).
+        resp.set_cookie(trust.COOKIE, gate.sessions.start(), httponly=True,
+                        samesite="Strict", secure=request.is_secure, path="/")
+        return resp
+
+    @app.post("/logout")
+    def logout() -> BaseResponse:
+        """Ends this browser's session on the server (so a copied cookie dies with it) and
+        has the browser drop the cookie. Without a session there is nothing to end."""
+        if gate is None:
+            abort(404, "this dashboard has no login (no --auth-token)")
+        gate.sessions.end(request.cookies.get(trust.COOKIE, ""))
+        resp = redirect(url_for("login"), code=303)
+        resp.delete_cookie(trust.COOKIE, path="/", httponly=True, samesite="Strict",
+                           secure=request.is_secure)
         return resp
 
     # --- actions (POST, only with allow_actions) --------------------------------------------
@@ -238,9 +265,11 @@ def create_app(settings: Settings, *, history: data.History | None = None) -> Fl
     # --- errors: a page that says what is wrong, never a traceback ---------------------------
 
     @app.errorhandler(HTTPException)
-    def http_error(exc: HTTPException) -> tuple[str, int]:
+    def http_error(exc: HTTPException) -> tuple[str, int, dict[str, str]]:
+        # A 429 keeps its Retry-After; the page itself replaces werkzeug's.
+        kept = {k: v for k, v in exc.get_headers() if k.lower() == "retry-after"}
         return render_template("error.html", code=exc.code, title=exc.name,
-                               message=exc.description), exc.code or 500
+                               message=exc.description), exc.code or 500, kept
 
     @app.errorhandler(RedisConnectionError)
     @app.errorhandler(RedisTimeoutError)
@@ -325,6 +354,16 @@ def _summary(payload: JobPayload, results: dict[int, dict[str, Any]]) -> dict[st
 def _plots(series: list[tuple[float, float, float]]) -> dict[str, str]:
     return {"tokens": data.sparkline([(t, tok) for t, tok, _ in series]),
             "items": data.sparkline([(t, it) for t, _, it in series])}
+
+
+def _try_token(gate: trust.Login, given: str) -> bool:
+    """Whether `given` is the token; a 429 with Retry-After instead, unchecked, while this
+    client address is over its limit of wrong tokens."""
+    got = gate.attempt(given, request.remote_addr or "unknown")
+    if got.retry_after is not None:
+        raise TooManyRequests(f"too many wrong tokens from your address: try again in "
+                              f"{got.retry_after} s", retry_after=got.retry_after)
+    return got.ok
 
 
 def _check_origin(allowed: trust.AllowList) -> None:
