@@ -37,3 +37,29 @@ def redact_url(url: str) -> str:
     # Replace the pieces in place: urlunsplit would rewrite e.g. unix:///path as unix:/path.
     out = url.replace(parts.netloc, netloc, 1) if netloc != parts.netloc else url
     return out.replace(f"?{parts.query}", f"?{query}", 1) if query != parts.query else out
+
+
+# Query parameters that carry a credential in a presigned or token URL (S3 SigV4 and V2,
+# Azure SAS, GCS, OAuth), besides the Redis ones above; matched case-insensitively.
+_SIGNED_PARAMS = ("x-amz-signature", "x-amz-credential", "x-amz-security-token",
+                  "x-goog-signature", "x-goog-credential", "signature", "awsaccesskeyid",
+                  "sig", "token", "access_token", "secret", "api_key", "apikey")
+_ANY_SECRET_PARAM_RE = re.compile(
+    r"(?i)(?<![A-Za-z0-9_-])(" + "|".join(
+        re.escape(p) for p in sorted({*_SECRET_PARAMS, *_SIGNED_PARAMS}, key=len,
+                                     reverse=True)) + r")(=|%3D)[^&#\s'\"]*")
+# scheme://userinfo@host: the whole userinfo goes (a user name may be an access key id).
+_ANY_USERINFO_RE = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s'\"]+@")
+
+
+def redact_text(text: str) -> str:
+    """`text` (an error, a log line, a stored item error) with every secret a URL in it
+    may carry replaced by ***: the userinfo of `scheme://user:pass@host`, and the value of
+    any password, signature, credential or token query parameter, wherever it appears.
+
+    Errors quote URLs they did not build (botocore quotes AWS_ENDPOINT_URL; a user's
+    `--store` value may be a presigned URL), so this runs on the text, not on one URL,
+    and everything that is not a secret is kept for diagnosis.
+    """
+    out = _ANY_USERINFO_RE.sub(rf"\1{MASK}@", text)
+    return _ANY_SECRET_PARAM_RE.sub(rf"\1\2{MASK}", out)

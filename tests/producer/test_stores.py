@@ -21,6 +21,7 @@ from vlmq.shared.errors import InputError, PayloadError
 from vlmq.shared.messages import Item, Ref, parse_payload
 from vlmq.stores.backends import (
     FolderStore,
+    RefUnreadable,
     S3Store,
     StoreError,
     Stores,
@@ -128,12 +129,16 @@ def test_a_read_is_verified_against_size_and_sha256(tmp_path: Path) -> None:
                           "items": [ref_item("f.png", sha=sha)]}).items[0]
     assert stores.read(item) == b"0123456789"
     (tmp_path / "f.png").write_bytes(b"0123456780")
-    with pytest.raises(StoreError, match=r"scans:f\.png changed since it was enqueued "
-                                         r"\(sha256 " + sha[:16]):
+    # What changed is for this machine's log (detail), never for the stored error.
+    with pytest.raises(RefUnreadable, match=r"^scans:f\.png changed since it was enqueued "
+                                            r"\(its size or sha256 differs\)") as exc:
         stores.read(item)
+    assert exc.value.detail.startswith(f"scans:f.png changed since it was enqueued "
+                                       f"(sha256 {sha[:16]}")
     (tmp_path / "f.png").write_bytes(b"01234567890")
-    with pytest.raises(StoreError, match=r"changed since it was enqueued.*more than its 10"):
+    with pytest.raises(RefUnreadable) as exc:
         stores.read(item)
+    assert "more than its 10" in exc.value.detail and "10" not in str(exc.value)
     with pytest.raises(StoreError, match="unknown store 'other'"):
         stores.read(Item(kind="image", blob=None, source="x", ref=Ref("other", "f.png"),
                          size=10, ref_sha256=sha))

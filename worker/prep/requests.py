@@ -17,13 +17,13 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 from PIL import Image
@@ -35,7 +35,8 @@ from vlmq.shared.blobs import BlobStore
 from vlmq.shared.errors import VlmqError
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import Item, JobPayload
-from vlmq.stores.backends import StoreError, Stores
+from vlmq.shared.urls import redact_text
+from vlmq.stores.backends import RefUnreadable, StoreError, Stores
 from vlmq.worker.engine import mlx_adapter as A
 from vlmq.worker.engine.batcher import Engine, EngineInfo, Request
 from vlmq.worker.engine.constraints import Structured
@@ -52,6 +53,10 @@ log = logging.getLogger("vlmq.worker")
 # How long an item waits for another item's pending tower run on the same image.
 SINGLE_FLIGHT_WAIT_S = 60.0
 MAX_REMEMBERED_LAYERS = 4096
+# Referenced inputs remembered as verified (with the identity of what was hashed).
+MAX_REMEMBERED_REFS = 4096
+# Threads that verify referenced items a result-cache answer is waiting on.
+VERIFY_THREADS = 4
 # Bump when rendering or resizing changes in a way that changes pixels.
 PREPROCESS_VERSION = 1
 # Why a referenced input has the size limit it has, for its error.
@@ -60,7 +65,51 @@ REF_LIMIT_WHY = (" on this worker: a reference may be as large as one decode pro
 
 
 class PrepError(VlmqError):
-    """An item cannot be prepared; the message names the problem, the job goes on."""
+    """An item cannot be prepared; the message names the problem, the job goes on. It is
+    stored in Redis as the item's error, so it is redacted (shared/urls.py)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact_text(message))
+
+
+def ref_failed(item: Item, exc: VlmqError) -> PrepError:
+    """The item error for a reference that failed: what its producer may know, with the
+    reason a RefUnreadable keeps to itself logged here, on this machine only."""
+    detail = getattr(exc, "detail", None)
+    if detail is not None:
+        log.warning("%s: %s", item.source, detail)
+    return PrepError(str(exc))
+
+
+class Readable(list[int]):
+    """A job's item indexes the result cache may be asked about, with `confirm`: which of
+    those it answered may have the answer, once their referenced inputs were verified
+    (worker/results/cache.py calls it on the hits only, so a miss costs no read)."""
+
+    def __init__(self, indexes: Iterable[int],
+                 confirm: Callable[[Sequence[int]], set[int]]) -> None:
+        super().__init__(indexes)
+        self.confirm = confirm
+
+
+class _Held:
+    """A verified copy of an item's input, handed to the first reader that asks (it then
+    closes it); later readers get a fresh verified copy. Unread, close() drops it."""
+
+    def __init__(self, copy: IO[bytes] | None, again: Callable[[], P.Source]) -> None:
+        self._copy, self._again = copy, again
+        self._lock = threading.Lock()
+
+    def __call__(self) -> P.Source:
+        with self._lock:
+            copy, self._copy = self._copy, None
+        return copy if copy is not None else self._again()
+
+    def close(self) -> None:
+        with self._lock:
+            copy, self._copy = self._copy, None
+        if copy is not None:
+            copy.close()
 
 
 @dataclass(frozen=True)
@@ -111,6 +160,9 @@ class Preparer:
         self._flights_lock = threading.Lock()
         # Item -> its layer's fallback text, as the prefer check read it (None: unusable).
         self._layers: OrderedDict[tuple[str, int], str | None] = OrderedDict()
+        # (store, path, sha256, size) -> identity of the file that hashed to it.
+        self._verified: OrderedDict[tuple[str, str, str, int], str] = OrderedDict()
+        self._verify_pool: ThreadPoolExecutor | None = None
 
     @staticmethod
     def _processor_params(processor: Any) -> dict[str, object]:
@@ -158,20 +210,73 @@ class Preparer:
         if pipeline is None:
             pipe.execute()
 
-    def readable(self, payload: JobPayload, indexes: list[int]) -> list[int]:
-        """The items among `indexes` whose input this worker may read: blobs, and refs
-        into its stores that stay inside them. The others must fail in prepare() even
-        when a cache knows their content, so they are kept from the result cache."""
+    def readable(self, payload: JobPayload, indexes: list[int]) -> Readable:
+        """The items among `indexes` the result cache may be asked about: blobs, and refs
+        naming a store of this worker with a path that stays inside it. A hit on a ref is
+        used only once the file is verified (Readable.confirm): a missing, unreadable or
+        changed reference must fail in prepare() even when a cache knows its claimed
+        content."""
         out = []
         for idx in indexes:
             ref = payload.items[idx].ref
             try:
                 if ref is not None:
-                    self.stores.check(ref)
+                    self.stores.get(ref.store).checked(ref.path)
             except StoreError:
                 continue
             out.append(idx)
-        return out
+        return Readable(out, partial(self._confirm, payload))
+
+    def _confirm(self, payload: JobPayload, indexes: Sequence[int]) -> set[int]:
+        """The items among `indexes` whose input verifies now (blobs need not): each
+        distinct reference hashed once, several at a time, none copied."""
+        refs = {idx: payload.items[idx] for idx in indexes if payload.items[idx].ref}
+        out = {idx for idx in indexes if idx not in refs}
+        if not refs:
+            return out
+        distinct = {(i.ref, i.ref_sha256, i.size): i for i in refs.values()}
+        with self._flights_lock:
+            if self._verify_pool is None:
+                self._verify_pool = ThreadPoolExecutor(VERIFY_THREADS,
+                                                       thread_name_prefix="vlmq-verify")
+            pool = self._verify_pool
+        good = {key for key, ok in zip(distinct, pool.map(self._verifies, distinct.values()),
+                                       strict=True) if ok}
+        return out | {idx for idx, i in refs.items() if (i.ref, i.ref_sha256, i.size) in good}
+
+    def _verifies(self, item: Item) -> bool:
+        try:
+            self.verify_ref(item, keep=False)
+        except PrepError:
+            return False
+        return True
+
+    def verify_ref(self, item: Item, *, keep: bool = True) -> IO[bytes] | None:
+        """Verify a referenced item's input (open it, check size and sha256) before any
+        cache may answer for it; PrepError when it fails. A file verified before whose
+        identity (inode and ctime, or ETag and version) has not changed is not read again
+        (None); otherwise the verified copy is returned when `keep`, for the decode."""
+        ref, sha, size = item.ref, item.ref_sha256, item.size
+        assert ref is not None and sha is not None and size is not None
+        key = (ref.store, ref.path, sha, size)
+        with self._flights_lock:
+            known = self._verified.get(key)
+        try:
+            if known is not None and self.stores.identity(ref) == known:
+                return None
+        except RefUnreadable:
+            pass  # read it below, for the same answer a first read gives
+        try:
+            copy, stamp = self.stores.verify(item, limit=self.ref_limit, why=REF_LIMIT_WHY,
+                                             keep=keep)
+        except StoreError as exc:
+            raise ref_failed(item, exc) from None
+        with self._flights_lock:
+            self._verified[key] = stamp
+            self._verified.move_to_end(key)
+            while len(self._verified) > MAX_REMEMBERED_REFS:
+                self._verified.popitem(last=False)
+        return copy
 
     def submit(self, state: JobState, idx: int) -> Future[tuple[Prepared, float]]:
         return self.pool.submit(self.prepare, state.job_id, state.payload, state.resolved, idx)
@@ -188,25 +293,37 @@ class Preparer:
         t0 = time.perf_counter()
         item = payload.items[idx]
         common = self._common(job_id, idx, settings)
-        if item.ref is not None:  # before any cache: a bad reference fails, cached or not
-            try:
-                self.stores.check(item.ref)
-            except StoreError as exc:
-                raise PrepError(str(exc)) from exc
+        # Before any cache: a reference that is missing, unreadable or changed fails,
+        # whatever a cache knows of the content it claims. Its verified copy, if it had
+        # to be read, serves the decode.
+        held = self._held(item)
+        try:
+            return self._prepare(job_id, payload, settings, idx, held, common), \
+                time.perf_counter() - t0
+        finally:
+            if held is not None:
+                held.close()
+
+    def _held(self, item: Item) -> _Held | None:
+        if item.ref is None:
+            return None
+        return _Held(self.verify_ref(item), self._fetcher(item))
+
+    def _prepare(self, job_id: str, payload: JobPayload, settings: JobSettings, idx: int,
+                 held: _Held | None, common: dict[str, Any]) -> Prepared:
+        item = payload.items[idx]
         if item.kind == "pdf" and payload.task == "ocr" and settings.text_layer == "prefer":
-            answered = self._prefer_layer(job_id, idx, item)
+            answered = self._prefer_layer(job_id, idx, item, held)
             if answered is not None:
-                return answered, time.perf_counter() - t0
+                return answered
         key = self.key_for(settings, item) if self.info.cacheable else None
         entry = self._lookup(key, (job_id, idx)) if key is not None else None
         if entry is not None:
             prepared = A.prepare_from_grid(self.engine.processor, self.engine.model_config,
                                            entry.grid_thw, settings.prompt)
-            req = Request(prepared=prepared, cached_features=(entry.features, entry.dtype_name),
-                          **common)
-        else:
-            req = self._from_pixels(job_id, idx, settings, item, key, common)
-        return req, time.perf_counter() - t0
+            return Request(prepared=prepared,
+                           cached_features=(entry.features, entry.dtype_name), **common)
+        return self._from_pixels(job_id, idx, settings, item, key, common, held)
 
     def _common(self, job_id: str, idx: int, settings: JobSettings) -> dict[str, Any]:
         """What the item's Request carries however its image is prepared."""
@@ -221,9 +338,10 @@ class Preparer:
             common["risky"] = partial(self.risk.step, job_id, idx)
         return common
 
-    def _prefer_layer(self, job_id: str, idx: int, item: Item) -> FromLayer | None:
+    def _prefer_layer(self, job_id: str, idx: int, item: Item,
+                      held: _Held | None = None) -> FromLayer | None:
         """The page's text layer as the answer when it is good enough (text_layer prefer)."""
-        layer = self.text_layer(item)
+        layer = self.text_layer(item, held)
         if layer is not None and layer.usable("prefer"):
             return FromLayer(layer.text)
         # Should the model fail the page, the fallback needs no second read.
@@ -232,12 +350,13 @@ class Preparer:
         return None
 
     def _from_pixels(self, job_id: str, idx: int, settings: JobSettings, item: Item,
-                     key: str | None, common: dict[str, Any]) -> Request:
+                     key: str | None, common: dict[str, Any],
+                     held: _Held | None = None) -> Request:
         """A vision-cache miss: the image decoded or rendered, then through the processor;
         its features are cached when the tower has run."""
         try:
             with self._risky(job_id, idx, item):
-                image = self._load_image(settings, item)
+                image = self._load_image(settings, item, held)
                 try:
                     prepared = A.prepare(self.engine.processor, self.engine.model_config,
                                          image, settings.prompt)
@@ -287,15 +406,16 @@ class Preparer:
         if key is not None:
             self._land(key)
 
-    def _load_image(self, settings: JobSettings, item: Item) -> Image.Image:
+    def _load_image(self, settings: JobSettings, item: Item,
+                    held: _Held | None = None) -> Image.Image:
         side = settings.side_for(item.kind)
-        fetch = self._fetcher(item)
+        fetch = held if held is not None else self._fetcher(item)
         try:
             if self.renderer is not None:
                 return _decode_out(self.renderer, fetch, item, side)
             return _decode_here(fetch, item, side)
         except VlmqError as exc:
-            raise PrepError(str(exc)) from exc
+            raise ref_failed(item, exc) from exc
 
     def _fetcher(self, item: Item) -> Callable[[], P.Source]:
         """What reads the item's bytes, called only when they are needed (a render child
@@ -306,17 +426,18 @@ class Preparer:
                            why=REF_LIMIT_WHY)
         return partial(P.fetch_blob, self.blobs, item.sha256)
 
-    def text_layer(self, item: Item) -> TL.Layer | None:
+    def text_layer(self, item: Item, held: _Held | None = None) -> TL.Layer | None:
         """A PDF item's page text layer, judged; None when it cannot be read (the page then
         goes to the model, which says what is wrong with it)."""
         assert item.page is not None
-        fetch = self._fetcher(item)
+        fetch = held if held is not None else self._fetcher(item)
         try:
             if self.renderer is not None:
                 return self.renderer.text_layer(fetch, item.page, doc_key=item.sha256)
             return P.pdf_text_layer(fetch, item.page, doc_key=item.sha256)
         except VlmqError as exc:
-            log.info("%s page %d: no text layer read: %s", item.source, item.page, exc)
+            log.info("%s page %d: no text layer read: %s", item.source, item.page,
+                     getattr(exc, "detail", exc))
             return None
 
     def _remember_layer(self, owner: tuple[str, int], text: str | None) -> None:

@@ -42,7 +42,7 @@ from vlmq.shared.messages import TEXT_FROM_MODEL, Item, ItemResult
 from vlmq.worker import options
 from vlmq.worker.engine.item_order import JobState
 from vlmq.worker.intake.job_settings import JobSettings
-from vlmq.worker.prep.requests import PREPROCESS_VERSION
+from vlmq.worker.prep.requests import PREPROCESS_VERSION, Readable
 
 log = logging.getLogger("vlmq.worker")
 
@@ -275,8 +275,11 @@ def cached_results_many(cache: ResultCache, jobs: Sequence[tuple[JobState, Seque
     out: list[dict[int, ItemResult]] = [{} for _ in jobs]
     if not asked:
         return out
-    for (pos, idx, _), hit in zip(asked, cache.lookup([d for _, _, d in asked]), strict=True):
-        if hit is None:
+    found = [(pos, idx, hit) for (pos, idx, _), hit in
+             zip(asked, cache.lookup([d for _, _, d in asked]), strict=True) if hit is not None]
+    allowed = _verified_hits(jobs, found)
+    for pos, idx, hit in found:
+        if (pos, idx) not in allowed:
             continue
         item = jobs[pos][0].payload.items[idx]
         out[pos][idx] = ItemResult(
@@ -285,6 +288,23 @@ def cached_results_many(cache: ResultCache, jobs: Sequence[tuple[JobState, Seque
             vision_cache_hit=False, error=None, timings={}, custom_id=item.custom_id,
             result_cache_hit=True, text_source=hit.text_source, json=hit.json)
     return out
+
+
+def _verified_hits(jobs: Sequence[tuple[JobState, Sequence[int]]],
+                   found: Sequence[tuple[int, int, CachedText]]) -> set[tuple[int, int]]:
+    """(job's position, item index) of the hits that may be used: a hit on a referenced
+    item only once its file verified (Readable.confirm, worker/prep/requests.py), so a
+    missing or changed reference is never answered for the content it claims. Indexes
+    that cannot confirm keep blob hits only."""
+    allowed: set[tuple[int, int]] = set()
+    for pos, (state, indexes) in enumerate(jobs):
+        mine = [idx for p, idx, _ in found if p == pos]
+        if isinstance(indexes, Readable):
+            ok = indexes.confirm(mine) if mine else set()
+        else:
+            ok = {idx for idx in mine if state.payload.items[idx].ref is None}
+        allowed |= {(pos, idx) for idx in ok}
+    return allowed
 
 
 def store_results(cache: ResultCache, state: JobState, results: Sequence[ItemResult]) -> int:
