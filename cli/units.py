@@ -10,18 +10,34 @@ one with mode 0600 that the unit reads: systemd's EnvironmentFile=; launchd has 
 the plist runs `/bin/sh -c 'set -a && . FILE && set +a && exec "$0" "$@"' vlmq worker …`
 (the arguments are passed as argv, never re-quoted into the script). Otherwise `print`
 shows passwords as *** and says so.
+
+Trust: whatever reaches a unit comes from a command line or a shell's environment that may
+be hostile (issue 29). A value that could end a line or name another setting is refused,
+naming where it came from: control characters anywhere; a --run-as that is not a user
+name; a VLMQ_* variable whose name is not a variable name (sh would run the env file's
+`;cmd;`). What remains is quoted for its reader: systemd's rules (% doubled, quotes and
+$ in ExecStart=), plistlib's XML, sh single quotes. Files are made with mkstemp
+(O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600) in the target's folder and renamed into place; a
+link, FIFO or other non-file at a final name is never opened through, only replaced with
+--force.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import getpass
 import math
 import os
 import plistlib
+import pwd
 import re
 import shlex
 import shutil
+import stat
 import sys
+import tempfile
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +59,15 @@ STOP_MARGIN_S = 30
 RESTART_S = 10
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# A user name as useradd(8) and systemd's User= read it: nothing a unit line could hide
+# (no space, %, \\, :, /); the final $ is Samba's machine accounts.
+USER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*[$]?")
+USER_MAX = 32
+# Unicode categories that end a line for some reader or cannot be written: C0/C1 controls
+# (newline, NUL...), line/paragraph separators, and lone surrogates (bytes not UTF-8).
+_BAD_CATEGORIES = frozenset({"Cc", "Cs", "Zl", "Zp"})
+# One env file line: a name, and a value sh's single quotes keep literally.
+_ENV_LINE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*='[^'\x00-\x1f\x7f]*'")
 # Keys whose values are secrets whatever they look like (S3 keys, tokens for a hub).
 SECRET_KEY_RE = re.compile(r"(?i)pass|secret|token|credential|api_?key|access_key|private")
 _SYSTEMD_SAFE = re.compile(r"[A-Za-z0-9_./:=,+@-]+")
@@ -115,8 +140,39 @@ def is_secret(key: str, value: str) -> bool:
 # --- systemd -----------------------------------------------------------------------------
 
 def _check_text(text: str, what: str) -> None:
-    if any(ord(c) < 32 or ord(c) == 127 for c in text):
-        raise click.UsageError(f"{what} {text!r} holds a control character (a newline?)")
+    """Refuse what would start a new unit line (systemd reads one setting a line) or what
+    plistlib cannot write, naming the field: nothing else may end a value early."""
+    if any(unicodedata.category(c) in _BAD_CATEGORIES for c in text):
+        raise click.UsageError(f"{what} {text!r} holds a control character (a newline?) "
+                               "or a byte that is not UTF-8; a unit cannot keep it")
+
+
+def check_user(user: str, what: str) -> str:
+    """A user name and nothing more: User= takes the rest of its line, % specifiers
+    included, so a newline or a % there would be another setting or another user."""
+    if len(user) > USER_MAX or not USER_RE.fullmatch(user):
+        raise click.UsageError(
+            f"{what} {user!r} is not a user name (a letter or _, then letters, digits, _ "
+            f"or -, an optional final $; at most {USER_MAX})")
+    return user
+
+
+def check_env_key(key: str, what: str) -> None:
+    """A variable name for sh and systemd alike: a `;` or a newline in one would be a
+    command in the env file the plist sources, or another line of the unit."""
+    if not ENV_KEY_RE.fullmatch(key):
+        raise click.UsageError(f"{what} {key!r} is not a variable name (letters, digits "
+                               "and _, not first a digit)")
+
+
+def _check_systemd_path(path: Path, what: str) -> None:
+    """systemd takes a path setting as the rest of the line: a trailing \\ would join the
+    next line to it and spaces around it are stripped, so both are refused."""
+    text = str(path)
+    _check_text(text, what)
+    if "\\" in text or text != text.strip():
+        raise click.UsageError(f"{what} {text!r} holds a backslash or begins or ends with "
+                               "a space, which systemd would read differently")
 
 
 def systemd_word(arg: str, *, first: bool = False) -> str:
@@ -135,7 +191,7 @@ def systemd_word(arg: str, *, first: bool = False) -> str:
 
 def systemd_path(path: Path | str) -> str:
     """A path setting (WorkingDirectory=, EnvironmentFile=): the whole value, % doubled."""
-    _check_text(str(path), "path")
+    _check_systemd_path(Path(path), "path")
     return str(path).replace("%", "%%")
 
 
@@ -149,13 +205,14 @@ def render_systemd(spec: Spec, env: dict[str, str]) -> str:
                            *(systemd_word(a) for a in spec.program[1:])])
     lines += ["", "[Service]", f"ExecStart={exec_start}"]
     if spec.run_as:
-        lines.append(f"User={spec.run_as}")
+        lines.append(f"User={check_user(spec.run_as, 'User=')}")
     if spec.system_cache:
         lines.append(f"CacheDirectory={SYSTEM_CACHE}")
     lines.append(f"WorkingDirectory={systemd_path(spec.cache_dir)}")
     if spec.env_file is not None:
         lines.append(f"EnvironmentFile={systemd_path(spec.env_file)}")
     for key, value in env.items():
+        check_env_key(key, "Environment=")
         _check_text(value, f"the value of {key}")
         quoted = value.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
         lines.append(f'Environment="{key}={quoted}"')
@@ -206,12 +263,17 @@ def env_file_text(env: dict[str, str]) -> str:
     """KEY='value' lines: one meaning for POSIX sh (`.`) and systemd's EnvironmentFile=."""
     lines = ["# Written by `vlmq service`; mode 0600: it may hold a Redis password."]
     for key, value in env.items():
+        check_env_key(key, "environment variable")
         _check_text(value, f"the value of {key}")
         if "'" in value:
             raise click.UsageError(
                 f"the value of {key} holds a single quote, which the environment file "
                 "cannot keep (in a URL, write it as %27)")
-        lines.append(f"{key}='{value}'")
+        line = f"{key}='{value}'"
+        # The plist's sh sources this file: every line must be an assignment, nothing else.
+        if not _ENV_LINE_RE.fullmatch(line):
+            raise click.UsageError(f"the environment file cannot keep {key}={value!r}")
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 
@@ -248,12 +310,46 @@ def build_spec(ctx: click.Context, kind: str, name: str, system: bool, env_opts:
     env = _service_env(ctx, env_opts)
     cache_dir, system_cache = _cache_dir(env, system)
     env["VLMQ_CACHE"] = str(cache_dir)  # the worker's default would follow $HOME/XDG
-    if system:
-        run_as = run_as or os.environ.get("SUDO_USER") or getpass.getuser()
-    return Spec(kind=kind, name=name, system=system,
+    if system and run_as is None:
+        run_as = _default_user()
+    spec = Spec(kind=kind, name=name, system=system,
                 program=[vlmq_executable(), "worker", *WO.unit_args(params, given)], env=env,
                 grace=float(params["grace"]), cache_dir=cache_dir, env_file=env_file,
                 run_as=run_as, system_cache=system_cache)
+    _check_spec(spec)
+    return spec
+
+
+def _default_user() -> str:
+    """--system's User= when --run-as is not given: who ran sudo, else this user; checked
+    like --run-as, since $SUDO_USER is only an environment variable."""
+    sudo = os.environ.get("SUDO_USER")
+    if sudo:
+        return check_user(sudo, "$SUDO_USER")
+    return check_user(getpass.getuser(), "your user name")
+
+
+def _check_spec(spec: Spec) -> None:
+    """Every value bound for the unit or the env file, checked before anything is written:
+    one clear refusal naming the field, not a unit that means something else."""
+    _check_text(spec.program[0], "the vlmq path")
+    for arg in spec.program[1:]:
+        _check_text(arg, "worker argument")
+    for key, value in spec.env.items():
+        check_env_key(key, "environment variable")
+        _check_text(value, f"the value of {key}")
+    cache_what = "the working directory (the cache home: VLMQ_CACHE)"
+    paths = [(spec.cache_dir, cache_what), (spec.unit_path(), "the unit's path")]
+    if spec.env_file is not None:
+        paths.append((spec.env_file, "--env-file"))
+    if spec.kind == "launchd":
+        paths.append((spec.log_path, "the log path"))
+    for path, what in paths:
+        _check_text(str(path), what)
+    if spec.kind == "systemd":
+        _check_systemd_path(spec.cache_dir, cache_what)
+        if spec.env_file is not None:
+            _check_systemd_path(spec.env_file, "--env-file")
 
 
 def _check_unit_options(kind: str, name: str, system: bool, run_as: str | None) -> None:
@@ -265,6 +361,8 @@ def _check_unit_options(kind: str, name: str, system: bool, run_as: str | None) 
         raise click.UsageError("launchd: only a LaunchAgent (it runs as you); drop --system")
     if run_as is not None and not system:
         raise click.UsageError("--run-as goes with --system")
+    if run_as is not None:
+        check_user(run_as, "--run-as")
 
 
 def _relative(row: WO.WorkerOption, value: Any) -> bool:
@@ -290,7 +388,10 @@ def _service_env(ctx: click.Context, env_opts: Sequence[str]) -> dict[str, str]:
     word."""
     root = ctx.find_root().obj or {}
     env = {"REDIS_URL": str(root.get("redis_url") or C.DEFAULT_REDIS_URL)}
-    env.update({k: v for k, v in sorted(os.environ.items()) if k.startswith("VLMQ_")})
+    for key, value in sorted(os.environ.items()):
+        if key.startswith("VLMQ_"):
+            check_env_key(key, "this shell's environment variable")
+            env[key] = value
     env["PYTHONUNBUFFERED"] = "1"  # log lines reach the log file as they happen
     env.update(_parse_env(env_opts))
     return env
@@ -328,38 +429,112 @@ class Planned:
     existed: bool = False
 
 
+class NotAFile(Exception):
+    """A link, FIFO, folder or device sits where a unit or env file goes."""
+
+
+def _open_regular(path: Path) -> int | None:
+    """A read-only fd on the regular file at `path`, or None when nothing is there. Never
+    through a link (O_NOFOLLOW: a planted one would point at the attacker's file) and
+    never blocking (O_NONBLOCK: a planted FIFO would hang `install`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or os.path.islink(path):
+            raise NotAFile("a symbolic link") from exc
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotAFile("not a regular file")
+    return fd
+
+
+def _read_fd(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 16):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _read_regular(path: Path) -> bytes | None:
+    fd = _open_regular(path)
+    if fd is None:
+        return None
+    try:
+        return _read_fd(fd)
+    finally:
+        os.close(fd)
+
+
 def plan(path: Path, data: bytes, mode: int, force: bool) -> Planned:
     """Refuse, before anything is written, to replace a different file without --force."""
     try:
-        old = path.read_bytes()
-    except FileNotFoundError:
-        return Planned(path, data, mode)
+        old = _read_regular(path)
+    except NotAFile as exc:
+        if not force:
+            fail(f"error: {path} is {exc}; --force replaces it (the link or file itself; "
+                 "nothing is written through it)", EXIT_BAD_INPUT)
+        return Planned(path, data, mode, existed=True)
     except OSError as exc:
         fail(f"error: cannot read {path}: {exc.strerror}", EXIT_BAD_INPUT)
+    if old is None:
+        return Planned(path, data, mode)
     if old != data and not force:
         fail(f"error: {path} exists and differs from what this would write; --force "
              "replaces it", EXIT_BAD_INPUT)
     return Planned(path, data, mode, existed=True)
 
 
-def write(item: Planned) -> str:
-    """Atomic write with the mode set before any byte lands; 'wrote' or 'unchanged'."""
-    path = item.path
+def _unchanged(item: Planned) -> bool:
+    """The file there is ours, regular and already these bytes: then only its mode is set
+    (on the fd, so never on what a link swapped in meanwhile points at)."""
     try:
-        if item.existed and path.read_bytes() == item.data:
-            os.chmod(path, item.mode)
-            return "unchanged"
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700 if item.mode == 0o600
-                          else 0o755)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, item.mode)
+        fd = _open_regular(item.path)
+    except NotAFile:
+        return False
+    if fd is None:
+        return False
+    try:
+        if os.fstat(fd).st_uid != os.geteuid() or _read_fd(fd) != item.data:
+            return False
+        os.fchmod(fd, item.mode)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _replace(path: Path, data: bytes, mode: int) -> None:
+    """A new file made exclusively in the target's folder (mkstemp: O_CREAT|O_EXCL|
+    O_NOFOLLOW, mode 0600, an unguessable name), its mode set before any byte lands, then
+    renamed over `path`, which replaces a link there rather than following it."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
         try:
-            os.fchmod(fd, item.mode)
-            os.write(fd, item.data)
+            os.fchmod(fd, mode)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
             os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write(item: Planned) -> str:
+    """Atomic write with the mode set before any byte lands; 'wrote' or 'unchanged'."""
+    path = item.path
+    try:
+        if item.existed and _unchanged(item):
+            return "unchanged"
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700 if item.mode == 0o600
+                          else 0o755)
+        _replace(path, item.data, item.mode)
     except OSError as exc:
         fail(f"error: cannot write {path}: {exc.strerror}", EXIT_BAD_INPUT)
     return "replaced" if item.existed else "wrote"
@@ -474,13 +649,34 @@ def install_cmd(ctx: click.Context, kind: str, name: str, env_opts: tuple[str, .
     for folder in dirs:
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            if spec.run_as and spec.run_as != getpass.getuser():
-                shutil.chown(folder, spec.run_as)
-        except (OSError, LookupError) as exc:
+        except OSError as exc:
             fail(f"error: cannot make {folder}: {exc}", EXIT_BAD_INPUT)
+        if spec.run_as and spec.run_as != getpass.getuser():
+            hand_over(folder, spec.run_as)
     click.echo("load and start it with:")
     for line in load_commands(spec):
         click.echo(f"  {line}")
+
+
+def hand_over(folder: Path, user: str) -> None:
+    """chown the folder itself to `user` (root installing for --run-as). Opened with
+    O_NOFOLLOW and changed by fd: a link planted at that name is refused, and what it
+    points at (/etc, say) never changes hands."""
+    try:
+        uid = pwd.getpwnam(user).pw_uid
+    except KeyError:
+        fail(f"error: cannot hand {folder} to {user}: no such user", EXIT_BAD_INPUT)
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        why = "it is a symbolic link" if os.path.islink(folder) else exc.strerror
+        fail(f"error: cannot hand {folder} to {user}: {why}", EXIT_BAD_INPUT)
+    try:
+        os.fchown(fd, uid, -1)
+    except OSError as exc:
+        fail(f"error: cannot hand {folder} to {user}: {exc.strerror}", EXIT_BAD_INPUT)
+    finally:
+        os.close(fd)
 
 
 def register(group: click.Group) -> None:
