@@ -19,11 +19,14 @@ from vlmq.producer.inputs import prepare
 from vlmq.producer.job_sets import JOB_ITEMS, Batch, split_items
 from vlmq.producer.ops.job_admin import CannotCancel
 from vlmq.producer.ops.schedules import Schedule, ScheduleStore
+from vlmq.shared import constants as C
+from vlmq.shared import lua
+from vlmq.shared import results as R
 from vlmq.shared.enqueue import fail_job, fetch_job
 from vlmq.shared.errors import InputError
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import Item, ItemResult
-from vlmq.shared.results import end_job_event, write_item
+from vlmq.shared.results import end_job_event
 
 Run = Callable[..., Result]
 
@@ -44,16 +47,25 @@ def _json(res: Result) -> Any:
 
 def _write_results(redis: Redis, keys: Keys, job: Job, *, fail_index: int | None = None
                    ) -> None:
-    """Item results as a worker writes them, without a worker (the set is 12,000 pages)."""
-    pipe = redis.pipeline(transaction=False)
+    """Item results as a worker writes them, without a worker (the set is 12,000 pages):
+    the job taken (started, owned) and its results written by write_items.lua, so the
+    running counts move as they do under a worker."""
+    token = f"test-{job.id}"
+    redis.hset(Keys.rq_job(job.id), "status", "started")
+    redis.set(keys.job_owner(job.id), token)
+    args: list[str | int] = [token, C.RESULT_TTL_S, R.EVENTS_MAXLEN]
     for i, item in enumerate(job.payload().items):
         bad = i == fail_index
-        write_item(redis, keys, job.id, ItemResult(
+        res = ItemResult(
             index=i, source=item.source, page=item.page, text=None if bad else
             f"{item.source} p{item.page}", finish_reason="error" if bad else "stop",
             error="unreadable" if bad else None, prompt_tokens=1, completion_tokens=1,
-            vision_cache_hit=False), pipeline=pipe)
-    pipe.execute()
+            vision_cache_hit=False)
+        args += [res.index, res.to_json(), int(res.ok)]
+    written = lua.script(redis, lua.WRITE_ITEMS)(
+        keys=[Keys.rq_job(job.id), keys.job_owner(job.id), keys.job_items(job.id),
+              keys.job_events(job.id)], args=args)
+    assert written == 1
 
 
 def _events(redis: Redis, keys: Keys, batch_id: str) -> list[dict[str, str]]:
