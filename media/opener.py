@@ -61,8 +61,11 @@ CAPS: Final = Caps(max_pixels=C.MAX_IMAGE_PIXELS, max_aspect=C.MAX_ASPECT_RATIO)
 # What Pillow raises for a corrupt or truncated file, depending on the codec (libheif's
 # messages end in a newline; a TIFF directory can fail as a TypeError or struct.error).
 # UserWarning: Pillow only warns about some truncations; strict_warnings() raises them.
+# RuntimeError: pillow-heif's for whatever libheif refuses while decoding, e.g. a coded
+# image larger than its `ispe` box declares (issue 29 row 1); uncaught it ended a whole
+# enqueue, a scheduler, or the worker's item batch rather than refusing the one file.
 DECODE_ERRORS: Final = (OSError, SyntaxError, ValueError, EOFError, TypeError, KeyError,
-                        IndexError, struct.error, UserWarning)
+                        IndexError, struct.error, UserWarning, RuntimeError)
 # Pillow's own guard: an error past twice its limit, a warning past it.
 _PILLOW_BOMB: Final = (Image.DecompressionBombError, Image.DecompressionBombWarning)
 
@@ -218,7 +221,19 @@ def decode(im: Image.Image, *, page: int | None = None, copy: bool = True) -> Im
             return im
         return ImageOps.exif_transpose(im)
     except DECODE_ERRORS as exc:
-        raise frame_error(Problem.CORRUPT, page=page, detail=exc) from exc
+        raise frame_error(Problem.CORRUPT, page=page, detail=_decode_detail(im, exc)) from exc
+
+
+def _decode_detail(im: Image.Image, exc: BaseException) -> str:
+    """The decoder's words, and for a HEIF whose coded image libheif finds another size
+    than its header (`ispe`) declares, that inconsistency named first: the file lies about
+    its size, which is what the user needs to hear, not "memory allocation error"."""
+    detail = str(exc).strip()
+    if im.format == "HEIF" and "size" in detail.lower():
+        w, h = im.size
+        return (f"its header says {w}x{h} but the coded image is another size; "
+                f"libheif: {detail}")
+    return detail
 
 
 def reduce_for(im: Image.Image, max_side: int | None) -> None:

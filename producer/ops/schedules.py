@@ -43,6 +43,7 @@ from redis import Redis
 from redis.exceptions import LockError, RedisError
 from redis.typing import EncodableT, FieldT
 
+from vlmq.media.opener import DECODE_ERRORS
 from vlmq.producer import job_sets as batches
 from vlmq.producer.client import TERMINAL, Client, Job
 from vlmq.producer.errors import JobNotFound
@@ -355,8 +356,15 @@ class ScheduleStore:
             try:
                 self.finish_pending(name)
                 run = self._fire_if_due(name, time.time() if now is None else now)
+            except RedisError:  # Redis's trouble is every schedule's: run_scheduler waits
+                raise
             except (VlmqError, OSError) as exc:  # one schedule's trouble stops no other
                 log.warning("schedule %s: %s", name, exc)
+                continue
+            except Exception:
+                # A bug met by one schedule (issue 29 row 1: a decoder's RuntimeError) is
+                # logged with its traceback; the scheduler, and every other schedule, go on.
+                log.exception("schedule %s: unexpected error; the others go on", name)
                 continue
             if run is not None:
                 fired.append(run)
@@ -424,6 +432,10 @@ class ScheduleStore:
                 checked, entry = _checked(f, known.get(f.path), stores)
             except InputError as exc:
                 bad.append([f.source, exc.problem])
+                continue
+            except DECODE_ERRORS as exc:  # a decoder's own error the check let out: that
+                # file is bad, the run goes on (issue 29 row 1)
+                bad.append([f.source, f"cannot be checked: {type(exc).__name__}: {exc}"])
                 continue
             read += entry != known.get(f.path)
             seen[f.path] = entry
