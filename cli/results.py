@@ -20,6 +20,7 @@ from vlmq.cli.common import (
     EXIT_FAILED,
     EXIT_FAILED_ITEMS,
     EXIT_TIMEOUT,
+    JOB_ID,
     fail,
 )
 from vlmq.producer.client import Client, Job, RedisUnreachable, WaitTimeout, wait_all
@@ -101,7 +102,7 @@ def _wait_line(row: Mapping[str, Any]) -> str:
 
 
 @click.command("wait")
-@click.argument("job_ids", nargs=-1, required=True)
+@click.argument("job_ids", nargs=-1, required=True, type=JOB_ID)
 @click.option("--timeout", type=click.FloatRange(min=0), metavar="S",
               help="Give up after S seconds (exit 124; 69 if Redis is unreachable then).")
 @click.option("--strict", is_flag=True,
@@ -144,7 +145,8 @@ def wait_cmd(ctx: click.Context, job_ids: tuple[str, ...], timeout: float | None
 
 def _write(path: str | None, text: str) -> None:
     if path is None:
-        click.echo(text, nl=False)
+        # A terminal runs control sequences a text carries: shown escaped there (issue 29).
+        click.echo(formats.for_terminal(text) if sys.stdout.isatty() else text, nl=False)
         return
     try:
         # newline="": the text's own line ends (csv's CRLF) are written as they are.
@@ -190,7 +192,7 @@ def _format_help() -> str:
 
 
 @click.command("result")
-@click.argument("job_ids", nargs=-1, required=True)
+@click.argument("job_ids", nargs=-1, required=True, type=JOB_ID)
 @click.option("--format", "fmt", type=click.Choice(list(FORMATS)), default="jsonl",
               show_default=True, help=_format_help())
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True),
@@ -221,7 +223,7 @@ def result_cmd(ctx: click.Context, job_ids: tuple[str, ...], fmt: str, output: s
     _write(output, text)
     for view in views:
         for note in _notes(view, form):
-            click.echo(note, err=True)
+            click.echo(formats.for_terminal(note), err=True)  # names from any producer
     if any(v.error is not None for v in views):
         sys.exit(EXIT_FAILED)
 

@@ -100,7 +100,39 @@ _BREAKS = re.compile("[\x00-\x1f\x7f\x85\u2028\u2029]")
 def one_line(text: str) -> str:
     """text with its control characters written as escapes (\\n, \\x00): a name from a
     payload (a file name, a custom_id) stays on its heading's line and shows what it is."""
-    return _BREAKS.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+    return _BREAKS.sub(_escaped, text)
+
+
+def _escaped(m: re.Match[str]) -> str:
+    return m.group().encode("unicode_escape").decode("ascii")
+
+
+# Terminal control in text that a PDF's layer or a model's answer carries (issue 29 row 6):
+# whole escape sequences first (ECMA-48: ESC [ or C1 CSI ... final byte; ESC ] P X ^ _ or
+# their C1 forms ... BEL or ST, never past a line end; ESC and one more), then any C0
+# control but tab, LF and CR, DEL and the C1 controls. Left in a txt, md or csv file, `cat`
+# on a terminal runs them (set its title, clear it, recolour it).
+_SEQUENCES = re.compile(
+    r"(?:\x1b\[|\x9b)[\x30-\x3f]*[\x20-\x2f]*[\x40-\x7e]?"
+    r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c\n]*(?:\x07|\x1b\\|\x9c)?"
+    r"|\x1b[\x20-\x2f]*[\x30-\x7e]?")
+_CONTROLS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def plain(text: str) -> str:
+    """text without terminal control: escape sequences and control characters removed
+    (tab, LF and CR stay). What txt, md and csv hold; jsonl and json keep every
+    character, which JSON writes escaped."""
+    if not _CONTROLS.search(text):
+        return text
+    return _CONTROLS.sub("", _SEQUENCES.sub("", text))
+
+
+def for_terminal(text: str) -> str:
+    """text with every control character but tab, LF and CR shown as its escape (\\x1b):
+    for a terminal, which would run it. A last guard for whatever a format keeps (the
+    formats' own text is already plain) and for names in messages."""
+    return _CONTROLS.sub(_escaped, text)
 
 
 def last_line(text: str) -> str:
@@ -110,7 +142,7 @@ def last_line(text: str) -> str:
 
 
 def _text(r: ItemResult) -> str:
-    return (r.text or "").rstrip("\n") + "\n"
+    return plain(r.text or "").rstrip("\n") + "\n"
 
 
 def _pages(pages: Sequence[ItemResult], marker: Callable[[int | None], str]) -> str:
@@ -118,8 +150,8 @@ def _pages(pages: Sequence[ItemResult], marker: Callable[[int | None], str]) -> 
     error in place, so the document keeps its page order."""
     parts: list[str] = []
     for r in sorted(pages, key=lambda r: (r.page or 0, r.index)):
-        body = r.text.rstrip("\n") if r.ok and r.text else (
-            f"[error: {r.error}]" if r.error else "")
+        body = plain(r.text).rstrip("\n") if r.ok and r.text else (
+            f"[error: {plain(r.error)}]" if r.error else "")
         parts.append(f"{marker(r.page)}\n\n{body}\n")
     return "\n".join(parts)
 
@@ -216,6 +248,7 @@ def render_markdown(view: JobResults) -> str:
     by_index = {r.index: r for r in view.results}
     parts: list[str] = []
     if error is not None:
+        error = plain(error)
         parts.append(f"> **This job failed:** {last_line(error)}\n")
         if len(error.strip().splitlines()) > 1:
             parts.append("```text\n" + error.strip() + "\n```\n")
@@ -237,7 +270,7 @@ def _md_section(r: ItemResult | None, state: str, error: str | None) -> str:
     if r is None:
         return f"> _not done yet (job {state})_\n"
     if r.error is not None:
-        return f"> **Error:** {r.error}\n"
+        return f"> **Error:** {plain(r.error)}\n"
     if not r.text:
         return "_(no text)_\n"
     if r.text_source == TEXT_FROM_LAYER:
@@ -267,20 +300,31 @@ def render_txt(view: JobResults) -> str:
 
 # --- csv: one row per item, for spreadsheets ----------------------------------------------
 
-# What a spreadsheet runs as a formula when a cell starts with it (OWASP's list): such a
-# cell gets a leading ' and stays text. A JSON number is written as JSON writes it ("-3.5"),
+# What a spreadsheet runs as a formula when a cell starts with it (OWASP's list, and the
+# full-width forms, which spreadsheets read as the ASCII ones): such a cell gets a leading '
+# and stays text. Spreadsheets skip leading whitespace and zero-width or format characters
+# (U+200B..U+200F, U+2060, U+FEFF: Unicode's Cf) before reading one, so those do not hide
+# a formula either (issue 29 row 18). A JSON number is written as JSON writes it ("-3.5"),
 # never a formula, so it keeps its sign unguarded.
-_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r", "\uff1d", "\uff0b", "\uff0d", "\uff20")
+_HIDES_START = re.compile(r"[\s\u00ad\u061c\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2064"
+                          r"\u2066-\u206f\ufeff]*")
 _FIXED = ("source", "page", "custom_id")
 
 
 def _guard(text: str) -> str:
-    return "'" + text if text.startswith(_FORMULA_START) else text
+    """text as a cell: without terminal control (NUL included, which some readers take for
+    the end of the file) and with a leading ' when a spreadsheet would run it."""
+    text = plain(text)
+    if text.startswith(_FORMULA_START):  # tab and CR are whitespace: checked as they are
+        return "'" + text
+    rest = text[_HIDES_START.match(text).end():]  # type: ignore[union-attr]
+    return "'" + text if rest.startswith(_FORMULA_START) else text
 
 
 def csv_cell(value: Any) -> str:
-    """One cell: null empty, a string as it is, a number or boolean as JSON writes it, a
-    nested object or array as its compact JSON."""
+    """One cell: null empty, a string as it is (guarded: _guard), a number or boolean as
+    JSON writes it, a nested object or array as its compact JSON."""
     if value is None:
         return ""
     if isinstance(value, bool):
@@ -355,8 +399,10 @@ def render_csv(view: JobResults) -> str:
 
     The columns of an extract job are its objects' top-level fields in first-seen order.
     For spreadsheets: RFC 4180 quoting, UTF-8; a nested object or array is its compact
-    JSON, null is empty, and a cell that a spreadsheet would run as a formula (starting
-    with = + - @, a tab or CR) gets a leading '. Several jobs make one table with one header.
+    JSON, null is empty, control characters are left out, and a cell that a spreadsheet
+    would run as a formula (starting with = + - @ or their full-width forms, after any
+    whitespace or zero-width characters, or with a tab or CR) gets a leading '. Several
+    jobs make one table with one header.
     """
     return render_csv_jobs([view])
 
@@ -372,7 +418,12 @@ def _pretty(value: Any) -> str:
         out.encode()
     except UnicodeEncodeError:
         out = json.dumps(value, indent=2)
-    return out + "\n"
+    # JSON escapes C0 itself; DEL and C1 it writes raw with ensure_ascii off. Outside a
+    # string JSON has none of them, so each is a string's character, written as \\u00XX.
+    return _C1.sub(lambda m: f"\\u{ord(m.group()):04x}", out) + "\n"
+
+
+_C1 = re.compile(r"[\x7f-\x9f]")
 
 
 def extract_file(results: Sequence[ItemResult]) -> str:
