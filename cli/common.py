@@ -15,6 +15,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
+from vlmq.shared.keys import JOB_ID_SHAPE, QUEUE_SHAPE, SCHEDULE_SHAPE, IdShape, label_problem
 from vlmq.stores.backends import STORES_ENV, StoreError, Stores
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -30,13 +31,39 @@ def fail(message: str, code: int) -> NoReturn:
     sys.exit(code)
 
 
+class IdType(click.ParamType[str, Any]):
+    """A command argument that is an id by its shape (shared/keys.py's IdShape): a
+    malformed one is a usage error (exit 2, naming it and the shape) before any command
+    reaches Redis, where `b-x:jobs` would name another key (issue 29)."""
+
+    def __init__(self, shape: IdShape) -> None:
+        self.shape = shape
+        self.name = shape.kind
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> str:
+        problem = self.shape.problem(value)
+        if problem is not None:
+            self.fail(problem, param, ctx)
+        return str(value)
+
+
+JOB_ID = IdType(JOB_ID_SHAPE)
+QUEUE = IdType(QUEUE_SHAPE)
+SCHEDULE_NAME = IdType(SCHEDULE_SHAPE)
+
+
 def split_labels(values: Sequence[str]) -> dict[str, str]:
-    """`key=value` strings as a dict; ValueError names the first one without a key or '='."""
+    """`key=value` strings as a dict; ValueError names the first one without a key or '='
+    or one no job could carry (shared/keys.py's label_problem)."""
     labels: dict[str, str] = {}
     for raw in values:
         key, sep, value = raw.partition("=")
         if not sep or not key:
             raise ValueError(f"label {raw!r} is not key=value")
+        problem = label_problem(key, value)
+        if problem is not None:
+            raise ValueError(problem)
         labels[key] = value
     return labels
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, fail
+from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, JOB_ID, fail
 from vlmq.producer.client import Client
 from vlmq.producer.job_sets import expand
 from vlmq.producer.ops.export import FORMATS, ExportReport, export_results
@@ -31,7 +31,7 @@ def print_report(report: ExportReport, where: Path, as_json: bool) -> None:
 
 
 @click.command("export")
-@click.argument("job_ids", nargs=-1, required=True)
+@click.argument("job_ids", nargs=-1, required=True, type=JOB_ID)
 @click.option("--dir", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Write OUT/<source>.md|.txt|.json, mirroring the input tree.")
 @click.option("--sidecar", "sidecar_root", type=click.Path(file_okay=False, exists=True,

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, fail, store_option
+from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, SCHEDULE_NAME, fail, store_option
 from vlmq.producer.client import Client
 from vlmq.producer.expand import S3_SCHEME
 from vlmq.producer.ops.export import FORMATS
@@ -44,7 +44,7 @@ def schedule_group() -> None:
 
 
 @schedule_group.command("add")
-@click.argument("name")
+@click.argument("name", type=SCHEDULE_NAME)
 @click.argument("task", type=click.Choice(TASKS))
 @click.argument("paths", nargs=-1, required=True)
 @click.option("--cron", help='Cron expression, e.g. "0 3 * * *" (in --tz).')
@@ -164,7 +164,7 @@ def _run_line(run: dict[str, Any]) -> str:
 
 
 @schedule_group.command("run")
-@click.argument("name")
+@click.argument("name", type=SCHEDULE_NAME)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def run_cmd(ctx: click.Context, name: str, as_json: bool) -> None:
@@ -188,7 +188,7 @@ def run_cmd(ctx: click.Context, name: str, as_json: bool) -> None:
 
 def _simple(command: str, doc: str, action: str) -> None:
     @schedule_group.command(command, help=doc)
-    @click.argument("name")
+    @click.argument("name", type=SCHEDULE_NAME)
     @click.pass_context
     def cmd(ctx: click.Context, name: str) -> None:
         client, store = _store(ctx)

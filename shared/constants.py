@@ -60,3 +60,12 @@ MAX_FIELD_BYTES = 16 * 1024 * 1024
 MAX_JSON_DEPTH = 32
 # The dead-letter list (<prefix>:dead) keeps this many newest entries.
 DEAD_LETTER_MAX = 10_000
+# Queue names are chosen by whoever enqueues, and every one lives on in rq:queues and in
+# each per-queue listing (issue 29): a new queue is refused once rq:queues holds this many
+# (enqueue.lua for every language, the Python client before it uploads); a queue already
+# there is always taken. enqueue.lua gets the number in its generated LIMITS block.
+MAX_QUEUES = 64
+# `vlmq status` and `vlmq metrics` show at most this many queues, one of them the
+# "(other)" line folding the rest (those with workers and the most jobs are shown), so
+# their output is bounded whatever names an older Redis already holds.
+MAX_SHOWN_QUEUES = 20

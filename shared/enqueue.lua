@@ -5,6 +5,9 @@
 -- ARGV[4] = description   ARGV[5] = timeout (s)   ARGV[6] = result_ttl (s)   ARGV[7] = failure_ttl (s)
 -- ARGV[8] = now, RQ's format %Y-%m-%dT%H:%M:%S.%fZ (UTC)
 -- ARGV[9] = retries_left: how often RQ requeues the job if its worker dies (0..10; vlmq uses 3)
+-- A queue not yet in rq:queues is refused once it holds LIMITS.max_queues queues (the
+-- generated block below, shared/constants.py MAX_QUEUES): names are the caller's, and each
+-- lives on in every listing. A queue already there is always taken.
 -- Returns 1 when enqueued, 0 when the id is taken: a job with that id exists, or results
 -- of an earlier job with that id remain. Anything malformed is an error reply that names
 -- the argument, key or payload field. Every check runs before the first write, so an
@@ -38,6 +41,9 @@ local KEY_SHOWN = {
   rq_queues = 'rq:queues',
 }
 -- END KEYS
+-- BEGIN LIMITS: generated from vlmq/shared/constants.py by `python -m vlmq.shared.lua --write`; do not edit by hand.
+local LIMITS = {max_queues = 64}
+-- END LIMITS
 -- BEGIN TALLY: copied from vlmq/shared/tally_lib.lua by `python -m vlmq.shared.lua --write`; do not edit by hand.
 -- vlmq protocol v1: running counts of jobs by state and of their items (PROTOCOL.md 8b).
 -- Copied into every script that changes a job (enqueue.lua, write_items.lua,
@@ -197,6 +203,14 @@ for i, want in pairs(expected_types) do
   if got ~= 'none' and got ~= want then
     return redis.error_reply('KEYS[' .. i .. ']: ' .. KEYS[i] .. ' holds a ' .. got ..
       ', not a ' .. want)
+  end
+end
+if redis.call('SISMEMBER', KEYS[3], KEYS[2]) == 0 then
+  local known = redis.call('SCARD', KEYS[3])
+  if known >= LIMITS.max_queues then
+    return redis.error_reply('queue: ' .. ARGV[2] .. ' would be a new queue, and vlmq keeps ' ..
+      'at most ' .. LIMITS.max_queues .. ' queues (' .. KEYS[3] .. ' holds ' .. known ..
+      '): use an existing queue')
   end
 end
 

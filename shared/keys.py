@@ -28,6 +28,48 @@ SHA256_RE = re.compile(r"[0-9a-f]{64}")
 # a batch id on the wire, and commands tell batches from jobs by the batch record.
 BATCH_ID_PREFIX = "b-"
 QUEUE_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# A schedule's name (producer/ops/schedules.py's NAME_CHARS, at most 64): a queue's shape.
+SCHEDULE_NAME_RE = QUEUE_NAME_RE
+
+
+@dataclass(frozen=True)
+class IdShape:
+    """What one kind of caller-given id looks like, checked before it names any key: an id
+    with ':' or a newline would name another key (`b-x:jobs` is a batch's list), so
+    commands and Client methods refuse it by shape instead of sending it (issue 29)."""
+
+    kind: str  # as messages name it: "job or batch id"
+    pattern: re.Pattern[str]
+    shown: str  # the expected shape, as messages write it
+
+    def problem(self, value: object) -> str | None:
+        """Why `value` is not such an id (naming it and the shape), or None."""
+        if isinstance(value, str) and self.pattern.fullmatch(value):
+            return None
+        return f"{value!r} is not a {self.kind}: expected {self.shown}"
+
+
+# Batch ids are job ids on the wire (vlmq makes them "b-" and 32 hex digits).
+JOB_ID_SHAPE = IdShape("job or batch id", JOB_ID_RE,
+                       "1 to 128 of A-Z a-z 0-9 _ - (a batch: b-<32 hex digits>)")
+QUEUE_SHAPE = IdShape("queue name", QUEUE_NAME_RE, "1 to 64 of A-Z a-z 0-9 _ . -")
+SCHEDULE_SHAPE = IdShape("schedule name", SCHEDULE_NAME_RE, "1 to 64 of A-Z a-z 0-9 _ . -")
+
+
+def label_problem(key: str, value: str) -> str | None:
+    """Why key=value cannot be a stored label (so a filter on it would send text Redis
+    cannot take, or look up a label no job can carry), or None. Labels name their index
+    keys with the key's length first, so any other text is safe in a key name."""
+    shown = f"{key}={value}".encode("utf-8", "replace").decode()
+    if not key:
+        return f"label {shown!r} is not a label: expected KEY=VALUE with a non-empty KEY"
+    for text in (key, value):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return (f"label {shown!r} is not a label: expected KEY=VALUE in valid UTF-8 "
+                    "text (it holds an undecodable byte)")
+    return None
 
 
 @dataclass(frozen=True)

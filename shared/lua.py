@@ -7,8 +7,9 @@ source only when the server does not have it, including inside a pipeline.
 
 No script spells a key name or a setting's range by hand: each file carries generated
 blocks, the key names it uses (from shared/keys.py's KEY_TABLE) and, in enqueue.lua, the
-settings table (shared/settings.py). The blocks live in the files themselves, not only
-in what Python loads, because other languages' producers read the files from disk.
+settings table (shared/settings.py) and the limits (shared/constants.py). The blocks live
+in the files themselves, not only in what Python loads, because other languages'
+producers read the files from disk.
 `python -m vlmq.shared.lua --write` regenerates them; `--check` (and
 tests/protocol/test_key_table.py) fails while a file differs from what the tables give.
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 from redis import Redis
 from redis.commands.core import Script
 
+from vlmq.shared import constants as C
 from vlmq.shared import settings as S
 from vlmq.shared.keys import KEY, KeyName
 
@@ -46,6 +48,10 @@ TALLY_MARKERS = ("-- BEGIN TALLY", "-- END TALLY")
 
 # The key block's first and last line (a tuple: lua's str constants are the script names).
 KEY_MARKERS = ("-- BEGIN KEYS", "-- END KEYS")
+# The limits block: protocol limits a script enforces that are no payload setting (the
+# queue count, issue 29), from shared/constants.py, so Lua and Python refuse at one number.
+LIMITS_MARKERS = ("-- BEGIN LIMITS", "-- END LIMITS")
+LIMITS = {"max_queues": C.MAX_QUEUES}
 # What a script names outside its block: KEY.<name>(...) builds a key, KEY_SHOWN.<name>
 # is its documented form (`<prefix>:job:<job_id>:items`) for error messages.
 _USES = re.compile(r"\bKEY(_SHOWN)?\.(\w+)")
@@ -115,6 +121,15 @@ def tally_block() -> str:
                       "`python -m vlmq.shared.lua --write`; do not edit by hand.", lib, end])
 
 
+def limits_block() -> str:
+    """The limits block: `local LIMITS = {...}` from LIMITS."""
+    begin, end = LIMITS_MARKERS
+    fields = ", ".join(f"{name} = {value}" for name, value in LIMITS.items())
+    return "\n".join([f"{begin}: generated from vlmq/shared/constants.py by "
+                      "`python -m vlmq.shared.lua --write`; do not edit by hand.",
+                      f"local LIMITS = {{{fields}}}", end])
+
+
 def _replace_block(text: str, markers: tuple[str, str], block: str) -> str:
     begin, end = markers
     start = text.rfind("\n", 0, text.index(begin)) + 1
@@ -128,6 +143,8 @@ def with_blocks(script_text: str) -> str:
     out, (begin, end) = script_text, KEY_MARKERS
     if TALLY_MARKERS[0] in out:
         out = _replace_block(out, TALLY_MARKERS, tally_block())
+    if LIMITS_MARKERS[0] in out:
+        out = _replace_block(out, LIMITS_MARKERS, limits_block())
     if begin in out:
         start = out.rfind("\n", 0, out.index(begin)) + 1
         stop = out.index(end) + len(end)

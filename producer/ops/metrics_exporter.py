@@ -4,8 +4,11 @@ Queue depth, jobs by state per queue, dead letters, the age of the job at the he
 each queue and the live workers are read from RQ's lists and registries and vlmq's own
 keys with LLEN, ZCARD, SCARD, LINDEX and one HGET per queue, pipelined: a scrape costs a
 fixed number of round trips and O(queues + workers) commands, the same at 100 k jobs as
-at 10. (`--queued-items` adds a SORT per queue that reads every queued job hash inside
-Redis: off by default.)
+at 10. (`--queued-items` adds one HGET of the running counts per queue.)
+
+Series stay bounded whatever queue names Redis holds (issue 29: 20,000 one-job queues made
+200,084 series): at most C.MAX_SHOWN_QUEUES queues are exported, the rest summed under
+queue="(other)" with their number in vlmq_queues_folded.
 
 A standalone process rather than a page of the dashboard: it needs no Flask and no auth
 token, writes nothing, and listens on 127.0.0.1 unless told otherwise. A scrape that
@@ -43,6 +46,11 @@ QUEUED = "queued"
 STATES = (QUEUED, *RQ_REGISTRIES)  # queued, started, finished, failed, deferred, ...
 
 
+# The one row that stands for every queue not shown: not a valid queue name
+# (QUEUE_NAME_RE has no parentheses), so it cannot collide with a real one.
+OTHER_QUEUES = "(other)"
+
+
 @dataclass(frozen=True)
 class QueueFigures:
     name: str
@@ -50,6 +58,7 @@ class QueueFigures:
     head_age_s: float  # how long the job next in line has waited; 0 when empty
     workers: int  # RQ workers listening on the queue
     items: int | None = None  # items of the queued jobs (--queued-items), else None
+    queues: int = 1  # how many queues the row stands for (OTHER_QUEUES: all it folds)
 
 
 @dataclass(frozen=True)
@@ -57,10 +66,21 @@ class Fleet:
     queues: list[QueueFigures] = field(default_factory=list)
     dead_letters: int = 0
     workers: int = 0  # vlmq workers whose stats are fresh (they refresh every few seconds)
+    other: QueueFigures | None = None  # the queues not shown, summed (None: all shown)
 
 
-def read_fleet(redis: Redis, keys: Keys, *, items: bool = False) -> Fleet:
-    """The fleet's figures in three pipelined round trips, O(queues + workers) commands."""
+def read_fleet(redis: Redis, keys: Keys, *, items: bool = False,
+               shown: int = C.MAX_SHOWN_QUEUES, defaults: bool = True,
+               ages: bool = True) -> Fleet:
+    """The fleet's figures in four pipelined round trips, O(queues + workers) commands.
+
+    Queue names are whoever enqueued's choice and an old Redis may hold thousands
+    (issue 29): at most `shown` rows come back, those with workers first, then (with
+    `defaults`, which also adds them when absent) the default queues, then the most jobs;
+    the rest are summed into `other`, so what a reader prints or exports is bounded.
+    Without `ages` the head jobs are not read (every head_age_s is 0): `vlmq status`
+    shows none, and reads a queue's list with LLEN only.
+    """
     pipe = redis.pipeline(transaction=False)
     pipe.smembers(RQ_QUEUES)
     pipe.llen(keys.dead)
@@ -69,38 +89,65 @@ def read_fleet(redis: Redis, keys: Keys, *, items: bool = False) -> Fleet:
     queue_keys, dead, worker_names, (secs, micros) = pipe.execute()
     now = int(secs) + int(micros) / 1e6  # Redis's clock, as RQ's timestamps are compared to
     # The default queues always: a queue nobody enqueued to yet shows 0s, not no series.
-    queues = sorted({Keys.rq_name(as_str(k)) for k in queue_keys}
-                    | set(C.DEFAULT_QUEUE.values()))
+    firsts = set(C.DEFAULT_QUEUE.values()) if defaults else set()
+    queues = sorted({Keys.rq_name(as_str(k)) for k in queue_keys} | firsts)
     names = sorted(as_str(n) for n in worker_names)
+    figures = _counts(redis, keys, queues, items)
+    pipe = redis.pipeline(transaction=False)
+    for name in names:
+        pipe.exists(keys.worker_stats(name))
+    live = sum(int(n) for n in pipe.execute()) if names else 0
+    order = sorted(queues, key=lambda q: (figures[q][1] == 0, q not in firsts,
+                                          -sum(figures[q][0].values()), q))
+    kept = sorted(order if len(order) <= shown else order[:max(shown - 1, 0)])
+    folded = order[len(kept):]
+    heads = _head_ages(redis, kept, now) if ages else [0.0] * len(kept)
+    out = [QueueFigures(q, figures[q][0], age, figures[q][1], figures[q][2])
+           for q, age in zip(kept, heads, strict=True)]
+    return Fleet(out, int(dead), live, _fold(folded, figures, items))
+
+
+Counted = tuple[dict[str, int], int, int | None]  # jobs by state, workers, queued items
+
+
+def _counts(redis: Redis, keys: Keys, queues: list[str],
+            items: bool) -> dict[str, Counted]:
+    """Each queue's jobs by state, workers and (with `items`) queued items, one round trip."""
     pipe = redis.pipeline(transaction=False)
     for q in queues:
         pipe.llen(Keys.rq_queue(q))
         for kind in RQ_REGISTRIES:
             pipe.zcard(Keys.rq_registry(kind, q))
-        pipe.lindex(Keys.rq_queue(q), 0)
         pipe.scard(Keys.rq_queue_workers(q))
-    for name in names:
-        pipe.exists(keys.worker_stats(name))
-    replies = pipe.execute()
-    width = 1 + len(RQ_REGISTRIES) + 2
-    heads: list[str | None] = []
-    per_queue: list[tuple[dict[str, int], int]] = []
-    for i in range(len(queues)):
+        if items:
+            pipe.hget(keys.counts_queue(q), "queued_items")  # as job_index.queued_items
+    replies = pipe.execute() if queues else []
+    width = len(STATES) + 1 + int(items)
+    out: dict[str, Counted] = {}
+    for i, q in enumerate(queues):
         row = replies[i * width:(i + 1) * width]
-        per_queue.append((dict(zip(STATES, map(int, row[:len(STATES)]), strict=True)),
-                          int(row[-1])))
-        heads.append(None if row[-2] is None else as_str(row[-2]))
-    live = sum(int(n) for n in replies[len(queues) * width:])
-    ages = _head_ages(redis, heads, now)
-    out = []
-    for q, (jobs, workers), age in zip(queues, per_queue, ages, strict=True):
-        n_items = job_index.queued_items(redis, keys, q) if items else None
-        out.append(QueueFigures(q, jobs, age, workers, n_items))
-    return Fleet(out, int(dead), live)
+        out[q] = (dict(zip(STATES, map(int, row[:len(STATES)]), strict=True)),
+                  int(row[len(STATES)]), int(row[-1] or 0) if items else None)
+    return out
 
 
-def _head_ages(redis: Redis, heads: list[str | None], now: float) -> list[float]:
-    """Seconds since each head job was enqueued (RQ's enqueued_at), one round trip."""
+def _fold(folded: list[str], figures: dict[str, Counted], items: bool) -> QueueFigures | None:
+    """The queues not shown as one row: their jobs, workers and items summed."""
+    if not folded:
+        return None
+    jobs = {state: sum(figures[q][0][state] for q in folded) for state in STATES}
+    return QueueFigures(OTHER_QUEUES, jobs, 0.0, sum(figures[q][1] for q in folded),
+                        sum(figures[q][2] or 0 for q in folded) if items else None,
+                        queues=len(folded))
+
+
+def _head_ages(redis: Redis, queues: list[str], now: float) -> list[float]:
+    """Seconds since each queue's head job was enqueued (RQ's enqueued_at), two round
+    trips."""
+    pipe = redis.pipeline(transaction=False)
+    for q in queues:
+        pipe.lindex(Keys.rq_queue(q), 0)
+    heads = [None if h is None else as_str(h) for h in (pipe.execute() if queues else [])]
     pipe = redis.pipeline(transaction=False)
     for job_id in heads:
         if job_id is not None:
@@ -137,17 +184,23 @@ class FleetCollector(Collector):
                                     "queue.", labels=["queue"])
         items = GaugeMetricFamily("vlmq_queue_items", "Items of the jobs waiting in each "
                                   "queue.", labels=["queue"])
-        for q in fleet.queues:
+        for q in [*fleet.queues, *([fleet.other] if fleet.other else [])]:
             for state in STATES:
                 jobs.add_metric([q.name, state], q.jobs[state])
             depth.add_metric([q.name], q.jobs[QUEUED])
-            age.add_metric([q.name], q.head_age_s)
+            if q is not fleet.other:  # an age is one queue's head: none for the fold
+                age.add_metric([q.name], q.head_age_s)
             workers.add_metric([q.name], q.workers)
             if q.items is not None:
                 items.add_metric([q.name], q.items)
         yield from (jobs, depth, age, workers)
         if self.items:
             yield items
+        yield GaugeMetricFamily("vlmq_queues_folded", "Queues summed into the queue=\"" +
+                                OTHER_QUEUES + "\" series: past the "
+                                f"{C.MAX_SHOWN_QUEUES} shown (those with workers, then the "
+                                "default queues, then the most jobs).",
+                                value=fleet.other.queues if fleet.other else 0)
         yield GaugeMetricFamily("vlmq_dead_letters", "Queue entries no worker could run, "
                                 "kept in the dead-letter list (vlmq dead).",
                                 value=fleet.dead_letters)

@@ -39,6 +39,8 @@ ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 # What `$(...)` stands for once its command is taken out: long enough for any option that
 # wants a token (the dashboard's needs 16+ characters).
 SUBSTITUTED = "0123456789abcdef0123456789abcdef"
+# A word that is one shell parameter ("$B", "${ID}"): the shell gives vlmq its value.
+SHELL_PARAMETER = re.compile(r"\$(\{[A-Za-z_][A-Za-z0-9_]*\}|[A-Za-z_][A-Za-z0-9_]*)")
 PATH_SUFFIXES = {".pdf", ".png", ".jpg", ".jpeg", ".tif", ".tiff", ".heic", ".json",
                  ".jsonl", ".md", ".csv", ".txt", ".log", ".env", ".yml", ".yaml"}
 
@@ -171,6 +173,8 @@ def materialize(arg: str, sandbox: Path) -> str:
     if arg.startswith("--") and "=" in arg:
         prefix, value = arg.split("=", 1)
         prefix += "="
+    if SHELL_PARAMETER.fullmatch(value):
+        return prefix + SUBSTITUTED  # the shell expands it: ids are checked by their shape
     if value.startswith("~/") or value == "~":
         value = str(sandbox / "home") + value[1:]
     elif value.startswith("-"):
