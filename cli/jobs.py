@@ -20,8 +20,7 @@ import click
 from vlmq.cli.common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
-    JOB_ID,
-    QUEUE,
+    EXIT_TIMEOUT,
     fail,
     parse_labels,
     store_option,
@@ -32,10 +31,9 @@ from vlmq.producer.job_sets import JOB_ITEMS, Batch, Part, is_batch, submit_part
 from vlmq.producer.manifest import Group, read_manifest
 from vlmq.producer.openai_files import read_openai_batch
 from vlmq.producer.ops.job_admin import CannotCancel
-from vlmq.producer.ops.metrics_exporter import OTHER_QUEUES
 from vlmq.producer.options import JobOptions, job_options
 from vlmq.producer.page_specs import PagesWithoutPdf
-from vlmq.producer.upload import DEFAULT_MAX_PENDING_MB, retention
+from vlmq.producer.upload import DEFAULT_MAX_PENDING_MB, BudgetWaitTimeout, retention
 from vlmq.shared import constants as C
 from vlmq.shared import job_index, redis_checks
 from vlmq.shared import settings as S
@@ -61,16 +59,18 @@ def _handle_errors(func: F) -> F:
             fail(f"error: {exc}\nnothing was enqueued", EXIT_BAD_INPUT)
         except redis_checks.EvictionRefused as exc:
             fail(f"error: {exc}\nnothing was enqueued", EXIT_FAILED)
+        except BudgetWaitTimeout as exc:  # the jobs enqueued before it stay (its message)
+            fail(f"error: {exc}", EXIT_TIMEOUT)
 
     return wrapper  # type: ignore[return-value]
 
 
 def _client(ctx: click.Context, stores: Stores | None = None,
             max_pending_mb: float = DEFAULT_MAX_PENDING_MB,
-            allow_eviction: bool = False) -> Client:
+            allow_eviction: bool = False, wait_timeout: float | None = None) -> Client:
     return Client(ctx.find_root().obj["redis_url"], stores=stores,
                   max_pending_mb=max_pending_mb, progress=True,
-                  allow_eviction=allow_eviction or None)
+                  allow_eviction=allow_eviction or None, wait_timeout=wait_timeout)
 
 
 def _allow_eviction(func: F) -> F:
@@ -143,7 +143,11 @@ def _max_pending(func: F) -> F:
                         default=DEFAULT_MAX_PENDING_MB, show_default=True,
                         help="Redis budget: this producer's uploaded inputs whose jobs have "
                              "not ended stay under MB; past it, enqueue waits for workers "
-                             "to drain them.")(func)
+                             "to drain them.")(click.option(
+        "--wait-timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+        help="Give up (exit 124) when a wait for room in the budget lasts SECONDS; the "
+             "jobs enqueued so far stay queued. Default: wait while a live worker serves "
+             "the pending jobs' queue, give up after 600 s with none.")(func))
 
 
 # --- enqueue ------------------------------------------------------------------------------
@@ -162,7 +166,7 @@ def _max_pending(func: F) -> F:
                    "each with one image (a data: URI or a file:// path; http(s) is refused) "
                    "and a prompt; a json_schema response_format is task extract. Read the "
                    "answers with vlmq result --format openai-batch.")
-@click.option("--queue", metavar="NAME", type=QUEUE,
+@click.option("--queue", metavar="NAME",
               help="With --manifest or --openai-batch: one queue for every job (default: "
                    "each task's own).")
 @click.option("--skip-bad", is_flag=True,
@@ -179,8 +183,8 @@ def _max_pending(func: F) -> F:
 @_handle_errors
 def enqueue(ctx: click.Context, manifest: str | None, openai_batch: str | None,
             queue: str | None, skip_bad: bool, labels: dict[str, str], as_json: bool,
-            job_size: int, max_pending_mb: float, allow_eviction: bool,
-            stores: Stores) -> None:
+            job_size: int, max_pending_mb: float, wait_timeout: float | None,
+            allow_eviction: bool, stores: Stores) -> None:
     """Validate inputs, upload them once, and enqueue: a task subcommand, --manifest or
     --openai-batch."""
     if ctx.invoked_subcommand is not None:
@@ -197,7 +201,7 @@ def enqueue(ctx: click.Context, manifest: str | None, openai_batch: str | None,
         groups, rejected = _read_request_file(stack, manifest, openai_batch, base,
                                               skip_bad=skip_bad, job_size=job_size)
         _submit_groups(ctx, groups, rejected, labels, as_json, stores, max_pending_mb,
-                       allow_eviction)
+                       allow_eviction, wait_timeout)
 
 
 def _refuse_file_options(ctx: click.Context, *given: object) -> None:
@@ -228,11 +232,11 @@ def _read_request_file(stack: ExitStack, manifest: str | None, openai_batch: str
 def _submit_groups(ctx: click.Context, groups: Sequence[Group],
                    rejected: Sequence[tuple[int, str]], labels: dict[str, str],
                    as_json: bool, stores: Stores, max_pending_mb: float,
-                   allow_eviction: bool) -> None:
+                   allow_eviction: bool, wait_timeout: float | None) -> None:
     """Enqueue a manifest's (or an OpenAI batch's) jobs and print what was made."""
     for group in groups:  # files in a store go by reference
         group.prepared = group.prepared.by_reference(stores)
-    with _client(ctx, stores, max_pending_mb, allow_eviction) as client:
+    with _client(ctx, stores, max_pending_mb, allow_eviction, wait_timeout) as client:
         made = submit_parts(client, [Part(g.task, g.prepared, g.options) for g in groups],
                             labels=labels)
         jobs = [made] if isinstance(made, Job) else made.jobs()
@@ -275,10 +279,10 @@ def _set_command(task: str) -> Callable[..., None]:
     @_handle_errors
     def command(ctx: click.Context, paths: tuple[str, ...], pages: str | None,
                 recursive: bool, skip_bad: bool, options: JobOptions, as_json: bool,
-                job_size: int, max_pending_mb: float, allow_eviction: bool,
-                stores: Stores) -> None:
+                job_size: int, max_pending_mb: float, wait_timeout: float | None,
+                allow_eviction: bool, stores: Stores) -> None:
         allow = allow_eviction or bool(ctx.meta.get("vlmq.allow_eviction"))
-        with _client(ctx, stores, max_pending_mb, allow) as client:
+        with _client(ctx, stores, max_pending_mb, allow, wait_timeout) as client:
             try:
                 job = client.submit_set(task, paths, options, pages=pages,
                                         recursive=recursive, skip_bad=skip_bad,
@@ -316,7 +320,7 @@ def _age(seconds: float | None) -> str:
 
 
 @click.command("jobs")
-@click.option("--queue", metavar="NAME", type=QUEUE, help="Only jobs on this queue.")
+@click.option("--queue", metavar="NAME", help="Only jobs on this queue.")
 @click.option("--status", "state", metavar="STATE",
               help="Only jobs in this state (queued, started, finished, failed, canceled...).")
 @_label_filter
@@ -349,7 +353,7 @@ def _print_table(rows: Sequence[Sequence[str]]) -> None:
 
 
 @click.command("status")
-@click.argument("job_id", required=False, type=JOB_ID)
+@click.argument("job_id", required=False)
 @_label_filter
 @_json_option
 @_allow_eviction
@@ -488,14 +492,12 @@ def _overview(client: Client, as_json: bool, allow_eviction: bool = False) -> No
 def _overview_text(queues: dict[str, QueueInfo], workers: Sequence[WorkerInfo]) -> None:
     if queues:
         _print_table([("QUEUE", "QUEUED", "ITEMS", "STARTED", "FAILED", "FINISHED")] + [
-            (f"{q.name}: {q.queues} queues" if q.name == OTHER_QUEUES else q.name,
-             str(q.queued), str(q.queued_items), str(q.started), str(q.failed),
+            (q.name, str(q.queued), str(q.queued_items), str(q.started), str(q.failed),
              str(q.finished))
             for q in queues.values()])
     else:
         click.echo("queues: none")
     click.echo(f"kept: results {_days(C.RESULT_TTL_S)} after a job ends (--result-ttl), "
-        # At most C.MAX_SHOWN_QUEUES rows, the last one summing the queues not shown.
                f"{_days(C.FAILURE_TTL_S)} after it fails; inputs while their jobs run, then "
                f"{S.KEEP_INPUTS_S} s (--keep-inputs), or with a failed job's record")
     click.echo("")
@@ -519,7 +521,7 @@ def _overview_text(queues: dict[str, QueueInfo], workers: Sequence[WorkerInfo]) 
 
 
 @click.command("cancel")
-@click.argument("job_ids", nargs=-1, required=True, type=JOB_ID)
+@click.argument("job_ids", nargs=-1, required=True)
 @_json_option
 @click.pass_context
 def cancel_cmd(ctx: click.Context, job_ids: tuple[str, ...], as_json: bool) -> None:
@@ -548,7 +550,7 @@ def cancel_cmd(ctx: click.Context, job_ids: tuple[str, ...], as_json: bool) -> N
 
 
 @click.command("retry")
-@click.argument("job_id", type=JOB_ID)
+@click.argument("job_id")
 @click.option("--failed-only", is_flag=True,
               help="Only the items that failed or have no result (default: every item).")
 @_json_option
@@ -570,7 +572,7 @@ def retry_cmd(ctx: click.Context, job_id: str, failed_only: bool, as_json: bool)
 
 
 @click.command("delete")
-@click.argument("job_ids", nargs=-1, required=True, type=JOB_ID)
+@click.argument("job_ids", nargs=-1, required=True)
 @click.option("--purge-blobs", is_flag=True,
               help="Also remove the jobs' inputs that no remaining job refers to.")
 @_json_option

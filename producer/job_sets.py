@@ -137,6 +137,15 @@ def split_prepared(prepared: Prepared, size: int = JOB_ITEMS, *,
 # --- the record ---------------------------------------------------------------------------
 
 
+def split_for(client: Client, prepared: Prepared, size: int = JOB_ITEMS) -> list[Prepared]:
+    """`prepared` cut into jobs of at most `size` items whose uploads fit the client's
+    budget (Uploader.job_bytes; a single larger file alone): the one cut every producer
+    path takes (submit_parts, so manifests, OpenAI batch files, retries, schedules and
+    sets; stream_sets for streamed folders), so no path can make a job the budget cannot
+    hold."""
+    return split_prepared(prepared, size, max_bytes=client.uploads.job_bytes)
+
+
 def _record(client: Client, batch_id: str, parts: Sequence[Part], job_ids: Sequence[str],
             labels: Mapping[str, str]) -> None:
     """The batch record and each job's batch key, in one transaction, before any job."""
@@ -167,6 +176,10 @@ def submit_parts(client: Client, parts: Sequence[Part], *,
     """
     if not parts:
         raise InputError("(no files)", "nothing to enqueue")
+    # The budget's cut, here where every path meets: a part keeps its items (each is at
+    # most a job already) and becomes several jobs only when its uploads pass job_bytes.
+    parts = [Part(p.task, piece, p.options) for p in parts
+             for piece in split_for(client, p.prepared, C.MAX_ITEMS_PER_JOB)]
     if len(parts) == 1:
         job = client.submit(parts[0].task, parts[0].prepared, parts[0].options)
         job.rejected = list(rejected)
@@ -213,8 +226,7 @@ def _count_out(client: Client, pending: str, job_ids: Sequence[str],
 def submit_set(client: Client, task: str, prepared: Prepared, options: JobOptions, *,
                job_size: int = JOB_ITEMS) -> Job | Batch:
     """A prepared set as one job, or as a batch of jobs of at most `job_size` items."""
-    parts = [Part(task, p, options) for p in split_prepared(
-        prepared, job_size, max_bytes=client.uploads.job_bytes)]
+    parts = [Part(task, p, options) for p in split_prepared(prepared, job_size)]
     return submit_parts(client, parts, rejected=prepared.rejected)
 
 

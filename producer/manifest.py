@@ -244,6 +244,7 @@ def _checked_pages(req: Request) -> tuple[CheckedFile, list[int | None]]:
 
 def _split(groups: Iterable[Group], job_size: int = JOB_ITEMS) -> list[Group]:
     """Groups over the job size become several jobs (producer/job_sets.py: why that size,
-    and how a file's items stay together)."""
+    and how a file's items stay together). The upload budget's cut is not made here, where
+    no client is known: submit_parts makes it for every path (job_sets.split_for)."""
     return [Group(g.task, g.options, part) for g in groups
             for part in split_prepared(g.prepared, job_size)]

@@ -218,7 +218,7 @@ def _flush(stream: _Stream, held: _Held, job_size: int, *, skip_bad: bool) -> No
     limit = stream.client.uploads.job_bytes
     if len(held.prepared.items) < job_size and _bytes(held.prepared) <= limit:
         return
-    parts = batches.split_prepared(held.prepared, job_size, max_bytes=limit)
+    parts = batches.split_for(stream.client, held.prepared, job_size)
     held.prepared = parts.pop()  # the last may fill further
     for part in parts:
         _send_ready(stream, held, part)
@@ -247,8 +247,7 @@ def _finish(stream: _Stream, held: _Held, job_size: int, *, skip_bad: bool
         stream.stopped = True
     if not stream.stopped:
         if held.prepared.items:
-            for part in batches.split_prepared(held.prepared, job_size,
-                                               max_bytes=stream.client.uploads.job_bytes):
+            for part in batches.split_for(stream.client, held.prepared, job_size):
                 _send_ready(stream, held, part)
         _send_ready(stream, held, None)  # the last job: nothing after it to reserve
     if held.errors and not skip_bad:

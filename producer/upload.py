@@ -18,6 +18,17 @@ only when the messages may have missed an end (no subscription, a lost connectio
 most every SWEEP_S besides; never once per upload, which made a set of one-item jobs cost
 the square of its size.
 
+One job must fit the budget: a job whose new uploads pass it is refused (OverBudget, naming
+the budget) unless it is one file, which waits until nothing is pending and goes alone.
+Every path that cuts a set into jobs cuts them to `job_bytes` (job_sets.split_for), so only
+a job made by hand (Client.ocr and the like) can meet the refusal.
+
+A wait for room ends (BudgetWaitTimeout, naming the queues and the budget; `vlmq enqueue`
+exits 124): after `wait_timeout` seconds when one is given, else after UNSERVED_WAIT_S
+while no live worker serves any queue a pending job is on (a queue nobody serves never
+drains); while a worker serves one, the default waits as long as it takes. The first wait
+says which queues have no worker.
+
 Nothing is ever half-written: a blob is uploaded with a short TTL (blobs.UPLOAD_TTL_S) and
 lives longer only once a job holding it is enqueued, in one MULTI (shared/jobs.enqueue). A
 Ctrl-C, a crash or Redis running out of memory leaves the jobs enqueued so far whole and the
@@ -27,6 +38,7 @@ result cache answers the pages already done (README, "Big sets and Redis memory"
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -42,6 +54,7 @@ from redis.exceptions import OutOfMemoryError, RedisError
 from vlmq.producer.files import BlobSource
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import UPLOAD_TTL_S, BlobStore
+from vlmq.shared.errors import PayloadError, VlmqError
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import JobPayload
 
@@ -53,6 +66,10 @@ UPLOAD_CHUNK_BYTES = 32 * MB  # file bytes held in memory at once (one larger fi
 # busy with the ones before it (job_bytes, for whoever cuts a set into jobs).
 JOBS_PER_BUDGET = 4
 POLL_S = 0.5
+# With no wait_timeout, a wait for room gives up after this long with no live worker on
+# any pending job's queue (a queue nobody serves never drains; ten minutes covers a worker
+# restarting or still loading its model).
+UNSERVED_WAIT_S = 600.0
 # A full read of the pending jobs' statuses at most this often while the done channel is
 # followed (it catches an end no message told of), and this many jobs per round trip.
 SWEEP_S = 30.0
@@ -68,6 +85,37 @@ ENDED = frozenset({b"finished", b"failed", b"stopped", b"canceled"})
 class _Pending:
     items: int
     bytes: int
+    queue: str = ""
+
+
+class OverBudget(PayloadError):
+    """One job's new uploads pass the whole budget: it could never fit beside anything,
+    and several files need not go as one job (a set is cut into jobs that fit)."""
+
+    def __init__(self, size: int, files: int, budget_mb: float) -> None:
+        super().__init__("inputs", f"of this job ({size / MB:.1f} MB in {files} files to "
+                                   f"upload) pass the Redis budget (--max-pending-mb "
+                                   f"{budget_mb:g}); a job must fit in it: enqueue the set "
+                                   "as a set (vlmq enqueue, Client.submit_set) to cut it "
+                                   "into jobs that fit, or raise --max-pending-mb")
+
+
+class BudgetWaitTimeout(VlmqError, TimeoutError):
+    """A wait for room in the budget ran out: the pending jobs did not drain in time. The
+    jobs enqueued so far stay queued; nothing of the waiting job was uploaded."""
+
+    def __init__(self, queues: Sequence[str], unserved: Sequence[str], waited: float,
+                 budget_mb: float) -> None:
+        self.queues = tuple(queues)
+        self.unserved = tuple(unserved)
+        names = ", ".join(repr(q) for q in (self.unserved or self.queues))
+        why = (f"no live worker serves queue {names}" if self.unserved
+               else f"the jobs pending on queue {names} did not drain")
+        start = " ".join(f"--queues {q}" for q in self.unserved) or "--queues ..."
+        super().__init__(f"gave up after {waited:.0f} s waiting for room in the Redis "
+                         f"budget (--max-pending-mb {budget_mb:g}): {why}; the jobs "
+                         f"enqueued so far stay queued (start one: vlmq worker --model M "
+                         f"{start}; or raise --wait-timeout / wait_timeout=)")
 
 
 class Uploader:
@@ -80,11 +128,15 @@ class Uploader:
 
     def __init__(self, redis: Redis, keys: Keys, *,
                  max_pending_mb: float = DEFAULT_MAX_PENDING_MB,
-                 progress: bool = False) -> None:
+                 progress: bool = False, wait_timeout: float | None = None) -> None:
         if max_pending_mb <= 0:
             raise ValueError(f"max_pending_mb must be positive, got {max_pending_mb}")
+        if wait_timeout is not None and wait_timeout <= 0:
+            raise ValueError(f"wait_timeout must be positive, got {wait_timeout}")
         self.redis = redis
         self.keys = keys
+        self.max_pending_mb = max_pending_mb
+        self.wait_timeout = wait_timeout
         self.max_pending_bytes = int(max_pending_mb * MB)
         self.progress = progress
         self.pending: dict[str, _Pending] = {}
@@ -129,9 +181,12 @@ class Uploader:
         UPLOAD_TTL_S, or the job's blob_ttl when that is shorter."""
         self.blobs.ttl_s = min(UPLOAD_TTL_S, blob_ttl)
         missing = [s for _, s in self._missing(sources)]
+        need = sum(s.size for s in missing)
+        if len(missing) > 1 and need > self.max_pending_bytes:
+            raise OverBudget(need, len(missing), self.max_pending_mb)
         if missing:
             self.listen()  # before the job is enqueued, so its end cannot go unheard
-        self.wait_for_room(sum(s.size for s in missing))
+        self.wait_for_room(need)
         uploaded = size = 0
         for _ in range(3):
             for chunk in _chunks(missing):
@@ -159,14 +214,16 @@ class Uploader:
                 f"expires within {UPLOAD_TTL_S // 60} minutes. "
                 "Lower --max-pending-mb, or give Redis more memory") from None
 
-    def enqueued(self, job_id: str, items: int, uploaded_bytes: int) -> None:
-        """Count a job's new uploads against the budget until the job ends."""
+    def enqueued(self, job_id: str, items: int, uploaded_bytes: int, *,
+                 queue: str = "") -> None:
+        """Count a job's new uploads against the budget until the job ends (`queue`: where
+        it waits, so a wait for room can say which queue has no worker)."""
         self.totals["jobs"] += 1
         self.totals["items"] += items
         self.totals["bytes"] += uploaded_bytes
         if uploaded_bytes:
             self._forget(job_id)
-            self.pending[job_id] = _Pending(items=items, bytes=uploaded_bytes)
+            self.pending[job_id] = _Pending(items=items, bytes=uploaded_bytes, queue=queue)
             self._bytes += uploaded_bytes
         self._status(lambda: f"enqueued {self.totals['jobs']} job(s), {self.totals['items']} "
                              f"item(s), {self.totals['bytes'] / MB:.1f} MB uploaded; "
@@ -174,18 +231,56 @@ class Uploader:
 
     def wait_for_room(self, need: int) -> None:
         """Block until `need` more bytes fit the budget, or nothing of this producer's is
-        pending (a job larger than the budget then goes alone)."""
+        pending (a job larger than the budget then goes alone). Raises BudgetWaitTimeout
+        when the wait runs out (module docstring: when)."""
         if self.pending:
             self.refresh()
-        while self.pending and self.pending_bytes + need > self.max_pending_bytes:
-            self._status(lambda: "waiting for workers: " + self.describe(),
-                         force=not self._waited, live=True)
-            self._waited = True
-            self._await_end(POLL_S)
-            self.refresh()
-        if self._open:  # end the line rewritten in place
-            click.echo("", err=True)
-            self._open = False
+        started = time.monotonic()
+        unserved_since: float | None = None
+        said: tuple[str, ...] = ()
+        try:
+            while self.pending and self.pending_bytes + need > self.max_pending_bytes:
+                queues, unserved = self._queues()
+                now = time.monotonic()
+                unserved_since = (unserved_since or now) if unserved else None
+                note = ("; no live worker serves queue " + ", ".join(map(repr, unserved))
+                        if unserved else "")
+                self._status(functools.partial(self._waiting_line, note),
+                             force=not self._waited or unserved != said, live=True)
+                self._waited, said = True, unserved
+                self._give_up(queues, unserved, now - started,
+                              None if unserved_since is None else now - unserved_since)
+                self._await_end(POLL_S)
+                self.refresh()
+        finally:
+            if self._open:  # end the line rewritten in place
+                click.echo("", err=True)
+                self._open = False
+
+    def _waiting_line(self, note: str) -> str:
+        return "waiting for workers: " + self.describe() + note
+
+    def _queues(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The queues pending jobs are on, and those of them no live RQ worker serves
+        (one SCARD each)."""
+        queues = tuple(dict.fromkeys(p.queue for p in self.pending.values() if p.queue))
+        pipe = self.redis.pipeline(transaction=False)
+        for queue in queues:
+            pipe.scard(Keys.rq_queue_workers(queue))
+        served = pipe.execute() if queues else []
+        return queues, tuple(q for q, n in zip(queues, served, strict=True) if not int(n))
+
+    def _give_up(self, queues: Sequence[str], unserved: Sequence[str], waited: float,
+                 unserved_for: float | None) -> None:
+        """Raise BudgetWaitTimeout once the wait is past wait_timeout, or without one, once
+        no worker has served the pending jobs' queues for UNSERVED_WAIT_S."""
+        if self.wait_timeout is not None:
+            over = waited >= self.wait_timeout
+        else:
+            over = unserved_for is not None and len(unserved) == len(queues) \
+                and unserved_for >= UNSERVED_WAIT_S
+        if over:
+            raise BudgetWaitTimeout(queues, unserved, waited, self.max_pending_mb)
 
     # --- following the pending jobs ------------------------------------------------------
 
