@@ -21,6 +21,8 @@ from vlmq.cli.common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_TIMEOUT,
+    JOB_ID,
+    QUEUE,
     fail,
     parse_labels,
     store_option,
@@ -31,6 +33,7 @@ from vlmq.producer.job_sets import JOB_ITEMS, Batch, Part, is_batch, submit_part
 from vlmq.producer.manifest import Group, read_manifest
 from vlmq.producer.openai_files import read_openai_batch
 from vlmq.producer.ops.job_admin import CannotCancel
+from vlmq.producer.ops.metrics_exporter import OTHER_QUEUES
 from vlmq.producer.options import JobOptions, job_options
 from vlmq.producer.page_specs import PagesWithoutPdf
 from vlmq.producer.upload import DEFAULT_MAX_PENDING_MB, BudgetWaitTimeout, retention
@@ -166,7 +169,7 @@ def _max_pending(func: F) -> F:
                    "each with one image (a data: URI or a file:// path; http(s) is refused) "
                    "and a prompt; a json_schema response_format is task extract. Read the "
                    "answers with vlmq result --format openai-batch.")
-@click.option("--queue", metavar="NAME",
+@click.option("--queue", metavar="NAME", type=QUEUE,
               help="With --manifest or --openai-batch: one queue for every job (default: "
                    "each task's own).")
 @click.option("--skip-bad", is_flag=True,
@@ -320,7 +323,7 @@ def _age(seconds: float | None) -> str:
 
 
 @click.command("jobs")
-@click.option("--queue", metavar="NAME", help="Only jobs on this queue.")
+@click.option("--queue", metavar="NAME", type=QUEUE, help="Only jobs on this queue.")
 @click.option("--status", "state", metavar="STATE",
               help="Only jobs in this state (queued, started, finished, failed, canceled...).")
 @_label_filter
@@ -353,7 +356,7 @@ def _print_table(rows: Sequence[Sequence[str]]) -> None:
 
 
 @click.command("status")
-@click.argument("job_id", required=False)
+@click.argument("job_id", required=False, type=JOB_ID)
 @_label_filter
 @_json_option
 @_allow_eviction
@@ -492,12 +495,14 @@ def _overview(client: Client, as_json: bool, allow_eviction: bool = False) -> No
 def _overview_text(queues: dict[str, QueueInfo], workers: Sequence[WorkerInfo]) -> None:
     if queues:
         _print_table([("QUEUE", "QUEUED", "ITEMS", "STARTED", "FAILED", "FINISHED")] + [
-            (q.name, str(q.queued), str(q.queued_items), str(q.started), str(q.failed),
+            (f"{q.name}: {q.queues} queues" if q.name == OTHER_QUEUES else q.name,
+             str(q.queued), str(q.queued_items), str(q.started), str(q.failed),
              str(q.finished))
             for q in queues.values()])
     else:
         click.echo("queues: none")
     click.echo(f"kept: results {_days(C.RESULT_TTL_S)} after a job ends (--result-ttl), "
+        # At most C.MAX_SHOWN_QUEUES rows, the last one summing the queues not shown.
                f"{_days(C.FAILURE_TTL_S)} after it fails; inputs while their jobs run, then "
                f"{S.KEEP_INPUTS_S} s (--keep-inputs), or with a failed job's record")
     click.echo("")
@@ -521,7 +526,7 @@ def _overview_text(queues: dict[str, QueueInfo], workers: Sequence[WorkerInfo]) 
 
 
 @click.command("cancel")
-@click.argument("job_ids", nargs=-1, required=True)
+@click.argument("job_ids", nargs=-1, required=True, type=JOB_ID)
 @_json_option
 @click.pass_context
 def cancel_cmd(ctx: click.Context, job_ids: tuple[str, ...], as_json: bool) -> None:
@@ -550,7 +555,7 @@ def cancel_cmd(ctx: click.Context, job_ids: tuple[str, ...], as_json: bool) -> N
 
 
 @click.command("retry")
-@click.argument("job_id")
+@click.argument("job_id", type=JOB_ID)
 @click.option("--failed-only", is_flag=True,
               help="Only the items that failed or have no result (default: every item).")
 @_json_option
@@ -572,7 +577,7 @@ def retry_cmd(ctx: click.Context, job_id: str, failed_only: bool, as_json: bool)
 
 
 @click.command("delete")
-@click.argument("job_ids", nargs=-1, required=True)
+@click.argument("job_ids", nargs=-1, required=True, type=JOB_ID)
 @click.option("--purge-blobs", is_flag=True,
               help="Also remove the jobs' inputs that no remaining job refers to.")
 @_json_option

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis.exceptions import RedisError
-from rq import Queue, Worker
+from rq import Worker
 from rq.job import Job as RQJob
 from rq.results import Result
 from rq.serializers import JSONSerializer
@@ -26,13 +26,14 @@ from vlmq.producer import stream_sets
 from vlmq.producer.errors import JobNotFound
 from vlmq.producer.inputs import Prepared, prepare
 from vlmq.producer.ops import job_admin as manage
+from vlmq.producer.ops.metrics_exporter import read_fleet
 from vlmq.producer.options import JOB_FIELDS, JobOptions
 from vlmq.producer.page_specs import PageSpec
 from vlmq.producer.progress import ProgressBar, ProgressLines, display
 from vlmq.producer.upload import DEFAULT_MAX_PENDING_MB, Uploader
 from vlmq.shared import constants as C
 from vlmq.shared import extract_schema as json_schema
-from vlmq.shared import job_index, redis_checks
+from vlmq.shared import redis_checks
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.connection import check_url, connect, transient
 from vlmq.shared.constants import DEFAULT_REDIS_URL
@@ -44,7 +45,14 @@ from vlmq.shared.enqueue import (
     raw_exc_info,
 )
 from vlmq.shared.errors import PayloadError, VlmqError
-from vlmq.shared.keys import Keys
+from vlmq.shared.keys import (
+    JOB_ID_SHAPE,
+    QUEUE_SHAPE,
+    RQ_QUEUES,
+    IdShape,
+    Keys,
+    label_problem,
+)
 from vlmq.shared.messages import ItemResult, JobPayload
 from vlmq.shared.redis_text import as_str
 from vlmq.shared.results import count_done, read_items
@@ -107,6 +115,7 @@ class QueueInfo:
     finished: int
     failed: int
     queued_items: int = 0  # items of the queued jobs (a job may hold thousands)
+    queues: int = 1  # how many queues the row sums (the OTHER_QUEUES row: all not shown)
 
 
 @dataclass(frozen=True)
@@ -218,6 +227,7 @@ class Client:
         # The worker will run exactly this check; failing here keeps Redis untouched.
         wire, payload = opts.payload(task, prepared.items)
         queue = opts.queue_for(task)
+        self._refuse_new_queue(queue)
         if opts.job_id is not None:
             self._refuse_taken_id(opts.job_id)
         self.check_redis()
@@ -245,6 +255,7 @@ class Client:
         if task not in C.TASKS:
             raise PayloadError("task", f"must be one of {list(C.TASKS)}, got {task!r}")
         batches.check_job_size(job_size)
+        self._refuse_new_queue((options or JobOptions()).queue_for(task))
         with ExitStack() as stack:
             shown: dict[str, Any] = {}
             quiet_until = time.monotonic() + HASH_QUIET_S
@@ -276,13 +287,28 @@ class Client:
             print(f"vlmq: warning: {warning}", file=sys.stderr)
         self._redis_checked = True
 
+    def _refuse_new_queue(self, queue: str) -> None:
+        """Refuse a queue rq:queues does not know once it holds C.MAX_QUEUES, before any
+        upload: queue names are the caller's, and each one lives on in every listing.
+        enqueue.lua makes the same check atomically; RQ's enqueue here has no such step,
+        so producers racing to add new queues at the limit may pass it by one each."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.sismember(RQ_QUEUES, Keys.rq_queue(_checked(QUEUE_SHAPE, queue, "queue")))
+        pipe.scard(RQ_QUEUES)
+        known, count = pipe.execute()
+        if not known and int(count) >= C.MAX_QUEUES:
+            raise PayloadError("queue", f"{queue!r} would be a new queue, and vlmq keeps at "
+                                        f"most {C.MAX_QUEUES} queues (rq:queues holds "
+                                        f"{count}): use an existing queue")
+
     def batch(self, batch_id: str) -> batches.Batch:
         """Handle for an existing batch; raises BatchNotFound (a JobNotFound)."""
-        return batches.Batch.load(self, batch_id)
+        return batches.Batch.load(self, _checked(JOB_ID_SHAPE, batch_id, "batch_id"))
 
     def serving(self, queue: str) -> int:
         """How many live RQ workers listen on `queue` (0: a job there waits for one)."""
-        return int(self.redis.scard(Keys.rq_queue_workers(queue)))
+        return int(self.redis.scard(Keys.rq_queue_workers(_checked(QUEUE_SHAPE, queue,
+                                                                   "queue"))))
 
     def _refuse_taken_id(self, job_id: str) -> None:
         """Refuse a taken id before uploading anything for a job that cannot be enqueued.
@@ -304,7 +330,7 @@ class Client:
         cannot parse) still gets a handle, with `problem` saying why and `items` 0: its
         status and failure message are exactly what whoever asks about it needs.
         """
-        if not self.redis.exists(Keys.rq_job(job_id)):
+        if not self.redis.exists(Keys.rq_job(_checked(JOB_ID_SHAPE, job_id, "job_id"))):
             raise JobNotFound(job_id)
         try:
             rq_job = fetch_job(self.redis, job_id)
@@ -322,16 +348,19 @@ class Client:
              labels: Mapping[str, str] | None = None,
              limit: int | None = None) -> list[manage.JobRow]:
         """Jobs newest first, with items done/failed/total; filters combine (AND)."""
+        if queue is not None:
+            _checked(QUEUE_SHAPE, queue, "queue")
+        _checked_labels(labels or {})
         return manage.list_jobs(self.redis, self.keys, queue=queue, status=status,
                                 labels=labels, limit=limit)
 
     def group_status(self, labels: Mapping[str, str]) -> dict[str, Any]:
         """Every job carrying all of `labels`, summed: jobs by state, items done/failed."""
-        return manage.group_status(self.redis, self.keys, labels)
+        return manage.group_status(self.redis, self.keys, _checked_labels(labels))
 
     def cancel(self, job_id: str) -> None:
         """Cancel a queued or running job (terminal `canceled` event included)."""
-        manage.cancel(self.redis, self.keys, job_id)
+        manage.cancel(self.redis, self.keys, _checked(JOB_ID_SHAPE, job_id, "job_id"))
 
     def delete(self, job_ids: Iterable[str], *, purge_blobs: bool = False) -> int:
         """Remove jobs with their results and events; returns blobs purged.
@@ -339,7 +368,7 @@ class Client:
         With purge_blobs, blobs these jobs used go too unless a remaining job names them.
         All ids are checked first, so a typo deletes nothing.
         """
-        ids = list(job_ids)
+        ids = [_checked(JOB_ID_SHAPE, j, "job_id") for j in job_ids]  # all before Redis
         for job_id in ids:
             if not self.redis.exists(Keys.rq_job(job_id)):
                 raise JobNotFound(job_id)
@@ -348,19 +377,18 @@ class Client:
             used |= manage.delete(self.redis, self.keys, job_id)
         return manage.purge_blobs(self.redis, self.keys, used) if purge_blobs else 0
 
-    def queues(self) -> dict[str, QueueInfo]:
-        """Every queue RQ knows of, with its depth (jobs and their items) and registry
-        counts."""
-        out: dict[str, QueueInfo] = {}
-        for q in sorted(Queue.all(connection=self.redis, serializer=JSONSerializer),
-                        key=lambda q: q.name):
-            out[q.name] = QueueInfo(name=q.name, queued=q.count,
-                                    started=q.started_job_registry.count,
-                                    finished=q.finished_job_registry.count,
-                                    failed=q.failed_job_registry.count,
-                                    queued_items=job_index.queued_items(
-                                        self.redis, self.keys, q.name))
-        return out
+    def queues(self, shown: int = C.MAX_SHOWN_QUEUES) -> dict[str, QueueInfo]:
+        """The queues RQ knows of, with their depth (jobs and their items) and registry
+        counts: at most `shown` rows, those with workers and the most jobs, the rest summed
+        in one row named OTHER_QUEUES (its `queues` says how many), so the answer stays
+        bounded whatever names Redis holds (issue 29)."""
+        fleet = read_fleet(self.redis, self.keys, items=True, shown=shown, defaults=False,
+                           ages=False)
+        return {q.name: QueueInfo(name=q.name, queued=q.jobs["queued"],
+                                  started=q.jobs["started"], finished=q.jobs["finished"],
+                                  failed=q.jobs["failed"], queued_items=q.items or 0,
+                                  queues=q.queues)
+                for q in [*fleet.queues, *([fleet.other] if fleet.other else [])]}
 
     def workers(self) -> list[WorkerInfo]:
         """RQ workers merged by name with vlmq's published stats hashes."""
@@ -613,6 +641,24 @@ def _follow_events(client: Client, cursors: dict[Any, Any], wait_s: float) -> No
     for stream, entries in reply or []:
         if entries:
             cursors[as_str(stream)] = as_str(entries[-1][0])
+
+
+def _checked(shape: IdShape, value: str, field: str) -> str:
+    """`value` when it has `shape`'s form, else PayloadError naming it and the form: an
+    id that holds ':' or a newline would name another key (issue 29), so none is sent."""
+    problem = shape.problem(value)
+    if problem is not None:
+        raise PayloadError(field, problem)
+    return value
+
+
+def _checked_labels(labels: Mapping[str, str]) -> Mapping[str, str]:
+    """`labels` when each could be a stored label (label_problem), else PayloadError."""
+    for key, value in labels.items():
+        problem = label_problem(key, value)
+        if problem is not None:
+            raise PayloadError("labels", problem)
+    return labels
 
 
 def _options(options: JobOptions | None, values: Mapping[str, Any]) -> JobOptions:
