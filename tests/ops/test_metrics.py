@@ -33,6 +33,7 @@ from tests.support.pdf_craft import drawing_bomb_pdf
 from vlmq.producer.client import Client
 from vlmq.producer.ops.metrics_exporter import FleetCollector, make_server
 from vlmq.shared import constants as C
+from vlmq.shared import job_index
 from vlmq.shared.blobs import sha256_hex
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult
@@ -267,6 +268,9 @@ def test_exporter_counts_queues_failures_dead_letters_and_workers(redis: Redis,
     two left queued (the head enqueued 100 s ago by Redis's clock)."""
     ids = [helpers.raw_enqueue(redis, payload(*images(n), task="caption"), queue="caption")
            for n in (1, 2, 3)]
+    # Raw writes skip enqueue.lua and so the running counts: reindex counts them, as
+    # `vlmq reindex` does for jobs written before the counts (PROTOCOL.md 8b).
+    job_index.reindex(redis, keys)
     redis.lpush(Keys.rq_queue("caption"), "not a job id!")
     with helpers.worker_lifecycle(redis, ["caption"]) as life:
         refused = life.take()
