@@ -494,6 +494,7 @@ def _overview(client: Client, as_json: bool, allow_eviction: bool = False) -> No
 
 def _overview_text(queues: dict[str, QueueInfo], workers: Sequence[WorkerInfo]) -> None:
     if queues:
+        # At most C.MAX_SHOWN_QUEUES rows, the last one summing the queues not shown.
         _print_table([("QUEUE", "QUEUED", "ITEMS", "STARTED", "FAILED", "FINISHED")] + [
             (f"{q.name}: {q.queues} queues" if q.name == OTHER_QUEUES else q.name,
              str(q.queued), str(q.queued_items), str(q.started), str(q.failed),
@@ -502,7 +503,6 @@ def _overview_text(queues: dict[str, QueueInfo], workers: Sequence[WorkerInfo]) 
     else:
         click.echo("queues: none")
     click.echo(f"kept: results {_days(C.RESULT_TTL_S)} after a job ends (--result-ttl), "
-        # At most C.MAX_SHOWN_QUEUES rows, the last one summing the queues not shown.
                f"{_days(C.FAILURE_TTL_S)} after it fails; inputs while their jobs run, then "
                f"{S.KEEP_INPUTS_S} s (--keep-inputs), or with a failed job's record")
     click.echo("")
