@@ -7,7 +7,6 @@ BATCH` and `wait BATCH` whatever the batch's size."""
 from __future__ import annotations
 
 import json
-import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,14 @@ from typing import Any
 from redis import Redis
 
 from tests.support.factories import SHA, job_payload
-from tests.support.helpers import abandoned, invoke_cli, make_images, wait_for, worker_lifecycle
+from tests.support.helpers import (
+    abandoned,
+    invoke_cli,
+    lifecycle_with_ttl,
+    make_images,
+    wait_for,
+    worker_lifecycle,
+)
 from vlmq.producer.client import Client
 from vlmq.producer.job_sets import Batch
 from vlmq.producer.ops import job_admin as manage
@@ -24,7 +30,7 @@ from vlmq.shared.enqueue import enqueue, enqueue_lua
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult
 from vlmq.shared.redis_text import as_str
-from vlmq.worker.intake.rq_jobs import BatchWorker, JobLifecycle, Running
+from vlmq.worker.intake.rq_jobs import Running
 
 KEYS = Keys()
 
@@ -91,14 +97,6 @@ def agree(redis: Redis) -> None:
         assert [s for s, ids in by_state.items() if job_id in ids] == [status], job_id
 
 
-def _lifecycle(redis: Redis, ttl: int) -> JobLifecycle:
-    worker = BatchWorker(["q"], connection=redis, name=f"w-{uuid.uuid4().hex[:8]}",
-                         heartbeat_ttl=ttl)
-    life = JobLifecycle(worker, keys=KEYS)
-    life.register_birth()
-    return life
-
-
 def test_counts_agree_with_a_recount_through_every_change(redis: Redis) -> None:
     redis.set(KEYS.blob(SHA), b"x")
     made = [enqueue(redis, job_payload(n, labels={"run": "a", "part": str(n % 2)},
@@ -145,13 +143,13 @@ def test_counts_agree_with_a_recount_through_every_change(redis: Redis) -> None:
 def test_a_killed_workers_job_is_counted_where_rq_puts_it(redis: Redis) -> None:
     redis.set(KEYS.blob(SHA), b"x")
     job_id = enqueue(redis, job_payload(3, labels={"g": "k"}), queue="q")
-    dead = _lifecycle(redis, 1)
+    dead = lifecycle_with_ttl(redis, KEYS, 1)
     running = dead.take()  # then the worker "dies": no heartbeat, no end
     assert isinstance(running, Running)
     _write(redis, running, [_result(0, True)])
     agree(redis)
     wait_for(lambda: abandoned(redis, "q", job_id), 120, "its execution to expire unbeaten")
-    rescuer = _lifecycle(redis, 60)
+    rescuer = lifecycle_with_ttl(redis, KEYS, 60)
     rescuer.worker.last_cleaned_at = None  # maintenance due now: RQ requeues the job
     rescuer.maintain()
     assert as_str(redis.hget(Keys.rq_job(job_id), "status")) == "queued"

@@ -5,21 +5,26 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from typing import Any
 
 import pytest
 from redis import Redis
 
 from tests.support.factories import OTHER_SHA, SHA, job_payload
-from tests.support.helpers import abandoned, raw_enqueue, wait_for, worker_lifecycle
+from tests.support.helpers import (
+    abandoned,
+    lifecycle_with_ttl,
+    raw_enqueue,
+    wait_for,
+    worker_lifecycle,
+)
 from vlmq.producer.ops import job_admin as manage
 from vlmq.shared import job_index, lua
 from vlmq.shared.enqueue import enqueue, enqueue_lua, fetch_job
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import Item, ItemResult, JobPayload
 from vlmq.shared.results import write_item
-from vlmq.worker.intake.rq_jobs import BatchWorker, JobLifecycle, Running
+from vlmq.worker.intake.rq_jobs import Running
 
 KEYS = Keys()
 
@@ -165,21 +170,13 @@ def test_finish_and_fail_through_the_worker_lifecycle(redis: Redis) -> None:
                                                                          "finished": 1}
 
 
-def _lifecycle(redis: Redis, ttl: int) -> JobLifecycle:
-    worker = BatchWorker(["q"], connection=redis, name=f"w-{uuid.uuid4().hex[:8]}",
-                         heartbeat_ttl=ttl)
-    life = JobLifecycle(worker, keys=KEYS)
-    life.register_birth()
-    return life
-
-
 def test_a_killed_workers_job_is_requeued_and_listed_once(redis: Redis) -> None:
     job_id = enqueue(redis, payload(2, {"g": "k"}), queue="q")
-    dead = _lifecycle(redis, 1)
+    dead = lifecycle_with_ttl(redis, KEYS, 1)
     assert isinstance(dead.take(), Running)
     assert ids(manage.list_jobs(redis, KEYS, status="started")) == [job_id]
     wait_for(lambda: abandoned(redis, "q", job_id), 120, "its execution to expire unbeaten")
-    rescuer = _lifecycle(redis, 60)
+    rescuer = lifecycle_with_ttl(redis, KEYS, 60)
     rescuer.worker.last_cleaned_at = None  # maintenance due now
     rescuer.maintain()
     rescuer.register_death()

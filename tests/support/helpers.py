@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from click.testing import Result
 
     from vlmq.producer.client import Client
+    from vlmq.shared.keys import Keys
     from vlmq.shared.messages import ItemResult
     from vlmq.worker.intake.rq_jobs import JobLifecycle
 
@@ -137,6 +138,19 @@ def worker_lifecycle(redis: Redis, queues: list[str]) -> Iterator[JobLifecycle]:
         yield life
     finally:
         life.register_death()
+
+
+def lifecycle_with_ttl(redis: Redis, keys: Keys, ttl: int, queues: Sequence[str] = ("q",)
+                       ) -> JobLifecycle:
+    """A worker's job lifecycle with its own heartbeat TTL and no stop: a worker that dies
+    (its executions expire after `ttl`) and one that rescues its jobs."""
+    from vlmq.worker.intake.rq_jobs import BatchWorker, JobLifecycle
+
+    worker = BatchWorker(list(queues), connection=redis,
+                         name=f"w-{uuid.uuid4().hex[:8]}", heartbeat_ttl=ttl)
+    life = JobLifecycle(worker, keys=keys)
+    life.register_birth()
+    return life
 
 
 class Tripwire:
