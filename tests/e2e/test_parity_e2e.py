@@ -11,6 +11,7 @@ the same BLAS as the worker, since the two libraries round differently.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -102,10 +103,17 @@ def test_batched_jobs_match_sequential_generate(redis_url: str, tiny_model: Path
     proc = helpers.start_worker(redis_url, tiny_model, tmp_path, "--burst", "--max-batch", "4",
                                 "--prep-threads", "2", "--blas", blas_choice)
     procs.append(proc)
-    # OpenBLAS decodes this model fast: enqueue the others as soon as job 1 is under way.
+    # The others join job 1 under way. The worker is held (SIGSTOP) from its first item
+    # until they are enqueued, so a loaded machine, whose producer is slower than the
+    # worker's decode, cannot let job 1 end first.
     wait_for(lambda: first.progress()[0] >= 1, 300, "the first item of job 1")
-    jobs = [first] + [client.generate(paths[lo:hi], max_tokens=m, **kw) for lo, hi, m in later]
-    assert first.progress()[0] < 10, "job 1 ended before the others were enqueued"
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        jobs = [first] + [client.generate(paths[lo:hi], max_tokens=m, **kw)
+                          for lo, hi, m in later]
+        assert first.progress()[0] < 10, "job 1 ended before the others were enqueued"
+    finally:
+        proc.send_signal(signal.SIGCONT)
     rc, out = finish(proc)
     assert rc == 0, out
 
