@@ -23,6 +23,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_FAILED_ITEMS = 3
+# `vlmq worker`: a configuration error (model, --blas, cache dir...) that a restart cannot
+# fix (sysexits EX_CONFIG; the units vlmq service writes do not restart on it).
+EXIT_CONFIG = 78
 EXIT_TIMEOUT = 124
 
 
