@@ -31,7 +31,12 @@ from vlmq.cli.results import result_cmd, wait_cmd
 from vlmq.producer.client import Client, Job, QueueInfo, WorkerInfo
 from vlmq.producer.job_sets import JOB_ITEMS, Batch, Part, is_batch, submit_parts
 from vlmq.producer.manifest import Group, read_manifest
-from vlmq.producer.openai_files import read_openai_batch
+from vlmq.producer.openai_files import (
+    ModelPolicy,
+    read_batch_file,
+    read_openai_batch,
+    submit_batch_file,
+)
 from vlmq.producer.ops.job_admin import CannotCancel
 from vlmq.producer.ops.metrics_exporter import OTHER_QUEUES
 from vlmq.producer.options import JobOptions, job_options
@@ -177,6 +182,13 @@ def _max_pending(func: F) -> F:
                    "bad ones.")
 @click.option("--label", "labels", multiple=True, callback=parse_labels, metavar="K=V",
               help="With --manifest or --openai-batch: label every job (repeatable).")
+@click.option("--model-map", "model_map", multiple=True, metavar="NAME=CHECKPOINT",
+              help="With --openai-batch: lines asking for model NAME run on workers "
+                   "serving CHECKPOINT (repeatable). Other names are recorded, not "
+                   "enforced, unless --strict-model.")
+@click.option("--strict-model", is_flag=True,
+              help="With --openai-batch: a line's model must be the one its worker serves "
+                   "(default: any worker of the queue answers it).")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 @_job_size
 @_max_pending
@@ -185,21 +197,34 @@ def _max_pending(func: F) -> F:
 @click.pass_context
 @_handle_errors
 def enqueue(ctx: click.Context, manifest: str | None, openai_batch: str | None,
-            queue: str | None, skip_bad: bool, labels: dict[str, str], as_json: bool,
+            queue: str | None, skip_bad: bool, labels: dict[str, str],
+            model_map: tuple[str, ...], strict_model: bool, as_json: bool,
             job_size: int, max_pending_mb: float, wait_timeout: float | None,
             allow_eviction: bool, stores: Stores) -> None:
     """Validate inputs, upload them once, and enqueue: a task subcommand, --manifest or
     --openai-batch."""
     if ctx.invoked_subcommand is not None:
         ctx.meta["vlmq.allow_eviction"] = allow_eviction  # before the task or after it
-        _refuse_file_options(ctx, manifest, openai_batch, queue, skip_bad, labels, as_json)
+        _refuse_file_options(ctx, manifest, openai_batch, queue, skip_bad, labels, as_json,
+                             model_map, strict_model)
         return
+    if (model_map or strict_model) and openai_batch is None:
+        raise click.UsageError("--model-map and --strict-model go with --openai-batch")
     if manifest is not None and openai_batch is not None:
         raise click.UsageError("give --manifest or --openai-batch, not both")
     if manifest is None and openai_batch is None:
         click.echo(ctx.get_help())
         ctx.exit(EXIT_BAD_INPUT)
     base = JobOptions.build(queue=queue, labels=labels or None)
+    if openai_batch is not None:
+        models = ModelPolicy.parse(model_map, strict=strict_model)
+        with _client(ctx, stores, max_pending_mb, allow_eviction, wait_timeout) as client, \
+                tempfile.TemporaryDirectory(prefix="vlmq-batch-") as spool:
+            read = read_batch_file(openai_batch, base, spool=Path(spool), skip_bad=skip_bad,
+                                   job_size=job_size, models=models)
+            made = submit_batch_file(client, read, labels=labels, stores=stores)
+            _made(client, made, read.rejected, as_json)
+        return
     with ExitStack() as stack:
         groups, rejected = _read_request_file(stack, manifest, openai_batch, base,
                                               skip_bad=skip_bad, job_size=job_size)
@@ -232,6 +257,21 @@ def _read_request_file(stack: ExitStack, manifest: str | None, openai_batch: str
     return read_manifest(manifest, base, skip_bad=skip_bad, job_size=job_size)
 
 
+def _made(client: Client, made: Job | Batch, rejected: Sequence[tuple[int, str]],
+          as_json: bool) -> None:
+    """Print what a manifest or an OpenAI batch file made, and the lines it skipped."""
+    jobs = [made] if isinstance(made, Job) else made.jobs()
+    if as_json:
+        click.echo(json.dumps({"batch": None if isinstance(made, Job) else made.id,
+                               "jobs": [_job_json(j) for j in jobs],
+                               "rejected": [{"line": n, "reason": r} for n, r in rejected]}))
+    else:
+        for number, reason in rejected:
+            click.echo(f"vlmq: skipped line {number}: {reason}", err=True)
+        click.echo(made.id)
+    _warn_unserved(client, [j.queue for j in jobs])
+
+
 def _submit_groups(ctx: click.Context, groups: Sequence[Group],
                    rejected: Sequence[tuple[int, str]], labels: dict[str, str],
                    as_json: bool, stores: Stores, max_pending_mb: float,
@@ -242,17 +282,7 @@ def _submit_groups(ctx: click.Context, groups: Sequence[Group],
     with _client(ctx, stores, max_pending_mb, allow_eviction, wait_timeout) as client:
         made = submit_parts(client, [Part(g.task, g.prepared, g.options) for g in groups],
                             labels=labels)
-        jobs = [made] if isinstance(made, Job) else made.jobs()
-        if as_json:
-            click.echo(json.dumps({"batch": None if isinstance(made, Job) else made.id,
-                                   "jobs": [_job_json(j) for j in jobs],
-                                   "rejected": [{"line": n, "reason": r}
-                                                for n, r in rejected]}))
-        else:
-            for number, reason in rejected:
-                click.echo(f"vlmq: skipped line {number}: {reason}", err=True)
-            click.echo(made.id)
-        _warn_unserved(client, [j.queue for j in jobs])
+        _made(client, made, rejected, as_json)
 
 
 def _set_command(task: str) -> Callable[..., None]:

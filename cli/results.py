@@ -241,6 +241,6 @@ def _render(form: formats.Format, views: Sequence[JobResults], errors_path: str 
     that file now and the text holds the successes."""
     if errors_path is None or form.split is None:
         return form.render_jobs(views)
-    split = [form.split(v) for v in views]
-    _write(errors_path, "".join(bad for _, bad in split))
-    return "".join(ok for ok, _ in split)
+    ok, bad = form.split_jobs(views)
+    _write(errors_path, bad)
+    return ok

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vlmq.producer import defaults
 from vlmq.producer.errors import JobNotFound
 from vlmq.producer.inputs import (
     Prepared,
@@ -45,7 +46,7 @@ from vlmq.shared.redis_text import as_str
 if TYPE_CHECKING:
     from vlmq.producer.client import Client, Job
 
-JOB_ITEMS = 500
+JOB_ITEMS = defaults.JOB_ITEMS  # defined where the CLI's help reads it cheaply
 
 
 class BatchNotFound(JobNotFound):
@@ -146,18 +147,26 @@ def split_for(client: Client, prepared: Prepared, size: int = JOB_ITEMS) -> list
     return split_prepared(prepared, size, max_bytes=client.uploads.job_bytes)
 
 
+# More fields for a batch's record, from its final parts and their job ids (an OpenAI
+# batch file's input order and skipped lines: producer/openai_files.py).
+RecordFields = Callable[[Sequence[Part], Sequence[str]], Mapping[str, str]]
+# The record's own fields: what a Batch handle reads (never its callers' extra ones).
+_BATCH_FIELDS = ("task", "items", "created_at", "labels")
+
+
 def _record(client: Client, batch_id: str, parts: Sequence[Part], job_ids: Sequence[str],
-            labels: Mapping[str, str]) -> None:
+            labels: Mapping[str, str], extra: Mapping[str, str] | None = None) -> None:
     """The batch record and each job's batch key, in one transaction, before any job."""
     keys = client.keys
     tasks = sorted({p.task for p in parts})
     ttl = max(max(p.options.result_ttl for p in parts), C.FAILURE_TTL_S)
     pipe = client.redis.pipeline(transaction=True)
-    pipe.hset(keys.batch(batch_id), mapping={
+    fields: dict[str, str | int] = {
         "task": tasks[0] if len(tasks) == 1 else ",".join(tasks),
         "created_at": utc_now_iso(), "labels": json.dumps(dict(labels)),
         "items": sum(len(p.prepared.items) for p in parts), "jobs": len(parts),
-        "ttl": ttl})
+        "ttl": ttl, **(extra or {})}
+    pipe.hset(keys.batch(batch_id), mapping=fields)  # type: ignore[arg-type]
     pipe.rpush(keys.batch_jobs(batch_id), *job_ids)
     pipe.sadd(keys.batch_pending(batch_id), *job_ids)
     for job_id in job_ids:
@@ -167,8 +176,10 @@ def _record(client: Client, batch_id: str, parts: Sequence[Part], job_ids: Seque
 
 def submit_parts(client: Client, parts: Sequence[Part], *,
                  rejected: Sequence[tuple[str, str]] = (),
-                 labels: Mapping[str, str] | None = None) -> Job | Batch:
+                 labels: Mapping[str, str] | None = None, batch: bool = False,
+                 record: RecordFields | None = None) -> Job | Batch:
     """One job as it is, or several under a new batch (each job through Client.submit).
+    With `batch` even one job gets a batch record, and `record` adds fields to it.
 
     Every payload is checked before anything is written. A job that cannot be enqueued
     (an upload refused, Redis down) counts out itself and the jobs after it, so the batch
@@ -180,7 +191,7 @@ def submit_parts(client: Client, parts: Sequence[Part], *,
     # most a job already) and becomes several jobs only when its uploads pass job_bytes.
     parts = [Part(p.task, piece, p.options) for p in parts
              for piece in split_for(client, p.prepared, C.MAX_ITEMS_PER_JOB)]
-    if len(parts) == 1:
+    if len(parts) == 1 and not batch:
         job = client.submit(parts[0].task, parts[0].prepared, parts[0].options)
         job.rejected = list(rejected)
         return job
@@ -188,7 +199,8 @@ def submit_parts(client: Client, parts: Sequence[Part], *,
     batch_id = new_batch_id()
     job_ids = [uuid.uuid4().hex for _ in parts]
     shown = labels if labels is not None else parts[0].options.labels
-    _record(client, batch_id, parts, job_ids, shown)
+    _record(client, batch_id, parts, job_ids, shown,
+            None if record is None else record(parts, job_ids))
     pending = client.keys.batch_pending(batch_id)
     jobs: list[Job] = []
     try:
@@ -260,10 +272,11 @@ class Batch:
         self.rejected: list[tuple[str, str]] = list(rejected)
         self.blobs = blobs  # distinct uploaded inputs, when this handle made the batch
         self._jobs = list(jobs) if jobs is not None else None
-        raw = client.redis.hgetall(client.keys.batch(batch_id))
-        if not raw:
+        raw = client.redis.hmget(client.keys.batch(batch_id), _BATCH_FIELDS)
+        if not any(raw):
             raise BatchNotFound(batch_id)
-        record = {as_str(k): as_str(v) for k, v in raw.items()}
+        record = {k: as_str(v) for k, v in zip(_BATCH_FIELDS, raw, strict=True)
+                  if v is not None}
         self.task = record.get("task", "?")
         self.items = int(record.get("items", "0"))
         self.created_at = record.get("created_at", "")

@@ -62,6 +62,9 @@ class Request:
     source: str | None = None
     field: str = "file"
     one_item: bool = False
+    # More that lines must share to share a job (an OpenAI line's unenforced model name,
+    # recorded per job), beyond task and settings.
+    group: tuple[Any, ...] = ()
 
 
 # One line (number, text) as a Request; raises PayloadError naming the field.
@@ -215,7 +218,7 @@ def read_manifest(path: str | Path, base: JobOptions, *, skip_bad: bool = False,
             continue
         seen[req.custom_id] = number
         options = base.with_(**req.settings)
-        group = groups.setdefault((req.task, options.key()),
+        group = groups.setdefault((req.task, options.key(), req.group),
                                   Group(req.task, options, Prepared()))
         group.prepared.add(checked, pages, custom_id=req.custom_id)
     if errors and not skip_bad:

@@ -17,16 +17,24 @@ The mapping, and why:
 - No `response_format` (or type text) is task generate, with that prompt. `json_schema`
   is task extract with its schema (vlmq always enforces it, so `strict` changes nothing);
   `json_object` is extract with {"type": "object"}: any JSON object.
-- `model` is the model the worker must serve (vlmq's model setting): a worker serving
-  another fails the job naming both, as vLLM refuses a request for a model it does not
-  serve. Leave it out to let any worker take the request.
+- `model` (OpenAI requires it on every line) is recorded, not enforced: a queue's
+  workers serve whatever model they serve, so a file written for gpt-4o-mini runs as it
+  is. ModelPolicy changes that: `strict` makes the name the job's model setting (a worker
+  serving another fails the job naming both, as vLLM refuses a model it does not serve),
+  and a mapping (`--model-map NAME=CHECKPOINT`) turns a name into the checkpoint the
+  workers must serve. Lines asking for different names never share a job, so each job
+  records one name.
 - Images come inline (`data:` URIs, base64) or from `file://` paths (relative to the
   batch file's folder, or absolute; a path under a configured store goes by reference).
   An http(s) URL is refused: vlmq never fetches from the web. A data: image is written
   to a spool folder and checked by content like any file (producer/files.py).
-- Fields that change the answer and that vlmq cannot honour (n > 1, top_p, seed, tools,
-  logprobs...) are refused naming them; bookkeeping fields (user, metadata, store...)
-  are ignored.
+- Fields that change the answer and that vlmq cannot honour (n > 1, tools, logprobs...)
+  are refused naming them; bookkeeping fields (user, metadata, store...) are ignored.
+  Sampling knobs vlmq's batched sampler has no per-row place for (seed, top_p, the
+  penalties) are checked and not applied: at temperature 0 (greedy) they change nothing,
+  and a file written with them still runs (docs/openai-batch.md says so).
+- The file's order and its skipped lines are kept with the batch (FileRecord, in the
+  batch's record), so the output can give every input line one line, in input order.
 """
 
 from __future__ import annotations
@@ -36,12 +44,14 @@ import binascii
 import functools
 import json
 import re
-from collections.abc import Iterator, Mapping
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
-from vlmq.producer.job_sets import JOB_ITEMS
+from vlmq.producer.job_sets import JOB_ITEMS, Batch, Part, submit_parts
 from vlmq.producer.manifest import (
     Group,
     Request,
@@ -54,78 +64,206 @@ from vlmq.shared import constants as C
 from vlmq.shared import settings as S
 from vlmq.shared.blobs import sha256_hex
 from vlmq.shared.errors import InputError, PayloadError
+from vlmq.shared.keys import Keys
+
+if TYPE_CHECKING:
+    from vlmq.producer.client import Client
+    from vlmq.stores.backends import Stores
 
 URL = "/v1/chat/completions"
 LINE_FIELDS = ("custom_id", "method", "url", "body")
+RESPONSES_URL = "/v1/responses"
 BODY_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature",
                "stop", "response_format")
+# Checked, and not applied (the module's docstring says why): name -> (low, high), None
+# for an integer.
+NOT_APPLIED: Mapping[str, tuple[float, float] | None] = {
+    "seed": None, "top_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0)}
 # Accepted only at their OpenAI default: any other value asks for what vlmq does not do.
-DEFAULT_ONLY: Mapping[str, Any] = {"n": 1, "stream": False, "logprobs": False, "top_p": 1,
-                                   "presence_penalty": 0, "frequency_penalty": 0}
+DEFAULT_ONLY: Mapping[str, Any] = {"n": 1, "stream": False, "logprobs": False}
 # Bookkeeping that does not change the answer: accepted and ignored.
 IGNORED = ("user", "metadata", "store", "service_tier", "safety_identifier",
            "prompt_cache_key")
 ROLES = ("system", "developer", "user")
 MESSAGE_FIELDS = ("role", "content", "name")
+IMAGE_FIELDS = ("url", "detail")
+# vlmq sizes every image by the job's max_side; `detail` is checked and not applied.
+DETAILS = ("auto", "low", "high")
 SCHEMA_FIELDS = ("name", "schema", "strict", "description")
 # A line carries its image inline: room for a blob-sized image in base64, and the rest.
 MAX_LINE_BYTES = C.BLOB_MAX_BYTES * 4 // 3 + 1024 * 1024
 WEB_REFUSED = ("http(s) URLs are refused: vlmq never fetches from the web; download it "
                "and use a file:// path")
+MAX_MODEL_NAME = 256
 _SUBTYPE = re.compile(r"[a-z0-9][a-z0-9.+-]{0,30}")
 
 
-def read_openai_batch(path: str | Path, base: JobOptions, *, spool: Path,
-                      skip_bad: bool = False, job_size: int = JOB_ITEMS
-                      ) -> tuple[list[Group], list[tuple[int, str]]]:
-    """read_manifest for an OpenAI Batch file. `spool` is a folder that holds the data:
-    images until they are uploaded (the caller removes it after the enqueue)."""
+@dataclass(frozen=True)
+class ModelPolicy:
+    """How a line's `model` becomes the job's model setting (the module's docstring)."""
+
+    strict: bool = False
+    mapping: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, pairs: Iterable[str], *, strict: bool = False) -> ModelPolicy:
+        """From `NAME=CHECKPOINT` pairs (--model-map); PayloadError names a bad one."""
+        mapping: dict[str, str] = {}
+        for pair in pairs:
+            name, sep, checkpoint = pair.partition("=")
+            if not sep or not name or not checkpoint:
+                raise PayloadError("model_map", f"{pair!r} is not NAME=CHECKPOINT")
+            mapping[name] = S.BY_NAME["model"].check(checkpoint, "model_map")
+        return cls(strict, mapping)
+
+    def setting(self, name: str | None) -> str | None:
+        """The model a worker must serve for a line asking for `name` (None: any)."""
+        if name is None:
+            return None
+        if name in self.mapping:
+            return self.mapping[name]
+        return name if self.strict else None
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A line --skip-bad left out: the error file gives it a line of its own."""
+
+    line: int
+    custom_id: str | None
+    param: str | None  # the field at fault, as OpenAI's BatchError names it
+    reason: str
+
+
+@dataclass
+class BatchFile:
+    """A read batch file: the jobs to enqueue, the lines skipped, and what the output
+    needs to put every line back in its place (each custom_id's line, each line's model
+    name)."""
+
+    groups: list[Group]
+    skipped: list[Skipped]
+    lines: dict[str, int]  # custom_id -> line number, of the lines enqueued
+    models: dict[int, str]  # line number -> the model its line named
+
+    @property
+    def rejected(self) -> list[tuple[int, str]]:
+        return [(s.line, s.reason) for s in self.skipped]
+
+
+# A skipped line's record is bounded: a file with more bad lines than this is refused
+# whole (fix it), and a reason is kept to this many characters.
+MAX_SKIPPED = 10_000
+MAX_REASON_CHARS = 1000
+_PARAM = re.compile(r"field '([^']*)' ")
+
+
+def read_batch_file(path: str | Path, base: JobOptions, *, spool: Path,
+                    skip_bad: bool = False, job_size: int = JOB_ITEMS,
+                    models: ModelPolicy | None = None) -> BatchFile:
+    """read_manifest for an OpenAI Batch file, streamed line by line (a data: image goes
+    to `spool`, a folder the caller removes after the enqueue, never into memory twice)."""
     batch = Path(path)
-    parse = functools.partial(parse_request, folder=batch.parent, spool=spool)
-    return read_manifest(batch, base, skip_bad=skip_bad, job_size=job_size, parse=parse,
-                         max_line_bytes=MAX_LINE_BYTES)
+    ids: dict[int, str] = {}
+    names: dict[int, str] = {}
+    parse = functools.partial(parse_request, folder=batch.parent, spool=spool,
+                              models=models or ModelPolicy(), ids=ids, names=names)
+    groups, rejected = read_manifest(batch, base, skip_bad=skip_bad, job_size=job_size,
+                                     parse=parse, max_line_bytes=MAX_LINE_BYTES)
+    if len(rejected) > MAX_SKIPPED:
+        raise InputError(str(batch), f"{len(rejected)} bad lines, more than the "
+                                     f"{MAX_SKIPPED} --skip-bad keeps a record of; fix the "
+                                     f"file (the first: line {rejected[0][0]}: "
+                                     f"{rejected[0][1]})")
+    bad = {n for n, _ in rejected}
+    skipped = [Skipped(n, ids.get(n), m[1] if (m := _PARAM.match(why)) else None,
+                       why[:MAX_REASON_CHARS]) for n, why in rejected]
+    lines = {cid: n for n, cid in ids.items() if n not in bad}
+    return BatchFile(groups, skipped, lines, {n: v for n, v in names.items() if n not in bad})
 
 
-def parse_request(number: int, text: str, *, folder: Path, spool: Path) -> Request:
-    """One line as a manifest Request; PayloadError names the field (body.messages[0]...)."""
+def read_openai_batch(path: str | Path, base: JobOptions, *, spool: Path,
+                      skip_bad: bool = False, job_size: int = JOB_ITEMS,
+                      models: ModelPolicy | None = None
+                      ) -> tuple[list[Group], list[tuple[int, str]]]:
+    """read_batch_file as read_manifest answers: (jobs, rejected lines)."""
+    read = read_batch_file(path, base, spool=spool, skip_bad=skip_bad, job_size=job_size,
+                           models=models)
+    return read.groups, read.rejected
+
+
+def parse_request(number: int, text: str, *, folder: Path, spool: Path,
+                  models: ModelPolicy | None = None, ids: dict[int, str] | None = None,
+                  names: dict[int, str] | None = None) -> Request:
+    """One line as a manifest Request; PayloadError names the field (body.messages[0]...).
+    `ids` and `names` collect each line's custom_id and model name as soon as they are
+    read, so a line refused later still has its custom_id in the error file."""
     raw = line_object(text, LINE_FIELDS, ())
     for name in LINE_FIELDS:
         if name not in raw:
             raise PayloadError(name, "is required")
     custom_id = check_custom_id(raw["custom_id"])
+    if ids is not None:
+        ids[number] = custom_id
     if raw["method"] != "POST":
         raise PayloadError("method", f'must be "POST", got {raw["method"]!r}')
-    if raw["url"] != URL:
-        raise PayloadError("url", f'must be "{URL}" (vlmq serves chat completions), '
-                                  f"got {raw['url']!r}")
+    _check_url(raw["url"])
     body = raw["body"]
     if not isinstance(body, dict):
         raise PayloadError("body", f"must be an object, got {type(body).__name__}")
     _check_body_fields(body)
     task, schema = _task(body.get("response_format"))
-    prompt, (field, url) = _messages(body.get("messages"))
+    prompt, (field_name, url) = _messages(body.get("messages"))
     if not prompt and task == "generate":
         raise PayloadError("body.messages", "has no text: without a json_schema "
                                             "response_format a request is task generate, "
                                             "which needs a prompt")
+    model_name = _model_name(body.get("model"))
+    if names is not None and model_name is not None:
+        names[number] = model_name
+    wanted = (models or ModelPolicy()).setting(model_name)
     settings = {
         "prompt": S.BY_NAME["prompt"].check(prompt or None, "body.messages"),
         "schema": schema,
-        "model": S.BY_NAME["model"].check(body.get("model"), "body.model"),
+        "model": S.BY_NAME["model"].check(wanted, "body.model"),
         "max_tokens": _max_tokens(body),
         "temperature": S.BY_NAME["temperature"].check(body.get("temperature"),
                                                       "body.temperature"),
         "stop": _stop(body.get("stop")),
     }
-    file, source = _input(url, field, number, folder, spool)
+    file, source = _input(url, field_name, number, folder, spool)
     return Request(line=number, custom_id=custom_id, task=task, file=file, pages=None,
                    settings={k: v for k, v in settings.items() if v is not None},
-                   source=source, field=field, one_item=True)
+                   source=source, field=field_name, one_item=True,
+                   group=() if wanted is not None else (model_name,))
+
+
+def _check_url(url: Any) -> None:
+    if url == URL:
+        return
+    if url == RESPONSES_URL:
+        raise PayloadError("url", f'"{RESPONSES_URL}" (the Responses API) is not served: '
+                                  f'vlmq serves "{URL}"; write the request as a chat '
+                                  "completion (messages, response_format)")
+    raise PayloadError("url", f'must be "{URL}" (vlmq serves chat completions), got {url!r}')
+
+
+def _model_name(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_MODEL_NAME:
+        raise PayloadError("body.model", f"must be a model name of 1 to {MAX_MODEL_NAME} "
+                                         "characters")
+    return value
 
 
 def _check_body_fields(body: Mapping[str, Any]) -> None:
     for name, value in body.items():
         if name in BODY_FIELDS or name in IGNORED:
+            continue
+        if name in NOT_APPLIED:
+            _check_number(f"body.{name}", value, NOT_APPLIED[name])
             continue
         if name in DEFAULT_ONLY:
             default = DEFAULT_ONLY[name]
@@ -137,6 +275,18 @@ def _check_body_fields(body: Mapping[str, Any]) -> None:
         raise PayloadError(f"body.{name}", f"is not supported by vlmq (it reads "
                                            f"{', '.join(BODY_FIELDS)}; it ignores "
                                            f"{', '.join(IGNORED)})")
+
+
+def _check_number(where: str, value: Any, bounds: tuple[float, float] | None) -> None:
+    """A knob that is not applied must still be what OpenAI would take."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            bounds is None and not isinstance(value, int)):
+        raise PayloadError(where, f"must be {'an integer' if bounds is None else 'a number'}")
+    if bounds is not None and not bounds[0] <= value <= bounds[1]:
+        raise PayloadError(where, f"must be between {bounds[0]:g} and {bounds[1]:g}, "
+                                  f"got {value}")
 
 
 def _task(value: Any) -> tuple[str, dict[str, Any] | None]:
@@ -244,6 +394,7 @@ def _part(part: Any, where: str, role: str) -> tuple[str | None, tuple[str, str]
         if not isinstance(inner, dict) or not isinstance(inner.get("url"), str):
             raise PayloadError(f"{where}.image_url", 'must be {"url": "data:..." or '
                                                      '"file://..."}')
+        _check_image(inner, f"{where}.image_url")
         return None, (f"{where}.image_url.url", inner["url"])
     inner = part.get("file")
     if not isinstance(inner, dict):
@@ -254,6 +405,17 @@ def _part(part: Any, where: str, role: str) -> tuple[str | None, tuple[str, str]
     if not isinstance(inner.get("file_data"), str):
         raise PayloadError(f"{where}.file.file_data", "must be a data: URI")
     return None, (f"{where}.file.file_data", inner["file_data"])
+
+
+def _check_image(inner: Mapping[str, Any], where: str) -> None:
+    unknown = sorted(set(inner) - set(IMAGE_FIELDS))
+    if unknown:
+        raise PayloadError(f"{where}.{unknown[0]}", f"unknown field (allowed: "
+                                                    f"{', '.join(IMAGE_FIELDS)})")
+    detail = inner.get("detail")
+    if detail is not None and detail not in DETAILS:
+        raise PayloadError(f"{where}.detail", f"must be one of {', '.join(DETAILS)}, got "
+                                              f"{detail!r}")
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int | None:
@@ -323,3 +485,98 @@ def _spooled(url: str, field: str, number: int, spool: Path) -> tuple[Path, str]
         raise InputError(str(spool), f"cannot spool a data: image: "
                                      f"{exc.strerror or exc}") from exc
     return path, f"data-line{number}.{'pdf' if mime == 'application/pdf' else subtype}"
+
+
+# --- the file's record, kept with its batch ---------------------------------------------------
+
+# Fields of the batch's record (shared/keys.py: batch) that an OpenAI batch file adds:
+# how many lines it had, the lines --skip-bad left out, and each job's lines.
+RECORD_LINES = "openai:lines"
+RECORD_SKIPPED = "openai:skipped"
+RECORD_JOBS = "openai:jobs"
+RECORD_FIELDS = (RECORD_LINES, RECORD_SKIPPED, RECORD_JOBS)
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """What the output needs of the input file, so every line gets one output line in
+    input order: each job's items' line numbers (in item order), the model name each job's
+    lines asked for, and the skipped lines. Line numbers are kept as ranges ("1-40,52"),
+    a few bytes for a file whose lines share settings."""
+
+    lines: int
+    skipped: tuple[Skipped, ...]
+    jobs: Mapping[str, tuple[tuple[int, ...], str | None]]  # job id -> (lines, model)
+
+    def fields(self) -> dict[str, str]:
+        return {RECORD_LINES: str(self.lines),
+                RECORD_SKIPPED: json.dumps([[s.line, s.custom_id, s.param, s.reason]
+                                            for s in self.skipped]),
+                RECORD_JOBS: json.dumps({job: [ranges(lines), model]
+                                         for job, (lines, model) in self.jobs.items()})}
+
+    @classmethod
+    def read(cls, redis: Any, keys: Keys, batch_id: str) -> FileRecord | None:
+        """The batch's file record; None for a batch made another way (or gone)."""
+        count, skipped, jobs = redis.hmget(keys.batch(batch_id), RECORD_FIELDS)
+        if count is None or jobs is None:
+            return None
+        return cls(int(count), tuple(Skipped(int(n), cid, param, why) for n, cid, param, why
+                                     in json.loads(skipped or "[]")),
+                   {job: (tuple(unranges(spans)), model)
+                    for job, (spans, model) in json.loads(jobs).items()})
+
+    @classmethod
+    def of(cls, read: BatchFile, parts: Sequence[Part], job_ids: Sequence[str]) -> FileRecord:
+        """The record of `read` enqueued as `parts` (the final ones, after any budget cut)
+        under `job_ids`."""
+        jobs: dict[str, tuple[tuple[int, ...], str | None]] = {}
+        for part, job_id in zip(parts, job_ids, strict=True):
+            lines = tuple(read.lines[i.custom_id or ""] for i in part.prepared.items)
+            jobs[job_id] = (lines, read.models.get(lines[0]) if lines else None)
+        return cls(len(read.lines) + len(read.skipped), tuple(read.skipped), jobs)
+
+
+def ranges(numbers: Iterable[int]) -> str:
+    """Ascending runs as "1-3,7"; numbers out of order are runs of their own."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def unranges(text: str) -> Iterator[int]:
+    for span in filter(None, text.split(",")):
+        first, _, last = span.partition("-")
+        yield from range(int(first), int(last or first) + 1)
+
+
+def submit_batch_file(client: Client, read: BatchFile, *,
+                      labels: Mapping[str, str] | None = None,
+                      stores: Stores | None = None) -> Batch:
+    """Enqueue a read file as a batch (always one, even of one job: its record holds the
+    file's order and skipped lines), its files in a store going by reference."""
+    stores = stores if stores is not None else client.stores
+    parts = [Part(g.task, g.prepared.by_reference(stores), g.options) for g in read.groups]
+    made = submit_parts(client, parts, labels=labels, batch=True,
+                        record=lambda final, ids: FileRecord.of(read, final, ids).fields())
+    assert isinstance(made, Batch)  # batch=True
+    return made
+
+
+def submit_openai_batch(client: Client, path: str | Path, *,
+                        options: JobOptions | None = None,
+                        labels: Mapping[str, str] | None = None, skip_bad: bool = False,
+                        job_size: int = JOB_ITEMS, models: ModelPolicy | None = None,
+                        stores: Stores | None = None) -> tuple[Batch, list[Skipped]]:
+    """Read and enqueue an OpenAI Batch input file: the Python path of `vlmq enqueue
+    --openai-batch` (the batch, and the lines skipped). `options` holds what every job
+    shares (a queue); the file's lines add theirs."""
+    base = options if options is not None else JobOptions.build(labels=labels or None)
+    with tempfile.TemporaryDirectory(prefix="vlmq-batch-") as spool:
+        read = read_batch_file(path, base, spool=Path(spool), skip_bad=skip_bad,
+                               job_size=job_size, models=models)
+        return submit_batch_file(client, read, labels=labels, stores=stores), read.skipped

@@ -154,8 +154,9 @@ class ItemResult:
     # Where `text` came from: the model, or the PDF page's own text layer ("text_layer":
     # with text_layer prefer, or fallback after the model failed the page).
     text_source: str = TEXT_FROM_MODEL
-    # Fallback only (the model failed the page and `text` is the page's text layer): the
+    # Fallback (the model failed the page and `text` is the page's text layer): the
     # model's error, or what it wrote before max_tokens or the repetition guard cut it.
+    # A failed item cut that way (an extract's unfinished JSON) keeps that text here too.
     model_error: str | None = None
     model_text: str | None = None
     # An extract item's parsed object (`text` holds the same JSON as text).

@@ -13,16 +13,18 @@ source's objects as `<source>.json` (extract_file).
 from __future__ import annotations
 
 import csv
+import heapq
 import inspect
 import io
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from vlmq.producer.client import Job
+from vlmq.producer.openai_files import FileRecord
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import TEXT_FROM_LAYER, ItemResult, JobPayload
 from vlmq.shared.redis_text import as_str
@@ -53,6 +55,8 @@ RenderMany = Callable[[Sequence[JobResults]], str]
 RenderFile = Callable[[Sequence[ItemResult]], str]
 # A job's output as (successes, failures), for `vlmq result --errors FILE`.
 Split = Callable[[JobResults], tuple[str, str]]
+# Several jobs' (successes, failures), for a format whose lines interleave across jobs.
+SplitMany = Callable[[Sequence[JobResults]], tuple[str, str]]
 
 
 @dataclass(frozen=True)
@@ -65,12 +69,21 @@ class Format:
     file: RenderFile | None = None  # None: `vlmq export` does not offer this format
     many: RenderMany | None = None  # None: several jobs are their renderings concatenated
     split: Split | None = None  # None: this format has no errors file
+    split_many: SplitMany | None = None  # None: several jobs' splits concatenated
 
     def render_jobs(self, views: Sequence[JobResults]) -> str:
         """Several jobs (ids, or a batch's jobs) as one output, in the order given."""
         if self.many is not None:
             return self.many(views)
         return "".join(self.render(v) for v in views)
+
+    def split_jobs(self, views: Sequence[JobResults]) -> tuple[str, str]:
+        """Several jobs' (successes, failures), for --errors."""
+        if self.split_many is not None:
+            return self.split_many(views)
+        assert self.split is not None, f"{self.name} has no errors file"
+        split = [self.split(v) for v in views]
+        return "".join(ok for ok, _ in split), "".join(bad for _, bad in split)
 
     @property
     def summary(self) -> str:
@@ -83,10 +96,11 @@ FORMATS: dict[str, Format] = {}
 
 def _format(name: str, mimetype: str, *, several_jobs: bool, omits_failed: bool = False,
             file: RenderFile | None = None, many: RenderMany | None = None,
-            split: Split | None = None) -> Callable[[Render], Render]:
+            split: Split | None = None, split_many: SplitMany | None = None
+            ) -> Callable[[Render], Render]:
     def register(render: Render) -> Render:
         FORMATS[name] = Format(name, mimetype, render, several_jobs, omits_failed, file, many,
-                               split)
+                               split, split_many)
         return render
 
     return register
@@ -445,6 +459,8 @@ def extract_file(results: Sequence[ItemResult]) -> str:
 OPENAI_FINISH = {"stop": "stop", "length": "length", "repetition": "length"}
 # A job's items that never ran, by how the job ended: OpenAI's error code and why.
 _NOT_RUN = {"canceled": "batch_cancelled", "stopped": "batch_cancelled"}
+# One output line: (its place in the input, whether it is a 200, the line).
+Entry = tuple[int, bool, str]
 
 
 def _epoch(value: bytes | str | None) -> int | None:
@@ -457,18 +473,20 @@ def _epoch(value: bytes | str | None) -> int | None:
         return None
 
 
-def _openai_context(view: JobResults, payload: JobPayload) -> tuple[str, dict[int, int], int]:
+def _openai_context(view: JobResults, payload: JobPayload, asked: str | None
+                    ) -> tuple[str, dict[int, int], int]:
     """(model, finish time by item index, the job's own time) for a job's lines.
 
     The model is the one its worker served (its live stats, while they last), else the
-    job's model setting. An item's time is its result event's (the stream id is Redis's
-    clock in ms); the job's end, start or enqueue time stands in for one trimmed away.
+    job's model setting, else the name the file's lines asked for (`asked`). An item's
+    time is its result event's (the stream id is Redis's clock in ms); the job's end,
+    start or enqueue time stands in for one trimmed away.
     """
     job, redis, keys = view.job, view.job.client.redis, view.job.client.keys
     worker, ended, started, enqueued = redis.hmget(
         Keys.rq_job(job.id), ["worker_name", "ended_at", "started_at", "enqueued_at"])
     served = redis.hget(keys.worker_stats(as_str(worker)), "model") if worker else None
-    model = as_str(served) if served else str(payload.get("model") or "unknown")
+    model = as_str(served) if served else str(payload.get("model") or asked or "unknown")
     times: dict[int, int] = {}
     entries: Any = redis.xrange(keys.job_events(job.id))
     for entry_id, fields in entries:
@@ -480,11 +498,20 @@ def _openai_context(view: JobResults, payload: JobPayload) -> tuple[str, dict[in
     return model, times, when
 
 
+def cut_answer(r: ItemResult) -> bool:
+    """A failed item that is an answer cut at the token limit: an extract's unfinished
+    JSON, kept in model_text. vlmq's own formats keep it failed (never valid JSON);
+    OpenAI's answers it with status 200 and finish_reason length, as OpenAI does."""
+    return (not r.ok and r.model_text is not None and r.text_source != TEXT_FROM_LAYER
+            and r.finish_reason in ("length", "repetition"))
+
+
 def _completion(key: str, r: ItemResult, model: str, created: int) -> dict[str, Any]:
     """An item's answer as OpenAI's chat.completion object."""
+    content = r.text if r.ok else r.model_text
     return {"id": f"chatcmpl-{key}", "object": "chat.completion", "created": created,
             "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text or "",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content or "",
                                                  "refusal": None},
                          "logprobs": None,
                          "finish_reason": OPENAI_FINISH.get(r.finish_reason or "", "stop")}],
@@ -493,62 +520,131 @@ def _completion(key: str, r: ItemResult, model: str, created: int) -> dict[str, 
                       "total_tokens": r.prompt_tokens + r.completion_tokens}}
 
 
-def openai_lines(view: JobResults) -> list[tuple[bool, str]]:
-    """(ok, line) per item in item order, as OpenAI's Batch output and error files hold
-    them; ids are built from the job id and item index, so a rerender gives the same bytes.
+def _not_run(view: JobResults) -> tuple[str, str] | None:
+    """OpenAI's error code and why, for the items of an ended job that never ran."""
+    if view.error is not None:
+        return "batch_failed", f"not run: the job failed: {last_line(view.error)}"
+    if view.state in _NOT_RUN:
+        return _NOT_RUN[view.state], f"not run: the job was {view.state}"
+    return None
 
-    An answer is status 200 with a chat.completion body. A failed item is the error file's
-    form of a request that ran and failed: status 500 and an {"error"} body. An item that
-    never ran, of a failed or canceled job, has no response and an error with OpenAI's
-    code (batch_cancelled; batch_failed for a failed job). Items still to run in a job
-    that has not ended are left out (`vlmq result` says the output is partial). An item
-    enqueued without a custom_id gets its source (and #page=N) as one.
+
+def _response(key: str, r: ItemResult, model: str, created: int) -> tuple[bool, dict[str, Any]]:
+    if r.ok or cut_answer(r):
+        return True, {"status_code": 200, "request_id": f"req_{key}",
+                      "body": _completion(key, r, model, created)}
+    return False, {"status_code": 500, "request_id": f"req_{key}", "body": {"error": {
+        "message": r.error, "type": "server_error", "param": None, "code": "item_failed"}}}
+
+
+def openai_entries(view: JobResults, lines: Sequence[int] | None = None,
+                   asked: str | None = None) -> Iterator[Entry]:
+    """A job's lines as OpenAI's Batch output and error files hold them, in item order,
+    each with its input line number (`lines`, by item index; without them the index).
+    Ids are built from the job id and item index, so a rerender gives the same bytes.
+
+    An answer is status 200 with a chat.completion body, a cut one too (finish_reason
+    length: cut_answer). A failed item is the error file's form of a request that ran and
+    failed: status 500 and an {"error"} body. An item that never ran, of a failed or
+    canceled job, has no response and an error with OpenAI's code (batch_cancelled;
+    batch_failed for a failed job). Items still to run in a job that has not ended are
+    left out (`vlmq result` says the output is partial). An item enqueued without a
+    custom_id gets its source (and #page=N) as one.
     """
     job = view.job
     payload = job.payload()
-    model, times, when = _openai_context(view, payload)
+    model, times, when = _openai_context(view, payload, asked)
     done = {r.index: r for r in view.results}
-    if view.error is not None:
-        not_run: tuple[str, str] | None = ("batch_failed", f"not run: the job failed: "
-                                                          f"{last_line(view.error)}")
-    elif view.state in _NOT_RUN:
-        not_run = (_NOT_RUN[view.state], f"not run: the job was {view.state}")
-    else:
-        not_run = None
-    out: list[tuple[bool, str]] = []
+    not_run = _not_run(view)
     for index, item in enumerate(payload.items):
         key = f"{job.id}_{index}"
+        place = lines[index] if lines is not None and index < len(lines) else index
         head = {"id": f"batch_req_{key}", "custom_id": item.custom_id or (
             item.source if item.page is None else f"{item.source}#page={item.page}")}
         r = done.get(index)
         if r is None:
             if not_run is not None:
-                out.append((False, json.dumps({**head, "response": None, "error": {
-                    "code": not_run[0], "message": not_run[1]}}) + "\n"))
+                yield place, False, json.dumps({**head, "response": None, "error": {
+                    "code": not_run[0], "message": not_run[1]}}) + "\n"
             continue
-        if r.ok:
-            response = {"status_code": 200, "request_id": f"req_{key}",
-                        "body": _completion(key, r, model, times.get(index, when))}
-        else:
-            response = {"status_code": 500, "request_id": f"req_{key}", "body": {"error": {
-                "message": r.error, "type": "server_error", "param": None,
-                "code": "item_failed"}}}
-        out.append((r.ok, json.dumps({**head, "response": response, "error": None}) + "\n"))
-    return out
+        ok, response = _response(key, r, model, times.get(index, when))
+        yield place, ok, json.dumps({**head, "response": response, "error": None}) + "\n"
+
+
+def openai_lines(view: JobResults) -> list[tuple[bool, str]]:
+    """(ok, line) per item of one job, in item order (openai_entries)."""
+    return [(ok, line) for _, ok, line in openai_entries(view)]
+
+
+def skipped_entries(batch_id: str, record: FileRecord) -> Iterator[Entry]:
+    """The lines --skip-bad left out, as error lines with OpenAI's BatchError fields."""
+    for s in record.skipped:
+        yield s.line, False, json.dumps({
+            "id": f"batch_req_{batch_id}_line{s.line}", "custom_id": s.custom_id,
+            "response": None, "error": {"code": "invalid_request", "message": s.reason,
+                                        "param": s.param, "line": s.line}}) + "\n"
+
+
+def _by_batch(views: Sequence[JobResults]) -> list[tuple[str | None, list[JobResults]]]:
+    """The views grouped by the batch each job is in (None: none), in first-seen order."""
+    if not views:
+        return []
+    pipe = views[0].job.client.redis.pipeline(transaction=False)
+    for view in views:
+        pipe.get(view.job.client.keys.job_batch(view.job.id))
+    groups: dict[str | None, list[JobResults]] = {}
+    for view, batch in zip(views, pipe.execute(), strict=True):
+        groups.setdefault(as_str(batch) if batch else None, []).append(view)
+    return list(groups.items())
+
+
+def openai_output(views: Sequence[JobResults]) -> Iterator[tuple[bool, str]]:
+    """(ok, line) for jobs' OpenAI Batch output, each batch made from a file in the file's
+    order (its FileRecord: the lines of each job, merged), the lines --skip-bad left out
+    in their places when every job of the batch is here. Other jobs follow item order.
+    Each job's lines are read once; the merge holds one line per job at a time."""
+    for batch_id, group in _by_batch(views):
+        client = group[0].job.client
+        record = None if batch_id is None else FileRecord.read(client.redis, client.keys,
+                                                               batch_id)
+        if record is None or batch_id is None:
+            for view in group:
+                yield from ((ok, line) for _, ok, line in openai_entries(view))
+            continue
+        streams: list[Iterator[Entry]] = []
+        for view in group:
+            lines, asked = record.jobs.get(view.job.id, (None, None))
+            streams.append(openai_entries(view, lines, asked))
+        if set(record.jobs) <= {v.job.id for v in group}:
+            streams.append(skipped_entries(batch_id, record))
+        yield from ((ok, line) for _, ok, line in heapq.merge(*streams, key=lambda e: e[0]))
+
+
+def openai_split_jobs(views: Sequence[JobResults]) -> tuple[str, str]:
+    """(output file, error file) in input order, as OpenAI splits them."""
+    ok_lines: list[str] = []
+    bad_lines: list[str] = []
+    for ok, line in openai_output(views):
+        (ok_lines if ok else bad_lines).append(line)
+    return "".join(ok_lines), "".join(bad_lines)
 
 
 def openai_split(view: JobResults) -> tuple[str, str]:
-    lines = openai_lines(view)
-    return ("".join(line for ok, line in lines if ok),
-            "".join(line for ok, line in lines if not ok))
+    return openai_split_jobs([view])
 
 
-@_format("openai-batch", "application/x-ndjson", several_jobs=True, split=openai_split)
+def render_openai_jobs(views: Sequence[JobResults]) -> str:
+    return "".join(line for _, line in openai_output(views))
+
+
+@_format("openai-batch", "application/x-ndjson", several_jobs=True, split=openai_split,
+         many=render_openai_jobs, split_many=openai_split_jobs)
 def render_openai_batch(view: JobResults) -> str:
     """One OpenAI Batch output line per request: its custom_id and a chat.completion.
 
     The format OpenAI's Batch API and vLLM's run-batch write (id, custom_id, response
-    {status_code, request_id, body}, error), in item order; with --errors FILE the failed
-    requests go there, the way OpenAI splits its output and error files.
+    {status_code, request_id, body}, error), in the input file's order, a line skipped at
+    enqueue included as an error; with --errors FILE the failed requests go there, the way
+    OpenAI splits its output and error files.
     """
-    return "".join(line for _, line in openai_lines(view))
+    return render_openai_jobs([view])

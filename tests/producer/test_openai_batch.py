@@ -21,7 +21,14 @@ from tests.support import helpers
 from tests.support.schemas import RECEIPT
 from vlmq.producer.client import Client
 from vlmq.producer.manifest import ManifestError
-from vlmq.producer.openai_files import read_openai_batch
+from vlmq.producer.openai_files import (
+    FileRecord,
+    ModelPolicy,
+    ranges,
+    read_batch_file,
+    read_openai_batch,
+    unranges,
+)
 from vlmq.producer.options import JobOptions
 from vlmq.shared import extract_schema as json_schema
 from vlmq.shared.errors import PayloadError
@@ -99,13 +106,51 @@ def test_good_lines_of_each_kind_become_grouped_items(tmp_path: Path) -> None:
     g, item = by_id["system+pdf"]
     assert (g.task, item.kind, item.page) == ("generate", "pdf", 1)
     assert g.options.prompt == "You read scans.\n\nSummarise it."
+    # The file's model is recorded, not enforced: any worker of the queue answers it.
     assert (g.options.model, g.options.temperature, g.options.stop) == (
-        "some/model", 0.5, ("END",))
+        None, 0.5, ("END",))
     g, _ = by_id["extract"]
     assert (g.task, g.options.prompt, g.options.max_tokens) == ("extract", None, 64)
     assert g.options.schema == json_schema.check_schema(SCHEMA)
     g, _ = by_id["any-object"]
     assert (g.task, g.options.schema) == ("extract", {"type": "object"})
+
+
+def test_model_names_are_recorded_mapped_or_required(tmp_path: Path) -> None:
+    lines = [line("a", png_uri(1), model="gpt-4o-mini"), line("b", png_uri(2), model="gpt-4o"),
+             line("c", png_uri(3), model="gpt-4o-mini"), line("d", png_uri(4))]
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    path = write(tmp_path / "models.jsonl", lines)
+    read = read_batch_file(path, JobOptions(), spool=spool)
+    # Unenforced, but lines naming different models never share a job.
+    assert [([i.custom_id for i in g.prepared.items], g.options.model)
+            for g in read.groups] == [(["a", "c"], None), (["b"], None), (["d"], None)]
+    assert read.models == {1: "gpt-4o-mini", 2: "gpt-4o", 3: "gpt-4o-mini"}
+    assert read.lines == {"a": 1, "b": 2, "c": 3, "d": 4}
+    policy = ModelPolicy.parse(["gpt-4o-mini=/models/tiny"], strict=False)
+    read = read_batch_file(path, JobOptions(), spool=spool, models=policy)
+    assert [g.options.model for g in read.groups] == ["/models/tiny", None, None]
+    policy = ModelPolicy.parse(["gpt-4o-mini=/models/tiny"], strict=True)
+    read = read_batch_file(path, JobOptions(), spool=spool, models=policy)
+    assert [g.options.model for g in read.groups] == ["/models/tiny", "gpt-4o", None]
+    with pytest.raises(PayloadError, match="is not NAME=CHECKPOINT"):
+        ModelPolicy.parse(["gpt-4o-mini"])
+
+
+def test_skipped_lines_keep_their_custom_id_and_field(tmp_path: Path) -> None:
+    lines = [line("ok-1", png_uri(1)), line("web", "http://example.com/x.png"), "{nope",
+             line("ok-1", png_uri(2))]
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    read = read_batch_file(write(tmp_path / "bad.jsonl", lines), JobOptions(), spool=spool,
+                           skip_bad=True)
+    assert [(s.line, s.custom_id, s.param) for s in read.skipped] == [
+        (2, "web", IMG_FIELD), (3, None, "(line)"), (4, "ok-1", "custom_id")]
+    assert read.lines == {"ok-1": 1}
+    assert FileRecord.of(read, [], []).lines == 4
+    assert list(unranges(ranges([1, 2, 3, 7, 9, 10, 4]))) == [1, 2, 3, 7, 9, 10, 4]
+    assert ranges([1, 2, 3, 7, 9, 10]) == "1-3,7,9-10"
 
 
 def _bad_schema_problem() -> str:
@@ -162,7 +207,12 @@ def _refusals(tmp: Path) -> list[tuple[list[Any], str]]:
         ([chat], "line 1: field 'body.messages[1].role' must be one of system, developer, "
                  "user"),
         ([line("a", good, n=2)], "field 'body.n' is not supported by vlmq: only 1"),
-        ([line("a", good, seed=3)], "field 'body.seed' is not supported by vlmq"),
+        ([line("a", good, seed=3.5)], "field 'body.seed' must be an integer"),
+        ([line("a", good, top_p=2)], "field 'body.top_p' must be between 0 and 1"),
+        ([line("a", good, tools=[])], "field 'body.tools' is not supported by vlmq"),
+        ([{**line("a", good), "url": "/v1/responses"}],
+         "line 1: field 'url' \"/v1/responses\" (the Responses API) is not served"),
+        ([line("a", good, model="")], "field 'body.model' must be a model name"),
         ([line("a", good, max_tokens=4, max_completion_tokens=4)],
          "field 'body.max_completion_tokens' give max_tokens or max_completion_tokens"),
         ([line("a", good, temperature=9)], "field 'body.temperature' must be between"),

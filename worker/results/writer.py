@@ -34,6 +34,8 @@ from vlmq.worker.intake.rq_jobs import INCOMPLETE, JobLifecycle, Running
 from vlmq.worker.stats import WorkerStats
 
 log = logging.getLogger("vlmq.worker")
+# Finish reasons of an answer cut before the model ended it.
+CUT = ("length", "repetition")
 
 
 def finished_result(state: Running, idx: int, f: Finished, prep_s: float,
@@ -49,7 +51,10 @@ def finished_result(state: Running, idx: int, f: Finished, prep_s: float,
         prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
         vision_cache_hit=f.vision_cache_hit, error=f.error, timings=timings,
         custom_id=item.custom_id, repetition=f.repetition,
-        json=None if f.error else f.json)
+        json=None if f.error else f.json,
+        # What a cut answer (an extract's JSON at max_tokens) held: never `text`, which
+        # a failed item has none of; the OpenAI output shows it with finish_reason length.
+        model_text=(f.text or None) if f.error and f.finish_reason in CUT else None)
     return res if layer is None else _from_layer(res, layer)
 
 
@@ -77,7 +82,7 @@ def _from_layer(res: ItemResult, layer: str) -> ItemResult:
     """The failed `res` answered by the page's text layer: ok, the failure kept visible
     (finish_reason, repetition, model_error, model_text)."""
     return replace(res, text=layer, error=None, text_source=TEXT_FROM_LAYER,
-                   model_error=res.error, model_text=res.text or None)
+                   model_error=res.error, model_text=res.text or res.model_text)
 
 
 def result_ttl(running: Running) -> int:
