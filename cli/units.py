@@ -4,12 +4,25 @@ A worker is a long-lived process; the people who run it want their init system t
 it on a crash and to give it --grace seconds to finish in-flight items on stop. The unit
 runs this install's own `vlmq` (an absolute path: launchd and systemd have no useful PATH).
 
-Secrets: a Redis URL may hold a password, and units are world-readable. Whenever the
-environment goes to a file (always for `install`, with --env-file for `print`) it goes to
-one with mode 0600 that the unit reads: systemd's EnvironmentFile=; launchd has none, so
-the plist runs `/bin/sh -c 'set -a && . FILE && set +a && exec "$0" "$@"' vlmq worker …`
-(the arguments are passed as argv, never re-quoted into the script). Otherwise `print`
-shows passwords as *** and says so.
+Environment: the unit carries what the worker and its libraries read from this shell
+(CARRY_PREFIXES, CARRY_NAMES: VLMQ_*, AWS_*, HF_*, the thread counts, proxies and CA
+bundles), so an S3 or offline worker runs under the init system as it runs here; a set
+variable left out that looks relevant (LOOKS_RELEVANT) is named on stderr.
+
+Secrets: a Redis URL may hold a password, AWS_SECRET_ACCESS_KEY and HF_TOKEN are secrets,
+and units are world-readable. Whenever there is an env file (always for `install`, with
+--env-file for `print`), the secrets go there only, mode 0600, and the unit reads it:
+systemd's EnvironmentFile=; launchd has none, so the plist's /bin/sh wrapper sources it
+(the arguments are passed as argv, never re-quoted into the script). The rest of the
+environment is in the unit, where `systemctl cat` shows it. Without an env file `print`
+shows secrets as *** and says so.
+
+Restarts: a worker that exits 78 (EX_CONFIG: a missing model, a bad --blas...) or 2 (a
+usage error) fails the same way every time, so neither is restarted: systemd's
+RestartPreventExitStatus=; launchd's KeepAlive cannot tell exit codes apart, so the plist
+runs the worker under a /bin/sh wrapper that passes SIGTERM/SIGINT on and turns those two
+codes into a logged exit 0, which KeepAlive's SuccessfulExit=false leaves stopped. Redis
+out of reach (69) and other failures are restarted after RESTART_S.
 
 Trust: whatever reaches a unit comes from a command line or a shell's environment that may
 be hostile (issue 29). A value that could end a line or name another setting is refused,
@@ -47,7 +60,7 @@ import click
 from click.core import ParameterSource
 
 from vlmq.cli import worker as worker_cli
-from vlmq.cli.common import EXIT_BAD_INPUT, fail
+from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_CONFIG, fail
 from vlmq.shared import constants as C
 from vlmq.shared.urls import MASK, redact_url
 from vlmq.worker import options as WO
@@ -74,6 +87,27 @@ _SYSTEMD_SAFE = re.compile(r"[A-Za-z0-9_./:=,+@-]+")
 SYSTEM_UNIT_DIR = Path("/etc/systemd/system")
 SYSTEM_ENV_DIR = Path("/etc/vlmq")
 SYSTEM_CACHE = "vlmq"  # CacheDirectory=: /var/cache/vlmq, made and owned for User=
+# Exit codes that mean "the same again on a restart": a usage error, a configuration one.
+NO_RESTART = (EXIT_BAD_INPUT, EXIT_CONFIG)
+# launchd: unset ProcessType (= Standard) gets "light resource limits", throttling CPU and
+# I/O; Background more. A worker is the machine's batch compute: Interactive has no limits.
+PROCESS_TYPE = "Interactive"
+
+# This shell's variables the unit carries: vlmq's own, the S3 client's (boto3: AWS_*), the
+# hub's and transformers', the BLAS/OpenMP/MLX thread and device settings, and the proxies
+# and CA bundles that downloads and S3 go through.
+CARRY_PREFIXES = ("VLMQ_", "AWS_", "HF_", "HUGGINGFACE_", "HUGGING_FACE_", "TRANSFORMERS_",
+                  "TOKENIZERS_", "MLX_", "OPENBLAS_", "OMP_", "MKL_", "VECLIB_")
+CARRY_NAMES = frozenset({
+    "CUDA_VISIBLE_DEVICES", "HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY", "ALL_PROXY",
+    "https_proxy", "http_proxy", "no_proxy", "all_proxy", "SSL_CERT_FILE", "SSL_CERT_DIR",
+    "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"})
+# Left out but likely to matter: named on stderr (--env KEY=VALUE keeps one). Library
+# paths and PYTHONPATH belong to this shell's session, not to a service; without
+# XDG_CACHE_HOME the hub's cache is ~/.cache/huggingface unless HF_HOME says otherwise.
+LOOKS_RELEVANT = re.compile(
+    r"PYTHONPATH|PYTHONHOME|LD_LIBRARY_PATH|LD_PRELOAD|DYLD_.*|XDG_CACHE_HOME"
+    r"|.*(REDIS|HUGGING|BOTO|S3|MINIO|TORCH|CUDA|METAL).*")
 
 
 @dataclass
@@ -91,6 +125,7 @@ class Spec:
     run_as: str | None = None
     system_cache: bool = False  # systemd makes cache_dir (CacheDirectory=)
     redacted: list[str] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)  # set here, relevant, not carried
 
     @property
     def stop_timeout(self) -> int:
@@ -218,6 +253,8 @@ def render_systemd(spec: Spec, env: dict[str, str]) -> str:
         lines.append(f'Environment="{key}={quoted}"')
     lines += [
         "Restart=on-failure", f"RestartSec={RESTART_S}",
+        # A configuration or usage error fails the same way on every restart.
+        f"RestartPreventExitStatus={' '.join(map(str, NO_RESTART))}",
         "KillSignal=SIGTERM",
         # SIGTERM to the worker alone: it stops its own PDF render processes; at the
         # timeout every process of the unit gets SIGKILL.
@@ -231,11 +268,33 @@ def render_systemd(spec: Spec, env: dict[str, str]) -> str:
 
 # --- launchd -----------------------------------------------------------------------------
 
+def launchd_script(env_file: Path | None, label: str) -> str:
+    """The plist's sh wrapper: source the env file, run the worker ("$0" "$@": argv, never
+    re-quoted), pass launchd's SIGTERM (and SIGINT) on so the worker drains within
+    --grace, wait until it has exited, and turn NO_RESTART's codes into a logged exit 0:
+    KeepAlive {SuccessfulExit: false} restarts any other non-zero exit."""
+    codes = "|".join(map(str, NO_RESTART))
+    lines = [f"set -a && . {shlex.quote(str(env_file))} && set +a"] if env_file else []
+    lines += [
+        # Trapped first, so no signal falls between the start and the traps; a command
+        # started by sh gets the default handlers back.
+        "pid=",
+        "trap 'kill -TERM $pid' TERM",
+        "trap 'kill -INT $pid' INT",
+        '"$0" "$@" & pid=$!',
+        "wait $pid; rc=$?",
+        # A trapped signal ends `wait` early (rc > 128): wait on until the worker is gone.
+        "while kill -0 $pid 2>/dev/null; do wait $pid; rc=$?; done",
+        f"case $rc in {codes}) echo \"vlmq service: the worker exited $rc (a configuration "
+        "or usage error, above): not restarting; fix it, then launchctl kickstart "
+        f"gui/$(id -u)/{label}\" >&2; exit 0;; esac",
+        "exit $rc",
+    ]
+    return "\n".join(lines)
+
+
 def program_arguments(spec: Spec) -> list[str]:
-    if spec.env_file is None:
-        return list(spec.program)
-    script = f'set -a && . {shlex.quote(str(spec.env_file))} && set +a && exec "$0" "$@"'
-    return ["/bin/sh", "-c", script, *spec.program]
+    return ["/bin/sh", "-c", launchd_script(spec.env_file, spec.label), *spec.program]
 
 
 def render_launchd(spec: Spec, env: dict[str, str]) -> bytes:
@@ -247,6 +306,7 @@ def render_launchd(spec: Spec, env: dict[str, str]) -> bytes:
         # worker exits 0 once it drained on SIGTERM, or when a --burst run is done.
         "KeepAlive": {"SuccessfulExit": False},
         "ThrottleInterval": RESTART_S,
+        "ProcessType": PROCESS_TYPE,
         "ExitTimeOut": spec.stop_timeout,
         "WorkingDirectory": str(spec.cache_dir),
         "StandardOutPath": str(spec.log_path),
@@ -261,7 +321,8 @@ def render_launchd(spec: Spec, env: dict[str, str]) -> bytes:
 
 def env_file_text(env: dict[str, str]) -> str:
     """KEY='value' lines: one meaning for POSIX sh (`.`) and systemd's EnvironmentFile=."""
-    lines = ["# Written by `vlmq service`; mode 0600: it may hold a Redis password."]
+    lines = ["# Written by `vlmq service`; mode 0600: the worker's secrets (a Redis password,",
+             "# AWS_SECRET_ACCESS_KEY, HF_TOKEN...). The unit holds the rest."]
     for key, value in env.items():
         check_env_key(key, "environment variable")
         _check_text(value, f"the value of {key}")
@@ -307,7 +368,7 @@ def build_spec(ctx: click.Context, kind: str, name: str, system: bool, env_opts:
     _check_unit_options(kind, name, system, run_as)
     params, given = _worker_params(worker_args)
     _check_absolute_paths(params)
-    env = _service_env(ctx, env_opts)
+    env, left_out = _service_env(ctx, env_opts)
     cache_dir, system_cache = _cache_dir(env, system)
     env["VLMQ_CACHE"] = str(cache_dir)  # the worker's default would follow $HOME/XDG
     if system and run_as is None:
@@ -315,7 +376,7 @@ def build_spec(ctx: click.Context, kind: str, name: str, system: bool, env_opts:
     spec = Spec(kind=kind, name=name, system=system,
                 program=[vlmq_executable(), "worker", *WO.unit_args(params, given)], env=env,
                 grace=float(params["grace"]), cache_dir=cache_dir, env_file=env_file,
-                run_as=run_as, system_cache=system_cache)
+                run_as=run_as, system_cache=system_cache, left_out=left_out)
     _check_spec(spec)
     return spec
 
@@ -382,19 +443,29 @@ def _check_absolute_paths(params: dict[str, Any]) -> None:
                                "service runs in its cache directory")
 
 
-def _service_env(ctx: click.Context, env_opts: Sequence[str]) -> dict[str, str]:
-    """The environment of the worker `vlmq worker` would run here: this root's Redis URL,
-    this shell's VLMQ_* settings (prefix, stores, BLAS...), then --env, which has the last
-    word."""
+def carried(key: str) -> bool:
+    """Whether the unit carries this shell's variable `key` (CARRY_PREFIXES, CARRY_NAMES)."""
+    return key.startswith(CARRY_PREFIXES) or key in CARRY_NAMES
+
+
+def _service_env(ctx: click.Context, env_opts: Sequence[str]) -> tuple[dict[str, str],
+                                                                       list[str]]:
+    """(the environment of the worker `vlmq worker` would run here, the relevant-looking
+    variables of this shell left out): this root's Redis URL, this shell's carried
+    variables, then --env, which has the last word."""
     root = ctx.find_root().obj or {}
     env = {"REDIS_URL": str(root.get("redis_url") or C.DEFAULT_REDIS_URL)}
+    left_out = []
     for key, value in sorted(os.environ.items()):
-        if key.startswith("VLMQ_"):
+        if carried(key):
             check_env_key(key, "this shell's environment variable")
             env[key] = value
+        elif key != "REDIS_URL" and LOOKS_RELEVANT.fullmatch(key):
+            left_out.append(key)
     env["PYTHONUNBUFFERED"] = "1"  # log lines reach the log file as they happen
-    env.update(_parse_env(env_opts))
-    return env
+    given = _parse_env(env_opts)
+    env.update(given)
+    return env, [key for key in left_out if key not in given]
 
 
 def _cache_dir(env: dict[str, str], system: bool) -> tuple[Path, bool]:
@@ -407,15 +478,23 @@ def _cache_dir(env: dict[str, str], system: bool) -> tuple[Path, bool]:
     return default_cache_dir().absolute(), False
 
 
+def secrets(env: dict[str, str]) -> dict[str, str]:
+    """The variables whose values are secrets: what the env file holds."""
+    return {key: value for key, value in env.items() if is_secret(key, value)}
+
+
 def render(spec: Spec) -> bytes:
-    """The unit's bytes. With no env file the environment is inline, secrets masked."""
+    """The unit's bytes: the environment inline but for its secrets, which are in the env
+    file, or shown masked when there is none."""
     inline: dict[str, str] = {}
-    if spec.env_file is None:
-        for key, value in spec.env.items():
-            if is_secret(key, value):
-                spec.redacted.append(key)
-                value = MASK if SECRET_KEY_RE.search(key) else redact_url(value)
-            inline[key] = value
+    hidden = secrets(spec.env)
+    for key, value in spec.env.items():
+        if key in hidden:
+            if spec.env_file is not None:
+                continue
+            spec.redacted.append(key)
+            value = MASK if SECRET_KEY_RE.search(key) else redact_url(value)
+        inline[key] = value
     if spec.kind == "launchd":
         return render_launchd(spec, inline)
     return render_systemd(spec, inline).encode()
@@ -560,7 +639,7 @@ def load_commands(spec: Spec) -> list[str]:
 def _env_files(spec: Spec, force: bool) -> list[Planned]:
     if spec.env_file is None:
         return []
-    return [plan(spec.env_file, env_file_text(spec.env).encode(), 0o600, force)]
+    return [plan(spec.env_file, env_file_text(secrets(spec.env)).encode(), 0o600, force)]
 
 
 # --- commands ------------------------------------------------------------------------------
@@ -572,11 +651,12 @@ def _options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="Unit name (systemd NAME.service; launchd label and NAME.plist)."),
         click.option("--env", "env_opts", multiple=True, metavar="KEY=VAL",
                      help="More environment (repeatable). REDIS_URL (from --redis-url) and "
-                          "this shell's VLMQ_* variables are always set."),
+                          "this shell's VLMQ_*, AWS_*, HF_*, TRANSFORMERS_*, thread, proxy "
+                          "and CA-bundle variables are always set."),
         click.option("--env-file", type=click.Path(dir_okay=False, path_type=Path),
                      default=None,
-                     help="Keep the environment in this file (written with mode 0600) and "
-                          "have the unit read it."),
+                     help="Keep the secrets of the environment in this file (written "
+                          "with mode 0600) and have the unit read it."),
         click.option("--user/--system", "user", default=True,
                      help="systemd: a user unit (default) or a system unit."),
         click.option("--run-as", default=None, metavar="USER",
@@ -605,16 +685,17 @@ def print_cmd(ctx: click.Context, kind: str, name: str, env_opts: tuple[str, ...
               worker_args: tuple[str, ...]) -> None:
     """Print the unit for `vlmq worker WORKER ARGS…` (put the worker's arguments after --).
 
-    Passwords are shown as *** unless --env-file is given: that file is then written
-    (mode 0600) and the unit reads it.
+    Secrets are shown as *** unless --env-file is given: that file is then written (mode
+    0600) with them, and the unit reads it.
     """
     spec = build_spec(ctx, kind, name, not user, env_opts,
                       env_file.absolute() if env_file else None, run_as, worker_args)
     data = render(spec)
     for item in _env_files(spec, force):
-        click.echo(f"vlmq: {write(item)} {item.path} (mode 0600: the environment, "
-                   "REDIS_URL included)", err=True)
+        click.echo(f"vlmq: {write(item)} {item.path} (mode 0600: the secrets of the "
+                   "environment)", err=True)
     click.echo(data.decode(), nl=False)
+    warn_left_out(spec)
     if spec.redacted:
         click.echo(f"vlmq: {', '.join(spec.redacted)} printed with *** for secrets: give "
                    "--env-file PATH (written with mode 0600) or use `vlmq service install`, "
@@ -640,9 +721,9 @@ def install_cmd(ctx: click.Context, kind: str, name: str, env_opts: tuple[str, .
     spec = build_spec(ctx, kind, name, system, env_opts, chosen, run_as, worker_args)
     items = [*_env_files(spec, force), plan(spec.unit_path(), render(spec), 0o644, force)]
     for item in items:
-        note = " (mode 0600: REDIS_URL and the rest of the environment)" if (
-            item.mode == 0o600) else ""
+        note = " (mode 0600: the secrets of the environment)" if item.mode == 0o600 else ""
         click.echo(f"{write(item)} {item.path}{note}")
+    warn_left_out(spec)
     dirs = [] if spec.system_cache else [spec.cache_dir]
     if kind == "launchd":
         dirs.append(spec.log_path.parent)
@@ -656,6 +737,13 @@ def install_cmd(ctx: click.Context, kind: str, name: str, env_opts: tuple[str, .
     click.echo("load and start it with:")
     for line in load_commands(spec):
         click.echo(f"  {line}")
+
+
+def warn_left_out(spec: Spec) -> None:
+    """Name this shell's variables that look relevant but that the unit does not carry."""
+    if spec.left_out:
+        click.echo(f"vlmq: warning: not in the unit: {', '.join(spec.left_out)} (set here; "
+                   "give --env KEY=VALUE to keep one)", err=True)
 
 
 def hand_over(folder: Path, user: str) -> None:

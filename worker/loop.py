@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import signal
 import tempfile
 import time
@@ -37,13 +38,14 @@ from vlmq.worker.collect import Collector
 from vlmq.worker.config import WorkerConfig
 from vlmq.worker.engine.batcher import Engine, EngineError, EngineInfo
 from vlmq.worker.engine.item_order import ItemOrder
-from vlmq.worker.engine.mlx_adapter import family_of
+from vlmq.worker.engine.mlx_adapter import ModelLoadError, check_local, family_of
 from vlmq.worker.events import EventQueue
 from vlmq.worker.intake.job_start import JobStarter
 from vlmq.worker.intake.poison import RiskLog
 from vlmq.worker.intake.rq_jobs import BatchWorker, JobLifecycle, Running
 from vlmq.worker.metrics import MetricsError, WorkerMetrics
 from vlmq.worker.model import blas
+from vlmq.worker.options import default_name
 from vlmq.worker.prep.fallback import Fallback
 from vlmq.worker.prep.render_pool import RenderPool
 from vlmq.worker.prep.requests import Preparer
@@ -54,7 +56,8 @@ from vlmq.worker.results.writer import ResultWriter
 from vlmq.worker.stats import WorkerStats
 from vlmq.worker.upkeep import Upkeep, check_redis
 
-__all__ = ["StartupError", "WorkerConfig", "WorkerLoop", "run_worker"]
+__all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_UNAVAILABLE", "StartupError", "WorkerConfig",
+           "WorkerLoop", "run_worker"]
 
 log = logging.getLogger("vlmq.worker")
 
@@ -68,9 +71,30 @@ IDLE_POLL_S = 0.01
 BUSY_WAIT_S = 0.01  # how long a busy turn waits on the engine's first answer
 STOP_DUMP_AFTER_S = 10.0
 
+# Exit statuses at start (sysexits.h), so that a service manager restarts a worker only
+# when a restart can help (cli/units.py: RestartPreventExitStatus=, the plist's wrapper).
+# A configuration error (the model, --blas, the cache dir, the metrics port, a Redis that
+# evicts) stays until someone fixes it; Redis or the hub out of reach may come back; any
+# other failure (a worker of that name still registered) is retried too.
+EXIT_CONFIG = os.EX_CONFIG  # 78
+EXIT_UNAVAILABLE = os.EX_UNAVAILABLE  # 69
+EXIT_FAILED = 1
+
 
 class StartupError(Exception):
-    """The worker cannot start; the message says why (no traceback needed)."""
+    """The worker cannot start; the message says why (no traceback needed), `code` which
+    exit status tells a service manager whether restarting can help."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _load_failure(exc: EngineError) -> StartupError:
+    cause = exc.__cause__
+    if isinstance(cause, ModelLoadError):
+        return StartupError(str(exc), EXIT_UNAVAILABLE if cause.network else EXIT_CONFIG)
+    return StartupError(str(exc))
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,7 +145,7 @@ class WorkerLoop:
             chosen = blas.select(cfg.blas, threads=blas.worker_threads(cfg.prep_threads))
         except blas.BlasError as exc:
             log.error("%s", exc)
-            return 1
+            return EXIT_CONFIG
         log.info("BLAS: %s", chosen.describe())
         backends = blas.mlx_backends()
         if len(backends) > 1:
@@ -130,14 +154,15 @@ class WorkerLoop:
                         "install --force-reinstall --no-deps mlx-cuda-12)", ", ".join(backends))
         self.stats.blas = chosen.describe()
         self.stats.blas_library = chosen.path or ""
-        problem = self._preflight()
-        if problem:
-            log.error("%s", problem)
-            return 1
+        try:
+            self._preflight()
+        except StartupError as exc:
+            log.error("%s", exc)
+            return exc.code
         metrics = self._serve_metrics()  # before the model load: a busy port fails fast
         if isinstance(metrics, str):
             log.error("%s", metrics)
-            return 1
+            return EXIT_CONFIG
         log.info("loading model %s", cfg.model)
         engine = Engine(cfg.model, max_batch=cfg.max_batch, repetition=cfg.repetition,
                         max_kv_tokens=cfg.max_kv_tokens, auto_batch=cfg.auto_batch)
@@ -146,7 +171,7 @@ class WorkerLoop:
             return self._serve(engine)
         except StartupError as exc:
             log.error("%s", exc)
-            return 1
+            return exc.code
         finally:
             engine.close(timeout=10)
             if metrics is not None:
@@ -158,7 +183,8 @@ class WorkerLoop:
         if not cfg.metrics_port:
             return None
         metrics = WorkerMetrics(self.stats,
-                                lambda: (len(self.order), self.events.flight.preparing))
+                                lambda: (len(self.order), self.events.flight.preparing),
+                                queues=cfg.queues, named=cfg.name != default_name())
         try:
             port = metrics.serve(cfg.metrics_host, cfg.metrics_port)
         except MetricsError as exc:
@@ -166,28 +192,35 @@ class WorkerLoop:
         log.info("metrics: http://%s:%d/metrics", cfg.metrics_host, port)
         return metrics
 
-    def _preflight(self) -> str | None:
-        """Problems worth reporting before a model load that can take minutes."""
+    def _preflight(self) -> None:
+        """Problems worth reporting before a model load that can take minutes, as a
+        StartupError whose code says whether a restart can help."""
         try:
-            self.redis.ping()
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            return f"cannot reach Redis at {redact_url(self.cfg.redis_url)}: {exc}"
-        problem = self._check_redis()
-        if problem:
-            return problem
-        key = Keys.rq_worker(self.cfg.name)
-        if self.redis.exists(key) and not self.redis.hexists(key, "death"):
-            return (f"a worker named {self.cfg.name!r} is already registered in Redis; pick "
-                    "another --name (the name of a worker that was killed frees up once its "
-                    "heartbeat expires, within 8 minutes)")
+            check_local(self.cfg.model)
+        except ModelLoadError as exc:
+            raise StartupError(str(exc), EXIT_CONFIG) from exc
         if self.cfg.cache_dir is not None and self.cfg.cache_disk_bytes > 0:
             try:
                 self.cfg.cache_dir.mkdir(parents=True, exist_ok=True)
                 with tempfile.TemporaryFile(dir=self.cfg.cache_dir):
                     pass
             except OSError as exc:
-                return f"cannot write to cache dir {self.cfg.cache_dir}: {exc}"
-        return None
+                raise StartupError(f"cannot write to cache dir {self.cfg.cache_dir}: {exc}",
+                                   EXIT_CONFIG) from exc
+        try:
+            self.redis.ping()
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise StartupError(f"cannot reach Redis at {redact_url(self.cfg.redis_url)}: "
+                               f"{exc}", EXIT_UNAVAILABLE) from exc
+        problem = self._check_redis()
+        if problem:
+            raise StartupError(problem, EXIT_CONFIG)
+        key = Keys.rq_worker(self.cfg.name)
+        if self.redis.exists(key) and not self.redis.hexists(key, "death"):
+            raise StartupError(
+                f"a worker named {self.cfg.name!r} is already registered in Redis; pick "
+                "another --name (the name of a worker that was killed frees up once its "
+                "heartbeat expires, within 8 minutes)")
 
     def _check_redis(self) -> str | None:
         """Eviction refused (unless allowed), persistence warned about, run_id noted."""
@@ -201,7 +234,7 @@ class WorkerLoop:
         try:
             info = engine.wait_ready()
         except EngineError as exc:
-            raise StartupError(str(exc)) from exc
+            raise _load_failure(exc) from exc
         cache = self._vision_cache(info)
         queues = [Queue(q, connection=self.redis, serializer=JSONSerializer) for q in cfg.queues]
         worker = BatchWorker(queues, connection=self.redis, name=cfg.name,
@@ -251,7 +284,8 @@ class WorkerLoop:
         try:
             return VisionCache(cfg.cache_mem_bytes, disk, cfg.cache_disk_bytes)
         except OSError as exc:
-            raise StartupError(f"cannot use cache dir {cfg.cache_dir}: {exc}") from exc
+            raise StartupError(f"cannot use cache dir {cfg.cache_dir}: {exc}",
+                               EXIT_CONFIG) from exc
 
     def _phases(self, engine: Engine, lifecycle: JobLifecycle, preparer: Preparer,
                 cache: VisionCache) -> Phases:

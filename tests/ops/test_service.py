@@ -31,11 +31,9 @@ GRACE_DEFAULT = next(p.default for p in worker_cmd.params if p.name == "grace")
 
 def service(home: Path, *args: str, redis_url: str = SECRET_URL, code: int | None = 0,
             env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """The real console script with a temporary HOME and nothing of this shell's XDG/VLMQ
-    (but `env_extra`)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("XDG_", "VLMQ_", "REDIS_URL", "SUDO_"))}
-    env["HOME"] = str(home)
+    """The real console script with a temporary HOME and a bare environment (this shell's
+    AWS_*, SSL_* or HF_* would reach the unit) but `env_extra`."""
+    env = {"HOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
     env.update(env_extra or {})
     proc = subprocess.run([str(VLMQ), "--redis-url", redis_url, "service", *args],
                           env=env, capture_output=True, text=True, timeout=60)
@@ -84,11 +82,13 @@ def test_plist_has_the_worker_argv_and_stops_after_grace(tmp_path: Path) -> None
                    "--", *args, redis_url="redis://10.0.0.5:6379/2")
     plist = plistlib.loads(proc.stdout.encode())
     program = plist["ProgramArguments"]
-    assert Path(program[0]).is_absolute() and Path(program[0]).samefile(VLMQ)
-    assert program[1:] == ["worker", *args]
+    assert program[:2] == ["/bin/sh", "-c"]  # the wrapper that keeps 78 from restarts
+    assert Path(program[3]).is_absolute() and Path(program[3]).samefile(VLMQ)
+    assert program[4:] == ["worker", *args]
     assert plist["Label"] == "ocr"
     assert plist["RunAtLoad"] is True
     assert plist["KeepAlive"] == {"SuccessfulExit": False}
+    assert plist["ProcessType"] == "Interactive"
     assert plist["ExitTimeOut"] > 45.5
     logs = tmp_path / "Library" / "Logs" / "vlmq" / "ocr.log"
     assert plist["StandardOutPath"] == plist["StandardErrorPath"] == str(logs)
@@ -220,7 +220,9 @@ def test_install_systemd_keeps_the_password_in_a_0600_file(tmp_path: Path) -> No
     text = unit_path.read_text()
     assert "hunter2" not in text and "hunter2" not in proc.stdout
     assert settings(text)["EnvironmentFile"] == [str(env_path)]
-    assert "Environment=" not in text.replace("EnvironmentFile=", "")
+    # The secret (REDIS_URL with its password) is in the file alone; the rest is inline.
+    assert not any(v.startswith('"REDIS_URL') for v in settings(text)["Environment"])
+    assert 'Environment="PYTHONUNBUFFERED=1"' in text
     assert (home / ".cache" / "vlmq").is_dir()
     assert ("systemctl --user daemon-reload && systemctl --user enable --now "
             "vlmq-worker.service") in proc.stdout
@@ -255,7 +257,7 @@ def test_install_launchd_sources_the_env_file(tmp_path: Path) -> None:
     assert (mode(plist_path), mode(env_path)) == (0o644, 0o600)
     assert "hunter2" not in plist_path.read_text() and "hunter2" in env_path.read_text()
     plist = plistlib.loads(plist_path.read_bytes())
-    assert "EnvironmentVariables" not in plist
+    assert "REDIS_URL" not in plist["EnvironmentVariables"]
     program = plist["ProgramArguments"]
     assert program[:2] == ["/bin/sh", "-c"] and str(env_path) in program[2]
     assert Path(program[3]).samefile(VLMQ)
@@ -285,8 +287,8 @@ def test_bad_input_is_one_clear_error(tmp_path: Path, args: list[str], needle: s
 
 def test_worker_runs_from_the_installed_plist(tmp_path: Path, redis_url: str, tiny_model: Path,
                                               run_cli: Callable[..., Result]) -> None:
-    """The plist's ProgramArguments, run as launchd would (bare environment, its working
-    directory, its log file): REDIS_URL comes only from the env file, and the job is served."""
+    """The plist's ProgramArguments, run as launchd would (its EnvironmentVariables, its
+    working directory, its log file), and the job is served."""
     images = make_images(tmp_path / "in", 2)
     job_id = run_cli("enqueue", "caption", *map(str, images), "--max-tokens", "4",
                      code=0).stdout.strip()
@@ -296,10 +298,10 @@ def test_worker_runs_from_the_installed_plist(tmp_path: Path, redis_url: str, ti
     plist = plistlib.loads((home / "Library" / "LaunchAgents" / "vlmq-worker.plist")
                            .read_bytes())
     log = Path(plist["StandardOutPath"])
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", **plist["EnvironmentVariables"]}
     with log.open("w") as out:
         proc = subprocess.run(plist["ProgramArguments"], cwd=plist["WorkingDirectory"],
-                              env={"HOME": str(home), "PATH": "/usr/bin:/bin"},
-                              stdout=out, stderr=subprocess.STDOUT, timeout=300)
+                              env=env, stdout=out, stderr=subprocess.STDOUT, timeout=300)
     assert proc.returncode == 0, log.read_text()
     assert "finished" in run_cli("wait", job_id, "--timeout", "5", code=0).stdout
     assert (home / ".cache" / "vlmq" / "vision").is_dir(), log.read_text()

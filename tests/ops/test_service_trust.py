@@ -27,11 +27,10 @@ PLAIN_URL = "redis://db.example:6379/0"  # no password: the env file's text is p
 def service(home: Path, *args: str, redis_url: str = SECRET_URL, code: int | None = 0,
             env_extra: dict[str, str] | None = None, timeout: float = 60,
             ) -> subprocess.CompletedProcess[str]:
-    """The real console script with a temporary HOME, none of this shell's XDG/VLMQ/SUDO
-    variables (but `env_extra`), and cwd in `home`, so nothing lands anywhere else."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("XDG_", "VLMQ_", "REDIS_URL", "SUDO_"))}
-    env["HOME"] = str(home)
+    """The real console script with a temporary HOME, a bare environment (this shell's
+    AWS_*, SSL_*... would reach the unit) but `env_extra`, and cwd in `home`, so nothing
+    lands anywhere else."""
+    env = {"HOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
     env.update(env_extra or {})
     home.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run([str(VLMQ), "--redis-url", redis_url, "service", *args],
@@ -167,21 +166,25 @@ HOSTILE_VALUE = "$(touch {p}) `touch {p}` ;touch {p}; $HOME ${{X}} %h %% \\ \" <
 
 
 def test_env_file_values_are_read_back_literally_and_run_nothing(tmp_path: Path) -> None:
-    """The plist's own loader (sh, `. FILE`) gets every value as written, and runs none."""
+    """The plist's own loader (sh, `. FILE` for the secrets, launchd's EnvironmentVariables
+    for the rest) gets every value as written, and runs none."""
     marker = tmp_path / "pwned"
     home = tmp_path / "home"
     value = HOSTILE_VALUE.format(p=marker)
-    service(home, "install", "launchd", "--env", f"NOTE={value}", "--", "--model", "m/x",
-            env_extra={"VLMQ_EXTRA": value})
+    service(home, "install", "launchd", "--env", f"NOTE_TOKEN={value}", "--", "--model",
+            "m/x", env_extra={"VLMQ_EXTRA": value})
     plist = plistlib.loads((home / "Library" / "LaunchAgents" / "vlmq-worker.plist")
                            .read_bytes())
     program = plist["ProgramArguments"]
     assert program[:2] == ["/bin/sh", "-c"] and Path(program[3]).samefile(VLMQ)
+    assert "NOTE_TOKEN" not in plist["EnvironmentVariables"]  # a secret: the file's
     # The loader with `env -0` in the worker's place: the environment the worker would get.
-    out = subprocess.run([*program[:3], "/usr/bin/env", "-0"], env={},
+    out = subprocess.run([*program[:3], "/usr/bin/env", "-0"],
+                         env=plist["EnvironmentVariables"],
                          capture_output=True, check=True, timeout=30).stdout.decode()
     got = dict(line.split("=", 1) for line in out.split("\0") if line)
-    assert (got["NOTE"], got["VLMQ_EXTRA"], got["REDIS_URL"]) == (value, value, SECRET_URL)
+    assert (got["NOTE_TOKEN"], got["VLMQ_EXTRA"], got["REDIS_URL"]) == (value, value,
+                                                                        SECRET_URL)
     assert not marker.exists()
 
 
@@ -208,7 +211,7 @@ def test_plist_program_arguments_round_trip(tmp_path: Path) -> None:
     args = ["--model", f"/models/{odd}", "--name", odd, "--queues", "ocr"]
     proc = service(tmp_path, "print", "launchd", "--env", f"NOTE={odd}", "--", *args)
     plist = plistlib.loads(proc.stdout.encode())
-    assert plist["ProgramArguments"][1:] == ["worker", *args]
+    assert plist["ProgramArguments"][4:] == ["worker", *args]
     assert plist["EnvironmentVariables"]["NOTE"] == odd
 
 

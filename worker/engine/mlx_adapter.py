@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +53,28 @@ _TOKENIZER_LOCK = threading.Lock()
 
 
 class ModelLoadError(RuntimeError):
-    """The model could not be found or loaded (bad path, offline hub, bad checkpoint)."""
+    """The model could not be found or loaded (bad path, offline hub, bad checkpoint).
+
+    `network`: the hub could not be reached (DNS, refused, timed out), which a later try
+    may fix; any other load error is the configuration's and stays until someone changes
+    it (the worker exits EX_CONFIG so that a service manager stops restarting it).
+    """
+
+    @property
+    def network(self) -> bool:
+        return _network_failure(self)
+
+
+def _network_failure(exc: BaseException) -> bool:
+    """Whether the cause chain holds a socket-level failure (the hub's client wraps them)."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, (ConnectionError, TimeoutError, socket.gaierror)):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 @dataclass(frozen=True)
@@ -116,18 +138,26 @@ def model_folder(model_path: str) -> Path:
     """The local folder of a model (a hub id downloads here), once its family is accepted."""
     from mlx_vlm.utils import get_model_path
 
-    local = Path(model_path).expanduser()
+    local = check_local(model_path)
     target = str(local) if local.exists() else model_path
-    if local.exists() and not (local / "config.json").is_file():
-        raise ModelLoadError(f"model folder {local} has no config.json")
-    if not local.exists() and (local.is_absolute() or model_path.startswith((".", "~"))):
-        raise ModelLoadError(f"model folder {local} does not exist")
     try:
         folder = get_model_path(target)  # a hub id downloads to its snapshot folder here
     except Exception as exc:  # any loader failure becomes one clear error
         raise ModelLoadError(f"cannot load model {model_path!r}: {exc}") from exc
     check_family(folder, model_path)
     return Path(folder)
+
+
+def check_local(model_path: str) -> Path:
+    """The model's local path; ModelLoadError when it names a folder that is missing or
+    holds no config.json (a hub id, which has neither / first nor ./ ~, passes). Cheap, so
+    the worker checks it before anything else."""
+    local = Path(model_path).expanduser()
+    if local.exists() and not (local / "config.json").is_file():
+        raise ModelLoadError(f"model folder {local} has no config.json")
+    if not local.exists() and (local.is_absolute() or model_path.startswith((".", "~"))):
+        raise ModelLoadError(f"model folder {local} does not exist")
+    return local
 
 
 def check_family(folder: Path, model_path: str) -> str:
