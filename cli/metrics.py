@@ -11,7 +11,7 @@ from redis.exceptions import RedisError
 
 from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, fail
 from vlmq.producer.client import check_redis_url, redact_url
-from vlmq.producer.ops.metrics_exporter import DEFAULT_PORT, FleetCollector, make_server
+from vlmq.producer.ops.metrics_exporter import DEFAULT_PORT, FleetCollector, serve
 from vlmq.shared.connection import connect
 from vlmq.shared.keys import Keys
 
@@ -35,7 +35,8 @@ def metrics_cmd(ctx: click.Context, redis_url: str | None, host: str, port: int,
 
     Queue depth, jobs by state per queue, dead letters, the head job's age per queue and
     live workers; each worker serves its own figures (vlmq worker --metrics-port).
-    Read-only, and cheap at any number of jobs.
+    Read-only, and cheap at any number of jobs. While Redis is unreachable a scrape still
+    answers 200, with vlmq_up 0 (alert on vlmq_up == 0).
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
@@ -46,7 +47,7 @@ def metrics_cmd(ctx: click.Context, redis_url: str | None, host: str, port: int,
     registry = CollectorRegistry()
     registry.register(FleetCollector(redis, Keys.from_env(), items=queued_items))
     try:
-        server = make_server(host, port, registry)
+        server, thread = serve(host, port, registry)
     except OSError as exc:
         why = ("the port is in use: pick another --port" if exc.errno == errno.EADDRINUSE
                else str(exc))
@@ -59,10 +60,11 @@ def metrics_cmd(ctx: click.Context, redis_url: str | None, host: str, port: int,
     log.info("fleet metrics at http://%s:%d/metrics (Redis %s)", host,
              server.server_address[1], redact_url(url))
     try:
-        server.serve_forever()
+        thread.join()  # prometheus_client serves on its own (daemon) thread
     except KeyboardInterrupt:
         log.info("interrupted: stopping")
     finally:
+        server.shutdown()
         server.server_close()
 
 

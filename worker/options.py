@@ -84,8 +84,13 @@ def _true_or_none(value: bool) -> bool | None:
     return True if value else None
 
 
+def default_name() -> str:
+    """A worker's name without --name: unique in Redis, new at every start (host.pid)."""
+    return f"{socket.gethostname()}.{os.getpid()}"
+
+
 def _worker_name(value: str | None) -> str:
-    return value or f"{socket.gethostname()}.{os.getpid()}"
+    return value or default_name()
 
 
 def _prep_threads(value: int | None) -> int:

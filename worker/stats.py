@@ -47,6 +47,8 @@ class _EngineView(Protocol):
     @property
     def kv_in_flight(self) -> int: ...
     @property
+    def kv_budget(self) -> int: ...
+    @property
     def batch_limit(self) -> int: ...
     @property
     def batch_reason(self) -> str: ...
@@ -89,14 +91,17 @@ class WorkerStats:
         # Totals the metrics thread reads (worker/metrics.py): guarded by _lock, since a
         # new label value adds a key while a scrape copies the dict.
         self._lock = threading.Lock()
-        self._items: dict[tuple[str, str], int] = {}  # (task, ok|failed) -> items
+        # (task, ok|failed, finish_reason) -> items
+        self._items: dict[tuple[str, str, str], int] = {}
         self._tokens: dict[tuple[str, str], int] = {}  # (task, prompt|generated) -> tokens
         self._phase_s: dict[str, float] = {}  # timing name (queue_s...) -> seconds
         self._jobs: dict[tuple[str, str], int] = {}  # (queue, JOB_EVENTS) -> jobs
         self.render_failures = 0
         self.render_timeouts = 0
-        # Called with each stored item result and its job's task (the metrics' histograms).
+        # Called with each stored item result and its job's task (the metrics' histograms),
+        # and with each job taken and how long it waited in its queue.
         self.on_item: Callable[[ItemResult, str], None] | None = None
+        self.on_wait: Callable[[str, float], None] | None = None
         self._samples: deque[tuple[float, int, int]] = deque()
         # Preprocessing counters are process-wide; report this worker's share only.
         self._work_base = P.COUNTERS.snapshot()
@@ -113,7 +118,7 @@ class WorkerStats:
             self.render_failures += 1
             self.render_timeouts += RENDER_TIMED_OUT in error
         with self._lock:
-            key = (task, "ok" if result.ok else "failed")
+            key = (task, "ok" if result.ok else "failed", result.finish_reason or "none")
             self._items[key] = self._items.get(key, 0) + 1
             if not result.result_cache_hit:
                 for kind, n in (("prompt", result.prompt_tokens),
@@ -128,12 +133,15 @@ class WorkerStats:
             return
         self.tokens += result.completion_tokens
 
-    def count_job(self, queue: str, event: str) -> None:
-        """A job taken, refused, finished, failed or requeued here (JOB_EVENTS)."""
+    def count_job(self, queue: str, event: str, *, waited_s: float | None = None) -> None:
+        """A job taken, refused, finished, failed or requeued here (JOB_EVENTS); a taken
+        job with the seconds it waited in its queue."""
         with self._lock:
             self._jobs[queue, event] = self._jobs.get((queue, event), 0) + 1
+        if waited_s is not None and self.on_wait is not None:
+            self.on_wait(queue, waited_s)
 
-    def totals(self) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], int],
+    def totals(self) -> tuple[dict[tuple[str, str, str], int], dict[tuple[str, str], int],
                               dict[str, float], dict[tuple[str, str], int]]:
         """Copies of the labelled totals: items, tokens, seconds by phase, jobs."""
         with self._lock:

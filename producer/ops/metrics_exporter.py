@@ -11,24 +11,23 @@ Series stay bounded whatever queue names Redis holds (issue 29: 20,000 one-job q
 queue="(other)" with their number in vlmq_queues_folded.
 
 A standalone process rather than a page of the dashboard: it needs no Flask and no auth
-token, writes nothing, and listens on 127.0.0.1 unless told otherwise. A scrape that
-fails on Redis answers 503 with `vlmq_up 0`, so an alert can tell "Redis down" from
-"exporter down".
+token, writes nothing, and listens on 127.0.0.1 unless told otherwise. It is served by
+prometheus_client's own HTTP server. A scrape that fails on Redis still answers 200,
+with `vlmq_up 0` alone: Prometheus discards the body of any other status, so only a 200
+lets an alert on `vlmq_up == 0` tell "Redis down" from "exporter down" (`up == 0`).
 """
 
 from __future__ import annotations
 
 import logging
-import socket
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from redis import Redis
@@ -162,16 +161,34 @@ def _head_ages(redis: Redis, queues: list[str], now: float) -> list[float]:
 
 
 class FleetCollector(Collector):
-    """Reads the fleet per scrape; a Redis error propagates (the handler answers 503)."""
+    """Reads the fleet per scrape. A Redis error is no failed scrape: it yields
+    `vlmq_up 0` (and the scrape's seconds) alone, which the server sends with a 200."""
 
     def __init__(self, redis: Redis, keys: Keys, *, items: bool = False) -> None:
         self.redis = redis
         self.keys = keys
         self.items = items
+        self.down = False  # the last scrape failed on Redis (said once, not per scrape)
 
     def collect(self) -> Iterable[Metric]:
         t0 = time.monotonic()
-        fleet = read_fleet(self.redis, self.keys, items=self.items)
+        try:
+            fleet = read_fleet(self.redis, self.keys, items=self.items)
+        except RedisError as exc:
+            if not self.down:
+                log.warning("scrape failed on Redis: %s (vlmq_up 0 until it is back)", exc)
+            self.down = True
+            yield _up(0)
+            yield _scrape_seconds(t0)
+            return
+        if self.down:
+            log.info("Redis is back: scrapes read it again")
+            self.down = False
+        yield from self._figures(fleet)
+        yield _up(1)
+        yield _scrape_seconds(t0)
+
+    def _figures(self, fleet: Fleet) -> Iterable[Metric]:
         jobs = GaugeMetricFamily("vlmq_queue_jobs", "Jobs per queue and state, as RQ keeps "
                                  "them (its queue list and registries).",
                                  labels=["queue", "state"])
@@ -202,62 +219,24 @@ class FleetCollector(Collector):
                                 "default queues, then the most jobs).",
                                 value=fleet.other.queues if fleet.other else 0)
         yield GaugeMetricFamily("vlmq_dead_letters", "Queue entries no worker could run, "
-                                "kept in the dead-letter list (vlmq dead).",
+                                "kept in the dead-letter list (<prefix>:dead).",
                                 value=fleet.dead_letters)
         yield GaugeMetricFamily("vlmq_workers", "Workers whose live stats are fresh.",
                                 value=fleet.workers)
-        yield GaugeMetricFamily("vlmq_up", "1: this scrape read Redis.", value=1)
-        yield GaugeMetricFamily("vlmq_scrape_seconds", "Seconds this scrape took.",
-                                value=time.monotonic() - t0)
 
 
-def down_registry() -> CollectorRegistry:
-    """What a scrape that failed on Redis answers: vlmq_up 0."""
-    reg = CollectorRegistry()
-    reg.register(_Down())
-    return reg
+def _up(value: int) -> GaugeMetricFamily:
+    return GaugeMetricFamily("vlmq_up", "1: this scrape read Redis; 0: it could not (the "
+                             "other vlmq_ figures are left out then).", value=value)
 
 
-class _Down(Collector):
-    def collect(self) -> Iterable[Metric]:
-        yield GaugeMetricFamily("vlmq_up", "1: this scrape read Redis.", value=0)
+def _scrape_seconds(t0: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily("vlmq_scrape_seconds", "Seconds this scrape took.",
+                             value=time.monotonic() - t0)
 
 
-def make_server(host: str, port: int, registry: CollectorRegistry) -> ThreadingHTTPServer:
-    """An HTTP server answering /metrics from `registry` (503 + vlmq_up 0 on a Redis
-    error); OSError when it cannot listen."""
-    down = down_registry()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # http.server's name
-            path = self.path.split("?", 1)[0]
-            if path not in ("/metrics", "/"):
-                self._send(404, b"not found; see /metrics\n", "text/plain; charset=utf-8")
-                return
-            if path == "/":
-                self._send(200, b"vlmq fleet metrics: /metrics\n", "text/plain; charset=utf-8")
-                return
-            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-            try:
-                body = encoder(registry)
-            except RedisError as exc:
-                log.warning("scrape failed on Redis: %s", exc)
-                self._send(503, encoder(down), content_type)
-                return
-            self._send(200, body, content_type)
-
-        def _send(self, code: int, body: bytes, content_type: str) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:  # base's name
-            log.debug("%s " + format, self.address_string(), *args)
-
-    class Server(ThreadingHTTPServer):
-        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        daemon_threads = True
-
-    return Server((host, port), Handler)
+def serve(host: str, port: int, registry: CollectorRegistry
+          ) -> tuple[WSGIServer, threading.Thread]:
+    """prometheus_client's HTTP server for `registry` on host:port (0: a free port),
+    serving on a daemon thread; OSError when it cannot listen."""
+    return start_http_server(port, addr=host, registry=registry)

@@ -148,6 +148,7 @@ class EngineState:
     peak_waiting: int = 0  # most requests ever submitted but not yet in the batch
     peak_active: int = 0
     kv_in_flight: int = 0  # sum of the active rows' (prompt + max new tokens)
+    kv_budget: int = 0  # what kv_in_flight is admitted under (0: not known until loaded)
     batch_limit: int = 0  # the rows the batch admits now (worker/engine/batch_size.py chooses it)
     batch_reason: str = ""  # why that many
     peak_kv_in_flight: int = 0
@@ -231,6 +232,7 @@ class Engine:
                                         max_batch))
         self.fault = fault if fault is not None else faults.from_env()
         self.state = EngineState()  # shared with the MLX thread; read it for counters
+        self.state.kv_budget = max_kv_tokens or 0
         # Pure logic: made here so the limit is known before the model loads; from then on
         # only the MLX thread's loop calls it.
         self._sizer = BatchSizer(max_batch, floor=FLOOR if auto_batch else max_batch)
@@ -423,6 +425,7 @@ class _Loop:
             log.info("engine: KV admission budget %d tokens (%d bytes/token, weights %.0f MB; "
                      "--max-kv-tokens overrides)", max_kv_tokens, per_token, weights / 1e6)
         self.kv_budget: int = max_kv_tokens
+        state.kv_budget = max_kv_tokens
         self.warned_over_budget: set[Hashable] = set()
 
     def _new_generator(self) -> Any:

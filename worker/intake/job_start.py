@@ -67,10 +67,18 @@ class JobStarter:
                 self.stats.count_job(running.queue, "refused")
             else:
                 started.append(running)
-                self.stats.count_job(running.queue.name, "taken")
+                self.stats.count_job(running.queue.name, "taken", waited_s=self._waited(running))
         if started:
             self.start(started)
         return len(taken)
+
+    def _waited(self, running: Running) -> float | None:
+        """Seconds from the job's (re)enqueue to now, by Redis's clock (RQ's enqueued_at
+        comes from the producer's clock: a skewed one is clamped at 0)."""
+        enqueued = running.job.enqueued_at
+        if enqueued is None:
+            return None
+        return max(0.0, self.lifecycle.clock.now() - enqueued.timestamp())
 
     def start(self, jobs: list[Running]) -> None:
         """Resolve each job's settings, then read what every one needs in one round trip:
