@@ -15,6 +15,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from openai.types import BatchError
 from openai.types.chat import ChatCompletion
 
 from tests.support import helpers
@@ -27,8 +28,10 @@ from vlmq.producer.openai_files import (
     ranges,
     read_batch_file,
     read_openai_batch,
+    submit_openai_batch,
     unranges,
 )
+from vlmq.producer.ops.output_formats import JobResults, openai_output
 from vlmq.producer.options import JobOptions
 from vlmq.shared import extract_schema as json_schema
 from vlmq.shared.errors import PayloadError
@@ -286,13 +289,14 @@ def test_a_batch_file_through_a_real_worker_and_back(served: tuple[str, Path, Pa
     _cli(url, "result", made["batch"], "--format", "openai-batch", "-o", str(out),
          "--errors", str(errors))
     good, bad = _lines(out), _lines(errors)
-    assert sorted(x["custom_id"] for x in good) == ["cap-0", "cap-1", "cap-2", "ext-0"]
-    assert [x["custom_id"] for x in bad] == ["cut-0"]
+    # Input order, across the four jobs; the cut answer is a 200, as OpenAI gives it.
+    assert [x["custom_id"] for x in good] == ["cap-0", "cap-1", "cap-2", "ext-0", "cut-0"]
+    assert bad == []
     ids = set()
     for entry in good:
         assert entry["error"] is None and entry["response"]["status_code"] == 200
         assert entry["id"].startswith("batch_req_") and entry["response"]["request_id"]
-        body = ChatCompletion.model_validate(entry["response"]["body"])
+        body = ChatCompletion.model_validate(entry["response"]["body"], strict=True)
         ids.add(body.id)
         assert body.object == "chat.completion" and body.created > 1_700_000_000
         assert body.model == str(model)  # the worker's own id, from its live stats
@@ -304,14 +308,19 @@ def test_a_batch_file_through_a_real_worker_and_back(served: tuple[str, Path, Pa
         if entry["custom_id"] == "ext-0":
             jsonschema.validate(json.loads(choice.message.content or ""), SCHEMA)
     assert len(ids) == len(good)
-    (cut,) = bad
-    assert cut["response"]["status_code"] == 500 and cut["error"] is None
-    assert "max_tokens" in cut["response"]["body"]["error"]["message"]
-    # Without --errors: every request, in batch order, the failure in its place.
+    cut = ChatCompletion.model_validate(good[-1]["response"]["body"], strict=True)
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content
+    with pytest.raises(json.JSONDecodeError):  # the partial JSON, never a whole value
+        json.loads(cut.choices[0].message.content)
+    # vlmq's own jsonl keeps it failed: no `json`, the error says it was cut.
+    own = {x["custom_id"]: x for x in map(json.loads, _cli(
+        url, "result", made["batch"], "--format", "jsonl").stdout.splitlines())}
+    assert own["cut-0"]["json"] is None and "max_tokens" in own["cut-0"]["error"]
+    assert own["cut-0"]["model_text"] == cut.choices[0].message.content
+    # Without --errors: every request, in input order.
     every = [json.loads(x) for x in _cli(url, "result", made["batch"], "--format",
                                          "openai-batch").stdout.splitlines()]
-    by_id = {x["custom_id"]: x for x in good + bad}
-    assert every == [by_id[c] for c in ("cap-0", "cap-1", "cap-2", "ext-0", "cut-0")]
+    assert every == good
 
 
 def test_items_of_a_canceled_job_are_error_lines(served: tuple[str, Path, Path]) -> None:
@@ -320,7 +329,7 @@ def test_items_of_a_canceled_job_are_error_lines(served: tuple[str, Path, Path])
     job_id = _cli(url, "enqueue", "--openai-batch", str(requests), "--queue",
                   "nobody-serves").stdout.strip()
     with Client(url) as client:
-        client.cancel(job_id)
+        client.batch(job_id).cancel()  # a file is always a batch
     res = _cli(url, "result", job_id, "--format", "openai-batch", "--errors",
                str(tmp / "cancel-errors.jsonl"))
     assert res.stdout == ""
@@ -340,17 +349,125 @@ def test_errors_file_needs_a_format_that_splits(served: tuple[str, Path, Path]) 
                str(requests), code=2)
     assert "not both" in res.stderr
     with Client(url) as client:
-        client.cancel(job_id)
+        client.batch(job_id).cancel()
 
 
-def test_a_model_the_worker_does_not_serve_fails_every_request(
+def test_a_model_the_worker_does_not_serve_fails_every_request_when_strict(
         served: tuple[str, Path, Path]) -> None:
     url, tmp, _ = served
     requests = write(tmp / "model.jsonl", [line("m-0", png_uri(10), model="other/model")])
-    job_id = _cli(url, "enqueue", "--openai-batch", str(requests)).stdout.strip()
+    job_id = _cli(url, "enqueue", "--openai-batch", str(requests),
+                  "--strict-model").stdout.strip()
     _cli(url, "wait", job_id, "--timeout", "120", code=1)
     res = _cli(url, "result", job_id, "--format", "openai-batch", code=1)
     (entry,) = [json.loads(x) for x in res.stdout.splitlines()]
     assert (entry["custom_id"], entry["response"], entry["error"]["code"]) == (
         "m-0", None, "batch_failed")
     assert "job asks for model 'other/model'" in entry["error"]["message"]
+
+
+# --- a file as OpenAI's Batch API docs write it ------------------------------------------------
+
+
+def _docs_file(tmp: Path) -> list[Any]:
+    """Requests as the Batch API guide and the chat completions reference write them:
+    `model` on every line, system and developer messages, max_completion_tokens (and the
+    legacy max_tokens), seed, sampling knobs, json_schema (strict) and json_object, data:
+    images with `detail`; one line refused for good (a web URL) and one Responses API
+    line, both to be skipped."""
+    def req(custom_id: str, messages: list[Any], **body: Any) -> dict[str, Any]:
+        return {"custom_id": custom_id, "method": "POST", "url": URL,
+                "body": {"model": "gpt-4o-mini", "messages": messages, **body}}
+
+    def user(text: str, uri: str, detail: str) -> dict[str, Any]:
+        return {"role": "user", "content": [
+            {"type": "text", "text": text},
+            {"type": "image_url", "image_url": {"url": uri, "detail": detail}}]}
+
+    system = {"role": "system", "content": "You are a helpful assistant."}
+    developer = {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]}
+    receipt = {"type": "json_schema", "json_schema": {
+        "name": "receipt", "description": "A receipt's fields", "strict": True,
+        "schema": RECEIPT}}
+    return [
+        req("request-1", [system, user("What is in this image?", png_uri(11), "auto")],
+            max_completion_tokens=8, seed=42, temperature=0),
+        req("request-2", [developer, user("Describe it.", png_uri(12), "low")],
+            max_tokens=6, temperature=0.7, top_p=0.9, seed=7, presence_penalty=0.0,
+            frequency_penalty=0.2, n=1, user="user-123", stop=["\n\n"]),
+        req("request-3", [system, user("Read the title.", png_uri(13), "high")],
+            max_completion_tokens=200, seed=1, response_format={
+                "type": "json_schema", "json_schema": {"name": "title", "strict": True,
+                                                       "schema": SCHEMA}}),
+        req("request-4", [system, user("Answer in JSON.", png_uri(14), "auto")],
+            max_completion_tokens=64, response_format={"type": "json_object"}),
+        req("request-5", [user("Where is this?", "https://example.com/a.png", "auto")],
+            max_completion_tokens=8),
+        # No receipt fits in 5 tokens: cut at the limit, answered as OpenAI does.
+        req("request-6", [system, user("Read the receipt.", png_uri(15), "high")],
+            max_completion_tokens=5, seed=3, response_format=receipt),
+        {"custom_id": "request-7", "method": "POST", "url": "/v1/responses",
+         "body": {"model": "gpt-4o-mini", "input": "Hello world!"}},
+        req("request-8", [system, user("What is in this image?", png_uri(16), "auto")],
+            max_completion_tokens=8, seed=42, temperature=0),
+    ]
+
+
+def test_a_file_written_from_openais_docs_runs_as_it_is(
+        served: tuple[str, Path, Path]) -> None:
+    url, tmp, model = served
+    lines = _docs_file(tmp)
+    requests = write(tmp / "docs.jsonl", lines)
+    made = json.loads(_cli(url, "enqueue", "--openai-batch", str(requests), "--skip-bad",
+                           "--json").stdout)
+    assert [r["line"] for r in made["rejected"]] == [5, 7]
+    _cli(url, "wait", made["batch"], "--timeout", "240")
+    out, errors = tmp / "docs-out.jsonl", tmp / "docs-errors.jsonl"
+    _cli(url, "result", made["batch"], "--format", "openai-batch", "-o", str(out),
+         "--errors", str(errors))
+    good, bad = _lines(out), _lines(errors)
+    order = [x["custom_id"] for x in lines]
+    # Every input line has exactly one line, in the output or the error file, in order.
+    assert [x["custom_id"] for x in good] == [c for c in order if c not in (
+        "request-5", "request-7")]
+    assert [x["custom_id"] for x in bad] == ["request-5", "request-7"]
+    every = [json.loads(x)["custom_id"] for x in _cli(
+        url, "result", made["batch"], "--format", "openai-batch").stdout.splitlines()]
+    assert every == order
+    finish = {}
+    for entry in good:
+        assert entry["error"] is None and entry["response"]["status_code"] == 200
+        body = ChatCompletion.model_validate(entry["response"]["body"], strict=True)
+        assert body.model == str(model)  # the model that answered, as OpenAI echoes it
+        finish[entry["custom_id"]] = body.choices[0]
+    jsonschema.validate(json.loads(finish["request-3"].message.content or ""), SCHEMA)
+    if finish["request-4"].finish_reason == "stop":
+        assert isinstance(json.loads(finish["request-4"].message.content or ""), dict)
+    assert finish["request-6"].finish_reason == "length"
+    for entry in bad:
+        assert entry["response"] is None
+        error = BatchError.model_validate(entry["error"], strict=True)
+        assert error.line == order.index(entry["custom_id"]) + 1 and error.message
+    assert "http(s) URLs are refused" in bad[0]["error"]["message"]
+    assert "Responses API" in bad[1]["error"]["message"]
+
+
+def test_the_python_path_maps_a_model_and_reads_the_output(
+        served: tuple[str, Path, Path]) -> None:
+    url, tmp, model = served
+    lines = [line("p-1", png_uri(17), max_tokens=4, model="gpt-4o-mini"),
+             line("p-2", "http://example.com/x.png", model="gpt-4o-mini"),
+             line("p-3", png_uri(18), max_tokens=4, model="gpt-4o-mini", temperature=0.5)]
+    requests = write(tmp / "python.jsonl", lines)
+    with Client(url) as client:
+        batch, skipped = submit_openai_batch(
+            client, requests, skip_bad=True,
+            models=ModelPolicy.parse([f"gpt-4o-mini={model}"], strict=True))
+        assert [s.line for s in skipped] == [2]
+        assert all(j.payload().get("model") == str(model) for j in batch.jobs())
+        batch.wait(timeout=240)
+        views = [JobResults.read(j) for j in batch.jobs()]
+        out = [(ok, json.loads(x)) for ok, x in openai_output(views)]
+    assert [(ok, x["custom_id"]) for ok, x in out] == [(True, "p-1"), (False, "p-2"),
+                                                       (True, "p-3")]
+    assert out[1][1]["error"]["code"] == "invalid_request"
