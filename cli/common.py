@@ -1,36 +1,104 @@
-"""What every vlmq command shares: exit codes and the one-line failure.
+"""What every vlmq command shares: exit codes, the one-line failure, --json errors.
 
-Exit codes are part of the interface so scripts can branch on them:
-0 ok; 1 a job failed / not found / Redis unreachable or refusing writes (maxmemory, a
-read-only replica); 2 bad input or usage (nothing was written to Redis; for `result`, an
--o path that cannot be written); 3 `wait --strict`: every job finished, but some items
-failed; 124 `wait` timed out.
+Exit codes are part of the interface so scripts can branch on them (EXIT_CODES; the table
+in docs/jobs.md "Exit codes" is this one): a command that cannot reach Redis exits 69
+whenever that happens, at its start or in the middle of a wait, so 1 always means a job
+(or an id) and never the connection.
+
+Every command imports this module before it runs: it imports nothing heavy (no redis,
+no Pillow), so `vlmq X --help` stays fast (issue 28).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
+from vlmq.shared import constants as C
 from vlmq.shared.keys import JOB_ID_SHAPE, QUEUE_SHAPE, SCHEDULE_SHAPE, IdShape, label_problem
-from vlmq.stores.backends import STORES_ENV, StoreError, Stores
+
+if TYPE_CHECKING:
+    from vlmq.stores.backends import Stores
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_FAILED_ITEMS = 3
+EXIT_UNREACHABLE = 69  # sysexits EX_UNAVAILABLE
 # `vlmq worker`: a configuration error (model, --blas, cache dir...) that a restart cannot
-# fix (sysexits EX_CONFIG; the units vlmq service writes do not restart on it).
+# fix (sysexits EX_CONFIG; the units `vlmq service` writes do not restart on it).
 EXIT_CONFIG = 78
 EXIT_TIMEOUT = 124
 
+# Each code, the name a --json error carries as "kind", and what it means. docs/jobs.md's
+# table is checked against it (tests/ops/test_cli_habits.py).
+EXIT_CODES: dict[int, tuple[str, str]] = {
+    EXIT_OK: ("ok", "done: every job asked about finished, or the command did its work"),
+    EXIT_FAILED: ("failed", "a job failed, was canceled or is not found; an item failed or "
+                            "was refused (export); Redis refused a command (maxmemory, a "
+                            "read-only replica) or may evict keys"),
+    EXIT_BAD_INPUT: ("usage", "bad input or usage: an unknown option or choice, a malformed "
+                              "id, an unreadable input file, an -o path that cannot be "
+                              "written; nothing was written to Redis"),
+    EXIT_FAILED_ITEMS: ("failed_items", "`wait --strict`: every job finished, but some "
+                                        "items failed"),
+    EXIT_UNREACHABLE: ("redis_unreachable", "Redis cannot be reached, at the start or "
+                                            "until `wait --timeout` passed"),
+    EXIT_CONFIG: ("config", "`vlmq worker`: a configuration no restart can fix (a missing "
+                            "model folder, a bad option); its service is not restarted"),
+    EXIT_TIMEOUT: ("timeout", "`wait --timeout`, or enqueue's `--wait-timeout`, passed"),
+}
+
+# ctx.meta key: the command line asked for --json, so errors are JSON on stderr too.
+JSON_META = "vlmq.json"
+
+
+def json_wanted(args: Sequence[str]) -> bool:
+    """Whether a command line asks for --json (before any `--`): known while it is parsed,
+    so a usage error in it is JSON already."""
+    head = list(args)
+    return "--json" in (head[:head.index("--")] if "--" in head else head)
+
+
+def no_color() -> bool:
+    """https://no-color.org: any non-empty NO_COLOR turns colour off."""
+    return bool(os.environ.get("NO_COLOR"))
+
+
+def _json_errors() -> bool:
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx is not None and ctx.meta.get(JSON_META))
+
+
+def package_version() -> str:
+    """vlmq's installed version, from its package metadata as `vlmq --version` reads it."""
+    from importlib.metadata import version
+
+    return version("vlmq")
+
+
+def error_json(message: str, code: int) -> str:
+    """A failure as --json prints it on stderr: {"error": {"code", "kind", "message"}}."""
+    text = message.removeprefix("error: ")
+    kind = EXIT_CODES.get(code, ("failed", ""))[0]
+    return json.dumps({"error": {"code": code, "kind": kind, "message": text}})
+
 
 def fail(message: str, code: int) -> NoReturn:
-    click.echo(f"vlmq: {message}", err=True)
+    """Say why on stderr (one JSON object under --json) and exit with `code`."""
+    if _json_errors():
+        click.echo(error_json(message, code), err=True)
+    else:
+        # Red on a terminal; click drops the colour elsewhere, and NO_COLOR drops it
+        # everywhere (the root group sets ctx.color).
+        click.echo(click.style("vlmq:", fg="red", bold=True) + f" {message}", err=True)
     sys.exit(code)
 
 
@@ -86,6 +154,8 @@ def one_line(text: str) -> str:
 
 def _stores_callback(_ctx: click.Context, _param: click.Parameter,
                      value: tuple[str, ...]) -> Stores:
+    from vlmq.stores.backends import StoreError, Stores
+
     try:
         return Stores.parse(value)
     except StoreError as exc:
@@ -95,7 +165,7 @@ def _stores_callback(_ctx: click.Context, _param: click.Parameter,
 def store_option(func: F) -> F:
     """`--store NAME=URL` (repeatable; default $VLMQ_STORES): the command gets `stores`."""
     return click.option(
-        "--store", "stores", multiple=True, envvar=STORES_ENV, metavar="NAME=URL",
+        "--store", "stores", multiple=True, envvar=C.STORES_ENV, metavar="NAME=URL",
         callback=_stores_callback,
         help="A store this machine reads inputs from by reference: NAME=file:///folder or "
              "NAME=s3://bucket/prefix (repeatable; default: $VLMQ_STORES, comma-separated). "

@@ -4,23 +4,29 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from itertools import chain
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, JOB_ID, fail
-from vlmq.producer.client import Client
-from vlmq.producer.job_sets import expand
 from vlmq.producer.ops.export import FORMATS, ExportReport, export_results
 from vlmq.producer.ops.output_formats import EXTRACT
 
+if TYPE_CHECKING:
+    from vlmq.producer.client import Job
 
-def print_report(report: ExportReport, where: Path, as_json: bool) -> None:
+
+def print_report(report: ExportReport, where: Path, as_json: bool,
+                 why_empty: str | None = None) -> None:
+    """What was written; when nothing was, why (`why_empty`, in the JSON report too)."""
     if as_json:
-        click.echo(json.dumps(report.to_dict()))
+        click.echo(json.dumps(report.to_dict() | ({"empty": why_empty} if why_empty else {})))
         return
-    click.echo(f"wrote {len(report.written)} file(s) under {where}")
+    click.echo(f"wrote {len(report.written)} file(s) under {where}"
+               + (f": {why_empty}" if why_empty else ""))
     for source, error in report.failed:
         click.echo(f"vlmq: {source}: failed, not written: {error}", err=True)
     for _source, reason in report.refused:
@@ -63,6 +69,9 @@ def export_cmd(ctx: click.Context, job_ids: tuple[str, ...], out_dir: Path | Non
         fail("error: give exactly one of --dir OUT and --sidecar ROOT", EXIT_BAD_INPUT)
     root = out_dir if out_dir is not None else sidecar_root
     assert root is not None
+    from vlmq.producer.client import Client
+    from vlmq.producer.job_sets import expand
+
     report = ExportReport()
     with Client(ctx.obj["redis_url"]) as client:
         # Every id checked before anything is written; a batch is exported as one set,
@@ -77,9 +86,28 @@ def export_cmd(ctx: click.Context, job_ids: tuple[str, ...], out_dir: Path | Non
                 if part:
                     report.merge(export_results(chain.from_iterable(j.results() for j in part),
                                                 root, fmt, overwrite, extract=extract))
-    print_report(report, root, as_json)
+        why = None if report.written or report.kept or report.refused else why_nothing(
+            [j for jobs in sets for j in jobs])
+    print_report(report, root, as_json, why)
     if report.failed or report.refused or report.kept:
         sys.exit(EXIT_FAILED)
+
+
+def why_nothing(jobs: Sequence[Job]) -> str:
+    """Why an export wrote no file: the jobs' states and items, in a few words."""
+    states: dict[str, int] = {}
+    done = total = failed = 0
+    for job in jobs:
+        state = job.status()
+        states[state] = states.get(state, 0) + 1
+        finished, items = job.progress()
+        done, total, failed = done + finished, total + items, failed + job.failed_items()
+    where = ", ".join(f"{n} {s}" for s, n in sorted(states.items()))
+    if done == 0:
+        pending = any(s in ("queued", "started", "deferred", "scheduled") for s in states)
+        return (f"no item has a result yet ({len(jobs)} job(s): {where}"
+                + ("; run vlmq wait first, or start a worker" if pending else "") + ")")
+    return f"every item with a result failed ({failed} of {total}; job(s): {where})"
 
 
 def register(group: click.Group) -> None:

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -24,29 +24,24 @@ from vlmq.cli.common import (
     JOB_ID,
     QUEUE,
     fail,
+    package_version,
     parse_labels,
     store_option,
 )
 from vlmq.cli.results import result_cmd, wait_cmd
-from vlmq.producer.client import Client, Job, QueueInfo, WorkerInfo
-from vlmq.producer.job_sets import JOB_ITEMS, Batch, Part, is_batch, submit_parts
-from vlmq.producer.manifest import Group, read_manifest
-from vlmq.producer.openai_files import (
-    ModelPolicy,
-    read_batch_file,
-    read_openai_batch,
-    submit_batch_file,
-)
-from vlmq.producer.ops.job_admin import CannotCancel
-from vlmq.producer.ops.metrics_exporter import OTHER_QUEUES
+from vlmq.producer.defaults import DEFAULT_MAX_PENDING_MB, JOB_ITEMS
 from vlmq.producer.options import JobOptions, job_options
-from vlmq.producer.page_specs import PagesWithoutPdf
-from vlmq.producer.upload import DEFAULT_MAX_PENDING_MB, BudgetWaitTimeout, retention
 from vlmq.shared import constants as C
-from vlmq.shared import job_index, redis_checks
 from vlmq.shared import settings as S
 from vlmq.shared.errors import InputError, PayloadError
-from vlmq.stores.backends import Stores
+
+# The client and what it uses (redis, RQ, Pillow, PDFium) are imported by the command
+# bodies that need them: `vlmq jobs --help` imports none of it (issue 28's start time).
+if TYPE_CHECKING:
+    from vlmq.producer.client import Client, Job, QueueInfo, WorkerInfo
+    from vlmq.producer.job_sets import Batch
+    from vlmq.producer.manifest import Group
+    from vlmq.stores.backends import Stores
 
 F = TypeVar("F", bound=Callable[..., Any])
 JSON_HELP = "Print JSON instead of text."
@@ -61,6 +56,9 @@ def _handle_errors(func: F) -> F:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from vlmq.producer.upload import BudgetWaitTimeout
+        from vlmq.shared import redis_checks
+
         try:
             return func(*args, **kwargs)
         except (InputError, PayloadError) as exc:
@@ -76,6 +74,8 @@ def _handle_errors(func: F) -> F:
 def _client(ctx: click.Context, stores: Stores | None = None,
             max_pending_mb: float = DEFAULT_MAX_PENDING_MB,
             allow_eviction: bool = False, wait_timeout: float | None = None) -> Client:
+    from vlmq.producer.client import Client
+
     return Client(ctx.find_root().obj["redis_url"], stores=stores,
                   max_pending_mb=max_pending_mb, progress=True,
                   allow_eviction=allow_eviction or None, wait_timeout=wait_timeout)
@@ -84,7 +84,7 @@ def _client(ctx: click.Context, stores: Stores | None = None,
 def _allow_eviction(func: F) -> F:
     return click.option("--allow-eviction", is_flag=True,
                         help="Go on although Redis's maxmemory-policy may evict vlmq's keys "
-                             f"(a warning still says so); also ${redis_checks.ALLOW_EVICTION_ENV}"
+                             f"(a warning still says so); also ${C.ALLOW_EVICTION_ENV}"
                              "=1.")(func)
 
 
@@ -96,6 +96,12 @@ def _label_filter(func: F) -> F:
 
 def _json_option(func: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help=JSON_HELP)(func)
+
+
+def _is_batch(client: Client, job_id: str) -> bool:
+    from vlmq.producer.job_sets import is_batch
+
+    return is_batch(client, job_id)
 
 
 def _job_json(job: Job) -> dict[str, Any]:
@@ -115,6 +121,8 @@ def _warn_unserved(client: Client, queues: Sequence[str]) -> None:
 def _set_json(what: Job | Batch) -> dict[str, Any]:
     """A job's keys as before, plus "batch" (null for one job) and "jobs"; a batch gives
     its id as "id" too, so a script passing "id" on to wait/result works either way."""
+    from vlmq.producer.client import Job
+
     if isinstance(what, Job):
         return {**_job_json(what), "batch": None, "jobs": [_job_json(what)]}
     jobs = what.jobs()
@@ -127,6 +135,8 @@ def _set_json(what: Job | Batch) -> dict[str, Any]:
 
 def _report(client: Client, what: Job | Batch, as_json: bool) -> None:
     """Print the job id, or the batch id when the set became several jobs."""
+    from vlmq.producer.client import Job
+
     if as_json:
         click.echo(json.dumps(_set_json(what)))
     else:
@@ -217,6 +227,8 @@ def enqueue(ctx: click.Context, manifest: str | None, openai_batch: str | None,
         ctx.exit(EXIT_BAD_INPUT)
     base = JobOptions.build(queue=queue, labels=labels or None)
     if openai_batch is not None:
+        from vlmq.producer.openai_files import ModelPolicy, read_batch_file, submit_batch_file
+
         models = ModelPolicy.parse(model_map, strict=strict_model)
         with _client(ctx, stores, max_pending_mb, allow_eviction, wait_timeout) as client, \
                 tempfile.TemporaryDirectory(prefix="vlmq-batch-") as spool:
@@ -249,6 +261,9 @@ def _read_request_file(stack: ExitStack, manifest: str | None, openai_batch: str
     """The jobs of a manifest or an OpenAI Batch file (exactly one is given), and its
     rejected lines. An OpenAI batch's data: images wait, checked, in a spool folder that
     `stack` removes once they are uploaded."""
+    from vlmq.producer.manifest import read_manifest
+    from vlmq.producer.openai_files import read_openai_batch
+
     if openai_batch is not None:
         spool = stack.enter_context(tempfile.TemporaryDirectory(prefix="vlmq-batch-"))
         return read_openai_batch(openai_batch, base, spool=Path(spool), skip_bad=skip_bad,
@@ -260,6 +275,8 @@ def _read_request_file(stack: ExitStack, manifest: str | None, openai_batch: str
 def _made(client: Client, made: Job | Batch, rejected: Sequence[tuple[int, str]],
           as_json: bool) -> None:
     """Print what a manifest or an OpenAI batch file made, and the lines it skipped."""
+    from vlmq.producer.client import Job
+
     jobs = [made] if isinstance(made, Job) else made.jobs()
     if as_json:
         click.echo(json.dumps({"batch": None if isinstance(made, Job) else made.id,
@@ -277,6 +294,8 @@ def _submit_groups(ctx: click.Context, groups: Sequence[Group],
                    as_json: bool, stores: Stores, max_pending_mb: float,
                    allow_eviction: bool, wait_timeout: float | None) -> None:
     """Enqueue a manifest's (or an OpenAI batch's) jobs and print what was made."""
+    from vlmq.producer.job_sets import Part, submit_parts
+
     for group in groups:  # files in a store go by reference
         group.prepared = group.prepared.by_reference(stores)
     with _client(ctx, stores, max_pending_mb, allow_eviction, wait_timeout) as client:
@@ -314,6 +333,8 @@ def _set_command(task: str) -> Callable[..., None]:
                 recursive: bool, skip_bad: bool, options: JobOptions, as_json: bool,
                 job_size: int, max_pending_mb: float, wait_timeout: float | None,
                 allow_eviction: bool, stores: Stores) -> None:
+        from vlmq.producer.page_specs import PagesWithoutPdf
+
         allow = allow_eviction or bool(ctx.meta.get("vlmq.allow_eviction"))
         with _client(ctx, stores, max_pending_mb, allow, wait_timeout) as client:
             try:
@@ -354,8 +375,8 @@ def _age(seconds: float | None) -> str:
 
 @click.command("jobs")
 @click.option("--queue", metavar="NAME", type=QUEUE, help="Only jobs on this queue.")
-@click.option("--status", "state", metavar="STATE",
-              help="Only jobs in this state (queued, started, finished, failed, canceled...).")
+@click.option("--status", "state", type=click.Choice(C.JOB_STATES),
+              help="Only jobs in this state.")
 @_label_filter
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True,
               help="Show at most N jobs.")
@@ -363,20 +384,48 @@ def _age(seconds: float | None) -> str:
 @click.pass_context
 def jobs_cmd(ctx: click.Context, queue: str | None, state: str | None,
              labels: dict[str, str], limit: int, as_json: bool) -> None:
-    """List jobs, newest first: id, queue, task, status, items done/failed/total, age, labels."""
+    """List jobs, newest first: id, queue, task, status, items done/failed/total, age, labels.
+
+    With no match it says which filter matched nothing (to stderr under --json, where
+    stdout is the empty list).
+    """
+    filters = {"--queue": queue, "--status": state,
+               **{f"--label {k}={v}": {k: v} for k, v in labels.items()}}
     with _client(ctx) as client:
         rows = client.jobs(queue=queue, status=state, labels=labels, limit=limit)
+        empty = _no_match(client, filters) if not rows else ""
     if as_json:
         click.echo(json.dumps([r.to_dict() | {"age_s": r.age_s()} for r in rows]))
+        if empty:
+            click.echo(f"vlmq: {empty}", err=True)
         return
     if not rows:
-        click.echo("no jobs")
+        click.echo(empty)
         return
     table = [("ID", "QUEUE", "TASK", "STATUS", "DONE/FAILED/TOTAL", "AGE", "LABELS")]
     table += [(r.id, r.queue, r.task, r.status, f"{r.done}/{r.failed}/{r.total}",
                _age(r.age_s()), " ".join(f"{k}={v}" for k, v in r.labels.items()))
               for r in rows]
     _print_table(table)
+
+
+def _no_match(client: Client, filters: dict[str, Any]) -> str:
+    """Why a listing is empty: no jobs at all, the filter that alone matches nothing, or
+    that each matches some jobs but not together (one small read per filter given)."""
+    given = {flag: value for flag, value in filters.items() if value is not None}
+    if not client.jobs(limit=1):
+        return f"no jobs: none in this Redis db under key prefix {client.keys.prefix!r}"
+    if not given:
+        return "no jobs"
+    for flag, value in given.items():
+        alone = {"queue": value} if flag == "--queue" else (
+            {"status": value} if flag == "--status" else {"labels": value})
+        if not client.jobs(limit=1, **alone):
+            shown = flag if flag.startswith("--label") else f"{flag} {value}"
+            return f"no jobs: none matches {shown}"
+    return ("no jobs: each of " + ", ".join(
+        f if f.startswith("--label") else f"{f} {v}" for f, v in given.items())
+        + " matches some jobs, but none matches all")
 
 
 def _print_table(rows: Sequence[Sequence[str]]) -> None:
@@ -403,7 +452,7 @@ def status_cmd(ctx: click.Context, job_id: str | None, labels: dict[str, str],
     if job_id is not None and labels:
         raise click.UsageError("give a JOB_ID or --label, not both")
     with _client(ctx) as client:
-        if job_id is not None and is_batch(client, job_id):
+        if job_id is not None and _is_batch(client, job_id):
             _batch_status(client.batch(job_id), as_json)
         elif job_id is not None:
             job = client.job(job_id)
@@ -452,6 +501,8 @@ def _job_status(job: Job, as_json: bool) -> None:
     failed = job.failed_items()
     summary = job.summary() if state == "finished" else None
     error = job.error() if state == "failed" else None
+    from vlmq.producer.upload import retention
+
     kept = retention(job.client.redis, job.client.keys, job.id,
                      None if job.problem is not None else job.payload())
     if as_json:
@@ -492,6 +543,8 @@ def _stat(stats: dict[str, str], key: str, fmt: str = "{}", scale: float = 1.0) 
 def _redis_health(client: Client, allow_eviction: bool) -> tuple[dict[str, str], str | None,
                                                                    str | None]:
     """Redis's health for status, its warning, and its refusal (an evicting Redis)."""
+    from vlmq.shared import redis_checks
+
     health = redis_checks.health(client.redis).to_dict()
     try:
         warning = redis_checks.check_eviction(client.redis, allow_eviction or None)
@@ -507,6 +560,7 @@ def _overview(client: Client, as_json: bool, allow_eviction: bool = False) -> No
     health, warning, refused = _redis_health(client, allow_eviction)
     if as_json:
         click.echo(json.dumps({
+            "version": package_version(),
             "queues": {q.name: vars(q) for q in queues.values()},
             "workers": [{"name": w.name, "state": w.state, "queues": list(w.queues),
                          "stats": w.stats} for w in workers],
@@ -523,6 +577,8 @@ def _overview(client: Client, as_json: bool, allow_eviction: bool = False) -> No
 
 
 def _overview_text(queues: dict[str, QueueInfo], workers: Sequence[WorkerInfo]) -> None:
+    from vlmq.producer.ops.metrics_exporter import OTHER_QUEUES
+
     if queues:
         # At most C.MAX_SHOWN_QUEUES rows, the last one summing the queues not shown.
         _print_table([("QUEUE", "QUEUED", "ITEMS", "STARTED", "FAILED", "FINISHED")] + [
@@ -563,11 +619,13 @@ def cancel_cmd(ctx: click.Context, job_ids: tuple[str, ...], as_json: bool) -> N
     """Cancel jobs (a batch id: every job of it not yet ended): a queued job never runs; a
     running one is dropped by its worker within seconds. Items already done stay
     readable. Exit 1 if any could not be canceled."""
+    from vlmq.producer.ops.job_admin import CannotCancel
+
     out: dict[str, str] = {}
     with _client(ctx) as client:
         for job_id in job_ids:
             try:
-                if is_batch(client, job_id):
+                if _is_batch(client, job_id):
                     n = client.batch(job_id).cancel()
                     out[job_id] = f"canceled ({n} job(s) had not ended)"
                 else:
@@ -599,7 +657,7 @@ def retry_cmd(ctx: click.Context, job_id: str, failed_only: bool, as_json: bool)
     with _client(ctx) as client:
         try:
             new: Job | Batch = (client.batch(job_id).retry(failed_only=failed_only)
-                                if is_batch(client, job_id)
+                                if _is_batch(client, job_id)
                                 else client.job(job_id).retry(failed_only=failed_only))
         except PayloadError as exc:
             fail(f"error: cannot retry {job_id}: {exc}", EXIT_BAD_INPUT)
@@ -618,7 +676,7 @@ def delete_cmd(ctx: click.Context, job_ids: tuple[str, ...], purge_blobs: bool,
     worker); a batch id removes its jobs and the batch. Every id is checked first: an
     unknown one deletes nothing."""
     with _client(ctx) as client:
-        batches = [client.batch(i) for i in job_ids if is_batch(client, i)]
+        batches = [client.batch(i) for i in job_ids if _is_batch(client, i)]
         singles = [i for i in job_ids if i not in {b.id for b in batches}]
         for job_id in singles:
             client.job(job_id)  # raises JobNotFound before anything is deleted
@@ -639,6 +697,8 @@ def reindex_cmd(ctx: click.Context, as_json: bool) -> None:
     """Index the jobs that are not (enqueued before vlmq kept job indexes) and drop the
     entries of jobs that are gone. It reads every job hash: run it once after an upgrade,
     not routinely (workers sweep expired entries themselves)."""
+    from vlmq.shared import job_index
+
     with _client(ctx) as client:
         seen = job_index.reindex(client.redis, client.keys)
         laps = int(client.redis.zcard(client.keys.jobs_index)) // job_index.SCAN_COUNT + 1

@@ -9,66 +9,173 @@ worker extra is missing.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
-from redis.exceptions import ReadOnlyError as RedisReadOnlyError
-from redis.exceptions import ResponseError as RedisResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from vlmq.cli import jobs as producer_cli
-from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, fail, one_line
-from vlmq.producer.client import check_redis_url, redact_url
-from vlmq.producer.errors import JobNotFound
+from vlmq.cli.common import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_UNREACHABLE,
+    JSON_META,
+    error_json,
+    fail,
+    json_wanted,
+    no_color,
+    one_line,
+)
 from vlmq.shared import constants as C
 
-# Modules whose commands register only when a command not yet known is asked for (or the
-# list is shown): `vlmq jobs` starts without importing the worker's, the schedules', the
-# exports' or the dashboard's modules. Each has register(group), as producer_cli.
-LATER = ("vlmq.cli.export", "vlmq.cli.schedules", "vlmq.cli.worker",
-         "vlmq.cli.dashboard", "vlmq.cli.metrics", "vlmq.cli.units")
+if TYPE_CHECKING:
+    from redis.exceptions import ResponseError
+
+# Every command but demo (below): the module whose register(group) adds it, and its
+# one-line help. A command's module is imported only when that command runs, and
+# `vlmq --help` lists these lines without importing any: so `vlmq jobs` never imports the
+# worker's, the dashboard's or the metrics' modules, and each listing command starts with
+# only what it uses (issue 28). tests/ops/test_cli_start.py keeps each line equal to the
+# command's own help.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "enqueue": ("vlmq.cli.jobs", "Validate inputs, upload them once, and enqueue: a task "
+                                 "subcommand, --manifest or --openai-batch."),
+    "jobs": ("vlmq.cli.jobs", "List jobs, newest first: id, queue, task, status, items "
+                              "done/failed/total, age, labels."),
+    "status": ("vlmq.cli.jobs", "A job's or a batch's state and progress; with --label, "
+                                "totals over every job carrying it; with neither, queue "
+                                "depths, workers (full worker stats with --json) and "
+                                "Redis's health."),
+    "wait": ("vlmq.cli.jobs", "Wait for jobs with progress (a bar on a terminal, else a line "
+                              "every 10 % or 10 s); a batch id waits for the batch's end and "
+                              "prints one line for it."),
+    "result": ("vlmq.cli.jobs", "Print jobs' results in item order (partial while they run); "
+                                "a batch id prints its jobs' in batch order."),
+    "cancel": ("vlmq.cli.jobs", "Cancel jobs (a batch id: every job of it not yet ended): a "
+                                "queued job never runs; a running one is dropped by its worker "
+                                "within seconds."),
+    "retry": ("vlmq.cli.jobs", "Enqueue a new job with JOB_ID's settings and inputs; prints "
+                               "the new id."),
+    "delete": ("vlmq.cli.jobs", "Remove jobs with their item results and events (a running "
+                                "job is dropped by its worker); a batch id removes its jobs "
+                                "and the batch."),
+    "reindex": ("vlmq.cli.jobs", "Index the jobs that are not (enqueued before vlmq kept job "
+                                 "indexes) and drop the entries of jobs that are gone."),
+    "export": ("vlmq.cli.export", "Write jobs' results to files: an item's source (its path "
+                                  "relative to the folder it was enqueued from) is its place "
+                                  "in the output tree."),
+    "schedule": ("vlmq.cli.schedules", "Scheduled, incremental caption/OCR/extract runs over "
+                                       "folders (stored in Redis; fired by `vlmq scheduler` "
+                                       "or `vlmq worker --with-scheduler`, each due time "
+                                       "exactly once)."),
+    "scheduler": ("vlmq.cli.schedules", "Fire schedules when due (any number may run: each "
+                                        "due time fires once), finish their runs (done "
+                                        "marks, exports, sidecars)."),
+    "worker": ("vlmq.cli.worker", "Serve jobs with one loaded model and a continuous "
+                                  "batcher."),
+    "model": ("vlmq.cli.worker", "Model utilities."),
+    "dashboard": ("vlmq.cli.dashboard", "A web page over queues, workers and jobs: progress, "
+                                        "and each page next to its text."),
+    "metrics": ("vlmq.cli.metrics", "Serve fleet metrics for Prometheus at "
+                                    "http://HOST:PORT/metrics."),
+    "service": ("vlmq.cli.units", "launchd and systemd units that keep a worker running and "
+                                  "stop it within --grace."),
+}
+
+
+def _redis_failure(exc: Exception, url: str) -> tuple[str, int] | None:
+    """What to say and the exit code for an error from Redis, or None for any other. redis
+    is imported here, once something failed: `vlmq jobs --help` never imports it."""
+    from redis import exceptions as R
+
+    from vlmq.producer.errors import JobNotFound
+    from vlmq.shared.urls import redact_url
+
+    if isinstance(exc, (R.ConnectionError, R.TimeoutError)):
+        return f"error: cannot reach Redis at {redact_url(url)}: {exc}", EXIT_UNREACHABLE
+    if isinstance(exc, R.ResponseError):
+        # The server said no (maxmemory with noeviction, a read-only replica, ...):
+        # an operator's problem, and the server's own message is what they need.
+        return (f"error: {_refusal(exc)}: {server_message(exc)} (Redis at "
+                f"{redact_url(url)})", EXIT_FAILED)
+    if isinstance(exc, JobNotFound):
+        return f"error: {exc}", EXIT_FAILED
+    return None
+
+
+# ctx.meta key: the command line shows help (or completes a word) and runs nothing.
+_HELP_META = "vlmq.help"
 
 
 class _Main(click.Group):
-    """The root group: Redis unreachable or refusing a command, or a job id not found,
-    is one line, for the producer's and the worker's commands alike."""
+    """The root group: commands load when asked for (COMMANDS); Redis unreachable or
+    refusing a command, or a job id not found, is one line (JSON under --json), for the
+    producer's and the worker's commands alike; NO_COLOR turns colour off for all."""
 
-    _all_loaded = False
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._loaded: set[str] = set()
 
-    def load_all(self) -> None:
-        """Register every command (LATER's), once."""
-        if not self._all_loaded:
-            self._all_loaded = True
-            for name in LATER:
-                importlib.import_module(name).register(self)
+    def load(self, module: str) -> None:
+        """Register a module's commands, once."""
+        if module not in self._loaded:
+            self._loaded.add(module)
+            importlib.import_module(module).register(self)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        command = super().get_command(ctx, cmd_name)
-        if command is None and not self._all_loaded:
-            self.load_all()
-            command = super().get_command(ctx, cmd_name)
-        return command
+        if cmd_name in COMMANDS:
+            self.load(COMMANDS[cmd_name][0])
+        return super().get_command(ctx, cmd_name)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        self.load_all()
-        return super().list_commands(ctx)
+        return sorted(set(COMMANDS) | set(self.commands))
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The command list from COMMANDS' lines: `vlmq --help` imports no command."""
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(len(n) for n in names)
+        rows = [(name, short_help(self, ctx, name, limit)) for name in names]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta[JSON_META] = json_wanted(args)
+        ctx.meta[_HELP_META] = "--help" in args or ctx.resilient_parsing
+        if no_color():
+            ctx.color = False  # every command's context inherits it
+        try:
+            return super().parse_args(ctx, args)
+        except click.ClickException as exc:
+            _usage_json(ctx, exc)
+            raise
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            url = redact_url(str(ctx.params.get("redis_url") or ""))
-            fail(f"error: cannot reach Redis at {url}: {exc}", EXIT_FAILED)
-        except RedisResponseError as exc:
-            # The server said no (maxmemory with noeviction, a read-only replica, ...):
-            # an operator's problem, and the server's own message is what they need.
-            url = redact_url(str(ctx.params.get("redis_url") or ""))
-            fail(f"error: {_refusal(exc)}: {server_message(exc)} (Redis at {url})",
-                 EXIT_FAILED)
-        except JobNotFound as exc:
-            fail(f"error: {exc}", EXIT_FAILED)
+        except click.ClickException as exc:
+            _usage_json(ctx, exc)
+            raise
+        except (click.exceptions.Exit, click.exceptions.Abort):
+            raise  # --help, ctx.exit, ^C: click's own
+        except Exception as exc:
+            failure = _redis_failure(exc, str(ctx.params.get("redis_url") or ""))
+            if failure is None:
+                raise
+            fail(*failure)
+
+
+def short_help(group: click.Group, ctx: click.Context, name: str, limit: int = 45) -> str:
+    """A command's line in `vlmq --help`: COMMANDS' where it has one, else the command's."""
+    line = COMMANDS.get(name, ("", ""))[1]
+    if line:  # shortened as click shortens a command's own help
+        return click.Command(name, help=line).get_short_help_str(limit)
+    command = group.get_command(ctx, name)
+    return "" if command is None else command.get_short_help_str(limit)
+
+
+def _usage_json(ctx: click.Context, exc: click.ClickException) -> None:
+    """Under --json a usage error is JSON on stderr too (then exits with its code)."""
+    if ctx.meta.get(JSON_META):
+        click.echo(error_json(exc.format_message(), exc.exit_code), err=True)
+        ctx.exit(exc.exit_code)
 
 
 # redis-py prefixes a pipeline's error with the failed command, arguments and all: a
@@ -78,7 +185,7 @@ _PIPELINE_TAIL = " of pipeline caused error: "
 _MESSAGE_MAX = 500
 
 
-def server_message(exc: RedisResponseError) -> str:
+def server_message(exc: ResponseError) -> str:
     """The server's own words, never the payload: a pipeline's quoted command is cut to its
     name, anything unprintable is escaped, and the rest capped at _MESSAGE_MAX characters.
     """
@@ -93,19 +200,26 @@ def server_message(exc: RedisResponseError) -> str:
     return text if len(text) <= _MESSAGE_MAX else text[:_MESSAGE_MAX] + "…"
 
 
-def _refusal(exc: RedisResponseError) -> str:
-    if isinstance(exc, RedisOutOfMemoryError):
+def _refusal(exc: ResponseError) -> str:
+    from redis.exceptions import OutOfMemoryError, ReadOnlyError
+
+    if isinstance(exc, OutOfMemoryError):
         return "Redis is out of memory (maxmemory)"
-    if isinstance(exc, RedisReadOnlyError):
+    if isinstance(exc, ReadOnlyError):
         return "Redis is read-only (a replica?)"
     return "Redis refused a command"
 
 
-def _check_url(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+def _check_url(ctx: click.Context, _param: click.Parameter, value: str) -> str:
     # One line and exit 2 rather than click's usage block: the URL usually comes from
-    # REDIS_URL in the environment, where the usage text would not help.
+    # REDIS_URL in the environment, where the usage text would not help. Not for help or
+    # completion: the check imports redis, which they never need.
+    if ctx.meta.get(_HELP_META):
+        return value
+    from vlmq.shared.connection import check_url
+
     try:
-        return check_redis_url(value)
+        return check_url(value)
     except ValueError as exc:
         fail(f"error: {exc} (from --redis-url or REDIS_URL)", EXIT_BAD_INPUT)
 
@@ -114,9 +228,15 @@ def _check_url(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
 @click.option("--redis-url", envvar="REDIS_URL", default=C.DEFAULT_REDIS_URL,
               show_default=True, callback=_check_url,
               help="Redis to use (env REDIS_URL). Key prefix: env VLMQ_PREFIX.")
+@click.version_option(package_name="vlmq", prog_name="vlmq",
+                      message="%(prog)s %(version)s")
 @click.pass_context
 def main(ctx: click.Context, redis_url: str) -> None:
-    """vlmq: a Redis job queue for bulk vision-language work (OCR, captioning)."""
+    """vlmq: a Redis job queue for bulk vision-language work (OCR, captioning).
+
+    Exit codes (0 ok, 1 a job failed, 2 usage, 3 items failed, 69 Redis unreachable, 124
+    timed out) and shell completion: docs/jobs.md.
+    """
     # A plain dict, so that both sides read it without importing each other; the worker's
     # --with-scheduler runs the producer's scheduler loop through it.
     ctx.obj = {"redis_url": redis_url, "start_scheduler": _start_scheduler}
@@ -131,7 +251,7 @@ def _start_scheduler(*args: Any, **kwargs: Any) -> Any:
 
 @main.command("demo")
 @click.option("--model", default=None,
-              help="Model to use (default: build the tiny random-weight model).")
+              help="Model to use (default: the tiny reader trained here, worker/model/reader).")
 @click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True)
 @click.pass_context
 def demo_cmd(ctx: click.Context, model: str | None, max_batch: int) -> None:
@@ -144,4 +264,5 @@ def demo_cmd(ctx: click.Context, model: str | None, max_batch: int) -> None:
     ctx.exit(run_demo(redis_url=ctx.obj["redis_url"], model=model, max_batch=max_batch))
 
 
-producer_cli.register(main)
+if __name__ == "__main__":  # python -m vlmq.cli.main (as python -X importtime does)
+    main()

@@ -11,7 +11,7 @@ import json
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -20,21 +20,23 @@ from vlmq.cli.common import (
     EXIT_FAILED,
     EXIT_FAILED_ITEMS,
     EXIT_TIMEOUT,
+    EXIT_UNREACHABLE,
     JOB_ID,
     fail,
 )
-from vlmq.producer.client import Client, Job, RedisUnreachable, WaitTimeout, wait_all
 from vlmq.producer.errors import JobNotFound
-from vlmq.producer.job_sets import Batch, expand, is_batch
 from vlmq.producer.ops import output_formats as formats
 from vlmq.producer.ops.output_formats import FORMATS, JobResults, last_line
-from vlmq.shared import redis_checks
 
-# `vlmq wait --timeout S` reached S with Redis still unreachable (sysexits EX_UNAVAILABLE).
-EXIT_UNREACHABLE = 69
+# The client (redis, RQ) is imported by the command bodies: `--help` never needs it.
+if TYPE_CHECKING:
+    from vlmq.producer.client import Client, Job
+    from vlmq.producer.job_sets import Batch
 
 
 def _client(ctx: click.Context) -> Client:
+    from vlmq.producer.client import Client
+
     return Client(ctx.find_root().obj["redis_url"])
 
 
@@ -86,6 +88,9 @@ def _wait_all(client: Client, ids: Sequence[str], timeout: float | None, jobs: l
     """Wait for the batches among `ids` (their rows), then for the jobs, put in `jobs`
     first so a timeout's hint can name their queues (with their statuses), all within
     `timeout`."""
+    from vlmq.producer.client import wait_all
+    from vlmq.producer.job_sets import expand, is_batch
+
     deadline = None if timeout is None else time.monotonic() + timeout
     batch_ids = [i for i in ids if is_batch(client, i)]
     jobs += expand(client, [i for i in ids if i not in batch_ids])
@@ -104,7 +109,8 @@ def _wait_line(row: Mapping[str, Any]) -> str:
 @click.command("wait")
 @click.argument("job_ids", nargs=-1, required=True, type=JOB_ID)
 @click.option("--timeout", type=click.FloatRange(min=0), metavar="S",
-              help="Give up after S seconds (exit 124; 69 if Redis is unreachable then).")
+              help=f"Give up after S seconds (exit {EXIT_TIMEOUT}; {EXIT_UNREACHABLE} if Redis "
+                   "is unreachable then).")
 @click.option("--strict", is_flag=True,
               help="Also fail (exit 3) when a job finished with failed items.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
@@ -116,9 +122,12 @@ def wait_cmd(ctx: click.Context, job_ids: tuple[str, ...], timeout: float | None
 
     Exit codes: 0 every job finished; 1 a job failed, was canceled or is not found;
     3 (--strict only) every job finished but some items failed; 124 timed out;
-    69 Redis still unreachable at --timeout (connection resets and failovers before it are
-    ridden out).
+    69 Redis unreachable: at the start, or still at --timeout (connection resets and
+    failovers before it are ridden out; with no --timeout, waits through any outage).
     """
+    from vlmq.producer.client import RedisUnreachable, WaitTimeout
+    from vlmq.shared import redis_checks
+
     jobs: list[Job] = []
     with _client(ctx) as client:
         seen = redis_checks.run_id(client.redis)
@@ -213,6 +222,8 @@ def result_cmd(ctx: click.Context, job_ids: tuple[str, ...], fmt: str, output: s
     if (not form.several_jobs and len(job_ids) > 1) or (form.split is None and errors_path):
         raise click.UsageError(f"several job ids need --format {_several_jobs_formats()}; "
                                f"--errors needs --format {_split_formats()}")
+    from vlmq.producer.job_sets import expand
+
     with _client(ctx) as client:
         jobs = expand(client, job_ids)  # every id checked before any is read
         if not form.several_jobs and len(jobs) > 1:

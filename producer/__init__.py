@@ -5,14 +5,31 @@ Importable without MLX: producers run on machines that never load a model.
 
 from __future__ import annotations
 
+import importlib
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from vlmq.producer.client import Client, Job, JobFailed, JobNotFound, WaitTimeout
-from vlmq.producer.options import JobOptions
+if TYPE_CHECKING:
+    from vlmq.producer.client import Client, Job, JobFailed, JobNotFound, WaitTimeout
+    from vlmq.producer.options import JobOptions
 
 __all__ = ["Client", "Job", "JobFailed", "JobNotFound", "JobOptions", "WaitTimeout",
            "sample_files"]
+
+# The names above, imported on first use (PEP 562): every `vlmq.producer.X` import runs
+# this file first, and the client pulls in Pillow, PDFium and RQ, which `vlmq --help` or
+# a listing command never needs (issue 28's CLI start time).
+_LAZY = {"Client": "client", "Job": "client", "JobFailed": "client",
+         "JobNotFound": "client", "WaitTimeout": "client", "JobOptions": "options"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
 
 
 def sample_files() -> dict[str, Path]:

@@ -51,6 +51,7 @@ from redis import Redis
 from redis.client import Pipeline, PubSub
 from redis.exceptions import OutOfMemoryError, RedisError
 
+from vlmq.producer import defaults
 from vlmq.producer.files import BlobSource
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import UPLOAD_TTL_S, BlobStore
@@ -59,7 +60,7 @@ from vlmq.shared.keys import Keys
 from vlmq.shared.messages import JobPayload
 
 MB = 1024 * 1024
-DEFAULT_MAX_PENDING_MB = 1024
+DEFAULT_MAX_PENDING_MB = defaults.DEFAULT_MAX_PENDING_MB  # where the CLI's help reads it
 UPLOAD_CHUNK = 256  # blobs per pipelined round trip
 UPLOAD_CHUNK_BYTES = 32 * MB  # file bytes held in memory at once (one larger file alone)
 # Jobs of at most this share of the budget let the next job upload while workers are still

@@ -15,6 +15,17 @@ TASK_FUNC = "vlmq.worker.task.run"
 DEFAULT_QUEUE = {"ocr": "ocr", "caption": "caption", "generate": "generate",
                  "extract": "extract"}
 
+# The stores a machine reads inputs from by reference: NAME=URL, comma-separated
+# (stores/backends.py; here so the CLI's help names it without importing stores).
+STORES_ENV = "VLMQ_STORES"
+# Set to 1 to run against a Redis whose maxmemory-policy may evict vlmq's keys
+# (shared/redis_checks.py; here so the CLI's help names it without importing redis).
+ALLOW_EVICTION_ENV = "VLMQ_ALLOW_EVICTION"
+# A job's states as vlmq's code knows them (the status in RQ's job hash): the first three
+# are the ends end_job.lua writes. The running counts name these (shared/job_index.py's
+# TALLY_STATES) and `vlmq jobs --status` takes exactly these.
+JOB_ENDS = ("finished", "failed", "canceled")
+JOB_STATES = (*JOB_ENDS, "queued", "started", "stopped", "deferred", "scheduled")
 # Where producers and workers look for Redis when neither --redis-url nor REDIS_URL is set.
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 

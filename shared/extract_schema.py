@@ -16,10 +16,6 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote
 
-from jsonschema.exceptions import SchemaError
-from jsonschema.validators import validator_for
-from llguidance import LLMatcher, grammar_from
-
 from vlmq.shared import constants as C
 from vlmq.shared.bounded_reads import BoundError, check_depth
 from vlmq.shared.errors import PayloadError
@@ -76,6 +72,12 @@ def check_schema(value: Any, where: str = "schema") -> dict[str, Any]:
 def _problem(text: str) -> str | None:
     """Why the worker could not follow this schema text (None: it can). Cached by text: a
     manifest of 80,000 lines with one schema checks it once, not at 1-2 ms a line."""
+    # Imported here: they cost about 100 ms, and every vlmq command imports this module
+    # (the settings table) while only a schema check needs them (issue 28's CLI start).
+    from jsonschema.exceptions import SchemaError
+    from jsonschema.validators import validator_for
+    from llguidance import LLMatcher, grammar_from
+
     schema = json.loads(text)
     named = schema.get("$schema")
     # default=None: an unknown $schema gives None (not a warning and the latest draft).

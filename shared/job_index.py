@@ -34,6 +34,7 @@ from typing import Any
 from redis import Redis, WatchError
 from redis.client import Pipeline
 
+from vlmq.shared import constants as C
 from vlmq.shared import lua
 from vlmq.shared.keys import RQ_QUEUES, RQ_REGISTRIES, Keys
 from vlmq.shared.messages import JobPayload
@@ -50,8 +51,8 @@ REGISTRY_STATES = frozenset(RQ_REGISTRIES)
 ITEMS_FIELD = "vlmq_items"
 # The states the running counts name (tally_lib.lua's TALLY.STATES, and "other" for any
 # status a hand-written hash holds); the first three are ends end_job.lua writes.
-ENDS = ("finished", "failed", "canceled")
-TALLY_STATES = (*ENDS, "queued", "started", "stopped", "deferred", "scheduled", "other")
+ENDS = C.JOB_ENDS
+TALLY_STATES = (*C.JOB_STATES, "other")
 SYNC_CHUNK = 100  # job ids synced per script call: each call stays well under a ms
 
 

@@ -18,11 +18,12 @@ from typing import Any
 from redis import Redis
 from redis.exceptions import ResponseError
 
+from vlmq.shared import constants as C
 from vlmq.shared.errors import VlmqError
 from vlmq.shared.keys import Keys
 from vlmq.shared.redis_text import as_str
 
-ALLOW_EVICTION_ENV = "VLMQ_ALLOW_EVICTION"
+ALLOW_EVICTION_ENV = C.ALLOW_EVICTION_ENV
 NO_EVICTION = "noeviction"
 FIX = "CONFIG SET maxmemory-policy noeviction"
 # How long `vlmq wait` can still name a job lost with a Redis restart.

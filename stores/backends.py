@@ -36,13 +36,14 @@ from pathlib import Path
 from typing import IO, Any, cast
 from urllib.parse import unquote, urlsplit
 
+from vlmq.shared import constants as C
 from vlmq.shared.errors import VlmqError
 from vlmq.shared.messages import STORE_NAME_RE, Item, Ref
 from vlmq.shared.urls import redact_text
 
 log = logging.getLogger("vlmq.stores")
 
-STORES_ENV = "VLMQ_STORES"
+STORES_ENV = C.STORES_ENV
 CHUNK = 1 << 20  # bytes per read while hashing: memory stays bounded whatever the size
 _ZEROS = bytes(CHUNK)
 # The producer's bound on a referenced input (it hashes it at enqueue). A worker reads one

@@ -21,13 +21,15 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vlmq.producer.client import Job
-from vlmq.producer.openai_files import FileRecord
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import TEXT_FROM_LAYER, ItemResult, JobPayload
 from vlmq.shared.redis_text import as_str
+
+if TYPE_CHECKING:  # imported where used: `vlmq result --help` reads FORMATS without them
+    from vlmq.producer.client import Job
+    from vlmq.producer.openai_files import FileRecord
 
 
 @dataclass(frozen=True)
@@ -603,6 +605,8 @@ def openai_output(views: Sequence[JobResults]) -> Iterator[tuple[bool, str]]:
     order (its FileRecord: the lines of each job, merged), the lines --skip-bad left out
     in their places when every job of the batch is here. Other jobs follow item order.
     Each job's lines are read once; the merge holds one line per job at a time."""
+    from vlmq.producer.openai_files import FileRecord
+
     for batch_id, group in _by_batch(views):
         client = group[0].job.client
         record = None if batch_id is None else FileRecord.read(client.redis, client.keys,
