@@ -28,6 +28,7 @@ from tests.support import helpers
 from tests.support import prometheus as prom
 from tests.support.factories import images, payload
 from tests.support.pdf_craft import drawing_bomb_pdf
+from vlmq.cli.common import EXIT_CONFIG
 from vlmq.producer.client import Client
 from vlmq.producer.ops.metrics_exporter import FleetCollector, serve
 from vlmq.shared import constants as C
@@ -240,7 +241,7 @@ def test_worker_refuses_a_metrics_port_in_use(redis_url: str, tiny_model: Path,
         proc = start_worker(redis_url, tiny_model, tmp_path, "--metrics-port", str(port),
                             name="wbusy")
         rc, out = helpers.finish(proc, timeout=300)
-    assert rc == 1, out
+    assert rc == EXIT_CONFIG, out  # a configuration error: no restart would fix it
     assert f"cannot serve metrics on 127.0.0.1:{port}: the port is in use" in out, out
     assert "loading model" not in out, out  # refused before the model load
 
