@@ -66,10 +66,16 @@ class ModelLoadError(RuntimeError):
 
 
 def _network_failure(exc: BaseException) -> bool:
-    """Whether the cause chain holds a socket-level failure (the hub's client wraps them)."""
+    """Whether the cause chain holds a socket-level failure (the hub's client wraps them).
+    Offline mode (HF_HUB_OFFLINE) is a ConnectionError to the hub, but chosen: no restart
+    will download what is not cached."""
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
     seen: set[int] = set()
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OfflineModeIsEnabled):
+            return False
         if isinstance(cause, (ConnectionError, TimeoutError, socket.gaierror)):
             return True
         seen.add(id(cause))
