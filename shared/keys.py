@@ -174,7 +174,9 @@ KEY_TABLE: tuple[KeyName, ...] = (
     KeyName("batch", "{prefix}:batch:{batch_id}", "hash", "producer",
             "a batch's record (section 9): `task`, `created_at`, `labels` (JSON), `items`, "
             "`jobs`, `ttl`; once it ends `status`, `ended_at` and its jobs' ends counted by "
-            "type (`finished`, `failed`, `canceled`)", "none while it runs; `ttl` s after it ends"),
+            "type (`finished`, `failed`, `canceled`); a batch made from an OpenAI batch file "
+            "also `openai:lines`, `openai:skipped`, `openai:jobs` (its input order and skipped "
+            "lines, docs/openai-batch.md)", "none while it runs; `ttl` s after it ends"),
     KeyName("batch_jobs", "{prefix}:batch:{batch_id}:jobs", "list", "producer",
             "the batch's job ids in order", "as the batch hash"),
     KeyName("batch_pending", "{prefix}:batch:{batch_id}:pending", "set",
