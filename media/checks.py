@@ -91,18 +91,28 @@ def _check_header(data: bytes | IO[bytes]) -> None:
         pass
 
 
+# A PNG's first 33 bytes: signature, IHDR's length and type, width, height, bit depth,
+# colour type, compression, filter, interlace, IHDR's CRC.
+_PNG_HEAD: Final = struct.Struct(">8s8sIIBBBBBI")
+_IHDR_START: Final = b"\x00\x00\x00\rIHDR"
+
+
 def _png_header_ok(data: bytes) -> bool:
     """A PNG whose IHDR is well formed; its canvas is checked against the caps (MediaError
-    as Pillow's open would raise). False: not plainly a good PNG header."""
-    if len(data) < 33 or data[:8] != PNG_SIGNATURE or data[8:16] != b"\x00\x00\x00\rIHDR":
+    as Pillow's open would raise). False: not plainly a good PNG header. One unpack of the
+    33 bytes: at a million files, each step here is a second."""
+    if len(data) < 33:
         return False
-    width, height, depth, colour, compression, filters, interlace = struct.unpack(
-        ">IIBBBBB", data[16:29])
-    if struct.unpack(">I", data[29:33])[0] != zlib.crc32(data[12:29]):
+    sig, start, width, height, depth, colour, compression, filters, interlace, crc = (
+        _PNG_HEAD.unpack_from(data))
+    if sig != PNG_SIGNATURE or start != _IHDR_START or crc != zlib.crc32(data[12:29]):
         return False
     if depth not in _PNG_DEPTHS.get(colour, ()) or compression or filters or interlace > 1:
         return False
-    opener.check_size(width, height)
+    caps = opener.CAPS
+    if not (0 < width * height <= caps.max_pixels
+            and max(width, height) / min(width, height) < caps.max_aspect):
+        opener.check_size(width, height)  # raises, naming the problem
     return True
 
 

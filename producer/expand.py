@@ -12,9 +12,10 @@ import glob
 import os
 import re
 import stat
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from vlmq.producer.ops.export_ledger import (
     MANIFEST_MAX,
@@ -42,13 +43,13 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]], *,
     return [f.path for f in found], errors
 
 
-@dataclass(frozen=True)
-class FoundFile:
+class FoundFile(NamedTuple):
     """A file found from what was given: its path (or s3:// URL), its source name, and
     the folder the source is relative to (the folder given, a glob's fixed part, or the
     file's own). `stamp` is "size:ETag" for an S3 object, from its listing. `real` is a
     local file's resolved path, resolved once here (it keeps the same file named twice
-    once) and reused for its store lookup and its open: one resolution per file."""
+    once) and reused for its store lookup and its open: one resolution per file. A tuple,
+    not a dataclass: a million-file walk makes one per file."""
 
     path: str
     source: str
@@ -71,7 +72,7 @@ def iter_inputs(paths: Iterable[str | os.PathLike[str]], stores: Stores, *,
                 recursive: bool = False) -> Iterator[FoundFile | InputError]:
     """expand_inputs one file (or path error) at a time, in the same order, so a set of
     a million files is checked and enqueued as it is walked rather than listed first."""
-    seen: set[str] = set()
+    seen = Seen()
     for raw in paths:
         if not os.fspath(raw).startswith(S3_SCHEME):
             yield from _iter_sources([raw], recursive, seen)
@@ -159,34 +160,31 @@ def expand_sources(paths: Iterable[str | os.PathLike[str]], *, recursive: bool =
     """
     out: list[FoundFile] = []
     errors: list[InputError] = []
-    for f in _iter_sources(paths, recursive, set()):
+    for f in _iter_sources(paths, recursive, Seen()):
         (errors if isinstance(f, InputError) else out).append(f)  # type: ignore[arg-type]
     return out, errors
 
 
-def _iter_sources(paths: Iterable[str | os.PathLike[str]], recursive: bool, seen: set[str]
+def _iter_sources(paths: Iterable[str | os.PathLike[str]], recursive: bool, seen: Seen
                   ) -> Iterator[FoundFile | InputError]:
-    """expand_sources one file at a time; `seen` holds the resolved paths given so far."""
+    """expand_sources one file at a time; `seen`: what was given so far."""
     manifests: dict[str, set[str]] = {}
     folders: dict[str, str] = {}
 
     def add(name: str, source: str, root: str) -> Iterator[FoundFile]:
         key = resolve(name, folders)
         if key not in seen:
-            seen.add(key)
+            seen.paths.add(key)
             yield FoundFile(name, source, root, real=key)
 
     for raw in paths:
         name = os.fspath(raw)
         p = Path(name)
         if p.is_dir():
-            head = os.path.join(str(p), "")  # what each walked path starts with
-            empty = True
-            for f in _walk(p, recursive):
-                empty = False
-                if not is_sidecar(f, manifests):
-                    yield from add(f, _relative(f, head), name)
-            if empty:
+            walk = Walk(os.path.realpath(p), recursive)
+            yield from _walk(str(p), name, walk, seen)
+            seen.walks.append(walk)
+            if not walk.files:
                 yield InputError(name, "folder has no files" if recursive else
                                  "folder has no files (pass --recursive to descend)")
         elif p.exists() or not _GLOB_CHARS.search(name):
@@ -200,6 +198,73 @@ def _iter_sources(paths: Iterable[str | os.PathLike[str]], recursive: bool, seen
             for f in files:
                 if not is_sidecar(f, manifests):
                     yield from add(f, Path(os.path.relpath(f, base)).as_posix(), base)
+
+
+@dataclass
+class Walk:
+    """One folder given, as it is walked: its resolved path, how deep the walk goes, the
+    folders under it it could not list, and how many files it met (sidecars included)."""
+
+    real: str
+    recursive: bool
+    unlisted: list[str] = field(default_factory=list)
+    files: int = 0
+
+    def gave(self, real: str) -> bool:
+        """Whether this walk gives (or gave) the file whose resolved path is `real`: inside
+        it, no hidden name on the way, within its depth, listed, not a sidecar."""
+        head = os.path.join(self.real, "")
+        if not real.startswith(head):
+            return False
+        parts = real[len(head):].split(os.sep)
+        if (len(parts) > 1 and not self.recursive) or any(n.startswith(".") for n in parts):
+            return False
+        if any(real.startswith(os.path.join(u, "")) for u in self.unlisted):
+            return False
+        return not is_sidecar(real) and _listable(real, self.recursive)
+
+    def order(self, rel: str) -> tuple[tuple[int, str], ...]:
+        """Where a file at `rel` (posix, relative to the walk's folder) comes in the walk:
+        a folder's files by name, then its folders by name, each in full."""
+        *folders, name = rel.split("/")
+        return (*((1, f) for f in folders), (0, name))
+
+
+def _listable(real: str, recursive: bool) -> bool:
+    """Whether a walk lists what is at `real` as a file: a flat walk only a regular file, a
+    recursive one anything there that is not a folder."""
+    if not recursive:
+        return os.path.isfile(real)
+    try:
+        return not stat.S_ISDIR(os.lstat(real).st_mode)
+    except OSError:
+        return False
+
+
+class Seen:
+    """The files given so far, so that one given twice is kept once, in memory that follows
+    what was named rather than the set: a walked folder is kept as its Walk (a file found
+    again inside it is one the walk gave by Walk.gave), and only files given one by one
+    (directly, by a glob, through a symlink in a folder) by their resolved paths."""
+
+    def __init__(self) -> None:
+        self.paths: set[str] = set()
+        self.walks: list[Walk] = []
+
+    def __contains__(self, real: object) -> bool:
+        return real in self.paths or (isinstance(real, str)
+                                      and any(w.gave(real) for w in self.walks))
+
+    def first_link(self, real: str, rel: str, walk: Walk) -> bool:
+        """A symlink in `walk` at `rel` to the file at `real`: whether it is the first way
+        that file is given (its target may be a file this walk gives earlier, or later:
+        then that one is the one dropped)."""
+        if real in self or (walk.gave(real) and walk.order(
+                real[len(os.path.join(walk.real, "")):].replace(os.sep, "/"))
+                < walk.order(rel)):
+            return False
+        self.paths.add(real)
+        return True
 
 
 def resolve(name: str, folders: dict[str, str]) -> str:
@@ -219,13 +284,6 @@ def resolve(name: str, folders: dict[str, str]) -> str:
             folders.clear()  # one walk's folders at a time is what pays
         real = folders[folder] = os.path.realpath(folder or ".")
     return os.path.join(real, base)
-
-
-def _relative(path: str, head: str) -> str:
-    """A walked file's path relative to the folder walked (`head`, with its separator), as
-    posix: the walk's own prefix cut off, where os.path.relpath would resolve both."""
-    rel = path[len(head):] if path.startswith(head) else os.path.relpath(path, head)
-    return rel.replace(os.sep, "/") if os.sep != "/" else rel
 
 
 def is_sidecar(path: str, seen: dict[str, set[str]] | None = None) -> bool:
@@ -262,15 +320,70 @@ def _glob_base(pattern: str) -> str:
     return os.path.join(*fixed) if fixed else "."
 
 
-def _walk(folder: Path, recursive: bool) -> Iterator[str]:
-    """The folder's files in a stable order, one folder's names in memory at a time."""
-    if recursive:
-        for root, dirs, files in os.walk(folder):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            yield from (os.path.join(root, f) for f in sorted(files) if not f.startswith("."))
-    else:
-        yield from (str(c) for c in sorted(folder.iterdir())
-                    if c.is_file() and not c.name.startswith("."))
+def _walk(top: str, given: str, walk: Walk, seen: Seen) -> Iterator[FoundFile]:
+    """The files of folder `top` (as given: `given`) in a stable order, without vlmq's
+    sidecars or what `seen` holds. A file's resolved path is its folder's plus its name,
+    since the walk never goes through a symlinked folder: a file costs no stat and no path
+    resolution of its own (a symlinked file, its one realpath)."""
+    for folder, real, rel, files in _folders(top, walk):
+        walk.files += len(files)
+        owned = written_by_vlmq(folder) if files else set()
+        # Where a file's path starts (Path.iterdir names a file in "." without "./").
+        prefix = "" if folder == "." and not walk.recursive else os.path.join(folder, "")
+        for entry in files:
+            name = entry.name
+            if name in owned:
+                continue
+            if entry.is_symlink():
+                target = os.path.realpath(prefix + name)
+                if seen.first_link(target, rel + name, walk):
+                    yield FoundFile(prefix + name, rel + name, given, None, target)
+                continue
+            target = real + name
+            if target in seen.paths or (seen.walks and target in seen):
+                continue
+            yield FoundFile(prefix + name, rel + name, given, None, target)
+
+
+_Folder = tuple[str, str, str, list[os.DirEntry[str]]]
+
+
+def _folders(top: str, walk: Walk) -> Iterator[_Folder]:
+    """(folder as walked, its resolved path and its path from `top` each with a trailing
+    separator, its files sorted by name) for `top` and, when recursive, every folder under
+    it, depth first in name order (os.walk's order), hidden names and symlinked folders
+    left out. Recursive, "files" are all that is not a folder (a broken symlink too: the
+    check then says what it is); flat, regular files and symlinks to them (Path.is_file).
+    One folder's names are in memory at a time."""
+    stack = [(top, os.path.join(walk.real, ""), "")]
+    while stack:
+        folder, real, rel = stack.pop()
+        try:
+            with os.scandir(folder) as listing:
+                entries = sorted((e for e in listing if not e.name.startswith(".")),
+                                 key=_entry_name)
+        except OSError:
+            walk.unlisted.append(real)
+            continue
+        if not walk.recursive:
+            yield folder, real, rel, [e for e in entries if _is(e.is_file)]
+            continue
+        dirs = [e for e in entries if _is(e.is_dir)]
+        yield folder, real, rel, [e for e in entries if not _is(e.is_dir)]
+        stack.extend((os.path.join(folder, d.name), f"{real}{d.name}{os.sep}",
+                      f"{rel}{d.name}/") for d in reversed(dirs) if not d.is_symlink())
+
+
+def _entry_name(entry: os.DirEntry[str]) -> str:
+    return entry.name
+
+
+def _is(test: Callable[[], bool]) -> bool:
+    """A DirEntry test (it follows a symlink), False where it cannot tell, as os.walk."""
+    try:
+        return test()
+    except OSError:
+        return False
 
 
 def check_name(found: FoundFile) -> None:

@@ -107,16 +107,17 @@ class _Stream:
         self.reserved.append(job_id)
 
     def send(self, part: Prepared, after: Prepared | None) -> None:
-        """Enqueue `part` (its id reserved already), first reserving `after`'s id."""
+        """Enqueue `part` (its id reserved already), first reserving `after`'s id. The
+        check that the batch still wants `part` and the reservation are one round trip (an
+        id reserved in a batch canceled meanwhile is counted out by close)."""
         job_id = self.reserved[len(self.jobs)]
-        pending = self.client.keys.batch_pending(self.batch_id)
-        if not self.client.redis.sismember(pending, job_id):
+        pipe = self.client.redis.pipeline(transaction=True)
+        pipe.sismember(self.client.keys.batch_pending(self.batch_id), job_id)
+        if after is not None:
+            self._reserve(pipe, after)
+        if not pipe.execute()[0]:
             self.stopped = True  # the batch was canceled while this producer enqueued it
             return
-        if after is not None:
-            pipe = self.client.redis.pipeline(transaction=True)
-            self._reserve(pipe, after)
-            pipe.execute()
         self.jobs.append(self.client.submit(
             self.task, part, self.options.with_(batch=self.batch_id, job_id=job_id)))
         self.items += len(part.items)
@@ -141,6 +142,7 @@ class _Held:
     errors: list[InputError] = field(default_factory=list)
     ready: Prepared | None = None
     paged: bool = False  # an item with pages (PDF, TIFF) was seen
+    bytes: int = 0  # of the uploads `prepared` holds, kept as they come (not summed per file)
 
 
 def submit_paths(client: Client, task: str, paths: Iterable[str | os.PathLike[str]],
@@ -164,6 +166,7 @@ def submit_paths(client: Client, task: str, paths: Iterable[str | os.PathLike[st
                 _flush(stream, held, job_size, skip_bad=skip_bad)
             elif stream is not None:
                 held.prepared = Prepared()  # stopped: only the errors are still wanted
+                held.bytes = 0
         if stream is None:
             prepared = finished(held.prepared, held.errors, skip_bad=skip_bad, pages=pages)
             return batches.submit_set(client, task, prepared, options, job_size=job_size)
@@ -188,7 +191,10 @@ def _checked(found: Iterator[object], stores: Stores, pages: PageSpec, local: Lo
             yield False
             continue
         held.paged = held.paged or checked.kind in C.PAGED_KINDS
+        blobs = len(held.prepared.blobs)
         held.prepared.add(checked, page_list)
+        if len(held.prepared.blobs) > blobs:
+            held.bytes += checked.size
         yield True
 
 
@@ -214,18 +220,15 @@ def _flush(stream: _Stream, held: _Held, job_size: int, *, skip_bad: bool) -> No
     if held.errors and not skip_bad:
         stream.stopped = True
         held.prepared = Prepared()
+        held.bytes = 0
         return
-    limit = stream.client.uploads.job_bytes
-    if len(held.prepared.items) < job_size and _bytes(held.prepared) <= limit:
+    if len(held.prepared.items) < job_size and held.bytes <= stream.client.uploads.job_bytes:
         return
     parts = batches.split_for(stream.client, held.prepared, job_size)
     held.prepared = parts.pop()  # the last may fill further
+    held.bytes = sum(b.size for b in held.prepared.blobs.values())
     for part in parts:
         _send_ready(stream, held, part)
-
-
-def _bytes(prepared: Prepared) -> int:
-    return sum(b.size for b in prepared.blobs.values())
 
 
 def _send_ready(stream: _Stream, held: _Held, part: Prepared | None) -> None:
