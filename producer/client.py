@@ -55,7 +55,7 @@ from vlmq.shared.keys import (
 )
 from vlmq.shared.messages import ItemResult, JobPayload
 from vlmq.shared.redis_text import as_str
-from vlmq.shared.results import count_done, read_items
+from vlmq.shared.results import END_FIELD, count_done, ended_event, read_items
 from vlmq.shared.urls import redact_url
 from vlmq.stores.backends import Stores
 
@@ -507,8 +507,18 @@ class Job:
         latest: Result | None = Result.fetch_latest(ref, serializer=JSONSerializer)
         return latest
 
+    def _end(self) -> dict[str, Any] | None:
+        """The terminal event the job hash keeps (end_job.lua), or None: the job has not
+        ended, or ended before vlmq kept it there (RQ's results stream holds its end)."""
+        return ended_event(self.client.redis.hget(Keys.rq_job(self.id), END_FIELD))
+
     def summary(self) -> dict[str, Any] | None:
-        """The job's return value (a JobSummary dict) once finished, else None."""
+        """The job's summary (a JobSummary dict) once finished, else None: from the job
+        hash's terminal event, else (a job finished by an older worker) RQ's result."""
+        end = self._end()
+        if end is not None:
+            value = end.get("summary") if end["type"] == "finished" else None
+            return dict(value) if isinstance(value, Mapping) else None
         result = self._latest()
         if result is None or result.type != Result.Type.SUCCESSFUL:
             return None
@@ -518,10 +528,15 @@ class Job:
     def error(self) -> str | None:
         """Why the job failed, or None while it has not.
 
-        RQ keeps the message in its results stream (latest_result().exc_string). A job
-        whose hash RQ cannot load never gets a Result: the worker writes the reason to
-        the hash's `exc_info` field instead, read here as plain text.
+        The `failed` event the job hash keeps holds the message as plain text; RQ keeps it
+        too, in its results stream (latest_result().exc_string). A job whose hash RQ
+        cannot load never gets a Result: the worker writes the reason to the hash's
+        `exc_info` field instead, read here as plain text.
         """
+        end = self._end()
+        message = end.get("error") if end is not None and end["type"] == "failed" else None
+        if isinstance(message, str):
+            return message or NO_MESSAGE
         result = self._latest()
         if result is not None and result.type == Result.Type.FAILED:
             return result.exc_string or NO_MESSAGE

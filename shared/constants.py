@@ -76,6 +76,10 @@ DEAD_LETTER_MAX = 10_000
 # (enqueue.lua for every language, the Python client before it uploads); a queue already
 # there is always taken. enqueue.lua gets the number in its generated LIMITS block.
 MAX_QUEUES = 64
+# A job's events stream outlives its end by this long, so a follower blocked on it (or
+# between two reads) sees the terminal event; the end itself stays in the job hash
+# (PROTOCOL.md section 5), so nothing per job is kept as a stream (issue 28).
+ENDED_EVENTS_S = 60
 # `vlmq status` and `vlmq metrics` show at most this many queues, one of them the
 # "(other)" line folding the rest (those with workers and the most jobs are shown), so
 # their output is bounded whatever names an older Redis already holds.

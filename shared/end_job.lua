@@ -12,6 +12,9 @@
 -- ARGV[2] or this run of the job has its terminal event already: the hash field vlmq_end
 -- is set, or the stream's last entry is a terminal event (written by a canceler that did
 -- not use this script; nothing is ever written after a terminal event).
+-- The event is kept in the job hash, in vlmq_end as JSON with its stream id (PROTOCOL.md
+-- section 5), for the hash's lifetime, while the stream itself lives only
+-- LIMITS.ended_events_s more: long enough for a follower blocked on it to see the end.
 -- Key names: the generated block below is shared/keys.py's KEY_TABLE, so no key is spelled here.
 -- BEGIN KEYS: generated from vlmq/shared/keys.py by `python -m vlmq.shared.lua --write`; do not edit by hand.
 local KEY = {}
@@ -30,6 +33,9 @@ function KEY.jobs_state_index(prefix, name) return prefix .. ':by-state:' .. nam
 function KEY.jobs_tally(prefix) return prefix .. ':jobs:tally' end
 function KEY.rq_job(job_id) return 'rq:job:' .. job_id end
 -- END KEYS
+-- BEGIN LIMITS: generated from vlmq/shared/constants.py by `python -m vlmq.shared.lua --write`; do not edit by hand.
+local LIMITS = {max_queues = 64, ended_events_s = 60}
+-- END LIMITS
 -- BEGIN TALLY: copied from vlmq/shared/tally_lib.lua by `python -m vlmq.shared.lua --write`; do not edit by hand.
 -- vlmq protocol v1: running counts of jobs by state and of their items (PROTOCOL.md 8b).
 -- Copied into every script that changes a job (enqueue.lua, write_items.lua,
@@ -154,11 +160,23 @@ for i = 6, #ARGV do
   fields[#fields + 1] = ARGV[i]
 end
 local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', '10000', '*', unpack(fields))
-redis.call('HSET', KEYS[1], 'vlmq_end', id)
+-- The event as the job hash keeps it: its type and fields, but for `finished` only the
+-- summary (the stream's other fields are copies of the summary's).
+local kept = {type = ARGV[2]}
+for i = 6, #ARGV - 1, 2 do
+  kept[ARGV[i]] = ARGV[i + 1]
+end
+if kept.summary then
+  local ok, summary = pcall(cjson.decode, kept.summary)
+  kept = {type = ARGV[2], summary = ok and summary or kept.summary}
+end
+kept.id = id
+redis.call('HSET', KEYS[1], 'vlmq_end', cjson.encode(kept))
+redis.call('EXPIRE', KEYS[2], LIMITS.ended_events_s)
 local ttl = tonumber(ARGV[3])
 -- The failed-items set (write_items.lua) lives exactly as long as the items hash.
 local failed_items = KEY.job_failed(prefix, ARGV[1])
-for _, key in ipairs({KEYS[2], KEYS[3], failed_items}) do
+for _, key in ipairs({KEYS[3], failed_items}) do
   if ttl > 0 then
     redis.call('EXPIRE', key, ttl)
   else

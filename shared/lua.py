@@ -51,7 +51,7 @@ KEY_MARKERS = ("-- BEGIN KEYS", "-- END KEYS")
 # The limits block: protocol limits a script enforces that are no payload setting (the
 # queue count, issue 29), from shared/constants.py, so Lua and Python refuse at one number.
 LIMITS_MARKERS = ("-- BEGIN LIMITS", "-- END LIMITS")
-LIMITS = {"max_queues": C.MAX_QUEUES}
+LIMITS = {"max_queues": C.MAX_QUEUES, "ended_events_s": C.ENDED_EVENTS_S}
 # What a script names outside its block: KEY.<name>(...) builds a key, KEY_SHOWN.<name>
 # is its documented form (`<prefix>:job:<job_id>:items`) for error messages.
 _USES = re.compile(r"\bKEY(_SHOWN)?\.(\w+)")

@@ -177,15 +177,31 @@ class ItemResult:
                 del out[name]
         return out
 
+    def stored(self) -> dict[str, Any]:
+        """The stored form's keys (PROTOCOL.md section 4): to_dict less every key that
+        holds its default (STORED_DEFAULTS), timings to the ms and none that is 0. An item
+        result is kept once per item for the job's whole result_ttl, so each default
+        spelled out would cost every item its bytes (issue 28)."""
+        out = self.to_dict()
+        for name, default in STORED_DEFAULTS:
+            value = out.get(name, default)
+            if value is default or (type(value) is type(default) and value == default):
+                out.pop(name, None)
+        timings = {k: round(v, STORED_TIMING_DIGITS) for k, v in self.timings.items()}
+        timings = {k: v for k, v in timings.items() if v}
+        if timings:
+            out["timings"] = timings
+        return out
+
     def to_json(self) -> str:
-        """The stored form (what a worker HSETs into the items hash): compact JSON, text
-        as UTF-8 rather than \\u escapes (a third of the bytes for CJK), unless the text
-        holds what UTF-8 cannot carry (a lone surrogate)."""
-        out = json.dumps(self.to_dict(), separators=(",", ":"), ensure_ascii=False)
+        """The stored form (what a worker HSETs into the items hash): `stored()` as compact
+        JSON, text as UTF-8 rather than \\u escapes (a third of the bytes for CJK), unless
+        the text holds what UTF-8 cannot carry (a lone surrogate)."""
+        out = json.dumps(self.stored(), separators=(",", ":"), ensure_ascii=False)
         try:
             out.encode()
         except UnicodeEncodeError:
-            return json.dumps(self.to_dict(), separators=(",", ":"))
+            return json.dumps(self.stored(), separators=(",", ":"))
         return out
 
     @classmethod
@@ -195,7 +211,7 @@ class ItemResult:
             source=str(raw["source"]),
             page=None if raw.get("page") is None else int(raw["page"]),
             text=raw.get("text"),
-            finish_reason=raw.get("finish_reason"),
+            finish_reason=raw.get("finish_reason", FINISH_STOP),
             prompt_tokens=int(raw.get("prompt_tokens") or 0),
             completion_tokens=int(raw.get("completion_tokens") or 0),
             vision_cache_hit=bool(raw.get("vision_cache_hit")),
@@ -214,6 +230,15 @@ class ItemResult:
 # ItemResult fields left out of the stored JSON while they hold these (the common case).
 _LEFT_OUT = (("repetition", None), ("text_source", TEXT_FROM_MODEL), ("model_error", None),
              ("model_text", None), ("json", None))
+FINISH_STOP = "stop"
+# ...and, in the stored form only (ItemResult.stored; exports keep them), these: a reader
+# takes an absent key for its default (PROTOCOL.md section 4).
+STORED_DEFAULTS: tuple[tuple[str, Any], ...] = (
+    ("page", None), ("text", None), ("finish_reason", FINISH_STOP), ("prompt_tokens", 0),
+    ("completion_tokens", 0), ("vision_cache_hit", False), ("error", None),
+    ("timings", {}), ("custom_id", None), ("result_cache_hit", False))
+# Decimal places of the stored timings: 1 ms.
+STORED_TIMING_DIGITS = 3
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
 """Per-item results and progress events: the worker writes them, producers read them.
 
 Each finished item is one HSET into `<prefix>:job:<id>:items` plus one XADD to the
-job's events stream, in one transaction, so a reader never sees an event without its
-result. A job's end is one terminal event (`finished`, `failed` or `canceled`), written by
-end_job_event in the same transaction as the status change.
+job's events stream, in one script (write_items.lua), so a reader never sees an event
+without its result. A job's end is one terminal event (`finished`, `failed` or
+`canceled`), written by end_job_event in the same transaction as the status change: to
+the stream, which then lives only C.ENDED_EVENTS_S more, and into the job hash
+(END_FIELD), where it stays as long as the job (PROTOCOL.md section 5).
 """
 
 from __future__ import annotations
@@ -15,44 +17,18 @@ from typing import Any
 from redis import Redis
 from redis.client import Pipeline
 
-from vlmq.shared import constants as C
 from vlmq.shared import lua
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult
 
 EVENTS_MAXLEN = 10_000
-# Field of the RQ job hash that end_job.lua sets: this run of the job has its terminal event.
+# Field of the RQ job hash that end_job.lua sets: this run of the job has its terminal
+# event, kept there as JSON (its type, stream id and fields; for `finished` the summary).
 END_FIELD = "vlmq_end"
 TERMINAL_EVENTS = ("finished", "failed", "canceled")
 # Stream/hash lifetime after a job ends with result_ttl 0 ("keep nothing"): long enough
 # for a follower of the events stream to see the terminal event.
 ENDED_MIN_TTL_S = 60
-
-
-def write_item(redis: Redis, keys: Keys, job_id: str, result: ItemResult, *,
-               ttl_s: int = C.RESULT_TTL_S, pipeline: Pipeline | None = None) -> None:
-    pipe = pipeline if pipeline is not None else redis.pipeline(transaction=True)
-    items_key = keys.job_items(job_id)
-    pipe.hset(items_key, str(result.index), result.to_json())
-    pipe.expire(items_key, ttl_s)
-    failed_key = keys.job_failed(job_id)  # as write_items.lua: listings count it
-    if result.ok:
-        pipe.srem(failed_key, str(result.index))
-    else:
-        pipe.sadd(failed_key, str(result.index))
-        pipe.expire(failed_key, ttl_s)
-    add_event(redis, keys, job_id, {"type": "item", "index": result.index,
-                                    "ok": int(result.ok)}, ttl_s=ttl_s, pipeline=pipe)
-    if pipeline is None:
-        pipe.execute()
-
-
-def add_event(redis: Redis, keys: Keys, job_id: str, event: dict[str, Any], *,
-              ttl_s: int = C.RESULT_TTL_S, pipeline: Pipeline | None = None) -> None:
-    conn: Any = pipeline if pipeline is not None else redis
-    key = keys.job_events(job_id)
-    conn.xadd(key, event_fields(event), maxlen=EVENTS_MAXLEN, approximate=True)
-    conn.expire(key, ttl_s)
 
 
 def event_fields(event: Mapping[str, Any]) -> dict[str, str]:
@@ -78,8 +54,9 @@ def end_job_event(redis: Redis, keys: Keys, job_id: str, status: str, *, queue: 
     Written only when the job's status is `status` (finished, failed or canceled) and this
     run has no terminal event yet, so it exists exactly once whoever ends the job (a worker,
     `vlmq cancel`, a worker finding a job that RQ's cleanup failed). Queue it in the same
-    MULTI as the status change, after it. The events stream and the item results get
-    `ttl_s` (see ended_ttl) so they expire with the job.
+    MULTI as the status change, after it. The item results get `ttl_s` (see ended_ttl) so
+    they expire with the job; the event stays in the job hash, the stream
+    C.ENDED_EVENTS_S more.
     """
     if status not in TERMINAL_EVENTS:
         raise ValueError(f"not a terminal status: {status!r}")
@@ -89,6 +66,19 @@ def end_job_event(redis: Redis, keys: Keys, job_id: str, status: str, *, queue: 
         args += [k, v]
     lua.script(redis, lua.END_JOB)(keys=[Keys.rq_job(job_id), keys.job_events(job_id),
                             keys.job_items(job_id)], args=args, client=pipeline or redis)
+
+
+def ended_event(raw: bytes | str | None) -> dict[str, Any] | None:
+    """The terminal event kept in a job hash's END_FIELD, or None: the job has not ended,
+    or ended before vlmq kept it there (the field then held only the event's stream id,
+    and RQ's results stream holds the job's end)."""
+    if not raw:
+        return None
+    try:
+        event = json.loads(raw)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) and event.get("type") in TERMINAL_EVENTS else None
 
 
 def count_done(redis: Redis, keys: Keys, job_id: str) -> int:

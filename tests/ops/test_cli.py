@@ -27,12 +27,12 @@ from tests.support.helpers import (
     wait_for,
     worker_lifecycle,
 )
+from tests.support.lua_calls import write_items
 from vlmq.cli.main import main
 from vlmq.shared import constants as C
 from vlmq.shared.enqueue import fetch_job, payload_of
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult
-from vlmq.shared.results import write_item
 from vlmq.worker.redis_server import answers, free_port, server_binary
 
 VLMQ = Path(sys.executable).with_name("vlmq")
@@ -229,8 +229,8 @@ def _finish(redis: Redis, job_id: str, summary: dict[str, object]) -> None:
 
 def test_status_of_a_job(run_cli, redis: Redis, keys: Keys, doc: Path) -> None:
     job_id = _enqueue(run_cli, "ocr", str(doc))
-    write_item(redis, keys, job_id, item_result(1, str(doc), 2, "two"))
-    write_item(redis, keys, job_id, item_result(0, str(doc), 1, None, error="render failed"))
+    write_items(redis, keys, job_id, item_result(1, str(doc), 2, "two"))
+    write_items(redis, keys, job_id, item_result(0, str(doc), 1, None, error="render failed"))
     res = run_cli("status", job_id)
     assert res.exit_code == 0
     assert "status: queued" in res.stdout
@@ -308,9 +308,9 @@ def finished_doc(run_cli, redis: Redis, keys: Keys, tmp_path: Path) -> tuple[str
     path.write_bytes(pdf_bytes(4))
     job_id = _enqueue(run_cli, "ocr", str(path), "--pages", "2-4")
     src = str(path)
-    write_item(redis, keys, job_id, item_result(2, src, 4, "# Four\nlast page"))
-    write_item(redis, keys, job_id, item_result(0, src, 2, "Page two text"))
-    write_item(redis, keys, job_id, item_result(1, src, 3, None, error="render failed: x"))
+    write_items(redis, keys, job_id, item_result(2, src, 4, "# Four\nlast page"))
+    write_items(redis, keys, job_id, item_result(0, src, 2, "Page two text"))
+    write_items(redis, keys, job_id, item_result(1, src, 3, None, error="render failed: x"))
     _finish(redis, job_id, {"items": 3, "ok": 2, "failed": 1})
     return job_id, path
 
@@ -360,7 +360,7 @@ def test_result_markdown_pages_in_order(run_cli, finished_doc: tuple[str, Path],
 
 def test_result_of_a_running_job_is_partial(run_cli, redis: Redis, keys: Keys, doc: Path) -> None:
     job_id = _enqueue(run_cli, "ocr", str(doc), "--pages", "1-2")
-    write_item(redis, keys, job_id, item_result(1, str(doc), 2, "second"))
+    write_items(redis, keys, job_id, item_result(1, str(doc), 2, "second"))
     res = run_cli("result", job_id, "--format", "md")
     assert res.exit_code == 0
     assert "1/2 items done; results are partial" in res.stderr
@@ -591,7 +591,7 @@ def failed_doc(run_cli, redis: Redis, keys: Keys, doc: Path) -> str:
     with worker_lifecycle(redis, ["ocr"]) as life:
         running = life.take()
         assert running is not None and running.job_id == job_id
-        write_item(redis, keys, job_id, item_result(0, str(doc), 1, "Page one text"))
+        write_items(redis, keys, job_id, item_result(0, str(doc), 1, "Page one text"))
         life.fail(running, "model load failed: out of GPU memory")
     return job_id
 

@@ -15,6 +15,7 @@ from rq.job import JobStatus
 from rq.results import Result
 
 from tests.support.helpers import pdf_bytes
+from tests.support.lua_calls import write_items
 from vlmq.producer import Client, JobOptions
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import sha256_hex
@@ -22,7 +23,6 @@ from vlmq.shared.enqueue import fetch_job
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult
-from vlmq.shared.results import write_item
 
 
 def png(path: Path, color: tuple[int, int, int] = (10, 200, 30)) -> Path:
@@ -112,7 +112,7 @@ def test_wait_without_a_tty_prints_progress_lines(run_cli, redis: Redis, tmp_pat
     def work() -> None:
         for i in range(4):
             time.sleep(0.3)
-            write_item(redis, keys, job_id, ItemResult(
+            write_items(redis, keys, job_id, ItemResult(
                 index=i, source=str(doc), page=i + 1, text="t", finish_reason="stop",
                 prompt_tokens=1, completion_tokens=1, vision_cache_hit=False, error=None))
         job = fetch_job(redis, job_id)

@@ -22,6 +22,7 @@ from redis import Redis
 
 from tests.support.dashboard_data import Dataset, dataset, result
 from tests.support.helpers import wait_for
+from tests.support.lua_calls import write_items
 from vlmq.cli.dashboard import CHANNEL_TIMEOUT_S, CLEANUP_INTERVAL_S
 from vlmq.cli.main import main
 from vlmq.producer.ops.dashboard import browser
@@ -29,7 +30,6 @@ from vlmq.producer.ops.dashboard.app import Settings, create_app
 from vlmq.producer.ops.dashboard.screenshot import running_dashboard
 from vlmq.producer.ops.dashboard.trust import COOKIE, TOKEN_ENV, allow_list
 from vlmq.shared.keys import Keys
-from vlmq.shared.results import write_item
 
 TOKEN = "s3cret-dashboard-token-0123456789"
 HALF_OPEN = 150
@@ -290,7 +290,7 @@ def item_text(page: str) -> str:
 
 def test_links_in_model_output_point_nowhere(redis_url: str, redis: Redis,
                                              data: Dataset) -> None:
-    write_item(redis, Keys(), data.finished, result(2, "invoice.pdf", 3, HOSTILE_LINKS))
+    write_items(redis, Keys(), data.finished, result(2, "invoice.pdf", 3, HOSTILE_LINKS))
     with served(redis_url) as port:
         code, _, body = call(port, f"/jobs/{data.finished}?item=2")
     assert code == 200
@@ -308,7 +308,7 @@ def test_links_in_model_output_point_nowhere(redis_url: str, redis: Redis,
                     reason="no Chromium (.ci/dev.py installs it as root)")
 def test_links_in_model_output_point_nowhere_in_a_browser(redis_url: str, redis: Redis,
                                                           data: Dataset) -> None:
-    write_item(redis, Keys(), data.finished, result(2, "invoice.pdf", 3, HOSTILE_LINKS))
+    write_items(redis, Keys(), data.finished, result(2, "invoice.pdf", 3, HOSTILE_LINKS))
     with served(redis_url) as port:
         seen = browser.dump_dom(f"http://127.0.0.1:{port}/jobs/{data.finished}?item=2")
     assert seen.console == []

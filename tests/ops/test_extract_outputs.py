@@ -21,6 +21,7 @@ from redis import Redis
 
 from tests.support.dashboard_data import result
 from tests.support.helpers import make_images, pdf_bytes, worker_lifecycle
+from tests.support.lua_calls import write_items
 from vlmq.cli.main import main
 from vlmq.producer import Client, JobOptions
 from vlmq.producer.files import check_file
@@ -28,7 +29,6 @@ from vlmq.producer.inputs import Prepared
 from vlmq.producer.ops.dashboard.app import Settings, create_app
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult
-from vlmq.shared.results import write_item
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -84,14 +84,14 @@ def jobs(redis_url: str, redis: Redis, tmp_path: Path) -> Iterator[Jobs]:
                   result(2, "img2.png", None, None, error=CUT),
                   _extract_result(3, "doc.pdf", 1, PAGE_OBJECT),
                   result(4, "doc.pdf", 2, None, error=CUT)):
-            write_item(redis, keys, job.id, r)
+            write_items(redis, keys, job.id, r)
         life.succeed(running, {"items": 5, "ok": 3, "failed": 2})
 
         cap = client.submit("caption", images[:2], opts)
         running = life.take()
         assert running is not None and running.job_id == cap.id
-        write_item(redis, keys, cap.id, result(0, "img0.png", None, "-a red square"))
-        write_item(redis, keys, cap.id, result(1, "img1.png", None, None,
+        write_items(redis, keys, cap.id, result(0, "img0.png", None, "-a red square"))
+        write_items(redis, keys, cap.id, result(1, "img1.png", None, None,
                                                error="image: cannot decode"))
         life.succeed(running, {"items": 2, "ok": 1, "failed": 1})
         yield Jobs(extract=job.id, caption=cap.id)

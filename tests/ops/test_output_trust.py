@@ -27,13 +27,13 @@ from redis import Redis
 
 from tests.support import helpers
 from tests.support.dashboard_data import result
+from tests.support.lua_calls import write_items
 from vlmq.producer.client import Client
 from vlmq.producer.ops.export import export_results
 from vlmq.producer.ops.output_formats import csv_cell, extract_file
 from vlmq.producer.options import JobOptions
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult
-from vlmq.shared.results import write_item
 
 ESCAPES = "\x1b]0;TITLE\x07 \x1b[2J \x1b[31m"
 LAYER_TEXT = "Plain words of a born digital page. " * 8 + ESCAPES + "end of page"
@@ -86,10 +86,10 @@ def captions(redis_url: str, redis: Redis, tmp_path: Path) -> Iterator[str]:
         job = client.submit("caption", images, JobOptions())
         running = life.take()
         assert running is not None and getattr(running, "job_id", None) == job.id
-        write_item(redis, Keys(), job.id, result(0, images[0].name, None, MODEL_TEXT))
-        write_item(redis, Keys(), job.id, result(1, images[1].name, None,
+        write_items(redis, Keys(), job.id, result(0, images[0].name, None, MODEL_TEXT))
+        write_items(redis, Keys(), job.id, result(1, images[1].name, None,
                                                  " =cmd|' /C calc'!A0\x00"))
-        write_item(redis, Keys(), job.id, result(2, "evil\x1b]0;owned\x07.png", None, None,
+        write_items(redis, Keys(), job.id, result(2, "evil\x1b]0;owned\x07.png", None, None,
                                                  error="image: cannot decode"))
         life.succeed(running, {"items": 3, "ok": 2, "failed": 1})
         yield job.id

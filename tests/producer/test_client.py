@@ -18,6 +18,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from tests.support.helpers import following_events, pdf_bytes, wait_for, worker_lifecycle
+from tests.support.lua_calls import write_items
 from vlmq.producer import Client, JobFailed, JobNotFound, WaitTimeout, sample_files
 from vlmq.producer import client as client_module
 from vlmq.producer.client import wait_all
@@ -27,7 +28,6 @@ from vlmq.shared.enqueue import fetch_job, is_json_data, payload_of
 from vlmq.shared.errors import InputError, PayloadError
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult
-from vlmq.shared.results import write_item
 
 
 def png_bytes(color: tuple[int, int, int]) -> bytes:
@@ -175,8 +175,8 @@ def test_job_handle_progress_results_summary(client: Client, redis: Redis, keys:
     same = client.job(job.id)
     assert (same.id, same.queue, same.items) == (job.id, "ocr", 3)
     assert job.progress() == (0, 3)
-    write_item(redis, keys, job.id, item_result(2, str(doc), 3, "third"))
-    write_item(redis, keys, job.id, item_result(0, str(doc), 1, None, error="boom"))
+    write_items(redis, keys, job.id, item_result(2, str(doc), 3, "third"))
+    write_items(redis, keys, job.id, item_result(0, str(doc), 1, None, error="boom"))
     assert job.progress() == (2, 3)
     assert [r.index for r in job.results()] == [0, 2]
     assert job.failed_items() == 1
@@ -208,7 +208,7 @@ def test_wait_wakes_when_the_job_finishes(client: Client, redis: Redis, keys: Ke
         # Once the wait blocks on the job's events (Redis lists it in XREAD), not before.
         wait_for(lambda: following_events(redis), 120, "the wait to follow the job's events")
         for i in range(2):
-            write_item(redis, keys, job.id, item_result(i, "doc.pdf", i + 1, "x"))
+            write_items(redis, keys, job.id, item_result(i, "doc.pdf", i + 1, "x"))
         finish(redis, job.id, {"items": 2})
 
     t = threading.Thread(target=work)
@@ -296,7 +296,7 @@ def test_existing_job_id_is_refused(client: Client, redis: Redis, keys: Keys,
     assert [i.page for i in client.job("fixed-1").payload().items] == [1]
     assert redis.lrange("rq:queue:ocr", 0, -1) == [b"fixed-1"]
     # The RQ job is gone but its item results are not: a new job must not inherit them.
-    write_item(redis, keys, "gone-1", item_result(0, "doc.pdf", 1, "old text"))
+    write_items(redis, keys, "gone-1", item_result(0, "doc.pdf", 1, "old text"))
     with pytest.raises(PayloadError, match="a job with id gone-1 already exists"):
         client.ocr([doc], "1", job_id="gone-1")
     assert not redis.exists("rq:job:gone-1")

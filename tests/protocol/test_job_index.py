@@ -18,12 +18,12 @@ from tests.support.helpers import (
     wait_for,
     worker_lifecycle,
 )
+from tests.support.lua_calls import write_items
 from vlmq.producer.ops import job_admin as manage
 from vlmq.shared import job_index, lua
 from vlmq.shared.enqueue import enqueue, enqueue_lua, fetch_job
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import Item, ItemResult, JobPayload
-from vlmq.shared.results import write_item
 from vlmq.worker.intake.rq_jobs import Running
 
 KEYS = Keys()
@@ -126,11 +126,11 @@ def test_paging_through_an_index_misses_no_job_and_repeats_none(redis: Redis) ->
 
 def test_counts_come_from_the_items_hash_and_the_failed_set(redis: Redis) -> None:
     job_id = enqueue(redis, payload(3), queue="q")
-    write_item(redis, KEYS, job_id, result(0, "t"))
-    write_item(redis, KEYS, job_id, result(1, error="bad"))
+    write_items(redis, KEYS, job_id, result(0, "t"))
+    write_items(redis, KEYS, job_id, result(1, error="bad"))
     (row,) = manage.list_jobs(redis, KEYS)
     assert (row.done, row.failed, row.total) == (2, 1, 3)
-    write_item(redis, KEYS, job_id, result(1, "ok now"))
+    write_items(redis, KEYS, job_id, result(1, "ok now"))
     (row,) = manage.list_jobs(redis, KEYS)
     assert (row.done, row.failed) == (2, 0)
 
@@ -191,7 +191,7 @@ def test_a_killed_workers_job_is_requeued_and_listed_once(redis: Redis) -> None:
 def test_delete_and_cancel(redis: Redis) -> None:
     gone = enqueue(redis, payload(1, {"g": "d"}), queue="q")
     kept = enqueue(redis, payload(1, {"g": "d"}), queue="q")
-    write_item(redis, KEYS, gone, result(0, error="x"))
+    write_items(redis, KEYS, gone, result(0, error="x"))
     manage.delete(redis, KEYS, gone)
     assert indexed_nowhere(redis, gone) and not redis.exists(KEYS.job_failed(gone))
     manage.cancel(redis, KEYS, kept)

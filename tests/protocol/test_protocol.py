@@ -235,14 +235,17 @@ def test_failed_and_finished_jobs_decode_without_rq(redis: Redis) -> None:
         life.succeed(ok, summary)
         life.fail(bad, message)
 
-    # Finished: status, then type 1 and return_value = base64 of the JSON (no zlib).
+    # Finished: status, then the summary in the terminal event the job hash keeps
+    # (section 6); RQ's results stream holds no entry for it (issue 28).
     assert redis.hget(Keys.rq_job(ok_id), "status") == b"finished"
-    fields = _latest_result_entry(redis, ok_id)
-    assert fields[b"type"] == b"1"
-    assert json.loads(base64.b64decode(fields[b"return_value"]).decode("utf-8")) == summary
-    assert b"exc_string" not in fields
+    end = json.loads(redis.hget(Keys.rq_job(ok_id), "vlmq_end"))
+    assert end["type"] == "finished" and end["summary"] == summary
+    assert not redis.exists(f"rq:results:{ok_id}")
+    # Failed: the plain message in the kept `failed` event...
+    failed_end = json.loads(redis.hget(Keys.rq_job(bad_id), "vlmq_end"))
+    assert failed_end == {"type": "failed", "error": message, "id": failed_end["id"]}
 
-    # Failed: status, then type 2 and exc_string = base64 of zlib of the UTF-8 message.
+    # ...and RQ's entry: type 2 and exc_string = base64 of zlib of the UTF-8 message.
     assert redis.hget(Keys.rq_job(bad_id), "status") == b"failed"
     fields = _latest_result_entry(redis, bad_id)
     assert fields[b"type"] == b"2"

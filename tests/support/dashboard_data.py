@@ -14,10 +14,10 @@ from PIL import Image
 from redis import Redis
 
 from tests.support.helpers import make_images, pdf_bytes, worker_lifecycle
+from tests.support.lua_calls import write_items
 from vlmq.producer import Client, JobOptions
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult
-from vlmq.shared.results import write_item
 from vlmq.worker.intake.rq_jobs import JobLifecycle, Running
 
 # Page texts as a model might write them; page 3's is hostile.
@@ -63,19 +63,19 @@ def dataset(redis_url: str, redis: Redis, tmp_path: Path) -> Iterator[Dataset]:
         done = client.submit("ocr", [pdf], opts)
         running = _take(life, done.id)
         for i, text in enumerate(PAGE_TEXTS):
-            write_item(redis, keys, done.id, result(i, "invoice.pdf", i + 1, text, hit=i == 0))
+            write_items(redis, keys, done.id, result(i, "invoice.pdf", i + 1, text, hit=i == 0))
         life.succeed(running, {"items": 3, "ok": 3, "failed": 0})
 
         bad = client.submit("caption", images, opts.with_(labels={"batch": "dec"}))
         running = _take(life, bad.id)
-        write_item(redis, keys, bad.id, result(0, images[0].name, None, CAPTIONS[0]))
-        write_item(redis, keys, bad.id, result(1, images[1].name, None, None,
+        write_items(redis, keys, bad.id, result(0, images[0].name, None, CAPTIONS[0]))
+        write_items(redis, keys, bad.id, result(1, images[1].name, None, None,
                                                error="image: cannot decode"))
         life.fail(running, "1 of 2 items failed")
 
         busy = client.submit("ocr", [pdf], opts)
         held = _take(life, busy.id)
-        write_item(redis, keys, busy.id, result(0, "invoice.pdf", 1, PAGE_TEXTS[0]))
+        write_items(redis, keys, busy.id, result(0, "invoice.pdf", 1, PAGE_TEXTS[0]))
         stats = Keys().worker_stats(life.worker.name)
         redis.hset(stats, mapping={"model": "tiny", "tokens_per_s": "12.5",
                                    "items_per_s": "0.8", "batch_active": "1",

@@ -7,9 +7,9 @@ from dataclasses import fields, replace
 
 from redis import Redis
 
+from tests.support.lua_calls import write_items
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import Item, ItemResult, JobPayload
-from vlmq.shared.results import write_item
 from vlmq.worker.engine.item_order import JobState
 from vlmq.worker.intake.job_settings import (
     DEFAULT_IMAGE_MAX_SIDE,
@@ -59,7 +59,7 @@ def test_a_job_asking_for_the_type_defaults_misses_text_made_under_the_preset(
 
     ran = _state("under-preset")
     made = _result("text generated under the preset")
-    write_item(redis, cache.keys, ran.job_id, made)  # the cache points at stored results
+    write_items(redis, cache.keys, ran.job_id, made)  # the cache points at stored results
     assert store_results(cache, ran, [made]) == 1
 
     explicit = _state("asks-type-defaults", prompt=typed.prompt, max_tokens=typed.max_tokens)

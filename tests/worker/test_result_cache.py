@@ -19,9 +19,9 @@ from redis import Redis
 from tests.support import helpers
 from tests.support.factories import job_payload
 from tests.support.helpers import finish, make_images
+from tests.support.lua_calls import write_items
 from vlmq.producer.client import Client
 from vlmq.producer.options import JobOptions
-from vlmq.shared import results as R
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult, JobPayload, parse_payload
@@ -138,7 +138,7 @@ def _done(redis: Redis, keys: Keys, state: JobState, texts: list[str], *,
                          completion_tokens=0 if hit else 4, vision_cache_hit=False,
                          error=None, timings={"generate_s": 0.123456789},
                          result_cache_hit=hit)
-        R.write_item(redis, keys, state.job_id, res, ttl_s=ttl_s)
+        write_items(redis, keys, state.job_id, res, ttl_s=ttl_s)
         out.append(res)
     return out
 
@@ -213,7 +213,7 @@ def test_a_reused_job_id_or_a_rewritten_item_is_a_miss_and_is_removed(
     failed = ItemResult(index=1, source="x", page=None, text=None, finish_reason="error",
                         prompt_tokens=0, completion_tokens=0, vision_cache_hit=False,
                         error="boom")
-    R.write_item(redis, keys, "job-a", failed)
+    write_items(redis, keys, "job-a", failed)
     digests = [cache.digest(i, first.resolved) for i in first.payload.items]
     found = cache.lookup(digests)
     assert found[0] is None and found[1] is None

@@ -14,6 +14,7 @@ from redis import Redis
 
 from tests.support.factories import job_payload
 from tests.support.helpers import abandoned, wait_for
+from vlmq.shared import constants as C
 from vlmq.shared import results as R
 from vlmq.shared.enqueue import enqueue, fetch_job
 from vlmq.shared.keys import Keys
@@ -177,7 +178,7 @@ def test_a_job_finishes_only_once_every_item_has_a_stored_result(redis, keys, ri
     assert json.loads(events(redis, keys, job_id)[-1]["summary"])["ok"] == 4
 
 
-def test_every_end_publishes_once_and_the_events_expire_with_the_job(redis, keys, rig):
+def test_every_end_publishes_once_and_only_the_kept_end_lives_with_the_job(redis, keys, rig):
     ok_id, bad_id = job(redis, 1), job(redis, 1)
     pubsub = redis.pubsub()
     pubsub.subscribe(keys.done_channel, keys.done_queue_channel("ocr"))
@@ -200,7 +201,14 @@ def test_every_end_publishes_once_and_the_events_expire_with_the_job(redis, keys
         (keys.done_queue_channel("ocr"), {"id": bad_id, "status": "failed"})], key=str)
     for job_id in (ok_id, bad_id):
         job_ttl = redis.ttl(keys.rq_job(job_id))
-        assert job_ttl > 0 and abs(redis.ttl(keys.job_events(job_id)) - job_ttl) <= 2
+        assert job_ttl > 0
+        if job_id == ok_id:  # the failed one wrote no item
+            assert abs(redis.ttl(keys.job_items(job_id)) - job_ttl) <= 2
+        # the stream outlives the end by ENDED_EVENTS_S only; the end stays in the hash
+        assert 0 < redis.ttl(keys.job_events(job_id)) <= C.ENDED_EVENTS_S
+        end = R.ended_event(redis.hget(keys.rq_job(job_id), R.END_FIELD))
+        assert end is not None and end["type"] == ("finished" if job_id == ok_id else "failed")
+    assert not redis.exists(keys.rq_results(ok_id))  # the summary is in the hash alone
 
 
 def test_a_job_canceled_through_rq_gets_one_canceled_event(redis, keys, rig):
@@ -233,7 +241,7 @@ def test_a_cancel_that_wrote_its_own_event_is_not_doubled(redis, keys, rig):
     rig.take()
     pipe = redis.pipeline(transaction=True)
     fetch_job(redis, job_id).cancel(pipeline=pipe)
-    R.add_event(redis, keys, job_id, {"type": "canceled"}, pipeline=pipe)
+    pipe.xadd(keys.job_events(job_id), {"type": "canceled"})
     pipe.execute()
     rig.writer.flush()
     rig.writer.drop(rig.order.jobs[job_id], "canceled")

@@ -17,7 +17,6 @@ from redis.client import Pipeline
 from rq import Queue
 from rq.executions import Execution
 from rq.job import Job, JobStatus
-from rq.results import Result
 from rq.utils import now
 from rq.worker import WorkerStatus
 
@@ -34,6 +33,12 @@ log = logging.getLogger(__name__)
 
 # JobEnd.succeed's answer when item results are missing at the moment of finishing.
 INCOMPLETE = "item results missing"
+# RQ job hash fields a finished job drops: callbacks and group RQ writes empty, and what
+# only a queued or running job or a failed one reads (heartbeat, first start, timeout,
+# retries, failure TTL, the item count that queued-item sums read).
+FINISHED_DROPS = ("success_callback_name", "failure_callback_name", "stopped_callback_name",
+                  "group_id", "last_heartbeat", "retry_intervals", "retries_left", "timeout",
+                  "failure_ttl", C.FIRST_STARTED_FIELD, job_index.ITEMS_FIELD)
 
 
 class JobEnd:
@@ -50,11 +55,12 @@ class JobEnd:
 
     def succeed(self, running: Running, summary: Mapping[str, Any], *,
                 require_items: bool = False) -> str | None:
-        """Finish the job with `summary` as its RQ result (job.return_value()), fenced.
+        """Finish the job with `summary` as its result, fenced.
 
-        The status change, the result, the registries and the `finished` event are one
-        transaction. The event carries the summary's fields, and the whole summary as JSON
-        in `summary`. Returns None when finished; with require_items, INCOMPLETE when,
+        The status change, the registries and the `finished` event are one transaction.
+        The event carries the summary's fields, and the whole summary as JSON in
+        `summary`; the job hash keeps the summary (end_job.lua), RQ's results stream
+        none. Returns None when finished; with require_items, INCOMPLETE when,
         checked in the same transaction, not every item has a stored result (nothing
         written: compute the missing ones); else why the job is not this worker's any more.
         """
@@ -108,12 +114,13 @@ class JobEnd:
         job.ended_at = now()
         job.set_status(JobStatus.FINISHED, pipeline=pipe)
         job.save(pipeline=pipe, include_meta=False, include_result=False)
+        # What a finished job no longer needs (RQ writes them empty or for a run that
+        # ended): each hash field costs ~60 B for the job's whole result_ttl (issue 28).
+        pipe.hdel(job.key, *FINISHED_DROPS)
         if result_ttl != 0:
-            Result.create(job, Result.Type.SUCCESSFUL, ttl=result_ttl, return_value=value,
-                          worker_name=worker.name, pipeline=pipe,
-                          execution_id=running.execution.id,
-                          execution_started_at=running.execution.created_at,
-                          execution_ended_at=job.ended_at)
+            # No RQ Result: its stream would cost ~4.7 kB a job (Redis 7.0 preallocates a
+            # stream node) for a summary the job hash already holds (end_job.lua's
+            # vlmq_event); producers read it there (PROTOCOL.md section 6).
             job.finished_job_registry.add(job, result_ttl, pipe)
             if result_ttl > 0:  # RQ scored it by this machine's clock
                 pipe.zadd(job.finished_job_registry.key,
