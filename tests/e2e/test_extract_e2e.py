@@ -88,6 +88,12 @@ def test_a_value_cut_at_max_tokens_fails_naming_the_fix(served: tuple[str, Path]
     assert all(not r.ok and r.json is None and r.text is None for r in results)
     assert {r.error for r in results} == {
         "output cut at max_tokens before the JSON was complete: raise --max-tokens"}
+    # The unfinished JSON stays beside the error (the OpenAI batch output's content),
+    # never in `text` or `json`.
+    for r in results:
+        assert r.finish_reason == "length" and r.model_text
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(r.model_text)
 
 
 def test_a_schema_the_matcher_refuses_fails_the_job_from_any_producer(
