@@ -257,6 +257,14 @@ def test_documented_command_parses(command: Command, tmp_path: Path,
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     for key, value in command.env.items():
         monkeypatch.setenv(key, value)
+    if "_VLMQ_COMPLETE" in command.env:  # shell completion: click prints the shell's script
+        from click.testing import CliRunner
+
+        from vlmq.cli.main import main
+
+        res = CliRunner().invoke(main, command.args, prog_name="vlmq")
+        assert res.exit_code == 0 and "_VLMQ_COMPLETE" in res.stdout, (str(command), res.output)
+        return
     try:
         check_parses(command.args, tmp_path)
     except click.exceptions.Exit:
