@@ -1,0 +1,80 @@
+"""The CLI starts with only what a command uses (issue 28: `vlmq --help` took 0.37 s): counted
+by the modules a fresh process imports, never by timing. Help, --version and the listing
+commands' help import no redis, RQ, Pillow, PDFium, boto3, numpy or MLX; a listing run
+against Redis imports no boto3, numpy, MLX or schema checker."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import click
+import pytest
+
+from vlmq.cli.main import COMMANDS, main, short_help
+
+HEAVY = ("PIL", "pypdfium2", "boto3", "botocore", "numpy", "mlx", "mlx_vlm", "transformers",
+         "rq", "redis", "jsonschema", "llguidance", "prometheus_client", "croniter")
+# What a listing needs (the client reads Redis through redis-py and RQ's job hashes);
+# the client still imports Pillow and PDFium through its input checks (not yet lazy).
+LISTING_NEVER = ("boto3", "botocore", "numpy", "mlx", "mlx_vlm", "transformers",
+                 "jsonschema", "llguidance")
+
+PROBE = """
+import json, sys
+from vlmq.cli.main import main
+try:
+    main(sys.argv[1:], prog_name="vlmq")
+except SystemExit:
+    pass
+finally:
+    print(json.dumps(sorted({m.split(".")[0] for m in sys.modules}
+                            | {m for m in sys.modules if m.startswith("vlmq.")})),
+          file=sys.stderr)
+"""
+
+
+def imported(*args: str) -> set[str]:
+    """The top-level packages (and vlmq modules) a fresh `vlmq ARGS` process imported."""
+    proc = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True,
+                          text=True, timeout=300, check=False)
+    return set(json.loads(proc.stderr.strip().splitlines()[-1]))
+
+
+@pytest.mark.parametrize("args", [("--help",), ("--version",), ("jobs", "--help"),
+                                  ("status", "--help"), ("wait", "--help"),
+                                  ("result", "--help"), ("export", "--help"),
+                                  ("cancel", "--help")])
+def test_help_and_version_import_nothing_heavy(args: tuple[str, ...]) -> None:
+    mods = imported(*args)
+    assert not mods & set(HEAVY), sorted(mods & set(HEAVY))
+    assert "vlmq.producer.client" not in mods
+
+
+def test_the_root_help_imports_no_command_module() -> None:
+    mods = imported("--help")
+    assert not {m for m in mods if m.startswith("vlmq.cli.") and m not in
+                ("vlmq.cli.main", "vlmq.cli.common")}, sorted(mods)
+
+
+@pytest.mark.parametrize("args", [("jobs",), ("status",), ("jobs", "--json")])
+def test_a_listing_imports_only_what_it_reads_with(redis_url: str,
+                                                   args: tuple[str, ...]) -> None:
+    mods = imported("--redis-url", redis_url, *args)
+    assert "redis" in mods  # it did run
+    assert not mods & set(LISTING_NEVER), sorted(mods & set(LISTING_NEVER))
+    assert not {m for m in mods if m.startswith(("vlmq.worker", "vlmq.cli.worker",
+                                                 "vlmq.cli.metrics", "vlmq.cli.dashboard"))}
+
+
+def test_each_line_of_the_root_help_is_the_commands_own() -> None:
+    ctx = click.Context(main)
+    for name, (module, _line) in COMMANDS.items():
+        command = main.get_command(ctx, name)
+        assert command is not None, f"{name} is not registered by {module}"
+        for limit in (45, 80, 10_000):
+            assert short_help(main, ctx, name, limit) == command.get_short_help_str(limit), (
+                f"cli/main.py COMMANDS[{name!r}] differs from the command's own help")
+    # Every command the modules register is listed (loading them all added none).
+    assert set(main.commands) <= set(COMMANDS) | {"demo"}
