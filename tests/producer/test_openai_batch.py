@@ -348,6 +348,8 @@ def test_errors_file_needs_a_format_that_splits(served: tuple[str, Path, Path]) 
     res = _cli(url, "enqueue", "--openai-batch", str(requests), "--manifest",
                str(requests), code=2)
     assert "not both" in res.stderr
+    res = _cli(url, "enqueue", "--manifest", str(requests), "--model-map", "a=b", code=2)
+    assert "--model-map and --strict-model go with --openai-batch" in res.stderr
     with Client(url) as client:
         client.batch(job_id).cancel()
 
