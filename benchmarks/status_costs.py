@@ -5,7 +5,9 @@
 - `status BATCH` and the setup of `wait BATCH` (until its first look: a wait with timeout
   0) at a small and a large batch, and their ratio (target < 2);
 - `status --label K=V` with every queued job carrying the label;
-- `vlmq jobs --status stopped` (a state RQ keeps in no registry) over N jobs.
+- `vlmq jobs --status stopped` (a state RQ keeps in no registry) over N jobs;
+- `vlmq jobs --limit 20` and `vlmq --help` as commands (a fresh interpreter each, median
+  of 3) with the N jobs in Redis.
 
 Run: `python benchmarks/status_costs.py` (100k queued jobs, batches of 1k and 90k jobs),
 or `--quick` (20k, 1k and 9k: a few minutes on two cores). It starts a private
@@ -30,6 +32,7 @@ from redis import Redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import emit_json, redis_url_or_private, table
+from benchmarks.listing import time_cli
 
 CHUNK = 1000
 DATA = b"status benchmark input"
@@ -144,6 +147,9 @@ def run(queued: int, small: int, large: int) -> dict[str, Any]:
         client = Client(url)
         figures["label_status_s"] = _timed(lambda: client.group_status({"run": "big"}))
         figures["jobs_stopped_s"] = _timed(lambda: client.jobs(status="stopped", limit=50))
+        # The whole command, as a user runs it: a fresh interpreter, at `queued` jobs.
+        figures["jobs_cli_s"] = time_cli(url, "jobs", "--limit", "20")
+        figures["help_cli_s"] = time_cli(url, "--help")
         for size in (small, large):
             batch_id = _batch(redis, size)
             figures[f"batch_status_{size}_s"] = _timed(
@@ -178,6 +184,9 @@ def main() -> None:
         ("`wait BATCH` setup ratio", f["batch_wait_ratio"], "< 2"),
         (f"`status --label` with {queued} matching (s)", f["label_status_s"], ""),
         (f"`jobs --status stopped` over {queued} (s)", f["jobs_stopped_s"], ""),
+        (f"`vlmq jobs --limit 20` wall at {queued} jobs (s, interpreter start included)",
+         f["jobs_cli_s"], ""),
+        ("`vlmq --help` wall (s): the start-up alone", f["help_cli_s"], "< 0.15"),
     ]))
     emit_json(f, args.json_out)
     print(json.dumps({"ok": f["status_longest_ms"] < 10 and f["batch_status_ratio"] < 2
