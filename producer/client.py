@@ -212,11 +212,13 @@ class Client:
 
     def submit(self, task: str, inputs: Inputs | Prepared, options: JobOptions | None = None,
                *, pages: PageSpec = None, recursive: bool = False,
-               skip_bad: bool = False) -> Job:
+               skip_bad: bool = False, reserved: bool = False) -> Job:
         """Validate, upload what is missing, enqueue: the one path every job takes.
 
         `inputs` are paths (files, folders, globs) checked here, or items already
-        prepared (a manifest, a retry).
+        prepared (a manifest, a retry). `reserved`: the options' job id is one the caller
+        made for a batch it is enqueueing (producer/job_sets.py, stream_sets.py), whose
+        queue it checked once for the set: neither is checked again per job.
         """
         if task not in C.TASKS:
             raise PayloadError("task", f"must be one of {list(C.TASKS)}, got {task!r}")
@@ -227,8 +229,10 @@ class Client:
         # The worker will run exactly this check; failing here keeps Redis untouched.
         wire, payload = opts.payload(task, prepared.items)
         queue = opts.queue_for(task)
-        self._refuse_new_queue(queue)
-        if opts.job_id is not None:
+        fresh = reserved and opts.job_id is not None
+        if not fresh:
+            self._refuse_new_queue(queue)
+        if opts.job_id is not None and not fresh:
             self._refuse_taken_id(opts.job_id)
         self.check_redis()
         # Under this producer's budget, one bounded chunk of files in memory at a time;
@@ -236,7 +240,7 @@ class Client:
         uploaded, uploaded_bytes = self.uploads.upload(list(prepared.blobs.values()),
                                                        blob_ttl=opts.blob_ttl)
         jid = enqueue(self.redis, payload, queue=queue, job_id=opts.job_id,
-                      result_ttl=opts.result_ttl, wire=wire, keys=self.keys)
+                      result_ttl=opts.result_ttl, wire=wire, keys=self.keys, fresh_id=fresh)
         self.uploads.enqueued(jid, len(payload.items), uploaded_bytes, queue=queue)
         return Job(self, jid, queue=queue, items=len(payload.items),
                    rejected=list(prepared.rejected), uploaded=uploaded,

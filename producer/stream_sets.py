@@ -119,7 +119,8 @@ class _Stream:
             self.stopped = True  # the batch was canceled while this producer enqueued it
             return
         self.jobs.append(self.client.submit(
-            self.task, part, self.options.with_(batch=self.batch_id, job_id=job_id)))
+            self.task, part, self.options.with_(batch=self.batch_id, job_id=job_id),
+            reserved=True))
         self.items += len(part.items)
         # Distinct blobs, as far as memory allows: a file cut across jobs shares its blob
         # with the job before (only the same bytes under two names far apart count twice).
