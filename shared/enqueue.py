@@ -100,7 +100,7 @@ def enqueue(redis: Redis, payload: JobPayload, *, queue: str, job_id: str | None
     keys = keys or Keys.from_env()
     pipe = pipeline if pipeline is not None else redis.pipeline(transaction=True)
     try:
-        if watched:
+        if watched and job_id is not None:
             pipe.watch(Keys.rq_job(job_id), keys.job_items(job_id))  # type: ignore[no-untyped-call]
             if pipe.exists(Keys.rq_job(job_id), keys.job_items(job_id)):
                 raise PayloadError("job_id", f"a job with id {job_id} already exists")
