@@ -11,7 +11,6 @@ import json
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -237,11 +236,9 @@ def enqueue(ctx: click.Context, manifest: str | None, openai_batch: str | None,
             made = submit_batch_file(client, read, labels=labels, stores=stores)
             _made(client, made, read.rejected, as_json)
         return
-    with ExitStack() as stack:
-        groups, rejected = _read_request_file(stack, manifest, openai_batch, base,
-                                              skip_bad=skip_bad, job_size=job_size)
-        _submit_groups(ctx, groups, rejected, labels, as_json, stores, max_pending_mb,
-                       allow_eviction, wait_timeout)
+    groups, rejected = _read_manifest(manifest, base, skip_bad=skip_bad, job_size=job_size)
+    _submit_groups(ctx, groups, rejected, labels, as_json, stores, max_pending_mb,
+                   allow_eviction, wait_timeout)
 
 
 def _refuse_file_options(ctx: click.Context, *given: object) -> None:
@@ -255,19 +252,12 @@ def _refuse_file_options(ctx: click.Context, *given: object) -> None:
                                "--openai-batch only; put them after the task")
 
 
-def _read_request_file(stack: ExitStack, manifest: str | None, openai_batch: str | None,
-                       base: JobOptions, *, skip_bad: bool, job_size: int
-                       ) -> tuple[list[Group], list[tuple[int, str]]]:
-    """The jobs of a manifest or an OpenAI Batch file (exactly one is given), and its
-    rejected lines. An OpenAI batch's data: images wait, checked, in a spool folder that
-    `stack` removes once they are uploaded."""
+def _read_manifest(manifest: str | None, base: JobOptions, *, skip_bad: bool, job_size: int
+                   ) -> tuple[list[Group], list[tuple[int, str]]]:
+    """The jobs of a manifest, and its rejected lines (an OpenAI batch file goes through
+    openai_files' own reader, whose batch keeps the file's order and skipped lines)."""
     from vlmq.producer.manifest import read_manifest
-    from vlmq.producer.openai_files import read_openai_batch
 
-    if openai_batch is not None:
-        spool = stack.enter_context(tempfile.TemporaryDirectory(prefix="vlmq-batch-"))
-        return read_openai_batch(openai_batch, base, spool=Path(spool), skip_bad=skip_bad,
-                                 job_size=job_size)
     assert manifest is not None
     return read_manifest(manifest, base, skip_bad=skip_bad, job_size=job_size)
 
