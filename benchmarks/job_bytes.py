@@ -153,7 +153,7 @@ def measure(redis_url: str, *, jobs: int = 200, items: int = 500) -> dict[str, f
     """Bytes per finished one-item job and per finished item of an `items`-item job.
 
     `redis_url`: a db nothing else writes to meanwhile (every key in it is counted before
-    and after; nothing is flushed). Keys of the result: one_item_job (all it leaves),
+    and after; nothing is flushed, and the keys the run made are deleted at the end). Keys of the result: one_item_job (all it leaves),
     item (per item of the big job, less its text), item_text (the text's bytes),
     item_json (the stored item result's bytes), one_item_inputs and item_inputs (the
     blobs and holders, which expire keep_inputs after the job), one_item_transient and
@@ -189,8 +189,18 @@ def measure(redis_url: str, *, jobs: int = 200, items: int = 500) -> dict[str, f
         out["item_json"] = sum(len(v) for v in raw) / max(1, len(raw))
         out.update({f"item {k}": v / items for k, v in shapes.items()})
         assert len(ids) == jobs
+        _clean(redis, before, queue)
     redis.close()
     return out
+
+
+def _clean(redis: Redis, before: dict[str, tuple[int, int]], queue: str) -> None:
+    """Delete the keys the run made; the queue leaves rq:queues if that was there."""
+    made = [k for k in (key.decode() for key in redis.scan_iter(count=1000))
+            if k not in before]
+    for i in range(0, len(made), 500):
+        redis.delete(*made[i:i + 500])
+    redis.srem("rq:queues", Keys.rq_queue(queue))
 
 
 def main(argv: list[str] | None = None) -> None:

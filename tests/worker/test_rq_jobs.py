@@ -20,7 +20,9 @@ from rq.worker import Worker, WorkerStatus
 from tests.support.factories import job_payload
 from tests.support.helpers import Tripwire, abandoned, raw_enqueue
 from vlmq.shared import constants as C
+from vlmq.shared import results as R
 from vlmq.shared.enqueue import enqueue, fetch_job
+from vlmq.shared.keys import Keys
 from vlmq.shared.messages import JobPayload
 from vlmq.worker.intake.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
 
@@ -132,7 +134,7 @@ def test_a_crashing_validator_fails_the_job_not_the_worker(redis, life, monkeypa
 
 # --- ending -------------------------------------------------------------------------------
 
-def test_succeed_stores_summary_as_result_and_leaves_no_wip_entries(redis, life):
+def test_succeed_keeps_the_summary_in_the_hash_and_leaves_no_wip_entries(redis, life):
     job_id = enqueue(redis, job_payload(2), queue="low")
     r = take_running(life)
     summary = {"items": 2, "ok": 2, "failed": 0, "prompt_tokens": 10,
@@ -141,7 +143,9 @@ def test_succeed_stores_summary_as_result_and_leaves_no_wip_entries(redis, life)
 
     job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
     assert job.get_status() == JobStatus.FINISHED
-    assert job.return_value() == summary
+    # the summary lives in the kept terminal event; RQ's results stream holds none
+    assert R.ended_event(redis.hget(Keys.rq_job(job_id), R.END_FIELD))["summary"] == summary
+    assert job.return_value() is None and not redis.exists(Keys.rq_results(job_id))
     assert job_id in FinishedJobRegistry(queue=Queue("low", connection=redis)).get_job_ids()
     assert wip(redis, "low") == []
     assert redis.zcard(f"rq:executions:{job_id}") == 0
@@ -323,7 +327,8 @@ def test_requeue_puts_job_back_first_for_another_worker(redis, life):
     again = take_running(other)
     assert again.job_id == first
     other.succeed(again, {"items": 2})
-    assert fetch_job(redis, first).return_value() == {"items": 2}
+    end = R.ended_event(redis.hget(Keys.rq_job(first), R.END_FIELD))
+    assert end is not None and end["summary"] == {"items": 2}
     other.register_death()
 
 
