@@ -2,8 +2,8 @@
 
 PROTOCOL.md (and any README or docs/ page) marks each such table as a block,
 `<!-- generated: NAME -->` ... `<!-- /generated -->`; `python -m vlmq.shared.docs_tables
---write` rewrites every block from KEY_TABLE (shared/keys.py) and SETTINGS
-(shared/settings.py), and tests/protocol/test_doc_tables.py fails while a document's block
+--write` rewrites every block from KEY_TABLE (shared/keys.py), SETTINGS
+(shared/settings.py) and the item result's stored defaults (shared/messages.py), and tests/protocol/test_doc_tables.py fails while a document's block
 differs from what the tables give, so a changed key or default cannot leave the document
 behind. The numbers the prose quotes come from the constants that set them.
 """
@@ -21,6 +21,7 @@ from vlmq.shared import blobs, redis_checks
 from vlmq.shared import constants as C
 from vlmq.shared import settings as S
 from vlmq.shared.keys import KEY_TABLE
+from vlmq.shared.messages import STORED_DEFAULTS
 
 # The checkout's root: the documents are the repository's, not the installed package's.
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,10 +106,18 @@ def settings_table() -> str:
     return _table(["field", "accepts (or null)", "default", "meaning"], rows)
 
 
+def item_defaults_table() -> str:
+    """PROTOCOL.md's table of the keys a stored item result leaves out while they hold
+    their default (shared/messages.py STORED_DEFAULTS)."""
+    rows = [[f"`{name}`", f"`{json.dumps(default)}`"] for name, default in STORED_DEFAULTS]
+    return _table(["key", "absent means"], rows)
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
     "keys": lambda: keys_table("keys"),
     "rcache-keys": lambda: keys_table("rcache", writers=False),
     "settings": settings_table,
+    "item-defaults": item_defaults_table,
 }
 
 

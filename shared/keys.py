@@ -146,8 +146,9 @@ KEY_TABLE: tuple[KeyName, ...] = (
             "field = item index (decimal), value = item result JSON (section 4)",
             "the job's `result_ttl`, counted from the last write"),
     KeyName("job_events", "{prefix}:job:{job_id}:events", "stream", "worker, `vlmq cancel`",
-            "progress events and the one terminal event (section 5)",
-            "refreshed on each write; the job hash's lifetime once it ends (section 5)"),
+            "progress events and the one terminal event (section 5), while the job runs",
+            "refreshed on each write; 60 s once the job ends (its end stays in the job hash: "
+            "section 5)"),
     KeyName("job_owner", "{prefix}:job:{job_id}:owner", "string", "worker",
             "the execution running the job, `<execution id> <worker name>` (section 5, "
             "fencing); a producer never writes it",
@@ -162,10 +163,10 @@ KEY_TABLE: tuple[KeyName, ...] = (
             "the failure TTL ({failure_ttl_days} days) from the last death"),
     KeyName("job_batch", "{prefix}:job:{job_id}:batch", "string", "producer",
             "the batch id of a job in a batch",
-            "none while the job runs; the job's events lifetime once it ends"),
+            "none while the job runs; the job hash's lifetime once it ends"),
     KeyName("rq_results", "rq:results:{job_id}", "stream", _RQ,
-            "the job summary once finished, or the failure message (section 6)",
-            "same as the job hash"),
+            "a failed job's failure message (section 6); none for a finished job, whose "
+            "summary the job hash keeps", "same as the job hash"),
     KeyName("done_channel", "{prefix}:done", "channel", "end_job.lua",
             "pub/sub: `{\"id\", \"status\"}` once per job that ends, and "
             "`{\"id\", \"status\", \"batch\": true}` once per batch (sections 5, 9)", _CHANNEL),

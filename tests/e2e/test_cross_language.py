@@ -1,7 +1,8 @@
 """Producers in other languages, written from shared/PROTOCOL.md alone, against a real
 worker: bash + redis-cli, Node.js with the npm `redis` package, and Python with only the
 `redis` package. Each enqueues through enqueue.lua, follows the events stream from 0-0 to
-the terminal event, reads the results, gets a bad EVALSHA's error at once, and sees a job
+the terminal event, reads the results (the summary kept in the job hash), follows again
+after the stream expired, gets a bad EVALSHA's error at once, and sees a job
 the worker refuses end with a terminal event too."""
 
 from __future__ import annotations
@@ -85,14 +86,20 @@ def test_bash_and_redis_cli_producer(served: str, redis_cli_ok: None, tmp_path: 
     assert events[:first_end] == ["event item 0", "event finished"], events
     summary = json.loads(events[first_end].removeprefix("terminal finished "))
     assert summary["items"] == 1 and summary["ok"] == 1
-    # Read right after the terminal event: the final status and RQ's result entry are there.
-    assert events[first_end + 1:first_end + 3] == ["status finished", "result-type 1"]
-    item = json.loads(events[first_end + 3].removeprefix("item 0 "))
-    assert item["index"] == 0 and item["error"] is None and item["text"]
+    # Read right after the terminal event: the final status and the kept end are there; a
+    # finished job has no RQ results entry (PROTOCOL.md section 6).
+    assert events[first_end + 1:first_end + 4] == ["status finished", "end-type finished",
+                                                   "result-type "]
+    item = json.loads(events[first_end + 4].removeprefix("item 0 "))
+    assert item["index"] == 0 and item.get("error") is None and item["text"]
+    late = events[first_end + 5]  # its stream gone: the end read from the job hash
+    assert late.startswith("late kept "), events
+    kept = json.loads(late.removeprefix("late kept "))
+    assert kept["type"] == "finished" and kept["summary"] == summary
     refused = out[out.index("enqueue 1", 3):]
     assert refused[1] == "event failed"
     assert refused[2].startswith("terminal failed ") and "someone/another-model" in refused[2]
-    assert refused[3:5] == ["status failed", "result-type 2"]
+    assert refused[3:6] == ["status failed", "end-type failed", "result-type 2"]
 
 
 def test_node_producer(served: str, tmp_path: Path) -> None:
@@ -107,6 +114,7 @@ def test_node_producer(served: str, tmp_path: Path) -> None:
     assert sorted(int(e["index"]) for e in out["events"][:3]) == [0, 1, 2]
     assert out["summary"] == out["returned"]
     assert out["summary"]["items"] == 3 and out["summary"]["ok"] == 3
+    assert out["late"]["events"] == [] and out["late"]["kept"]["summary"] == out["summary"]
     assert [(i["index"], i["page"]) for i in sorted(out["items"], key=lambda i: i["index"])] \
         == [(0, 2), (1, 3), (2, 4)]
     refused = out["refused"]
@@ -124,6 +132,8 @@ def test_plain_redis_py_producer(served: str, tmp_path: Path) -> None:
     assert out["status"] == "finished"
     assert json.loads(out["events"][-1]["labels"]) == {"lang": "python"}  # JSON, not repr
     assert out["summary"] == out["returned"] and out["summary"]["ok"] == 2
+    kept = out["late"]["kept"]  # its stream gone: the end read from the job hash
+    assert kept["type"] == "finished" and kept["summary"] == out["summary"] and kept["id"]
     assert [i["index"] for i in out["items"]] == [0, 1] and all(i["text"] for i in out["items"])
     assert out["notified"] == [{"id": out["id"], "status": "finished"}]
     refused = out["refused"]
@@ -139,7 +149,8 @@ def redis_cli_ok() -> None:
 
 
 def test_the_worker_served_every_job_without_a_stray_write(served: str) -> None:
-    """After the producers above: every job's stream ends with its one terminal event."""
+    """After the producers above: every job's stream still there (each client deleted its
+    first job's, as its expiry would) ends with its one terminal event."""
     conn = Redis.from_url(served)
     try:
         for key in conn.scan_iter("vlmq:job:*:events"):

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # A vlmq producer with nothing but bash and redis-cli, following shared/PROTOCOL.md:
 # upload an image binary-safely, enqueue a caption job with EVALSHA of enqueue.lua, follow
-# its events from 0-0 to the terminal event, read its status, result entry and items.
-# Then the same for a job the worker refuses (it names another model), and one bad
-# EVALSHA whose error comes back at once.
+# its events from 0-0 to the terminal event, read its status, kept end and items; follow it
+# again once its events stream has expired (the end is read from the job hash). Then the
+# same for a job the worker refuses (it names another model), and one bad EVALSHA whose
+# error comes back at once.
 #
 # Usage: REDIS_URL=redis://host:port/db ENQUEUE_LUA=shared/enqueue.lua caption.sh IMAGE
 # Prints one line per fact ("terminal finished", "status finished", "item 0 {...}", ...).
@@ -34,12 +35,27 @@ enqueue() {  # job_id queue data [timeout]: prints the script's reply (1, 0 or t
     "$(date -u +%Y-%m-%dT%H:%M:%S.%6NZ)" 3 2>&1
 }
 
+kept_end() {  # job_id: the terminal event the job hash keeps (JSON), or nothing
+  local end
+  end=$(cli --raw HGET "rq:job:$1" vlmq_end)
+  case $end in '{'*) echo "$end" ;; esac
+}
+
 follow() {  # job_id: reads events from 0-0, one at a time, until the terminal one
-  local id=$1 last=0-0 deadline=$((SECONDS + 180)) i
+  local id=$1 last=0-0 deadline=$((SECONDS + 180)) i end ended='' block=()
   while [ "$SECONDS" -lt "$deadline" ]; do
     local -a lines
-    mapfile -t lines < <(cli --raw XREAD COUNT 1 BLOCK 2000 STREAMS "$PREFIX:job:$id:events" "$last")
-    [ "${#lines[@]}" -ge 4 ] || continue  # nothing new within 2 s
+    mapfile -t lines < <(cli --raw XREAD COUNT 1 "${block[@]}" STREAMS "$PREFIX:job:$id:events" "$last")
+    block=(BLOCK 2000)  # the first read does not wait: the job may have ended long ago
+    if [ "${#lines[@]}" -lt 4 ]; then  # nothing new: ended, its stream expired?
+      end=$(kept_end "$id")
+      [ -n "$end" ] || continue
+      # Ended: the stream may still hold the end (it lives a minute more); read it once
+      # more without waiting, and take the hash's copy only when it is gone.
+      if [ -n "$ended" ]; then echo "kept $end"; return 0; fi
+      ended=1 block=()
+      continue
+    fi
     last=${lines[1]}  # lines: stream name, entry id, field, value, field, value, ...
     local -A ev=()
     for ((i = 2; i + 1 < ${#lines[@]}; i += 2)); do ev[${lines[i]}]=${lines[i + 1]}; done
@@ -57,7 +73,9 @@ follow() {  # job_id: reads events from 0-0, one at a time, until the terminal o
 ended() {  # job_id: what a reader sees right after the terminal event
   local id=$1
   echo "status $(cli HGET "rq:job:$id" status)"
-  # The newest entry of RQ's results stream: its id, then field/value pairs.
+  # The end the job hash keeps: its type (a finished job's summary is in it too).
+  echo "end-type $(kept_end "$id" | grep -o '"type":"[a-z]*"' | cut -d'"' -f4)"
+  # RQ's results stream: an entry for a failed job only (its type), none once finished.
   echo "result-type $(cli --raw XREVRANGE "rq:results:$id" + - COUNT 1 | tail -n +2 |
     paste - - | awk -F'\t' '$1 == "type" {print $2}')"
 }
@@ -76,6 +94,8 @@ ended "$job"
 cli --raw HGETALL "$PREFIX:job:$job:items" | paste - - | while IFS=$'\t' read -r idx json; do
   echo "item $idx $json"
 done
+cli DEL "$PREFIX:job:$job:events" > /dev/null  # as its expiry a minute after the end would
+echo "late $(follow "$job")"
 
 refused="$job-refused"
 echo "enqueue $(enqueue "$refused" caption "$(payload '"someone/another-model"')")"

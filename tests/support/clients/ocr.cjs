@@ -1,8 +1,9 @@
 // A vlmq producer in Node.js with the npm `redis` package, following shared/PROTOCOL.md:
 // upload a PDF, enqueue an OCR job for a page range with EVALSHA of enqueue.lua, follow
-// its events from 0-0 to the terminal event, then read the status, the summary and the
-// items. Also: one bad EVALSHA (its error comes back at once), and a job hash the worker
-// refuses, which still ends with a terminal event.
+// its events from 0-0 to the terminal event, then read the status, the summary (kept in
+// the job hash) and the items, and follow it again once its events stream has expired.
+// Also: one bad EVALSHA (its error comes back at once), and a job hash the worker refuses,
+// which still ends with a terminal event.
 //
 // Usage: REDIS_URL=... ENQUEUE_LUA=shared/enqueue.lua node ocr.cjs DOC.pdf FIRST LAST
 // Prints one JSON object with what it saw.
@@ -37,13 +38,30 @@ async function main() {
     id, queue, JSON.stringify(['vlmq.worker.task.run', null, [payload], {}]),
     'ocr from node', timeout, 604800, 2592000, rqNow(), 3);
 
+  // The terminal event the job hash keeps once the job ended (PROTOCOL.md section 5).
+  async function keptEnd(id) {
+    const raw = await cmd('HGET', `rq:job:${id}`, 'vlmq_end');
+    return raw && raw.startsWith('{') ? JSON.parse(raw) : null;
+  }
+
   async function follow(id) {
     let from = '0-0';
     const seen = [];
     const deadline = Date.now() + 180000;
+    let block = [];  // the first read does not wait: the job may have ended long ago
+    let ended = false;
     while (Date.now() < deadline) {
-      const reply = await cmd('XREAD', 'COUNT', 100, 'BLOCK', 2000, 'STREAMS',
+      const reply = await cmd('XREAD', 'COUNT', 100, ...block, 'STREAMS',
         `${prefix}:job:${id}:events`, from);
+      block = ['BLOCK', 2000];
+      const kept = reply ? null : await keptEnd(id);  // nothing new: ended, stream expired?
+      if (kept && ended) {
+        return { events: seen, kept, status: await cmd('HGET', `rq:job:${id}`, 'status') };
+      }
+      if (kept) {  // the stream may still hold the end: read it once more, not waiting
+        ended = true;
+        block = [];
+      }
       for (const [, entries] of reply || []) {
         for (const [entryId, flat] of entries) {
           from = entryId;
@@ -75,14 +93,15 @@ async function main() {
   }
   Object.assign(out, await follow(id));
   out.summary = JSON.parse(out.events[out.events.length - 1].summary);
-  // The same summary from RQ's results stream: base64 of JSON.
-  const [[, fields]] = await cmd('XREVRANGE', `rq:results:${id}`, '+', '-', 'COUNT', 1);
-  const result = {};
-  for (let i = 0; i < fields.length; i += 2) result[fields[i]] = fields[i + 1];
-  out.returned = JSON.parse(Buffer.from(result.return_value, 'base64').toString('utf8'));
+  // The same summary, kept in the job hash with the end.
+  out.returned = (await keptEnd(id)).summary;
   const raw = await cmd('HGETALL', `${prefix}:job:${id}:items`);
   out.items = [];
   for (let i = 0; i < raw.length; i += 2) out.items.push(JSON.parse(raw[i + 1]));
+  // A follower that comes after the events stream expired (deleted here, as its expiry a
+  // minute after the end would) reads the end from the job hash.
+  await cmd('DEL', `${prefix}:job:${id}:events`);
+  out.late = await follow(id);
 
   // A job hash written by hand whose payload the worker refuses (schema version 2).
   const refused = `${id}-refused`;

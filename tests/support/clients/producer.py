@@ -1,8 +1,9 @@
 """A vlmq producer in Python with only the `redis` package (no vlmq import), following
 shared/PROTOCOL.md: upload images, enqueue a caption job with EVALSHA of enqueue.lua, wait
 for the `<prefix>:done:<queue>` notification while following the job's events from 0-0 to
-the terminal event, then read status, summary and items. Also one bad EVALSHA (its error
-comes back at once) and a pickled job hash, which the worker refuses with a terminal event.
+the terminal event, then read status, summary (kept in the job hash) and items, and follow
+it again once its events stream has expired. Also one bad EVALSHA (its error comes back at
+once) and a pickled job hash, which the worker refuses with a terminal event.
 
 Usage: REDIS_URL=... ENQUEUE_LUA=shared/enqueue.lua python producer.py IMAGE...
 Prints one JSON object with what it saw.
@@ -10,7 +11,6 @@ Prints one JSON object with what it saw.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import os
@@ -32,12 +32,28 @@ def rq_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def kept_end(r: redis.Redis, job_id: str) -> dict[str, Any] | None:
+    """The terminal event the job hash keeps once the job ended (PROTOCOL.md section 5)."""
+    raw = r.hget(f"rq:job:{job_id}", "vlmq_end")
+    return json.loads(raw) if raw and raw.startswith("{") else None
+
+
 def follow(r: redis.Redis, job_id: str) -> dict[str, Any]:
-    """Events from 0-0 (never `$`, which skips what is already written) to the end."""
+    """Events from 0-0 (never `$`, which skips what is already written) to the end; the
+    end from the job hash when the job has ended (its stream may have expired)."""
     key, last, seen = f"{PREFIX}:job:{job_id}:events", "0-0", []
     deadline = time.monotonic() + 180
+    block: int | None = None  # the first read does not wait: it may have ended long ago
+    ended = False
     while time.monotonic() < deadline:
-        for _, entries in r.xread({key: last}, count=100, block=2000) or []:
+        reply = r.xread({key: last}, count=100, block=block)
+        block = 2000
+        kept = None if reply else kept_end(r, job_id)  # nothing new: ended, stream expired?
+        if kept is not None and ended:
+            return {"events": seen, "kept": kept, "status": r.hget(f"rq:job:{job_id}", "status")}
+        if kept is not None:  # the stream may still hold the end: read once more, not waiting
+            ended, block = True, None
+        for _, entries in reply or []:
             for entry_id, fields in entries:
                 last = entry_id
                 seen.append(fields)
@@ -79,8 +95,7 @@ def main() -> None:
         out["bad"] = str(exc)
     out.update(follow(r, job_id))
     out["summary"] = json.loads(out["events"][-1]["summary"])
-    _, fields = r.xrevrange(f"rq:results:{job_id}", count=1)[0]
-    out["returned"] = json.loads(base64.b64decode(fields["return_value"]))
+    out["returned"] = (kept_end(r, job_id) or {}).get("summary")
     out["items"] = sorted((json.loads(v) for v in r.hgetall(f"{PREFIX}:job:{job_id}:items")
                            .values()), key=lambda i: i["index"])
     out["notified"] = []
@@ -89,6 +104,10 @@ def main() -> None:
         msg = done.get_message(timeout=1)
         if msg and msg["type"] == "message":
             out["notified"].append(json.loads(msg["data"]))
+
+    # After the events stream expired (deleted here, as a minute after the end would).
+    r.delete(f"{PREFIX}:job:{job_id}:events")
+    out["late"] = follow(r, job_id)
 
     # A pickled job (e.g. RQ's default serializer): refused unread, with a terminal event.
     refused = f"{job_id}-pickled"
