@@ -43,6 +43,13 @@ def require_worker_extra() -> None:
             "pip install 'vlmq[worker]'")
 
 
+def _quiet() -> None:
+    """Library lines that say nothing to an operator, filtered before transformers loads."""
+    from vlmq.worker.engine.mlx_adapter import quiet_library_noise
+
+    quiet_library_noise()
+
+
 def _whole(bound: float | None) -> int | None:
     return None if bound is None else int(bound)
 
@@ -106,6 +113,7 @@ def worker_cmd(ctx: click.Context, /, **values: Any) -> None:
     requeue the rest (their finished items are kept), exit 0.
     """
     require_worker_extra()
+    _quiet()
     from vlmq.worker.loop import WorkerConfig, run_worker
 
     redis_url = ctx.obj["redis_url"] if ctx.obj else os.environ.get("REDIS_URL")

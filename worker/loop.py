@@ -38,7 +38,12 @@ from vlmq.worker.collect import Collector
 from vlmq.worker.config import WorkerConfig
 from vlmq.worker.engine.batcher import Engine, EngineError, EngineInfo
 from vlmq.worker.engine.item_order import ItemOrder
-from vlmq.worker.engine.mlx_adapter import ModelLoadError, check_local, family_of
+from vlmq.worker.engine.mlx_adapter import (
+    ModelLoadError,
+    check_local,
+    family_of,
+    quiet_library_noise,
+)
 from vlmq.worker.events import EventQueue
 from vlmq.worker.intake.job_start import JobStarter
 from vlmq.worker.intake.poison import RiskLog
@@ -416,6 +421,7 @@ def run_worker(cfg: WorkerConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # vlmq logs each job's start and finish itself; RQ's per-job lines would repeat them.
     logging.getLogger("rq.worker").setLevel(logging.WARNING)
+    quiet_library_noise()
     service = WorkerLoop(cfg)
     old = {s: signal.signal(s, service.request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:

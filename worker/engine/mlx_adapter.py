@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +53,55 @@ def family_of(model_type: str) -> FamilySpec:
 # HF fast tokenizers raise "Already borrowed" when one instance is used from
 # several threads at once; tokenizing is cheap, so serialise it.
 _TOKENIZER_LOCK = threading.Lock()
+
+
+# ---------------------------------------------------------------- library log noise
+
+
+class _Drop(logging.Filter):
+    """Drops a library's records that start with one of `starts`; with `scoped`, only
+    while this thread is inside `scope()` (a call known to provoke them for nothing)."""
+
+    def __init__(self, starts: tuple[str, ...], *, scoped: bool = False) -> None:
+        super().__init__()
+        self.starts = starts
+        self.scoped = scoped
+        self._local = threading.local()
+
+    @contextmanager
+    def scope(self) -> Iterator[None]:
+        self._local.active = True
+        try:
+            yield
+        finally:
+            self._local.active = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.scoped and not getattr(self._local, "active", False):
+            return True
+        return not record.getMessage().startswith(self.starts)
+
+
+# vlmq runs MLX, never PyTorch: transformers says so on import, for nothing.
+_NO_TORCH = _Drop(("PyTorch was not found.",))
+# mlx-vlm's apply_chat_template adds enable_thinking=False whenever the processor's
+# apply_chat_template takes **kwargs (all do), not when the template reads it; transformers
+# then warns that a kwarg the template lacks belongs in processor_kwargs. Rendering with
+# tokenize=False uses no processor kwargs, and a template without the variable renders
+# the same (tests/worker/test_image_size.py). Dropped only inside format_prompt.
+_TEMPLATE_KWARGS = _Drop(("Kwargs passed to `processor.__call__` have to be in",),
+                         scoped=True)
+_NOISE = {"transformers": _NO_TORCH, "transformers.processing_utils": _TEMPLATE_KWARGS}
+
+
+def quiet_library_noise() -> None:
+    """Filter the transformers lines above (std logging filters on its named loggers, which
+    transformers' own logging module hands out). Call before transformers is imported (the
+    PyTorch line comes at import); idempotent."""
+    for name, drop in _NOISE.items():
+        logger = logging.getLogger(name)
+        if drop not in logger.filters:
+            logger.addFilter(drop)
 
 
 class ModelLoadError(RuntimeError):
@@ -218,7 +270,7 @@ def format_prompt(processor: Any, config: Any, prompt: str, num_images: int) -> 
     """The chat-templated prompt, exactly as `mlx_vlm.generate` callers build it."""
     from mlx_vlm.prompt_utils import apply_chat_template
 
-    with _TOKENIZER_LOCK:
+    with _TOKENIZER_LOCK, _TEMPLATE_KWARGS.scope():
         return str(apply_chat_template(processor, config, prompt, num_images=num_images))
 
 
