@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 from redis import Redis
 
-from vlmq.producer import inputs, job_sets, stream_sets, upload
+from vlmq.producer import expand, inputs, job_sets, stream_sets, upload
 from vlmq.producer.client import Client
 from vlmq.producer.files import BlobSource
 from vlmq.producer.inputs import Prepared
@@ -166,13 +166,100 @@ def test_one_path_resolution_per_file(store_client: Client, tmp_path: Path,
     assert isinstance(batch, Batch) and batch.items == 60
     payloads = [j.payload() for j in batch.jobs()]
     assert all(i.ref is not None for p in payloads for i in p.items)  # by reference
-    # At most one per file (each folder resolved once, then a file costs an lstat); the
-    # store's root once for the set. Was 8 per file.
-    assert len(calls) <= 60 + 6 + 1
+    # None per file: the folder given and the store's root, once each for the set (a
+    # walked file's resolved path is its folder's plus its name). Was 8 per file.
+    assert len(calls) <= 2
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch, *names: str) -> dict[str, int]:
+    """Calls of these os functions (and os.path.realpath) from here on, by name."""
+    counts = dict.fromkeys((*names, "realpath"), 0)
+
+    def counter(name: str, real: Any) -> Any:
+        def call(*a: Any, **kw: Any) -> Any:
+            counts[name] += 1
+            return real(*a, **kw)
+        return call
+
+    for name in names:
+        monkeypatch.setattr(os, name, counter(name, getattr(os, name)))
+    monkeypatch.setattr(os.path, "realpath", counter("realpath", os.path.realpath))
+    return counts
+
+
+def test_a_file_by_reference_costs_four_system_calls(
+        store_client: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """open, fstat, read, close per file, and nothing else that grows with the files: no
+    stat or lstat (the walk's entries say what each name is), no path resolution."""
+    _stream_small(monkeypatch)
+    counts: dict[str, dict[str, int]] = {}
+    for n in (60, 120):
+        _pngs(tmp_path / "set" / str(n), n)  # 10 files a folder
+        with monkeypatch.context() as m:
+            counts[str(n)] = _counting(m, "open", "fstat", "read", "close", "stat", "lstat")
+            batch = store_client.submit_set("caption", [tmp_path / "set" / str(n)],
+                                            recursive=True, job_size=10)
+        assert isinstance(batch, Batch) and batch.items == n
+    more = {k: counts["120"][k] - counts["60"][k] for k in counts["60"]}
+    assert more["fstat"] == more["read"] == 60  # one each per file
+    assert 60 <= more["open"] <= 60 + 6 * 2  # a file's own, and a folder's manifest look
+    assert more["close"] <= more["open"]
+    assert more["stat"] + more["lstat"] <= 6 * 2  # per folder (the manifest), not per file
+    assert more["realpath"] == 0 and counts["60"]["realpath"] <= 2
+
+
+def _reads(redis: Redis) -> int:
+    """Read events the server has handled: at least one per round trip of any client."""
+    return int(redis.info("stats")["total_reads_processed"])
+
+
+def test_round_trips_per_job_by_reference_are_few_and_do_not_grow(
+        own_redis: Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _stream_small(monkeypatch)
+    kw = own_redis.connection_pool.connection_kwargs
+    client = Client(f"redis://{kw['host']}:{kw['port']}/0", allow_eviction=True,
+                    stores=Stores([FolderStore("t", tmp_path / "set")]))
+    reads = {}
+    for n in (60, 180):
+        _pngs(tmp_path / "set" / str(n), n)
+        before = _reads(own_redis)
+        batch = client.submit_set("caption", [tmp_path / "set" / str(n)], recursive=True,
+                                  job_size=10)
+        reads[n] = _reads(own_redis) - before - 1  # this INFO's own read
+        assert isinstance(batch, Batch) and batch.items == n
+    # Per job: the batch's check and the next id's reservation, the script check redis-py
+    # makes before a pipeline with a script, the enqueue's MULTI. Was 8 (a queue check, an
+    # id lookup, WATCH, EXISTS per job).
+    per_job = (reads[180] - reads[60]) / 12
+    assert per_job <= 3
+    # The set's own: the client's first connection and eviction check, the queue check,
+    # the record (29 reads in all for 60 files here).
+    assert reads[60] <= 6 * 3 + 16
+    client.close()
 
 
 def _stream_small(monkeypatch: pytest.MonkeyPatch, after: int = 20) -> None:
     monkeypatch.setattr(stream_sets, "STREAM_AFTER_ITEMS", after)
+
+
+def test_files_given_twice_are_kept_once_without_a_set_of_every_path(tmp_path: Path) -> None:
+    """A folder walked is remembered as its walk, not as its files' paths; a file given
+    again (inside a folder given before, named directly, through a symlink) is kept once,
+    where the walk order first gives it."""
+    root = tmp_path / "set"
+    _pngs(root, 30)  # d000..d002
+    (root / "d000" / "0-link.png").symlink_to(root / "d002" / "00029.png")  # a later file
+    (root / "d002" / "z-link.png").symlink_to(root / "d000" / "00000.png")  # an earlier one
+    seen = expand.Seen()
+    given = [root, root / "d001", root / "d001" / "00011.png", str(root / "d00*" / "*.png")]
+    found = [f for f in expand._iter_sources(given, True, seen)
+             if not isinstance(f, InputError)]
+    assert len(found) == 30 == len({f.real for f in found})
+    names = [f.source for f in found]
+    assert "d000/0-link.png" in names and "d002/00029.png" not in names
+    assert "d002/z-link.png" not in names and "d000/00000.png" in names
+    assert len(seen.paths) <= 2  # the symlinks' targets, not the thirty files
+    assert len(seen.walks) == 2
 
 
 def test_first_job_is_queued_before_the_last_file_is_read(
