@@ -81,10 +81,15 @@ NOT_APPLIED: Mapping[str, tuple[float, float] | None] = {
     "seed": None, "top_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
     "frequency_penalty": (-2.0, 2.0)}
 # Accepted only at their OpenAI default: any other value asks for what vlmq does not do.
-DEFAULT_ONLY: Mapping[str, Any] = {"n": 1, "stream": False, "logprobs": False}
+DEFAULT_ONLY: Mapping[str, Any] = {"n": 1, "stream": False, "logprobs": False,
+                                   "top_logprobs": 0, "logit_bias": {},
+                                   "modalities": ["text"], "tools": [], "tool_choice": "none",
+                                   "stream_options": None}
 # Bookkeeping that does not change the answer: accepted and ignored.
+# parallel_tool_calls means nothing without tools; reasoning_effort and verbosity are
+# knobs of reasoning models, which vlmq's are not.
 IGNORED = ("user", "metadata", "store", "service_tier", "safety_identifier",
-           "prompt_cache_key")
+           "prompt_cache_key", "parallel_tool_calls", "reasoning_effort", "verbosity")
 ROLES = ("system", "developer", "user")
 MESSAGE_FIELDS = ("role", "content", "name")
 IMAGE_FIELDS = ("url", "detail")
