@@ -10,6 +10,7 @@ the table's rows (worker_options).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from vlmq.cli.common import store_option
+from vlmq.cli.common import EXIT_CONFIG, EXIT_FAILED, fail, store_option
 from vlmq.shared import constants as C
 from vlmq.worker import options as WO
 from vlmq.worker.default_dirs import default_cache_dir
@@ -168,25 +169,36 @@ def make_tiny_cmd(out_dir: Path, arch: str, seed: int, size: str) -> None:
               help="New tokens per image.")
 @click.option("--max-batch", type=click.IntRange(2, 64), default=4, show_default=True,
               help="Batch size for the batched speed figure.")
-def check_cmd(model: str, max_tokens: int, max_batch: int) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the report as one JSON object (errors as JSON on stderr).")
+def check_cmd(model: str, max_tokens: int, max_batch: int, as_json: bool) -> None:
     """Check a model before serving it: run this first on any new model.
 
     Loads MODEL (hub id or folder), runs 2 images sequentially with mlx-vlm's own
     generate and then batched through the worker's engine, and reports the family,
     whether batched output is token-identical (exit 1 if not), whether vision
     features can be cached, the preset jobs get, and tokens/s at batch 1 and batched.
+    A model that cannot load exits 78 (1 when the hub is out of reach: try again).
     """
+    require_worker_extra()
+    _quiet()
+    from vlmq.worker.model import blas
+
+    blas.select()  # before MLX loads, as the worker does: the speed figures are its own
     from vlmq.worker.engine.mlx_adapter import ModelLoadError
     from vlmq.worker.model.check import check_model
 
     try:
         report = check_model(model, max_tokens=max_tokens, max_batch=max_batch)
     except ModelLoadError as exc:
-        raise click.ClickException(str(exc)) from exc
-    for line in report.lines():
-        click.echo(line)
+        fail(f"error: {exc}", EXIT_FAILED if exc.network else EXIT_CONFIG)
+    if as_json:
+        click.echo(json.dumps(report.as_json()))
+    else:
+        for line in report.lines():
+            click.echo(line)
     if not report.parity:
-        raise click.exceptions.Exit(1)
+        raise click.exceptions.Exit(EXIT_FAILED)
 
 
 def register(group: click.Group) -> None:

@@ -37,6 +37,20 @@ class CheckReport:
     mismatches: list[str] = field(default_factory=list)
     tok_s: dict[int, float] = field(default_factory=dict)  # batch size -> tokens/s
 
+    def as_json(self) -> dict[str, Any]:
+        """The report as `vlmq model check --json` prints it: the same facts as lines(),
+        each a field a script can test (tok_s by "sequential" and "batch_N")."""
+        fam = self.family
+        return {
+            "model": self.model, "model_type": self.model_type, "parity": self.parity,
+            "mismatches": list(self.mismatches),
+            "prefill_one_at_a_time": fam.prefill_one,
+            "vision_cache": {"cacheable": fam.cacheable, "why_not": fam.cache_off},
+            "preset": self.preset,
+            "tok_s": {("sequential" if b == 0 else f"batch_{b}"): round(v, 3)
+                      for b, v in sorted(self.tok_s.items())},
+        }
+
     def lines(self) -> list[str]:
         fam = self.family
         cache = "yes" if fam.cacheable else f"no ({fam.cache_off})"
