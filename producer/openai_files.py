@@ -31,8 +31,9 @@ The mapping, and why:
 - Fields that change the answer and that vlmq cannot honour (n > 1, tools, logprobs...)
   are refused naming them; bookkeeping fields (user, metadata, store...) are ignored.
   Sampling knobs vlmq's batched sampler has no per-row place for (seed, top_p, the
-  penalties) are checked and not applied: at temperature 0 (greedy) they change nothing,
-  and a file written with them still runs (docs/openai-batch.md says so).
+  penalties) are checked and not applied, so a file written with them still runs: at
+  temperature 0 (greedy) seed and top_p change nothing; the penalties' repetition control
+  is the worker's repetition guard's (docs/openai-batch.md says so).
 - The file's order and its skipped lines are kept with the batch (FileRecord, in the
   batch's record), so the output can give every input line one line, in input order.
 """
