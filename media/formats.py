@@ -17,8 +17,6 @@ import threading
 from dataclasses import dataclass
 from typing import Final
 
-from PIL import features
-
 # Bytes at the start of a file that identification looks at. Enough for the ISO-BMFF brand
 # list, a ZIP's first few member names, or an SVG's XML prologue and comments.
 HEAD_BYTES: Final = 4096
@@ -54,6 +52,8 @@ def register_plugins() -> Plugins:
 
 
 def _register() -> Plugins:
+    from PIL import features  # here: importing this module must not import Pillow
+
     heif_error: str | None = None
     try:
         import pillow_heif

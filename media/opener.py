@@ -35,16 +35,19 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import IO, Final
-
-import pypdfium2 as pdfium
-from PIL import Image, ImageOps, UnidentifiedImageError
+from typing import IO, TYPE_CHECKING, Final
 
 from vlmq.media import formats
 from vlmq.media import tiff as TIFF
 from vlmq.media.pdfium import open_problem
 from vlmq.shared import constants as C
 from vlmq.shared.errors import VlmqError
+
+# Pillow and PDFium are imported where a file is opened: a producer's listing or help
+# never opens one, and the two cost a fifth of a second at start (issue 28).
+if TYPE_CHECKING:
+    import pypdfium2 as pdfium
+    from PIL import Image
 
 
 @dataclass(frozen=True)
@@ -66,8 +69,6 @@ CAPS: Final = Caps(max_pixels=C.MAX_IMAGE_PIXELS, max_aspect=C.MAX_ASPECT_RATIO)
 # enqueue, a scheduler, or the worker's item batch rather than refusing the one file.
 DECODE_ERRORS: Final = (OSError, SyntaxError, ValueError, EOFError, TypeError, KeyError,
                         IndexError, struct.error, UserWarning, RuntimeError)
-# Pillow's own guard: an error past twice its limit, a warning past it.
-_PILLOW_BOMB: Final = (Image.DecompressionBombError, Image.DecompressionBombWarning)
 
 
 class Problem(enum.Enum):
@@ -170,6 +171,8 @@ def strict_warnings(*, tiff: bool = False) -> Iterator[None]:
     a bomb-sized canvas, and with `tiff` a page directory running past the end of the
     file (Pillow only warns: a truncated file). Changes the process's warning filters for
     the block: only where nothing else runs meanwhile."""
+    from PIL import Image
+
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         for message in ("Corrupt EXIF data", "Truncated File Read") if tiff else ():
@@ -190,12 +193,15 @@ def open_image(data: bytes | IO[bytes], *, page: int | None = None,
     as a TIFF only (a page from TIFF.Document.page). Close it (`with`); a file passed in
     stays the caller's. MediaError for every refusal.
     """
+    from PIL import Image, UnidentifiedImageError
+
     formats.register_plugins()  # HEIC/HEIF (pillow-heif), before the first open
     fp = io.BytesIO(data) if isinstance(data, bytes) else data
     fp.seek(0)
     try:
         im = Image.open(fp, formats=["TIFF"] if tiff else None)
-    except _PILLOW_BOMB as exc:
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        # Pillow's own guard: an error past twice its limit, a warning past it.
         raise frame_error(Problem.BOMB, page=page, detail=exc) from exc
     except UnidentifiedImageError as exc:
         head = b"" if tiff else _head(fp)
@@ -214,6 +220,8 @@ def decode(im: Image.Image, *, page: int | None = None, copy: bool = True) -> Im
     """The open frame's pixels decoded and turned upright (EXIF orientation): the image
     the model sees, in its own mode. `copy=False` turns `im` itself (no second image in
     memory, for a check that only needs the decode to succeed). MediaError on failure."""
+    from PIL import ImageOps
+
     try:
         im.load()
         if not copy:
@@ -293,6 +301,8 @@ def open_pdf(src: bytes | IO[bytes], *, own_handle: bool = False) -> pdfium.PdfD
     """A PDF opened by PDFium, with at least one page; the caller holds PDFIUM_LOCK
     (media/pdfium.py) and closes it. PDFium reads a file as it needs; `own_handle` gives
     it a descriptor of its own, for a document kept after the caller's file is closed."""
+    import pypdfium2 as pdfium
+
     what = "blob" if isinstance(src, bytes) else "file"
     own: IO[bytes] | None = None
     if own_handle and not isinstance(src, bytes):
@@ -324,6 +334,8 @@ def render_page(pdf: pdfium.PdfDocument, page: int, max_side: int, *,
     """Page `page` (1-based) drawn in RGB with its longest side == max_side (or at
     `max_scale` points-to-pixels, if that is smaller). PDFIUM_LOCK held; page and bitmap
     are closed here, never left to garbage collection on some other thread."""
+    import pypdfium2 as pdfium
+
     n = len(pdf)
     if not 1 <= page <= n:
         raise MediaError(Problem.PAGE, f"page {page} is out of range: the PDF has {n} "

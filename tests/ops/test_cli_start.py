@@ -1,7 +1,7 @@
 """The CLI starts with only what a command uses (issue 28: `vlmq --help` took 0.37 s): counted
 by the modules a fresh process imports, never by timing. Help, --version and the listing
 commands' help import no redis, RQ, Pillow, PDFium, boto3, numpy or MLX; a listing run
-against Redis imports no boto3, numpy, MLX or schema checker."""
+against Redis imports no Pillow, PDFium, boto3, numpy, MLX or schema checker."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from vlmq.cli.main import COMMANDS, main, short_help
 
 HEAVY = ("PIL", "pypdfium2", "boto3", "botocore", "numpy", "mlx", "mlx_vlm", "transformers",
          "rq", "redis", "jsonschema", "llguidance", "prometheus_client", "croniter")
-# What a listing needs (the client reads Redis through redis-py and RQ's job hashes);
-# the client still imports Pillow and PDFium through its input checks (not yet lazy).
-LISTING_NEVER = ("boto3", "botocore", "numpy", "mlx", "mlx_vlm", "transformers",
-                 "jsonschema", "llguidance")
+# A listing reads Redis through redis-py and RQ's job hashes, and nothing it never opens:
+# media/opener.py imports Pillow and PDFium where a file is opened.
+LISTING_NEVER = ("PIL", "pypdfium2", "boto3", "botocore", "numpy", "mlx", "mlx_vlm",
+                 "transformers", "jsonschema", "llguidance")
 
 PROBE = """
 import json, sys

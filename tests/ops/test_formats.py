@@ -31,7 +31,8 @@ def _cli(redis_url: str, *args: str) -> Result:
 
 
 def _cli_formats() -> set[str]:
-    result = main.commands["result"]
+    result = main.get_command(click.Context(main), "result")  # loaded on demand
+    assert result is not None
     option = next(p for p in result.params if p.name == "fmt")
     assert isinstance(option.type, click.Choice)
     return {str(c) for c in option.type.choices}
