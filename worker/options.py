@@ -28,7 +28,7 @@ from vlmq.shared import constants as C
 from vlmq.shared.keys import QUEUE_NAME_RE
 from vlmq.stores.backends import STORES_ENV, FolderStore, S3Store, Store, StoreError, Stores
 from vlmq.worker.default_dirs import default_cache_dir
-from vlmq.worker.engine.batch_size import DEFAULT_CAP
+from vlmq.worker.engine.batch_size import DEFAULT_CAP, FLOOR
 from vlmq.worker.engine.repetition import ON_REPETITION, RepetitionGuard
 
 # Defaults the modules that use them import from here (render_pool, results/cache, poison):
@@ -38,6 +38,14 @@ DEFAULT_RENDER_TIMEOUT_S = 60.0
 DEFAULT_RESULT_CACHE_TTL_S = 30 * 24 * 3600
 DEFAULT_RESULT_CACHE_BYTES = 256 * 1024 * 1024
 DEFAULT_POISON_KILLS = 2
+MAX_DEFAULT_PREP_THREADS = 4  # --prep-threads when not given: the cores, at most this
+# --heartbeat-ttl when not given: RQ's job_monitoring_interval (30 s) + 60, what
+# BatchWorker takes then (worker/intake/running.py; a test holds the two together).
+DEFAULT_HEARTBEAT_TTL_S = 90
+# worker/model/blas.py's WORKER_THREADS_RULE, which a test holds this to: blas loads
+# ctypes and importlib.metadata, which `vlmq worker --help` need not.
+WORKER_THREADS_RULE = ("the cores this process may use minus --prep-threads, at least 1, "
+                       "unless OPENBLAS_NUM_THREADS is set")
 DEFAULT_QUEUES = tuple(C.DEFAULT_QUEUE[task] for task in C.TASKS)
 _GUARD = RepetitionGuard()  # the guard's own defaults are the options'
 
@@ -94,7 +102,7 @@ def _worker_name(value: str | None) -> str:
 
 
 def _prep_threads(value: int | None) -> int:
-    return value or min(4, os.cpu_count() or 2)
+    return value or min(MAX_DEFAULT_PREP_THREADS, os.cpu_count() or 2)
 
 
 def _cache_dir(value: Path | None) -> Path:
@@ -206,13 +214,14 @@ OPTIONS: tuple[WorkerOption, ...] = (
     WorkerOption("burst", "flag", "Exit once the queues are empty and all work is done.",
                  default=False),
     WorkerOption("max_batch", "int", "Most sequences decoded together. The batch starts at "
-                 "8 and grows while measured tokens/s keeps rising (the worker logs what it "
+                 f"{FLOOR} and grows while measured tokens/s keeps rising (the worker logs what it "
                  "chose and why); --fixed-batch uses exactly this many.", default=DEFAULT_CAP,
                  lo=1, hi=256),
     WorkerOption("fixed_batch", "flag", "Decode exactly --max-batch sequences together: no "
                  "measuring.", default=False, field="auto_batch", to_config=_measured),
     WorkerOption("cache_dir", "path", "Disk tier of the vision-feature cache (default: "
-                 "~/.cache/vlmq/vision).", to_config=_cache_dir, local_path=PATH),
+                 "vision/ in $VLMQ_CACHE, else in $XDG_CACHE_HOME/vlmq, else in "
+                 "~/.cache/vlmq).", to_config=_cache_dir, local_path=PATH),
     WorkerOption("cache_mem_mb", "int", "Memory tier of the vision-feature cache (LRU by "
                  "bytes).", default=1024, lo=0, field="cache_mem_bytes", to_config=_mib),
     WorkerOption("cache_disk_gb", "float", "Disk tier bound (LRU); survives restarts.",
@@ -221,9 +230,11 @@ OPTIONS: tuple[WorkerOption, ...] = (
     WorkerOption("grace", "float", "Seconds to finish in-flight items after SIGTERM/SIGINT "
                  "before requeueing.", default=30.0, lo=0, field="grace_s"),
     WorkerOption("prep_threads", "int", "CPU threads for fetch/decode/render/tokenize "
-                 "(default: cores, at most 4).", lo=1, hi=64, to_config=_prep_threads),
+                 f"(default: cores, at most {MAX_DEFAULT_PREP_THREADS}).", lo=1, hi=64,
+                 to_config=_prep_threads),
     WorkerOption("heartbeat_ttl", "int", "Seconds without a heartbeat after which this "
-                 "worker's jobs count as abandoned and are requeued (default 90).", lo=1),
+                 "worker's jobs count as abandoned and are requeued (default "
+                 f"{DEFAULT_HEARTBEAT_TTL_S}).", lo=1),
     WorkerOption("on_repetition", "choice", "A row whose tail loops is stopped "
                  "(finish_reason 'repetition', text kept up to the first repeat), or retried "
                  "once at temperature 0.7.", default=_GUARD.on_repetition,
@@ -262,7 +273,8 @@ OPTIONS: tuple[WorkerOption, ...] = (
                  "keep their retries).", default=DEFAULT_POISON_KILLS, lo=1),
     WorkerOption("blas", "str", "BLAS for MLX's CPU matmuls on Linux: auto (system "
                  "OpenBLAS, else the wheel copy), reference (the slow one mlx[cpu] links) or "
-                 "a library path (default: $VLMQ_BLAS, else auto).",
+                 "a library path (default: $VLMQ_BLAS, else auto). OpenBLAS threads: "
+                 f"{WORKER_THREADS_RULE}.",
                  metavar="auto|reference|PATH"),
     WorkerOption("allow_eviction", "flag", "Run even though Redis's maxmemory-policy may "
                  "evict keys (a warning still says what that loses); also "

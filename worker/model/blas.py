@@ -102,6 +102,12 @@ def cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+# How a worker sizes OpenBLAS (worker_threads, _load), as --blas's help and
+# docs/install.md say it (tests/worker/test_worker_help.py holds them to it).
+WORKER_THREADS_RULE = ("the cores this process may use minus --prep-threads, at least 1, "
+                       f"unless {ENV_THREADS} is set")
+
+
 def worker_threads(prep_threads: int) -> int:
     """OpenBLAS threads for a worker: the cores its prep pool leaves, at least 1.
 
