@@ -11,10 +11,8 @@ import resource
 import threading
 
 import click
-from redis.exceptions import RedisError
 
-from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, fail
-from vlmq.producer.client import check_redis_url, redact_url
+from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_UNREACHABLE, fail
 
 SAMPLE_EVERY_S = 5.0
 SERVER_THREADS = 8
@@ -55,6 +53,10 @@ def dashboard_cmd(ctx: click.Context, redis_url: str | None, host: str, port: in
                   allow_actions: bool, allowed_hosts: tuple[str, ...],
                   auth_token: str | None, trusted_proxy: str | None) -> None:
     """A web page over queues, workers and jobs: progress, and each page next to its text."""
+    from redis.exceptions import RedisError
+
+    from vlmq.producer.client import check_redis_url, redact_url
+
     try:
         import waitress
 
@@ -84,7 +86,7 @@ def dashboard_cmd(ctx: click.Context, redis_url: str | None, host: str, port: in
     try:
         client.redis.ping()
     except RedisError as exc:
-        fail(f"error: cannot reach Redis at {redact_url(url)}: {exc}", EXIT_FAILED)
+        fail(f"error: cannot reach Redis at {redact_url(url)}: {exc}", EXIT_UNREACHABLE)
     stop = threading.Event()
 
     def sample() -> None:

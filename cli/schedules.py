@@ -65,12 +65,13 @@ def schedule_group() -> None:
 @click.option("--replace", is_flag=True,
               help="Replace a schedule of this name (its history and done marks stay; a "
                    "changed prompt or setting makes every file due again).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @store_option
 @click.pass_context
 def add_cmd(ctx: click.Context, name: str, task: str, paths: tuple[str, ...],
             cron: str | None, every: float | None, tz: str, recursive: bool,
             options: JobOptions, export_dir: str | None, export_format: str, sidecar: bool,
-            replace: bool, stores: Stores) -> None:
+            replace: bool, as_json: bool, stores: Stores) -> None:
     """Add a schedule NAME running TASK over PATHS (folders, files, quoted globs); task
     extract needs --schema FILE.
 
@@ -95,7 +96,10 @@ def add_cmd(ctx: click.Context, name: str, task: str, paths: tuple[str, ...],
             first = store.add(sched, replace=replace)
         except ScheduleError as exc:
             fail(f"error: {exc}", EXIT_BAD_INPUT)
-    click.echo(f"schedule {name} added; first run due {iso_time(first)}")
+    if as_json:
+        click.echo(json.dumps({"name": name, "first_due": iso_time(first)}))
+    else:
+        click.echo(f"schedule {name} added; first run due {iso_time(first)}")
 
 
 def _check_paths(paths: tuple[str, ...], stores: Stores, sidecar: bool) -> list[str]:
@@ -189,8 +193,9 @@ def run_cmd(ctx: click.Context, name: str, as_json: bool) -> None:
 def _simple(command: str, doc: str, action: str) -> None:
     @schedule_group.command(command, help=doc)
     @click.argument("name", type=SCHEDULE_NAME)
+    @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
     @click.pass_context
-    def cmd(ctx: click.Context, name: str) -> None:
+    def cmd(ctx: click.Context, name: str, as_json: bool) -> None:
         client, store = _store(ctx)
         with client:
             try:
@@ -200,7 +205,8 @@ def _simple(command: str, doc: str, action: str) -> None:
                     store.set_paused(name, action == "pause")
             except ScheduleError as exc:
                 fail(f"error: {exc}", EXIT_FAILED)
-        click.echo(f"schedule {name}: {command}d")
+        click.echo(json.dumps({"name": name, "done": f"{command}d"}) if as_json
+                   else f"schedule {name}: {command}d")
 
 
 _simple("remove", "Delete a schedule with its history (jobs it enqueued stay).", "remove")

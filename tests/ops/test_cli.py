@@ -556,14 +556,14 @@ def test_bad_redis_url_is_one_line_exit_2(redis_url: str, tmp_path: Path) -> Non
 
 
 
-def test_unreachable_redis_is_one_line_exit_1(tmp_path: Path) -> None:
+def test_unreachable_redis_is_one_line_exit_69(tmp_path: Path) -> None:
     url = f"redis://127.0.0.1:{free_port()}/2"
     doc = tmp_path / "doc.pdf"
     doc.write_bytes(pdf_bytes(1))
     for args in (["status"], ["status", "j1"], ["wait", "j1"], ["result", "j1"],
                  ["enqueue", "ocr", str(doc)], ["enqueue", "caption", str(doc)]):
         res = invoke_cli(url, *args)  # a traceback would fail the test, not be swallowed
-        assert res.exit_code == 1, (args, res.output)
+        assert res.exit_code == 69, (args, res.output)
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(
             f"vlmq: error: cannot reach Redis at {url}: "), (args, res.stderr)

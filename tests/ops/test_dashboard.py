@@ -278,6 +278,6 @@ def test_command_refuses_a_bad_url_and_an_unreachable_redis() -> None:
     bad = runner.invoke(main, ["dashboard", "--redis-url", "nope"])
     assert bad.exit_code == 2 and "invalid Redis URL 'nope'" in bad.stderr
     down = runner.invoke(main, ["dashboard", "--redis-url", "redis://127.0.0.1:1/0"])
-    assert down.exit_code == 1
+    assert down.exit_code == 69  # EXIT_UNREACHABLE, as every command
     assert "cannot reach Redis at redis://127.0.0.1:1/0" in down.stderr
     assert "Traceback" not in down.stderr
