@@ -26,7 +26,6 @@ from vlmq.producer import stream_sets
 from vlmq.producer.errors import JobNotFound
 from vlmq.producer.inputs import Prepared, prepare
 from vlmq.producer.ops import job_admin as manage
-from vlmq.producer.ops.metrics_exporter import read_fleet
 from vlmq.producer.options import JOB_FIELDS, JobOptions
 from vlmq.producer.page_specs import PageSpec
 from vlmq.producer.progress import ProgressBar, ProgressLines, display
@@ -386,6 +385,9 @@ class Client:
         counts: at most `shown` rows, those with workers and the most jobs, the rest summed
         in one row named OTHER_QUEUES (its `queues` says how many), so the answer stays
         bounded whatever names Redis holds (issue 29)."""
+        # Here, not at the top: it imports prometheus_client, which `vlmq jobs` never needs.
+        from vlmq.producer.ops.metrics_exporter import read_fleet
+
         fleet = read_fleet(self.redis, self.keys, items=True, shown=shown, defaults=False,
                            ages=False)
         return {q.name: QueueInfo(name=q.name, queued=q.jobs["queued"],
