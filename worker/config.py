@@ -44,6 +44,9 @@ class WorkerConfig:
     render_procs: int | None = field(default_factory=from_table("render_procs"))  # None: prep
     # None: derived from the model and machine memory
     max_kv_tokens: int | None = field(default_factory=from_table("max_kv_tokens"))
+    # Prompt prefixes reused across rows (worker/engine/prefix_cache.py); None: from the
+    # machine's memory, 0: off
+    prefix_cache_bytes: int | None = field(default_factory=from_table("prefix_cache_bytes"))
     # Worker deaths a job may cause before it fails
     poison_kills: int = field(default_factory=from_table("poison_kills"))
     # auto | reference | a library path; None: $VLMQ_BLAS, else auto

@@ -170,7 +170,8 @@ class WorkerLoop:
             return EXIT_CONFIG
         log.info("loading model %s", cfg.model)
         engine = Engine(cfg.model, max_batch=cfg.max_batch, repetition=cfg.repetition,
-                        max_kv_tokens=cfg.max_kv_tokens, auto_batch=cfg.auto_batch)
+                        max_kv_tokens=cfg.max_kv_tokens, auto_batch=cfg.auto_batch,
+                        prefix_cache_bytes=cfg.prefix_cache_bytes)
         self.stats.engine = engine.state  # plain counters: the metrics thread reads them
         try:
             return self._serve(engine)

@@ -78,6 +78,10 @@ def _mib(value: float) -> int:
     return int(value * _MIB)
 
 
+def _mib_or_none(value: float | None) -> int | None:
+    return None if value is None else _mib(value)
+
+
 def _gib(value: float) -> int:
     return int(value * _GIB)
 
@@ -268,6 +272,11 @@ OPTIONS: tuple[WorkerOption, ...] = (
     WorkerOption("max_kv_tokens", "int", "Admit a sequence only while the sum of (prompt + "
                  "max_tokens) in flight stays under this (default: from the model's KV size "
                  "and the machine's memory); a longer request runs alone.", lo=1),
+    WorkerOption("prefix_cache_mb", "int", "Memory for reused prompt prefixes: the key/value "
+                 "cache of an image and the template text around it, prefilled once for "
+                 "every row and job with that image and prefix (LRU by bytes; default: a "
+                 "16th of the machine's memory, at most 1024; 0: off).", lo=0,
+                 field="prefix_cache_bytes", to_config=_mib_or_none),
     WorkerOption("poison_kills", "int", "A job whose item was being processed when this "
                  "many workers died is failed, naming the item (other jobs of a dead worker "
                  "keep their retries).", default=DEFAULT_POISON_KILLS, lo=1),

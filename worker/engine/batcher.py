@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from vlmq.worker.engine import constraints as structured
-from vlmq.worker.engine import faults, kv_budget
+from vlmq.worker.engine import faults, kv_budget, prefix_cache
 from vlmq.worker.engine import mlx_adapter as adapter
 from vlmq.worker.engine.batch_size import FLOOR, BatchSizer, Shape
 from vlmq.worker.engine.constraints import RowConstraint
@@ -62,6 +62,9 @@ class Request:
     # An extract item's schema matcher (worker/engine/constraints.py): masks each step's logits,
     # and decides at the end whether the output is a whole JSON value.
     constraint: RowConstraint | None = None
+    # The content key of the row's image (the vision cache's, worker/prep/requests.py):
+    # rows with the same key and prompt prefix share its prefilled K/V (prefix_cache.py).
+    prefix_key: str | None = None
 
 
 @dataclass
@@ -77,6 +80,7 @@ class Finished:
     tokens: list[int] = field(default_factory=list)
     repetition: str | None = None  # what the repetition guard did, if anything
     json: Any = None  # a constrained row's value, parsed from `text`
+    prefix_tokens: int = 0  # prompt tokens a cached prefix spared this row's prefill
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,7 @@ class _Live:
     first_token_at: float | None = None
     stop_window: int = 0  # tokens to re-decode when looking for a stop string
     kv_cost: int = 0  # prompt + max new tokens: the KV cache this row can grow to
+    prefix_tokens: int = 0  # of its prompt, those a cached prefix spared (prefix_cache.py)
 
 
 @dataclass(eq=False)
@@ -159,6 +164,13 @@ class EngineState:
     finished: int = 0
     errors: int = 0
     repetitions: int = 0  # rows cut for looping (each attempt counts)
+    # Prefix reuse (worker/engine/prefix_cache.py): rows that started from a cached prefix,
+    # the prompt tokens that spared, prompt tokens prefilled, and the bytes held.
+    prefix_hits: int = 0
+    prefix_tokens_skipped: int = 0
+    prefill_tokens: int = 0
+    prefix_bytes: int = 0
+    prefix_off: str = ""  # why reuse is off for this worker, if it is
 
     def submit(self, req: Request) -> None:
         with self.lock:
@@ -210,11 +222,14 @@ class Engine:
         max_kv_tokens: int | None = None,
         fault: faults.StepFault | None = None,
         auto_batch: bool = False,
+        prefix_cache_bytes: int | None = 0,
     ) -> None:
         """`auto_batch`: `max_batch` is a cap and the row limit follows measured
         throughput from 8 rows up (worker/engine/batch_size.py); otherwise it is `max_batch`.
         `fault`: a test hook raising in place of a generator step (worker/engine/faults.py);
-        None reads VLMQ_FAULT_ROW, which is normally unset."""
+        None reads VLMQ_FAULT_ROW, which is normally unset.
+        `prefix_cache_bytes`: the budget of reused prompt prefixes (prefix_cache.py);
+        None: derived from the machine's memory, 0: no reuse."""
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         blas.select()  # before MLX loads in the engine thread; no-op when already chosen
@@ -231,6 +246,8 @@ class Engine:
         self.prefill_batch = max(1, min(prefill_batch or min(max_batch, PREFILL_ROWS),
                                         max_batch))
         self.fault = fault if fault is not None else faults.from_env()
+        self.prefix_cache_bytes = (prefix_cache.default_budget() if prefix_cache_bytes is None
+                                   else prefix_cache_bytes)
         self.state = EngineState()  # shared with the MLX thread; read it for counters
         self.state.kv_budget = max_kv_tokens or 0
         # Pure logic: made here so the limit is known before the model loads; from then on
@@ -310,6 +327,10 @@ class Engine:
             "errors": st.errors,
             "repetitions": st.repetitions,
             "isolations": st.isolations,
+            "prefix_hits": st.prefix_hits,
+            "prefix_tokens_skipped": st.prefix_tokens_skipped,
+            "prefill_tokens": st.prefill_tokens,
+            "prefix_bytes": st.prefix_bytes,
         }
 
     def close(self, timeout: float | None = None) -> None:
@@ -351,7 +372,8 @@ class Engine:
         self._ready.set()
         _Loop(self.state, self._loaded, max_batch=self.max_batch,
               prefill_batch=self.prefill_batch, repetition=self.repetition,
-              max_kv_tokens=self.max_kv_tokens, fault=self.fault, sizer=self._sizer).run()
+              max_kv_tokens=self.max_kv_tokens, fault=self.fault, sizer=self._sizer,
+              prefix_cache_bytes=self.prefix_cache_bytes).run()
 
     def _apply_family_limits(self, family: adapter.FamilySpec) -> None:
         """Prefill one prompt at a time where mlx-vlm cannot prefill this family's prompts
@@ -400,7 +422,7 @@ class _Loop:
     def __init__(self, state: EngineState, loaded: LoadedModel, *, max_batch: int,
                  prefill_batch: int, repetition: RepetitionGuard | None,
                  max_kv_tokens: int | None, fault: faults.StepFault | None = None,
-                 sizer: BatchSizer | None = None) -> None:
+                 sizer: BatchSizer | None = None, prefix_cache_bytes: int = 0) -> None:
         self.state = state
         self.m = loaded
         self.max_batch = max_batch
@@ -419,14 +441,26 @@ class _Loop:
         self.suspects: deque[list[tuple[Request, float]]] = deque()
         self.isolating: set[Hashable] = set()
         self.isolated: set[Hashable] = set()  # rows that have been rerun apart at least once
+        max_kv, per_token, weights = kv_budget.model_budget(loaded.model)
+        self.prefix = self._prefix_cache(prefix_cache_bytes, per_token)
         self.gen = self._new_generator()
         if max_kv_tokens is None:
-            max_kv_tokens, per_token, weights = kv_budget.model_budget(loaded.model)
+            max_kv_tokens = max_kv
             log.info("engine: KV admission budget %d tokens (%d bytes/token, weights %.0f MB; "
                      "--max-kv-tokens overrides)", max_kv_tokens, per_token, weights / 1e6)
         self.kv_budget: int = max_kv_tokens
         state.kv_budget = max_kv_tokens
         self.warned_over_budget: set[Hashable] = set()
+
+    def _prefix_cache(self, budget: int, per_token: int) -> prefix_cache.PrefixCache | None:
+        """The prefix store, when the budget allows one and the family's parity holds."""
+        why = prefix_cache.reason_off(self.m.model_type) if budget > 0 else "budget 0"
+        self.state.prefix_off = why or ""
+        if why is not None:
+            log.info("engine: prefix reuse off for %s: %s", self.m.model_type, why)
+            return None
+        log.info("engine: prefix reuse on, %.0f MB (--prefix-cache-mb)", budget / 1e6)
+        return prefix_cache.PrefixCache(self.m.model, self.m.fingerprint, budget, per_token)
 
     def _new_generator(self) -> Any:
         from mlx_vlm.generate import BatchGenerator
@@ -439,6 +473,7 @@ class _Loop:
             completion_batch_size=self.max_batch + self.prefill_batch,
             prefill_batch_size=self.prefill_batch,
             compute_logprobs=False,
+            apc_manager=None if self.prefix is None else self.prefix.manager,
         )
 
     def run(self) -> None:
@@ -461,6 +496,8 @@ class _Loop:
             self.pending.extend(self.suspects.popleft())
         st.abort_all("engine closed", self.pending, self.live)
         self.gen.close()
+        if self.prefix is not None:
+            self.prefix.close()
 
     def _size(self, rows: int, tokens: int, seconds: float) -> None:
         """Tell the sizer what this turn produced; say so when the row limit moves."""
@@ -567,6 +604,7 @@ class _Loop:
             timings["embed_s"] = time.perf_counter() - te
             prompt_tokens = len(ids)
             max_tokens = self._check_budget(req, prompt_tokens)
+            spared = self._prefix(req, ids, kwargs)
             procs: list[Any] = [_Temperature(req.temperature)] if req.temperature > 0 else []
             if req.constraint is not None:
                 req.constraint.reset()  # a retried row starts its value again
@@ -593,8 +631,25 @@ class _Loop:
             inserted_at=time.perf_counter(),
             stop_window=window + 2 if window else 0,
             kv_cost=cost,
+            prefix_tokens=spared,
         )
         st.move(waiting=-1, active=1)
+
+    def _prefix(self, req: Request, ids: list[int], kwargs: dict[str, Any]) -> int:
+        """The row's cached prefix, looked up (prefilled and stored on a miss, so the
+        rows after it with the same image and prefix prefill only their own tokens);
+        returns the prompt tokens it spares this row."""
+        st = self.state
+        if self.prefix is None or req.prefix_key is None:
+            st.prefill_tokens += len(ids)
+            return 0
+        hit, spared = self.prefix.prepare(ids, kwargs, req.prefix_key)
+        # A miss prefills its prefix apart (stored for the rows after it), then the rest.
+        st.prefill_tokens += len(ids) - (spared if hit else 0)
+        ps = self.prefix.stats
+        st.prefix_hits, st.prefix_tokens_skipped = ps.hits, ps.tokens_skipped
+        st.prefix_bytes = self.prefix.held_bytes()
+        return spared if hit else 0
 
     def _check_budget(self, req: Request, prompt_tokens: int) -> int:
         """Max new tokens this request may have: its own, clamped to the context left."""
@@ -808,7 +863,7 @@ class _Loop:
         return Finished(key=lv.req.key, text=text, finish_reason=reason,
                         prompt_tokens=lv.prompt_tokens, completion_tokens=len(lv.tokens),
                         vision_cache_hit=lv.hit, error=problem, timings=timings,
-                        tokens=list(lv.tokens), json=value)
+                        tokens=list(lv.tokens), json=value, prefix_tokens=lv.prefix_tokens)
 
 
 @dataclass

@@ -317,6 +317,8 @@ class Preparer:
             if answered is not None:
                 return answered
         key = self.key_for(settings, item) if self.info.cacheable else None
+        # The image's content key also keys its prompt prefix (worker/engine/prefix_cache.py).
+        common["prefix_key"] = key or self.key_for(settings, item)
         entry = self._lookup(key, (job_id, idx)) if key is not None else None
         if entry is not None:
             prepared = A.prepare_from_grid(self.engine.processor, self.engine.model_config,
