@@ -426,7 +426,9 @@ def retention(redis: Redis, keys: Keys, job_id: str, payload: JobPayload | None,
     status, result_ttl, failure_ttl = (v.decode() if isinstance(v, bytes) else v for v in raw)
     ended = status in ("finished", "failed", "stopped", "canceled")
     if ended:
-        results = _left(max(int(redis.ttl(keys.job_events(job_id))),
+        # The job hash holds the end (and the summary) as long as the items live; the
+        # events stream only a minute more (PROTOCOL.md section 5).
+        results = _left(max(int(redis.ttl(Keys.rq_job(job_id))),
                             int(redis.ttl(keys.job_items(job_id)))))
     else:
         results = (f"{_span(int(result_ttl or C.RESULT_TTL_S))} after the job ends "
