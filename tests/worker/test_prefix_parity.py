@@ -15,6 +15,7 @@ from tests.support.factories import random_image
 from vlmq.worker.engine import mlx_adapter as A
 from vlmq.worker.engine import prefix_cache
 from vlmq.worker.engine.batcher import Engine, Finished, Request
+from vlmq.worker.engine.constraints import Structured
 
 CAPTION = "Describe this image."
 OTHER = "Read all the text in this image, line by line."
@@ -90,3 +91,67 @@ def test_cached_prefix_gives_the_same_tokens(models: dict[str, Path], arch: str)
     image_first = arch != "qwen2_vl"
     assert all((f.prefix_tokens > 0) == image_first for f in outs[8 * MB][1].values())
     assert stats["prefix_hits"] == 4 + 4 * image_first
+
+
+def test_two_jobs_with_one_image_in_one_window_prefill_it_once(
+        models: dict[str, Path]) -> None:
+    bench = Bench(models["qwen2_5_vl"], 8 * MB)
+    try:
+        reqs = [bench.request(("job1", 0), 7, CAPTION), bench.request(("job2", 0), 7, OTHER)]
+        got = bench.run(reqs)
+        stats = bench.engine.stats()
+    finally:
+        bench.close()
+    n1, n2 = (got[r.key].prompt_tokens for r in reqs)
+    shared = got[("job2", 0)].prefix_tokens
+    assert shared > 0 and got[("job1", 0)].prefix_tokens == 0
+    assert stats["prefix_hits"] == 1 and stats["prefix_tokens_skipped"] == shared
+    assert stats["prefill_tokens"] == n1 + n2 - shared  # the image's prefix once
+
+
+def test_a_budget_of_a_few_mb_holds_and_evictions_mid_batch_change_nothing(
+        models: dict[str, Path]) -> None:
+    """One tiny-model snapshot is 256 KB (2 layers, whole 256-token steps): 600 KB holds
+    two, so six images evict each other while their rows wait in the batch."""
+    budget = 600 * 1024
+    reqs: dict[int, list[Finished]] = {}
+    for b in (0, budget):
+        bench = Bench(models["qwen2_5_vl"], b)
+        try:
+            mixed = [bench.request((p, s), s, p) for s in range(6) for p in (CAPTION, OTHER)]
+            got = bench.run(mixed)
+            reqs[b] = [got[r.key] for r in mixed]
+            st = bench.engine.state
+            peak, hits = st.peak_prefix_bytes, st.prefix_hits
+        finally:
+            bench.close()
+    assert [f.tokens for f in reqs[budget]] == [f.tokens for f in reqs[0]]
+    assert 0 < peak <= budget
+    assert hits > 0
+
+
+def test_constrained_rows_keep_their_output(models: dict[str, Path]) -> None:
+    schema = {"type": "object", "properties": {"total": {"type": "number"}},
+              "required": ["total"]}
+    outs = []
+    for budget in (0, 8 * MB):
+        bench = Bench(models["qwen2_5_vl"], budget)
+        try:
+            structured = Structured(bench.processor.tokenizer,
+                                    A.eos_token_ids(bench.processor))
+            reqs = [bench.request((i, s), s, "Extract the fields as JSON.", max_tokens=40,
+                                  constraint=structured.row(schema))
+                    for i in range(2) for s in range(2)]
+            got = bench.run(reqs)
+            outs.append([(got[r.key].tokens, got[r.key].error) for r in reqs])
+            hits = bench.engine.stats()["prefix_hits"]
+        finally:
+            bench.close()
+    assert outs[1] == outs[0]
+    assert hits == 2
+
+
+def test_families_off_say_why() -> None:
+    assert prefix_cache.reason_off("gemma3") is not None
+    assert prefix_cache.reason_off("qwen3_vl") is not None
+    assert prefix_cache.reason_off("mistral3") == prefix_cache.UNVERIFIED

@@ -170,6 +170,7 @@ class EngineState:
     prefix_tokens_skipped: int = 0
     prefill_tokens: int = 0
     prefix_bytes: int = 0
+    peak_prefix_bytes: int = 0
     prefix_off: str = ""  # why reuse is off for this worker, if it is
 
     def submit(self, req: Request) -> None:
@@ -649,6 +650,7 @@ class _Loop:
         ps = self.prefix.stats
         st.prefix_hits, st.prefix_tokens_skipped = ps.hits, ps.tokens_skipped
         st.prefix_bytes = self.prefix.held_bytes()
+        st.peak_prefix_bytes = max(st.peak_prefix_bytes, st.prefix_bytes)
         return spared if hit else 0
 
     def _check_budget(self, req: Request, prompt_tokens: int) -> int:
