@@ -173,6 +173,14 @@ class WorkerCollector(Collector):
                      e.kv_budget if e is not None else 0)
         yield _counter("vlmq_tower_calls", "Vision tower runs (vision-cache misses the model "
                        "computed).", e.tower_calls if e is not None else 0)
+        yield _counter("vlmq_prefix_hits", "Rows that started from a cached prompt prefix "
+                       "(an image's K/V prefilled before).", e.prefix_hits if e is not None else 0)
+        yield _counter("vlmq_prefix_tokens_skipped", "Prompt tokens cached prefixes spared "
+                       "the prefill.", e.prefix_tokens_skipped if e is not None else 0)
+        yield _counter("vlmq_prefill_tokens", "Prompt tokens prefilled.",
+                       e.prefill_tokens if e is not None else 0)
+        yield _gauge("vlmq_prefix_cache_bytes", "Bytes of prompt-prefix K/V held "
+                     "(--prefix-cache-mb bounds it).", e.prefix_bytes if e is not None else 0)
         yield _counter("vlmq_repetition_cuts", "Rows stopped by the repetition guard (each "
                        "attempt counts).", e.repetitions if e is not None else 0)
         yield _counter("vlmq_step_isolations", "Failed generator steps whose rows were rerun "

@@ -52,6 +52,14 @@ class _EngineView(Protocol):
     def batch_limit(self) -> int: ...
     @property
     def batch_reason(self) -> str: ...
+    @property
+    def prefix_hits(self) -> int: ...
+    @property
+    def prefix_tokens_skipped(self) -> int: ...
+    @property
+    def prefill_tokens(self) -> int: ...
+    @property
+    def prefix_bytes(self) -> int: ...
 
 
 class _CacheView(Protocol):
@@ -200,6 +208,11 @@ class WorkerStats:
             "result_cache_stores": self.result_cache_stores,
             "engine_peak_waiting": engine.peak_waiting,
             "tower_calls": engine.tower_calls,
+            # Prefix reuse (worker/engine/prefix_cache.py)
+            "prefix_hits": engine.prefix_hits,
+            "prefix_tokens_skipped": engine.prefix_tokens_skipped,
+            "prefill_tokens": engine.prefill_tokens,
+            "prefix_bytes": engine.prefix_bytes,
             "mlx_busy_s": round(engine.busy_s, 3),
             # PDF render processes running (started before the worker says it is ready).
             "render_procs": len(self.renders.pids) if self.renders is not None else 0,
