@@ -276,6 +276,22 @@ KEY_TABLE: tuple[KeyName, ...] = (
             "until the end of span `g` (a day: `g` = epoch seconds // 86400); entries sit in "
             "the span in which their target result expires, capped by the cache's ttl",
             section="rcache"),
+    KeyName("api_file", "{prefix}:api:file:{name}", "hash", "vlmq api",
+            "an uploaded file's metadata (owner, filename, purpose, bytes, sha256, "
+            "created_at); its bytes are in the server's --files-dir, never in Redis",
+            "until DELETE /v1/files/<id>"),
+    KeyName("api_files", "{prefix}:api:files:{name}", "zset", "vlmq api",
+            "one API key's files (`<name>`: the key's digest), scored by created_at (ms)",
+            "as its files"),
+    KeyName("api_batch", "{prefix}:api:batch:{batch_id}", "hash", "vlmq api",
+            "an API batch (docs/openai-api.md): owner, input file, window, metadata, the "
+            "vlmq batch it enqueued, its validation errors and lifecycle times",
+            "30 days"),
+    KeyName("api_batches", "{prefix}:api:batches:{name}", "zset", "vlmq api",
+            "one API key's batches, scored by created_at (ms)", "30 days after the last"),
+    KeyName("api_live", "{prefix}:api:live", "set", "vlmq api",
+            "API batches not yet ended, which the server checks for their completion window",
+            "none (a batch leaves it when it ends)"),
 )
 
 KEY: Mapping[str, KeyName] = {k.name: k for k in KEY_TABLE}
@@ -400,6 +416,27 @@ class Keys:
     def counts_label(self, key: str, value: str) -> str:
         """Hash: the same running counts for the jobs carrying label key=value."""
         return _name("counts_label", self.prefix, key=key, value=value)
+
+    def api_file(self, file_id: str) -> str:
+        """Hash: an API upload's metadata; the bytes stay in the server's files folder."""
+        return _name("api_file", self.prefix, name=file_id)
+
+    def api_files(self, owner: str) -> str:
+        """Zset: one API key's files, by creation time, for GET /v1/files."""
+        return _name("api_files", self.prefix, name=owner)
+
+    def api_batch(self, batch_id: str) -> str:
+        """Hash: an API batch's record, the vlmq batch it became and its lifecycle."""
+        return _name("api_batch", self.prefix, batch_id=batch_id)
+
+    def api_batches(self, owner: str) -> str:
+        """Zset: one API key's batches, by creation time, for GET /v1/batches."""
+        return _name("api_batches", self.prefix, name=owner)
+
+    @property
+    def api_live(self) -> str:
+        """Set: API batches not ended, swept for their completion window."""
+        return _name("api_live", self.prefix)
 
     def batch_counts(self, batch_id: str) -> str:
         """Hash: the same running counts for the jobs of one batch."""
