@@ -1,4 +1,5 @@
-"""The producer's commands: enqueue, jobs, status, wait, result, cancel, retry, delete.
+"""The producer's commands: enqueue, jobs, status, cancel, retry, delete, reindex (wait and
+result: cli/results.py).
 
 They register on the root group (vlmq.cli.main), which also carries the worker's
 commands; this module imports nothing from the worker. Exit codes: vlmq.cli.common.
@@ -27,7 +28,6 @@ from vlmq.cli.common import (
     parse_labels,
     store_option,
 )
-from vlmq.cli.results import result_cmd, wait_cmd
 from vlmq.producer.defaults import DEFAULT_MAX_PENDING_MB, JOB_ITEMS
 from vlmq.producer.options import JobOptions, job_options
 from vlmq.shared import constants as C
@@ -702,7 +702,7 @@ def reindex_cmd(ctx: click.Context, as_json: bool) -> None:
 
 def register(group: click.Group) -> None:
     """Attach the producer's commands to the root group."""
-    for command in (enqueue, jobs_cmd, status_cmd, wait_cmd, result_cmd, cancel_cmd,
-                    retry_cmd, delete_cmd, reindex_cmd):
+    for command in (enqueue, jobs_cmd, status_cmd, cancel_cmd, retry_cmd, delete_cmd,
+                    reindex_cmd):
         group.add_command(command)
 

@@ -44,10 +44,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                 "totals over every job carrying it; with neither, queue "
                                 "depths, workers (full worker stats with --json) and "
                                 "Redis's health."),
-    "wait": ("vlmq.cli.jobs", "Wait for jobs with progress (a bar on a terminal, else a line "
+    "wait": ("vlmq.cli.results", "Wait for jobs with progress (a bar on a terminal, else a line "
                               "every 10 % or 10 s); a batch id waits for the batch's end and "
                               "prints one line for it."),
-    "result": ("vlmq.cli.jobs", "Print jobs' results in item order (partial while they run); "
+    "result": ("vlmq.cli.results", "Print jobs' results in item order (partial while they run); "
                                 "a batch id prints its jobs' in batch order."),
     "cancel": ("vlmq.cli.jobs", "Cancel jobs (a batch id: every job of it not yet ended): a "
                                 "queued job never runs; a running one is dropped by its worker "

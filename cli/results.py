@@ -2,7 +2,8 @@
 
 The formats are vlmq.producer.ops.output_formats, shared with the dashboard's downloads and
 `vlmq export`; this module reads the jobs, says on stderr what is partial or failed,
-and puts the text where it was asked for. Registered by vlmq.cli.jobs.
+and puts the text where it was asked for. Its own module (cli/main.py COMMANDS), so
+`vlmq jobs` never imports the formats.
 """
 
 from __future__ import annotations
@@ -255,3 +256,8 @@ def _render(form: formats.Format, views: Sequence[JobResults], errors_path: str 
     ok, bad = form.split_jobs(views)
     _write(errors_path, bad)
     return ok
+
+
+def register(group: click.Group) -> None:
+    group.add_command(wait_cmd)
+    group.add_command(result_cmd)
