@@ -302,7 +302,7 @@ def test_a_model_that_cannot_be_found_stops_the_worker_with_a_clear_error(
         redis_url: str, tmp_path: Path, start_worker: Spawn) -> None:
     missing = tmp_path / "no-such-model"
     rc, out = finish(start_worker(redis_url, missing, tmp_path, "--burst"))
-    assert rc == 1
+    assert rc == 78  # EX_CONFIG: a service does not restart it
     assert f"model folder {missing} does not exist" in out
     assert "Traceback" not in out
 
@@ -345,7 +345,7 @@ def test_a_job_canceled_mid_run_stays_canceled(
 def test_worker_start_problems_are_reported_before_loading_the_model(
         redis_url: str, tiny_model: Path, tmp_path: Path, start_worker: Spawn) -> None:
     rc, out = finish(start_worker("redis://127.0.0.1:1/0", tiny_model, tmp_path, "--burst"))
-    assert rc == 1 and "cannot reach Redis at redis://127.0.0.1:1/0" in out
+    assert rc == 69 and "cannot reach Redis at redis://127.0.0.1:1/0" in out  # restarted
     assert "loading model" not in out and "Traceback" not in out
 
     first = start_worker(redis_url, tiny_model, tmp_path, name="twin")
