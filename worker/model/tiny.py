@@ -81,19 +81,19 @@ def build_tiny_model(out_dir: Path, arch: str = "qwen2_vl", seed: int = 0,
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp_path.unlink(missing_ok=True)
 
-    ids = _write_tokenizer(out_dir, build)
+    ids = write_tokenizer(out_dir, build)
     text, size_scale = SIZES[size]
-    config = {**_fill(build.config, ids), **text}
+    config = {**fill(build.config, ids), **text}
     if size in build.sizes:
         config["vision_config"] = {**config["vision_config"], **build.sizes[size]}
-    _write_json(out_dir / "config.json", config)
-    _write_json(out_dir / "preprocessor_config.json", build.preprocessor)
+    write_json(out_dir / "config.json", config)
+    write_json(out_dir / "preprocessor_config.json", build.preprocessor)
     for name, data in build.extra_files.items():
-        _write_json(out_dir / name, data)
+        write_json(out_dir / name, data)
     _write_weights(out_dir / "model.safetensors", config, seed,
                    build.weight_scale if size_scale is None else size_scale,
                    build.embed_scale)
-    _write_json(stamp_path, stamp)
+    write_json(stamp_path, stamp)
     return out_dir
 
 
@@ -103,18 +103,18 @@ def _context_length(config: dict[str, Any]) -> int:
     return int(text["max_position_embeddings"])
 
 
-def _fill(value: Any, ids: dict[str, int]) -> Any:
+def fill(value: Any, ids: dict[str, int]) -> Any:
     """Replace "@<token>" / "@vocab" placeholders with the trained tokenizer's ids."""
     if isinstance(value, dict):
-        return {k: _fill(v, ids) for k, v in value.items()}
+        return {k: fill(v, ids) for k, v in value.items()}
     if isinstance(value, list):
-        return [_fill(v, ids) for v in value]
+        return [fill(v, ids) for v in value]
     if isinstance(value, str) and value.startswith("@"):
         return ids["__len__"] if value == "@vocab" else ids[value[1:]]
     return value
 
 
-def _write_json(path: Path, data: Any) -> None:
+def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
@@ -136,8 +136,12 @@ def _move_specials(tok: Any, first_id: int) -> Any:
     return Tokenizer.from_str(json.dumps(data))
 
 
-def _write_tokenizer(out_dir: Path, build: TinyBuild) -> dict[str, int]:
-    """Train the BPE, append the family's specials, write all tokenizer files; return ids."""
+def write_tokenizer(out_dir: Path, build: TinyBuild, vocab_size: int = 600) -> dict[str, int]:
+    """Train the BPE, append the family's specials, write all tokenizer files; return ids.
+
+    `vocab_size` 256 learns no merge: one token per byte, a character-level tokenizer
+    for ASCII text (the trained reader's, worker/model/reader) that Qwen2Tokenizer
+    still rebuilds identically."""
     from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
     from tokenizers.models import BPE
 
@@ -151,7 +155,7 @@ def _write_tokenizer(out_dir: Path, build: TinyBuild) -> dict[str, int]:
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=600,
+        vocab_size=vocab_size,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
@@ -179,7 +183,7 @@ def _write_tokenizer(out_dir: Path, build: TinyBuild) -> dict[str, int]:
         for t, i in ids.items()
     }
     named = {build.eos, build.pad, build.bos}
-    _write_json(
+    write_json(
         out_dir / "tokenizer_config.json",
         {
             "tokenizer_class": build.tokenizer_class,
@@ -197,7 +201,7 @@ def _write_tokenizer(out_dir: Path, build: TinyBuild) -> dict[str, int]:
             **build.tokenizer_extra,
         },
     )
-    _write_json(out_dir / "chat_template.json", {"chat_template": build.chat_template})
+    write_json(out_dir / "chat_template.json", {"chat_template": build.chat_template})
     ids["__len__"] = tok.get_vocab_size(with_added_tokens=True)
     return ids
 
