@@ -33,10 +33,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 class Bench:
     """An engine over one tiny model, and what builds its requests."""
 
-    def __init__(self, model: Path, budget: int, max_batch: int = 8) -> None:
+    def __init__(self, model: Path, budget: int, max_batch: int = 8,
+                 repetition: Any = None) -> None:
         from mlx_vlm import load
 
-        self.engine = Engine(str(model), max_batch=max_batch, prefix_cache_bytes=budget)
+        self.engine = Engine(str(model), max_batch=max_batch, prefix_cache_bytes=budget,
+                             repetition=repetition)
         self.engine.wait_ready(timeout=120)
         self.model, self.processor = load(str(model))
 
@@ -155,3 +157,26 @@ def test_families_off_say_why() -> None:
     assert prefix_cache.reason_off("gemma3") is not None
     assert prefix_cache.reason_off("qwen3_vl") is not None
     assert prefix_cache.reason_off("mistral3") == prefix_cache.UNVERIFIED
+
+
+def test_the_repetition_guards_retry_starts_from_the_cached_prefix(
+        models: dict[str, Path]) -> None:
+    """A looping row retried hotter is inserted again: its prefix is found, not prefilled;
+    rows that do not loop keep the tokens they have without reuse."""
+    from vlmq.worker.engine.repetition import RepetitionGuard
+
+    guard = RepetitionGuard(max_period=4, min_repeats=3, min_span=3, on_repetition="retry")
+    outs = []
+    for budget in (0, 8 * MB):
+        bench = Bench(models["qwen2_5_vl"], budget, repetition=guard)
+        try:
+            reqs = [bench.request(s, s, CAPTION, max_tokens=48) for s in range(8)]
+            outs.append(bench.run(reqs))
+        finally:
+            bench.close()
+    cold, warm = outs
+    retried = [k for k, f in warm.items() if f.repetition and "retried" in f.repetition]
+    assert retried, "a random tiny model loops on some images"
+    assert all(warm[k].prefix_tokens > 0 for k in retried)
+    plain = [k for k, f in cold.items() if f.repetition is None]
+    assert all(warm[k].tokens == cold[k].tokens for k in plain)
