@@ -69,11 +69,20 @@ def export_cmd(ctx: click.Context, job_ids: tuple[str, ...], out_dir: Path | Non
         fail("error: give exactly one of --dir OUT and --sidecar ROOT", EXIT_BAD_INPUT)
     root = out_dir if out_dir is not None else sidecar_root
     assert root is not None
+    report, why = _export(ctx.obj["redis_url"], job_ids, root, fmt, overwrite)
+    print_report(report, root, as_json, why)
+    if report.failed or report.refused or report.kept:
+        sys.exit(EXIT_FAILED)
+
+
+def _export(redis_url: str, job_ids: Sequence[str], root: Path, fmt: str,
+            overwrite: bool) -> tuple[ExportReport, str | None]:
+    """Export the jobs under `root`: the report, and why nothing was written (or None)."""
     from vlmq.producer.client import Client
     from vlmq.producer.job_sets import expand
 
     report = ExportReport()
-    with Client(ctx.obj["redis_url"]) as client:
+    with Client(redis_url) as client:
         # Every id checked before anything is written; a batch is exported as one set,
         # so a PDF whose pages went to several jobs becomes one file.
         sets = [expand(client, [j]) for j in job_ids]
@@ -86,11 +95,9 @@ def export_cmd(ctx: click.Context, job_ids: tuple[str, ...], out_dir: Path | Non
                 if part:
                     report.merge(export_results(chain.from_iterable(j.results() for j in part),
                                                 root, fmt, overwrite, extract=extract))
-        why = None if report.written or report.kept or report.refused else why_nothing(
-            [j for jobs in sets for j in jobs])
-    print_report(report, root, as_json, why)
-    if report.failed or report.refused or report.kept:
-        sys.exit(EXIT_FAILED)
+        if report.written or report.kept or report.refused:
+            return report, None
+        return report, why_nothing([j for jobs in sets for j in jobs])
 
 
 def why_nothing(jobs: Sequence[Job]) -> str:
