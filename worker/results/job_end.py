@@ -35,10 +35,11 @@ log = logging.getLogger(__name__)
 INCOMPLETE = "item results missing"
 # RQ job hash fields a finished job drops: callbacks and group RQ writes empty, and what
 # only a queued or running job or a failed one reads (heartbeat, first start, timeout,
-# retries, failure TTL, the item count that queued-item sums read).
+# retry intervals, failure TTL, the item count that queued-item sums read). retries_left
+# stays: it says whether a worker died under the job.
 FINISHED_DROPS = ("success_callback_name", "failure_callback_name", "stopped_callback_name",
-                  "group_id", "last_heartbeat", "retry_intervals", "retries_left", "timeout",
-                  "failure_ttl", C.FIRST_STARTED_FIELD, job_index.ITEMS_FIELD)
+                  "group_id", "last_heartbeat", "retry_intervals", "timeout", "failure_ttl",
+                  C.FIRST_STARTED_FIELD, job_index.ITEMS_FIELD)
 
 
 class JobEnd:
