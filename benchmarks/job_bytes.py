@@ -153,8 +153,9 @@ def measure(redis_url: str, *, jobs: int = 200, items: int = 500) -> dict[str, f
     """Bytes per finished one-item job and per finished item of an `items`-item job.
 
     `redis_url`: a db nothing else writes to meanwhile (every key in it is counted before
-    and after; nothing is flushed, and the keys the run made are deleted at the end). Keys of the result: one_item_job (all it leaves),
-    item (per item of the big job, less its text), item_text (the text's bytes),
+    and after; nothing is flushed, and the keys the run made are deleted at the end).
+    Keys of the result: one_item_job (all it leaves), item (per item of the big job,
+    less its text), item_text (the text's bytes),
     item_json (the stored item result's bytes), one_item_inputs and item_inputs (the
     blobs and holders, which expire keep_inputs after the job), one_item_transient and
     item_transient (keys gone within C.ENDED_EVENTS_S: the events streams), and
