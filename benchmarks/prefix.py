@@ -17,6 +17,7 @@ before the image, so only the retry can reuse) and `bench25` (qwen2_5_vl, image 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -39,6 +40,24 @@ def model_path(name: str, root: Path) -> str:
     arch, size = {"bench": ("qwen2_vl", "bench"), "bench25": ("qwen2_5_vl", "bench"),
                   "tiny": ("qwen2_vl", "tiny"), "tiny25": ("qwen2_5_vl", "tiny")}[name]
     return str(build_tiny_model(root / f"{arch}-{size}", arch=arch, seed=0, size=size))
+
+
+def at_pixels(model: str, side: int, root: Path) -> str:
+    """The model with its processor's pixel cap at side x side (the tiny builds cap images
+    at 224 x 224, 64 image tokens; 448 px is 256 tokens, as a real Qwen-VL makes it): a
+    folder of links to the weights beside a changed preprocessor_config.json."""
+    src = Path(model)
+    dst = root / f"{src.name}-{side}px"
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        target = dst / f.name
+        if f.name != "preprocessor_config.json" and not target.exists():
+            target.symlink_to(f.resolve())
+    pre = json.loads((src / "preprocessor_config.json").read_text())
+    pre["max_pixels"] = side * side
+    pre["size"] = {**pre.get("size", {}), "longest_edge": side * side}
+    (dst / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
+    return str(dst)
 
 
 def images(n: int, side: int) -> list[Any]:
@@ -98,12 +117,14 @@ class Run:
         self.engine.close(timeout=30)
 
 
-def prefill_share(model: str, imgs: list[Any], shapes: tuple[int, ...]) -> list[list[Any]]:
-    """Seconds of a 1-token request (the prefill) against a full one, one row at a time."""
-    run = Run(model, 0, max_batch=1)
+def prefill_share(model: str, imgs: list[Any], shapes: tuple[int, ...],
+                  max_batch: int) -> list[list[Any]]:
+    """Seconds of a pass of 1-token requests (the prefill) against full passes, the
+    images' features cached (as a worker's vision cache holds them), rows batched."""
+    run = Run(model, 0, max_batch=max_batch)
     rows = []
     try:
-        run.run(run.requests(imgs[:1], CAPTION, 1, "warm"))
+        run.run(run.requests(imgs, CAPTION, 1, "warm"))  # the tower runs once per image
         one, _, _ = run.run(run.requests(imgs, CAPTION, 1, "p"))
         for n in shapes:
             full, got, _ = run.run(run.requests(imgs, CAPTION, n, f"f{n}"))
@@ -164,7 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--budget-mb", type=int, default=512)
-    parser.add_argument("--share-items", type=int, default=4,
+    parser.add_argument("--pixels", type=int, default=448,
+                        help="the processor's pixel cap, per side (0: the model's own)")
+    parser.add_argument("--share-items", type=int, default=16,
                         help="images for the prefill-share measurement (0: skip it)")
     parser.add_argument("--server", action="store_true",
                         help="also mlx-vlm's server with APC_ENABLED=1 (system E)")
@@ -173,12 +196,14 @@ def main(argv: list[str] | None = None) -> None:
     blas.select()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vlmq-prefix-"))
     model = model_path(args.model, Path.home() / ".cache" / "vlmq" / "models")
+    if args.pixels:
+        model = at_pixels(model, args.pixels, workdir)
     imgs = images(args.items, args.side)
     print(f"model {args.model} ({model}), {args.items} images at {args.side} px, "
           f"{args.max_tokens} new tokens, max batch {args.max_batch}")
     if args.share_items:
-        rows = prefill_share(model, imgs[:args.share_items], (32, 256))
-        print("\nprefill share, one row at a time\n" + table(
+        rows = prefill_share(model, imgs[:args.share_items], (32, 256), args.max_batch)
+        print(f"\nprefill share, {args.share_items} rows batched\n" + table(
             ["new tokens", "tokens out", "prefill s/item", "item s", "prefill share"], rows))
     systems = {"(1) vision cache only": passes(model, imgs, 0, args.max_tokens, args.max_batch),
                "(2) + prefix reuse": passes(model, imgs, args.budget_mb << 20,
