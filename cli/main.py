@@ -15,6 +15,7 @@ import click
 
 from vlmq.cli.common import (
     EXIT_BAD_INPUT,
+    EXIT_CODES,
     EXIT_FAILED,
     EXIT_UNREACHABLE,
     JSON_META,
@@ -74,6 +75,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("vlmq.cli.worker", "Model utilities."),
     "dashboard": ("vlmq.cli.dashboard", "A web page over queues, workers and jobs: progress, "
                                         "and each page next to its text."),
+    "api": ("vlmq.cli.api", "Serve OpenAI's Files and Batch API: the official SDKs submit "
+                            "bulk work to vlmq."),
     "metrics": ("vlmq.cli.metrics", "Serve fleet metrics for Prometheus at "
                                     "http://HOST:PORT/metrics."),
     "service": ("vlmq.cli.units", "launchd and systemd units that keep a worker running and "
@@ -224,7 +227,12 @@ def _check_url(ctx: click.Context, _param: click.Parameter, value: str) -> str:
         fail(f"error: {exc} (from --redis-url or REDIS_URL)", EXIT_BAD_INPUT)
 
 
-@click.group(cls=_Main)
+_HELP = ("vlmq: a Redis job queue for bulk vision-language work (OCR, captioning).\n\n"
+         "Exit codes: " + ", ".join(f"{code} {kind}" for code, (kind, _) in EXIT_CODES.items())
+         + "; what each means, --json errors and shell completion: docs/jobs.md.")
+
+
+@click.group(cls=_Main, help=_HELP)
 @click.option("--redis-url", envvar="REDIS_URL", default=C.DEFAULT_REDIS_URL,
               show_default=True, callback=_check_url,
               help="Redis to use (env REDIS_URL). Key prefix: env VLMQ_PREFIX.")
@@ -232,11 +240,7 @@ def _check_url(ctx: click.Context, _param: click.Parameter, value: str) -> str:
                       message="%(prog)s %(version)s")
 @click.pass_context
 def main(ctx: click.Context, redis_url: str) -> None:
-    """vlmq: a Redis job queue for bulk vision-language work (OCR, captioning).
-
-    Exit codes (0 ok, 1 a job failed, 2 usage, 3 items failed, 69 Redis unreachable, 124
-    timed out) and shell completion: docs/jobs.md.
-    """
+    """The root: _HELP is its help (the exit codes from cli/common.py's table)."""
     # A plain dict, so that both sides read it without importing each other; the worker's
     # --with-scheduler runs the producer's scheduler loop through it.
     ctx.obj = {"redis_url": redis_url, "start_scheduler": _start_scheduler}

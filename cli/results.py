@@ -20,6 +20,7 @@ from vlmq.cli.common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_FAILED_ITEMS,
+    EXIT_OK,
     EXIT_TIMEOUT,
     EXIT_UNREACHABLE,
     JOB_ID,
@@ -107,25 +108,31 @@ def _wait_line(row: Mapping[str, Any]) -> str:
             + (f" ({row['failed_items']} item(s) failed)" if row["failed_items"] else ""))
 
 
-@click.command("wait")
+# The help's exit codes are cli/common.py's, whatever they become.
+_WAIT_HELP = f"""Wait for jobs with progress (a bar on a terminal, else a line every 10 % or
+10 s); a batch id waits for the batch's end and prints one line for it.
+
+Exit codes: {EXIT_OK} every job finished; {EXIT_FAILED} a job failed, was canceled or is
+not found; {EXIT_FAILED_ITEMS} (--strict only) every job finished but some items failed;
+{EXIT_TIMEOUT} timed out; {EXIT_UNREACHABLE} Redis unreachable: at the start, or still at
+--timeout (connection resets and failovers before it are ridden out; with no --timeout,
+it waits through any outage).
+"""
+
+
+@click.command("wait", help=_WAIT_HELP)
 @click.argument("job_ids", nargs=-1, required=True, type=JOB_ID)
 @click.option("--timeout", type=click.FloatRange(min=0), metavar="S",
               help=f"Give up after S seconds (exit {EXIT_TIMEOUT}; {EXIT_UNREACHABLE} if Redis "
                    "is unreachable then).")
 @click.option("--strict", is_flag=True,
-              help="Also fail (exit 3) when a job finished with failed items.")
+              help=f"Also fail (exit {EXIT_FAILED_ITEMS}) when a job finished with failed "
+                   "items.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @click.pass_context
 def wait_cmd(ctx: click.Context, job_ids: tuple[str, ...], timeout: float | None,
              strict: bool, as_json: bool) -> None:
-    """Wait for jobs with progress (a bar on a terminal, else a line every 10 % or 10 s);
-    a batch id waits for the batch's end and prints one line for it.
-
-    Exit codes: 0 every job finished; 1 a job failed, was canceled or is not found;
-    3 (--strict only) every job finished but some items failed; 124 timed out;
-    69 Redis unreachable: at the start, or still at --timeout (connection resets and
-    failovers before it are ridden out; with no --timeout, waits through any outage).
-    """
+    """_WAIT_HELP is its help: the exit codes come from cli/common.py."""
     from vlmq.producer.client import RedisUnreachable, WaitTimeout
     from vlmq.shared import redis_checks
 
