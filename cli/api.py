@@ -1,0 +1,109 @@
+"""`vlmq api`: OpenAI's Files and Batch API for the official SDKs (docs/openai-api.md).
+
+The dashboard's stack (Flask under waitress): already a vlmq extra, with its Host guard
+and connection limits reused; the API's work is Redis reads and file streams, which
+waitress' thread pool serves, and validation runs on its own threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import click
+
+from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_UNREACHABLE, fail
+
+SWEEP_EVERY_S = 10.0  # how often live batches are checked for their end and window
+SERVER_THREADS = 8
+
+
+@click.command("api")
+@click.option("--redis-url", envvar="REDIS_URL", default=None,
+              help="Redis to serve (default: the root --redis-url / REDIS_URL).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Interface to listen on; anything else than loopback exposes the API.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--api-keys", "api_keys", type=click.Path(dir_okay=False, exists=True),
+              default=None, metavar="FILE",
+              help="The accepted keys, one a line (else VLMQ_API_KEYS=k1,k2). Each key "
+                   "sees only its own files and batches.")
+@click.option("--files-dir", type=click.Path(file_okay=False), required=True, metavar="DIR",
+              help="Where uploads and their decoded images live (never in Redis). Workers "
+                   "read the images as store vlmq-api: give them the --store this prints.")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME[:PORT]",
+              help="Also answer requests for this host name (repeatable).")
+@click.option("--model-map", "model_map", multiple=True, metavar="NAME=CHECKPOINT",
+              help="A line's model NAME runs on workers serving CHECKPOINT (as enqueue's).")
+@click.option("--strict-model", is_flag=True,
+              help="A line's model must be the one its workers serve (as enqueue's).")
+@click.pass_context
+def api_cmd(ctx: click.Context, redis_url: str | None, host: str, port: int,
+            api_keys: str | None, files_dir: str, allowed_hosts: tuple[str, ...],
+            model_map: tuple[str, ...], strict_model: bool) -> None:
+    """Serve OpenAI's Files and Batch API: the official SDKs submit bulk work to vlmq."""
+    from redis.exceptions import RedisError
+
+    from vlmq.producer.client import check_redis_url, redact_url
+    from vlmq.producer.openai_files import ModelPolicy
+    from vlmq.shared.errors import PayloadError
+
+    try:
+        import waitress
+
+        from vlmq.producer.ops.openai_api.access import load_keys
+        from vlmq.producer.ops.openai_api.app import ApiSettings, create_app, store_spec
+    except ImportError as exc:
+        fail(f"error: `vlmq api` needs the dashboard extra ({exc.name} is missing): "
+             "pip install 'vlmq[dashboard]'", EXIT_BAD_INPUT)
+    try:
+        url = check_redis_url(redis_url) if redis_url else ctx.find_root().obj["redis_url"]
+        keys = load_keys(api_keys)
+        models = ModelPolicy.parse(model_map, strict=strict_model)
+    except (ValueError, OSError, PayloadError) as exc:
+        fail(f"error: {exc}", EXIT_BAD_INPUT)
+    folder = Path(files_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    settings = ApiSettings(redis_url=url, files_dir=folder, keys=tuple(keys), host=host,
+                           port=port, allowed_hosts=allowed_hosts, models=models)
+    app = create_app(settings)
+    parts = app.extensions["vlmq_api"]
+    try:
+        parts["client"].redis.ping()
+    except RedisError as exc:
+        fail(f"error: cannot reach Redis at {redact_url(url)}: {exc}", EXIT_UNREACHABLE)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
+                                                   "%(message)s")
+    stop = threading.Event()
+    threading.Thread(target=_sweep, args=(parts["batches"], stop), name="api-sweeper",
+                     daemon=True).start()
+    click.echo(f"vlmq api on http://{host}:{port}/v1 ({len(keys)} keys); workers need "
+               f"--store {store_spec(folder)}; Ctrl-C stops it", err=True)
+    from vlmq.cli.dashboard import CHANNEL_TIMEOUT_S, _connection_limit
+
+    try:
+        waitress.serve(app, host=host, port=port, threads=SERVER_THREADS, ident="vlmq",
+                       channel_timeout=CHANNEL_TIMEOUT_S * 6, connection_limit=_connection_limit(),
+                       max_request_body_size=app.config["MAX_CONTENT_LENGTH"],
+                       asyncore_use_poll=True)
+    finally:
+        stop.set()
+
+
+def _sweep(batches: object, stop: threading.Event) -> None:
+    """Ends and completion windows, checked while nobody reads the batches."""
+    from redis.exceptions import RedisError
+
+    from vlmq.producer.ops.openai_api.batches import Batches
+
+    assert isinstance(batches, Batches)
+    while not stop.wait(SWEEP_EVERY_S):
+        try:
+            batches.sweep()
+        except RedisError as exc:
+            click.echo(f"vlmq api: sweeping batches failed: {exc}", err=True)
+
+
+def register(group: click.Group) -> None:
+    group.add_command(api_cmd)

@@ -1,0 +1,375 @@
+"""An API batch is one vlmq batch: created from an uploaded file, validated off the
+request thread exactly as `vlmq enqueue --openai-batch` validates (openai_files), and
+read back as OpenAI's Batch object, its status derived from the vlmq batch's running
+counts and end (PROTOCOL.md 8b, 9), so `vlmq status`, `wait`, the dashboard and metrics
+see the same batch.
+
+The record (api_batch) keeps what the vlmq batch does not: owner, input file, window,
+metadata, validation errors, and the lifecycle times vlmq has no event for (cancelling,
+expired). A batch that ended has its final figures cached there, read once from the
+results, so a finished batch costs one HGETALL to show.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from vlmq.producer.client import Client
+from vlmq.producer.job_sets import Batch, BatchNotFound
+from vlmq.producer.openai_files import (
+    URL,
+    FileRecord,
+    ModelPolicy,
+    read_batch_file,
+    submit_batch_file,
+)
+from vlmq.producer.ops.openai_api import outputs
+from vlmq.producer.ops.openai_api.errors import ApiError, not_found
+from vlmq.producer.ops.openai_api.files import ERRORS_PREFIX, OUTPUT_PREFIX, FileStore
+from vlmq.producer.options import JobOptions
+from vlmq.shared.errors import VlmqError
+from vlmq.shared.keys import BATCH_ID_PREFIX
+from vlmq.shared.redis_text import as_str
+from vlmq.stores.backends import Stores
+
+log = logging.getLogger("vlmq.api")
+
+# OpenAI's completion windows: "24h" is the only one its API takes.
+WINDOWS: Mapping[str, int] = {"24h": 24 * 3600}
+RECORD_TTL_S = 30 * 24 * 3600
+MAX_METADATA = 16
+MAX_META_KEY = 64
+MAX_META_VALUE = 512
+LABEL = "openai_batch"  # the vlmq batch's label naming its API batch
+# What a GET shows in place of an ended vlmq batch's end type.
+ENDED_AS = {"expired": "expired", "cancelling": "cancelled"}
+TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
+         "failed_at", "expired_at", "cancelling_at", "cancelled_at")
+
+
+def new_batch_id() -> str:
+    return "batch_" + secrets.token_hex(12)
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def check_metadata(value: Any) -> dict[str, str] | None:
+    """OpenAI's metadata: at most 16 string pairs, keys of 64 and values of 512 chars."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > MAX_METADATA or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= MAX_META_KEY
+            and len(v) <= MAX_META_VALUE for k, v in value.items()):
+        raise ApiError(400, f"metadata must be an object of at most {MAX_METADATA} string "
+                            f"pairs, keys up to {MAX_META_KEY} and values up to "
+                            f"{MAX_META_VALUE} characters", param="metadata")
+    return dict(value)
+
+
+def check_create(body: Mapping[str, Any]) -> tuple[str, str, dict[str, str] | None]:
+    """(input_file_id, completion_window, metadata) of a create request, or 400."""
+    for name in ("input_file_id", "endpoint", "completion_window"):
+        if not isinstance(body.get(name), str):
+            raise ApiError(400, f"Missing required parameter: '{name}'.", param=name)
+    if body["endpoint"] != URL:
+        raise ApiError(400, f"endpoint must be '{URL}': vlmq serves chat completions "
+                            f"(got {body['endpoint'][:100]!r})", param="endpoint")
+    if body["completion_window"] not in WINDOWS:
+        raise ApiError(400, f"completion_window must be one of {', '.join(WINDOWS)} (got "
+                            f"{body['completion_window'][:100]!r})",
+                       param="completion_window")
+    unknown = sorted(set(body) - {"input_file_id", "endpoint", "completion_window",
+                                  "metadata", "output_expires_after"})
+    if unknown:
+        raise ApiError(400, f"Unrecognized request argument supplied: {unknown[0][:100]}",
+                       param=unknown[0][:100])
+    return body["input_file_id"], body["completion_window"], check_metadata(body.get("metadata"))
+
+
+class Batches:
+    """The API's batches over one Redis: create, read, list, cancel, expire."""
+
+    def __init__(self, client: Client, files: FileStore, *, spool: Path, stores: Stores,
+                 run: Executor, models: ModelPolicy | None = None,
+                 clock: Callable[[], int] = _now) -> None:
+        self.client = client
+        self.redis = client.redis
+        self.keys = client.keys
+        self.files = files
+        self.spool = spool
+        self.spool.mkdir(parents=True, exist_ok=True)
+        self.stores = stores
+        self.run = run
+        self.models = models or ModelPolicy()
+        self.clock = clock
+
+    # --- create and validate ----------------------------------------------------------
+
+    def create(self, owner: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        file_id, window, metadata = check_create(body)
+        stored = self.files.get(file_id, owner)
+        if stored.purpose != "batch":
+            raise ApiError(400, f"file {file_id} has purpose {stored.purpose!r}, not "
+                                "'batch'", param="input_file_id")
+        batch_id = new_batch_id()
+        now = self.clock()
+        record = {"owner": owner, "input_file_id": file_id, "completion_window": window,
+                  "metadata": json.dumps(metadata), "status": "validating",
+                  "created_at": now, "expires_at": now + WINDOWS[window]}
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self.keys.api_batch(batch_id), mapping=record)  # type: ignore[arg-type]
+        pipe.expire(self.keys.api_batch(batch_id), RECORD_TTL_S)
+        pipe.zadd(self.keys.api_batches(owner), {batch_id: time.time() * 1000})
+        pipe.expire(self.keys.api_batches(owner), RECORD_TTL_S)
+        pipe.execute()
+        self.run.submit(self.validate, batch_id, self.files.path(file_id), file_id)
+        return self.get(owner, batch_id)
+
+    def validate(self, batch_id: str, path: Path, file_id: str) -> None:
+        """Read the file as --openai-batch does; enqueue it, or fail it with every bad
+        line. Runs on the executor: a 200 MB file takes the time its lines take."""
+        key = self.keys.api_batch(batch_id)
+        try:
+            read = read_batch_file(path, JobOptions.build(labels={LABEL: batch_id}),
+                                   spool=self.spool, skip_bad=True, models=self.models)
+            if read.skipped:
+                self._fail(batch_id, [{"code": "invalid_request", "message": s.reason,
+                                       "param": s.param, "line": s.line}
+                                      for s in read.skipped])
+                return
+            made = submit_batch_file(self.client, read, labels={LABEL: batch_id},
+                                     stores=self.stores)
+        except (VlmqError, OSError) as exc:
+            message = str(exc).replace(str(path), file_id)
+            self._fail(batch_id, [{"code": "invalid_file", "message": message,
+                                   "param": None, "line": None}])
+            return
+        except RedisError as exc:
+            log.error("batch %s: Redis failed during enqueue: %s", batch_id, exc)
+            self._fail(batch_id, [{"code": "server_error", "message": f"Redis: {exc}",
+                                   "param": None, "line": None}])
+            return
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(key, mapping={"status": "enqueued", "vlmq_batch": made.id,
+                                "total": len(read.lines), "in_progress_at": self.clock()})
+        pipe.sadd(self.keys.api_live, batch_id)
+        pipe.execute()
+        if self.redis.hexists(key, "cancelling_at"):
+            made.cancel()  # cancelled while it was validating
+
+    def _fail(self, batch_id: str, errors: list[dict[str, Any]]) -> None:
+        self.redis.hset(self.keys.api_batch(batch_id), mapping={
+            "status": "failed", "failed_at": self.clock(), "errors": json.dumps(errors)})
+
+    # --- read -----------------------------------------------------------------------
+
+    def record(self, owner: str, batch_id: str) -> dict[str, str]:
+        raw = {as_str(k): as_str(v) for k, v in
+               self.redis.hgetall(self.keys.api_batch(batch_id)).items()}
+        if raw.get("owner") != owner:
+            raise not_found("batch", batch_id)
+        return raw
+
+    def get(self, owner: str, batch_id: str) -> dict[str, Any]:
+        """OpenAI's Batch object: an API batch of the caller's, or a CLI-made one (read
+        by every key: docs/openai-api.md)."""
+        if batch_id.startswith(BATCH_ID_PREFIX):
+            return self.cli_batch(batch_id)
+        rec = self.record(owner, batch_id)
+        self._settle(batch_id, rec)
+        return self.shape(batch_id, rec)
+
+    def _settle(self, batch_id: str, rec: dict[str, str]) -> None:
+        """Bring the record up to date: expire it past its window, cache its end."""
+        if rec.get("status") != "enqueued" or "ended_at" in rec:
+            return
+        vlmq_batch = rec["vlmq_batch"]
+        end = self._end(vlmq_batch)
+        if end is None:
+            if self.clock() >= int(rec["expires_at"]) and "expired_at" not in rec:
+                rec["expired_at"] = str(self.clock())
+                self.redis.hset(self.keys.api_batch(batch_id), "expired_at", rec["expired_at"])
+                self._cancel_vlmq(vlmq_batch)
+            return
+        figures = outputs.tally(self.client, vlmq_batch, expired="expired_at" in rec)
+        fields = {**{k: str(v) for k, v in figures.items()}, "ended_at": str(end)}
+        rec.update(fields)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self.keys.api_batch(batch_id), mapping=fields)  # type: ignore[arg-type]
+        pipe.srem(self.keys.api_live, batch_id)
+        pipe.execute()
+
+    def _end(self, vlmq_batch: str) -> int | None:
+        """When the vlmq batch ended (its events stream's first entry: Redis's clock)."""
+        entries: Any = self.redis.xrange(self.keys.batch_events(vlmq_batch), count=1)
+        if not entries:
+            return None
+        return int(as_str(entries[0][0]).split("-")[0]) // 1000
+
+    def _cancel_vlmq(self, vlmq_batch: str) -> None:
+        try:
+            Batch.load(self.client, vlmq_batch).cancel()
+        except BatchNotFound:
+            log.warning("vlmq batch %s is gone; nothing to cancel", vlmq_batch)
+
+    def _status(self, rec: Mapping[str, str]) -> str:
+        status = rec.get("status", "failed")
+        if status != "enqueued":
+            return status
+        for field_name, shown in (("expired_at", "expired"), ("cancelling_at", "cancelled")):
+            if field_name in rec:
+                if "ended_at" in rec:
+                    return shown
+                return "cancelling" if shown == "cancelled" else "finalizing"
+        return "completed" if "ended_at" in rec else "in_progress"
+
+    def _counts(self, rec: Mapping[str, str]) -> dict[str, int]:
+        total = int(rec.get("total", "0"))
+        if "ended_at" in rec:
+            return {"total": total, "completed": int(rec["completed"]),
+                    "failed": int(rec["failed"])}
+        if "vlmq_batch" not in rec:
+            return {"total": total, "completed": 0, "failed": 0}
+        raw = self.redis.hgetall(self.keys.batch_counts(rec["vlmq_batch"]))
+        counts = {as_str(k): int(v) for k, v in raw.items()}
+        done, failed = counts.get("items_done", 0), counts.get("items_failed", 0)
+        return {"total": total, "completed": done - failed, "failed": failed}
+
+    def shape(self, batch_id: str, rec: Mapping[str, str]) -> dict[str, Any]:
+        status = self._status(rec)
+        ended = rec.get("ended_at")
+        times: dict[str, int | None] = {t: int(rec[t]) if t in rec else None for t in TIMES}
+        if ended is not None:
+            times["finalizing_at"] = int(ended)
+            times["completed_at" if status == "completed" else "cancelled_at"
+                  if status == "cancelled" else "finalizing_at"] = int(ended)
+        errors = json.loads(rec["errors"]) if "errors" in rec else None
+        has_errors = ended is not None and int(rec.get("err_bytes", "0")) > 0
+        return {"id": batch_id, "object": "batch", "endpoint": URL,
+                "errors": {"object": "list", "data": errors} if errors else None,
+                "input_file_id": rec.get("input_file_id", ""),
+                "completion_window": rec.get("completion_window", "24h"),
+                "status": status,
+                "output_file_id": OUTPUT_PREFIX + batch_id if ended is not None else None,
+                "error_file_id": ERRORS_PREFIX + batch_id if has_errors else None,
+                **times, "request_counts": self._counts(rec),
+                "metadata": json.loads(rec.get("metadata") or "null")}
+
+    def cli_batch(self, batch_id: str) -> dict[str, Any]:
+        """A batch `vlmq enqueue --openai-batch` made, as a read-only Batch object."""
+        if FileRecord.read(self.redis, self.keys, batch_id) is None:
+            raise not_found("batch", batch_id)
+        batch = Batch.load(self.client, batch_id)
+        counts, _, _ = batch.look()
+        end = self._end(batch_id)
+        created = _epoch(batch.created_at)
+        rec = {"status": "enqueued", "vlmq_batch": batch_id, "total": str(batch.items),
+               "created_at": str(created), "in_progress_at": str(created),
+               "expires_at": str(created + WINDOWS["24h"]),
+               "input_file_id": f"file-cli-{batch_id}",
+               "metadata": json.dumps(batch.labels or None)}
+        if end is not None:
+            completed = counts.done - counts.failed
+            rec.update({"ended_at": str(end), "completed": str(completed),
+                        "failed": str(batch.items - completed),
+                        "err_bytes": str(int(batch.items > completed))})
+        return self.shape(batch_id, rec)
+
+    def list(self, owner: str, *, after: str | None, limit: int
+             ) -> tuple[list[dict[str, Any]], bool]:
+        """The caller's batches, newest first, after `after`."""
+        index = self.keys.api_batches(owner)
+        start = 0
+        if after:
+            rank: Any = self.redis.zrevrank(index, after)
+            if rank is None:
+                raise not_found("batch", after)
+            start = int(rank) + 1
+        members: Any = self.redis.zrevrange(index, start, start + limit)
+        ids = [as_str(m) for m in members]
+        page: list[dict[str, Any]] = []
+        for batch_id in ids[:limit]:
+            try:
+                page.append(self.get(owner, batch_id))
+            except ApiError:
+                continue  # its record expired
+        return page, len(ids) > limit
+
+    # --- cancel and expire ------------------------------------------------------------
+
+    def cancel(self, owner: str, batch_id: str) -> dict[str, Any]:
+        if batch_id.startswith(BATCH_ID_PREFIX):
+            self.cli_batch(batch_id)
+            raise ApiError(403, f"batch {batch_id} was enqueued by the CLI and is read-only "
+                                f"here: cancel it with `vlmq cancel {batch_id}`")
+        rec = self.record(owner, batch_id)
+        self._settle(batch_id, rec)
+        status = self._status(rec)
+        if status not in ("validating", "in_progress"):
+            raise ApiError(409, f"Cannot cancel a batch with status '{status}'.")
+        self.redis.hset(self.keys.api_batch(batch_id), "cancelling_at", self.clock())
+        if "vlmq_batch" in rec:
+            self._cancel_vlmq(rec["vlmq_batch"])
+        return self.get(owner, batch_id)
+
+    def sweep(self) -> int:
+        """Settle every live batch (expire those past their window, cache the ends);
+        returns how many are still live."""
+        live = [as_str(m) for m in self.redis.smembers(self.keys.api_live)]
+        for batch_id in live:
+            rec = {as_str(k): as_str(v) for k, v in
+                   self.redis.hgetall(self.keys.api_batch(batch_id)).items()}
+            if not rec:
+                self.redis.srem(self.keys.api_live, batch_id)
+                continue
+            self._settle(batch_id, rec)
+        return int(self.redis.scard(self.keys.api_live))
+
+    def file_source(self, owner: str, file_id: str) -> tuple[str, str, bool, int, int]:
+        """A virtual file: (the vlmq batch, API batch id, whether errors, bytes, when)."""
+        errors = file_id.startswith(ERRORS_PREFIX)
+        batch_id = file_id[len(ERRORS_PREFIX if errors else OUTPUT_PREFIX):]
+        try:
+            shown = self.get(owner, batch_id)
+        except ApiError:
+            raise not_found("file", file_id) from None
+        if shown[("error" if errors else "output") + "_file_id"] != file_id:
+            raise not_found("file", file_id)
+        vlmq_batch = batch_id if batch_id.startswith(BATCH_ID_PREFIX) else \
+            self.record(owner, batch_id)["vlmq_batch"]
+        size = self._size(owner, batch_id, errors)
+        return vlmq_batch, batch_id, errors, size, int(shown["finalizing_at"] or 0)
+
+    def _size(self, owner: str, batch_id: str, errors: bool) -> int:
+        if batch_id.startswith(BATCH_ID_PREFIX):
+            figures = outputs.tally(self.client, batch_id)
+        else:
+            figures = {k: int(v) for k, v in self.record(owner, batch_id).items()
+                       if k in ("out_bytes", "err_bytes")}
+        return figures["err_bytes" if errors else "out_bytes"]
+
+    def expired(self, owner: str, batch_id: str) -> bool:
+        return not batch_id.startswith(BATCH_ID_PREFIX) and \
+            "expired_at" in self.record(owner, batch_id)
+
+
+def _epoch(iso: str) -> int:
+    from datetime import datetime
+
+    try:
+        return int(datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp())
+    except ValueError:
+        return 0
+
+

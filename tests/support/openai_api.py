@@ -1,0 +1,64 @@
+"""Batch files and a served `vlmq api` for the OpenAI API tests (ops, e2e, benchmark)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.support import helpers
+
+URL = "/v1/chat/completions"
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["title"],
+          "properties": {"title": {"type": "string", "maxLength": 8}}}
+KEYS = ("key-alpha-123456", "key-beta-6543210")
+
+
+def data_uri(i: int, size: tuple[int, int] = (96, 120)) -> str:
+    out = io.BytesIO()
+    helpers.page_image(i, size).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def line(custom_id: str, url: str, *, schema: bool = False, max_tokens: int = 4,
+         model: str = "gpt-4o-mini") -> str:
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Describe the image."},
+                                     {"type": "image_url", "image_url": {"url": url}}]}]}
+    if schema:
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "title", "schema": SCHEMA, "strict": True}}
+        body["max_tokens"] = 40
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": URL,
+                       "body": body}) + "\n"
+
+
+def batch_file(path: Path, n: int, *, images: int = 3, schema_line: bool = True) -> Path:
+    """n lines over `images` distinct data-URI images, the second a json_schema line."""
+    uris = [data_uri(i) for i in range(images)]
+    with path.open("w") as f:
+        for i in range(n):
+            f.write(line(f"req-{i}", uris[i % images], schema=schema_line and i == 1))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def start_api(redis_url: str, files_dir: Path, port: int) -> subprocess.Popen[str]:
+    env = {**os.environ, "REDIS_URL": redis_url, "VLMQ_API_KEYS": ",".join(KEYS),
+           "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([str(Path(sys.executable).parent / "vlmq"), "api", "--port",
+                             str(port), "--files-dir", str(files_dir)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
