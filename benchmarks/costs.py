@@ -5,7 +5,7 @@ Costs that should follow a job's own work, measured by the scripts that own each
 
 - benchmarks/producer_costs.py (each phase a child process on a private redis-server):
   one-item uploaded jobs/s at 1 k and 8 k pending, split_prepared at two sizes, items/s
-  enqueueing 100 k distinct ~600-byte PNGs by reference (wall, and per producer CPU
+  enqueueing 100 k distinct ~850-byte PNGs by reference (wall, and per producer CPU
   second: on a shared machine the wall figure is the load's), and the time to the first
   queued job of a 1 M-page set by reference (hard links of one 10 k-page PDF);
 - benchmarks/job_bytes.py: Redis bytes a finished one-item job leaves, and a finished
@@ -17,7 +17,7 @@ Costs that should follow a job's own work, measured by the scripts that own each
 The machine's load average is printed before and after: these are wall figures on
 whatever else runs there. Nothing is asserted; the last line is JSON.
 
-    .venv/bin/python benchmarks/costs.py            # the issue's sizes (~5-10 minutes on 2 cores)
+    .venv/bin/python benchmarks/costs.py            # the issue's sizes (5-15 minutes on 2 cores, by load)
     .venv/bin/python benchmarks/costs.py --quick    # smaller sets, for development (~2 minutes)
 """
 
