@@ -15,6 +15,8 @@ else shares the figures; the temporary inputs are removed at the end.
 
     .venv/bin/python benchmarks/producer_costs.py            # a few minutes on 2 cores
     .venv/bin/python benchmarks/producer_costs.py --quick    # under a minute
+
+benchmarks/costs.py runs these phases (`_run`) beside the other issue-28 figures.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ PREFIX = "vlmqbench"
 
 
 def _png(i: int) -> bytes:
-    """A distinct tiny PNG (about 600 bytes): its pixels spell `i`."""
+    """A distinct tiny PNG (852 bytes: 16 x 16, stored): its pixels spell `i`."""
     from PIL import Image
 
     im = Image.new("RGB", (16, 16), (i % 251, (i // 251) % 251, (i // 63001) % 251))
