@@ -17,7 +17,7 @@ Costs that should follow a job's own work, measured by the scripts that own each
 The machine's load average is printed before and after: these are wall figures on
 whatever else runs there. Nothing is asserted; the last line is JSON.
 
-    .venv/bin/python benchmarks/costs.py            # the issue's sizes (5-15 minutes on 2 cores, by load)
+    .venv/bin/python benchmarks/costs.py            # the issue's sizes (5-15 minutes, by load)
     .venv/bin/python benchmarks/costs.py --quick    # smaller sets, for development (~2 minutes)
 """
 

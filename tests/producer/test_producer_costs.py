@@ -1,6 +1,8 @@
 """Producer costs that follow a job's own work (issue 28), by counting, never timing: Redis
-commands per upload whatever is pending, split work linear in the set, one path resolution
-per file, the first job queued before the last file is read, and the items held bounded."""
+commands per upload whatever is pending, split work linear in the set, by reference four
+system calls and no path resolution per file and at most three round trips per job, files
+given twice kept once without a set of every path, the first job queued before the last
+file is read, and the items held bounded."""
 
 from __future__ import annotations
 
