@@ -217,12 +217,12 @@ def run(args: argparse.Namespace, url: str, work: Path) -> dict[str, Any]:
     fig: dict[str, Any] = {}
 
     print("1. queued bytes and enqueue rate", flush=True)
-    fig.update(queued_bytes(url, work / "refs", files=200 if small else 1000,
-                            pages=100 if small else 500))
+    fig.update(queued_bytes(url, work / "refs", files=60 if small else 1000,
+                            pages=40 if small else 500))
 
     print("2. bytes per finished item", flush=True)
-    fin = memory.bytes_per_finished_item(url, model, items=100 if small else 400,
-                                         per_job=50 if small else 100,
+    fin = memory.bytes_per_finished_item(url, model, items=40 if small else 400,
+                                         per_job=20 if small else 100,
                                          workdir=work / "finished")
     fig["finished_item_bytes"] = round(fin["per_item"], 1)
     fig["finished_item_bytes_ex_text"] = round(fin["per_item_ex_text"], 1)
@@ -230,11 +230,11 @@ def run(args: argparse.Namespace, url: str, work: Path) -> dict[str, Any]:
     fig["finished_cached_item_bytes_ex_text"] = round(fin["cached_per_item_ex_text"], 1)
 
     print("3. one-item jobs", flush=True)
-    drain = small_jobs.drain_rate(url, jobs=200 if small else 2000, model=model,
+    drain = small_jobs.drain_rate(url, jobs=60 if small else 2000, model=model,
                                   workdir=work / "drain")
     fig["drain_jobs_per_s"] = drain["drain_jobs_per_s"]
     fig["drain_statuses"] = drain["statuses"]
-    pickup = small_jobs.pickup_latency(url, samples=5 if small else 20, model=model,
+    pickup = small_jobs.pickup_latency(url, samples=3 if small else 20, model=model,
                                        workdir=work / "pickup")
     fig["pickup_ms_median"] = pickup["pickup_ms_median"]
     fig["pickup_ms_p95"] = pickup["pickup_ms_p95"]
@@ -259,7 +259,7 @@ def run(args: argparse.Namespace, url: str, work: Path) -> dict[str, Any]:
 
     print(f"5. worker RSS over a {have}-item backlog", flush=True)
     fig["worker"] = worker_rss(url, model, work, f"scale={folder}",
-                               5.0 if small else args.rss_window, have)
+                               2.0 if small else args.rss_window, have)
 
     million = 1_000_000
     fig["extrapolated_1M_pages_queued_ref_mb"] = round(

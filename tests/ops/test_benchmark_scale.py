@@ -20,14 +20,14 @@ SCALE = Path(__file__).resolve().parents[2] / "benchmarks" / "scale.py"
 
 def test_scale_runs_every_part_on_small_sets(tiny_model: Path, tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, str(SCALE), "--model", str(tiny_model), "--small", "--sizes", "50,120",
+        [sys.executable, str(SCALE), "--model", str(tiny_model), "--small", "--sizes", "30,60",
          "--repeat", "1", "--workdir", str(tmp_path), "--json-out", str(tmp_path / "out.json")],
         capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     last = json.loads(out.stdout.strip().splitlines()[-1])
     assert json.loads((tmp_path / "out.json").read_text()) == last
-    assert set(last["listing"]) == {"50", "120", "cli_startup_s"}
-    for n in ("50", "120"):
+    assert set(last["listing"]) == {"30", "60", "cli_startup_s"}
+    for n in ("30", "60"):
         times = last["listing"][n]
         assert {"jobs_limit_20_s", "jobs_in_process_s", "dashboard_overview_s",
                 "dashboard_jobs_s", "status_label_s"} <= set(times), n
@@ -35,6 +35,6 @@ def test_scale_runs_every_part_on_small_sets(tiny_model: Path, tmp_path: Path) -
                 "finished_item_bytes", "drain_jobs_per_s", "pickup_ms_median",
                 "extrapolated_1M_pages_queued_ref_mb", "extrapolated_1M_pages_finished_mb"):
         assert last[key] is not None and last[key] > 0, key
-    assert last["drain_statuses"] == {"finished": 200}
-    assert last["worker"]["backlog_items"] == 120
+    assert last["drain_statuses"] == {"finished": 60}
+    assert last["worker"]["backlog_items"] == 60
     assert last["worker"]["rss_ready_mb"] > 0
