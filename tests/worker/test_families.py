@@ -174,7 +174,8 @@ def test_deepseekocr_is_refused_at_start_with_the_reason(
     from vlmq.cli.worker import model_group
 
     checked = CliRunner().invoke(model_group, ["check", str(folder)])
-    assert checked.exit_code == 1 and "deepseekocr is not supported" in checked.output
+    # An unsupported model type is a configuration error: 78 (EX_CONFIG), never restarted.
+    assert checked.exit_code == 78 and "deepseekocr is not supported" in checked.output
     proc = helpers.start_worker(redis_url, folder, tmp_path, "--burst")
     procs.append(proc)
     rc, out = finish(proc)
