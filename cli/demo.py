@@ -1,8 +1,11 @@
 """`vlmq demo`: the whole product on one machine in one command.
 
-Enqueue the bundled sample (a multi-page PDF for OCR, a few images for captioning), run
-a burst worker, print results and stats; then run the same jobs again on a restarted
-worker to show the disk cache turning every image into a hit.
+Enqueue the bundled sample, run a burst worker, print results and stats; then run the
+same jobs again on a restarted worker to show the disk cache turning every image into a
+hit. The general sample is a multi-page PDF for OCR and a few images for captioning;
+with no --model it runs on the tiny random-weight model. `--model reader` runs the tiny
+reader being trained here (worker/model/reader, issue 33) on its own sample pages and
+prints what it read beside the text rendered there, with the character error rate.
 """
 
 from __future__ import annotations
@@ -24,16 +27,20 @@ from vlmq.shared.redis_text import as_str
 from vlmq.shared.urls import redact_url
 from vlmq.worker.default_dirs import default_cache_dir
 from vlmq.worker.loop import WorkerConfig, run_worker
+from vlmq.worker.model.reader.data import cer
 from vlmq.worker.redis_server import PrivateRedis, answers, start_private
 
 DEMO_QUEUE_PREFIX = "vlmq-demo-"
 TINY_MAX_SIDE = 224
 TINY_MAX_TOKENS = 24
+READER = "reader"  # --model reader: the tiny reader (worker/model/reader)
+READER_MAX_TOKENS = 96
 
 
 def sample_files() -> tuple[list[Path], list[Path]]:
     folder = Path(str(resources.files("vlmq.producer").joinpath("samples")))
-    files = sorted(p for p in folder.iterdir() if p.is_file())
+    files = sorted(p for p in folder.iterdir()
+                   if p.is_file() and not p.name.startswith("reader"))
     pdfs = [p for p in files if p.suffix.lower() == ".pdf"]
     images = [p for p in files if p.suffix.lower() in {".png", ".jpg", ".jpeg", ".webp"}]
     return pdfs, images
@@ -46,7 +53,15 @@ def demo_queues() -> list[str]:
     return [f"{DEMO_QUEUE_PREFIX}{run}-ocr", f"{DEMO_QUEUE_PREFIX}{run}-caption"]
 
 
-def _enqueue(client: Client, tiny: bool, queues: list[str]) -> list[Job]:
+def _enqueue(client: Client, tiny: bool, reading: bool, queues: list[str]) -> list[Job]:
+    if reading:
+        from vlmq.worker.model import reader
+        from vlmq.worker.model.reader.samples import sample_paths
+
+        # The reader was trained on pages of exactly this size: --max-side 448.
+        return [client.ocr(sample_paths(), queue=queues[0], max_side=reader.MAX_SIDE,
+                           max_tokens=READER_MAX_TOKENS, labels={"demo": "reader"},
+                           text_layer="off")]  # the PDF is typed: show the model reading it
     pdfs, images = sample_files()
     side = TINY_MAX_SIDE if tiny else None
     tokens = TINY_MAX_TOKENS if tiny else None
@@ -72,17 +87,29 @@ def round_problem(jobs: list[Job], totals: dict[str, int]) -> str | None:
             f"(jobs not finished: {listed}); did another worker take them from its queues?")
 
 
-def _show(jobs: list[Job]) -> dict[str, int]:
+def _show(jobs: list[Job], truth: dict[tuple[str, int], str] | None) -> dict[str, int]:
+    """Print each job's results (beside the rendered text when `truth` knows it)."""
     totals = {"items": 0, "ok": 0, "cache_hits": 0, "tokens": 0}
     for job in jobs:
         click.secho(f"\njob {job.id} ({job.queue}): {job.status()}", bold=True)
+        rates = []
         for r in job.results():
             name = Path(r.source).name
             where = f"{name} p{r.page}" if r.page else name
             body = r.text if r.error is None else f"ERROR: {r.error}"
-            flat = " ".join((body or "").split())
             hit = " [cache hit]" if r.vision_cache_hit else ""
-            click.echo(f"  {where:<22} {flat[:70]!r}{hit}")
+            written = None if truth is None else truth.get((name, r.page or 0))
+            if written is None:
+                flat = " ".join((body or "").split())
+                click.echo(f"  {where:<22} {flat[:70]!r}{hit}")
+                continue
+            rates.append(cer(r.text or "", written))
+            click.echo(f"  {where:<22} CER {rates[-1]:6.1%}{hit}")
+            click.echo(f"    read:     {' | '.join((body or '').splitlines())}")
+            click.echo(f"    rendered: {' | '.join(written.splitlines())}")
+        if rates:
+            click.echo(f"  character error rate: {sum(rates) / len(rates):.1%} "
+                       f"over {len(rates)} pages")
         summary = job.summary() or {}
         click.echo(f"  summary: {summary}")
         totals["items"] += int(summary.get("items", 0))
@@ -115,7 +142,8 @@ def run_demo(*, redis_url: str | None, model: str | None, max_batch: int) -> int
                    f"at {private.url} for this demo")
         url = private.url
     try:
-        tiny = model is None
+        tiny, reading = model is None, model == READER
+        truth = None
         if tiny:
             from vlmq.worker.model.tiny import build_tiny_model
 
@@ -124,13 +152,22 @@ def run_demo(*, redis_url: str | None, model: str | None, max_batch: int) -> int
                         "weights that vlmq builds offline: its text is gibberish by design. "
                         "It shows the queue, the batching and the cache, not a model.",
                         fg="yellow")
+        if reading:
+            from vlmq.worker.model import reader
+            from vlmq.worker.model.reader.samples import sample_truth
+
+            model = str(reader.weights_dir())
+            truth = sample_truth()
+            click.secho("NOTE: --model reader: vlmq's tiny reader, a 3 M-parameter qwen2_vl "
+                        "trained here to read one printed line of capitals and digits "
+                        "(nothing else).", fg="yellow")
         assert model is not None
         with tempfile.TemporaryDirectory(prefix="vlmq-demo-cache-") as cache_dir:
             rounds = []
             for n, label in enumerate(("cold cache", "warm cache, restarted worker")):
                 client = Client(url)
                 queues = demo_queues()
-                jobs = _enqueue(client, tiny, queues)
+                jobs = _enqueue(client, tiny, reading, queues)
                 click.secho(f"\n== {label}: enqueued {sum(j.items for j in jobs)} items "
                             f"in {len(jobs)} jobs; running a burst worker", bold=True)
                 t0 = time.monotonic()
@@ -144,7 +181,7 @@ def run_demo(*, redis_url: str | None, model: str | None, max_batch: int) -> int
                 wall = time.monotonic() - t0
                 if rc != 0:
                     return rc
-                totals = _show(jobs)
+                totals = _show(jobs, truth)
                 problem = round_problem(jobs, totals)
                 raw = client.redis.hgetall(client.keys.worker_stats(worker_name(n)))
                 stats = {as_str(k): as_str(v) for k, v in raw.items()}

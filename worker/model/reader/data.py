@@ -79,24 +79,24 @@ def _token(rng: random.Random) -> str:
     return "".join(rng.choice(CHARSET[:36]) for _ in range(rng.randint(2, 6)))
 
 
-def random_line(rng: random.Random) -> str:
-    """A line of words, numbers and codes, at most MAX_LINE characters."""
-    target = rng.randint(6, MAX_LINE)
+def random_line(rng: random.Random, longest: int = MAX_LINE) -> str:
+    """A line of words, numbers and codes, at most `longest` characters."""
+    target = rng.randint(min(6, longest), longest)
     line = ""
     while True:
         word = _token(rng)
         if rng.random() < 0.15:
             word += rng.choice(".,:")
         joined = f"{line} {word}" if line else word
-        if len(joined) > MAX_LINE:
-            return line or word[:MAX_LINE]
+        if len(joined) > longest:
+            return line or word[:longest]
         line = joined
         if len(line) >= target:
             return line
 
 
-def random_text(rng: random.Random) -> str:
-    return random_line(rng)
+def random_text(rng: random.Random, longest: int = MAX_LINE) -> str:
+    return random_line(rng, longest)
 
 
 @cache
@@ -118,8 +118,8 @@ def render(text: str, rng: random.Random, font: str | None = None) -> Image.Imag
     return im
 
 
-def page(rng: random.Random, font: str | None = None) -> Page:
-    text = random_text(rng)
+def page(rng: random.Random, font: str | None = None, longest: int = MAX_LINE) -> Page:
+    text = random_text(rng, longest)
     return Page(render(text, rng, font), text)
 
 

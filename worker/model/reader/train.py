@@ -132,6 +132,42 @@ def fast_loss_fn(model: Any, b: dict[str, Any]) -> Any:
     return mx.sum(ce * m) / mx.sum(m)
 
 
+def aim(model: Any, processor: Any, strength: float = 4.0) -> int:
+    """Start two heads of the first layer looking where the next character is.
+
+    Character k sits in image column k (data.py), and M-RoPE puts the token that
+    predicts it a fixed distance d (in the width section) after that column. Biases of
+    q and k that are constant over tokens make a head's score depend on position alone:
+    q's width pairs set to a*(cos d*f, -+sin d*f) against k's (a, 0) give sum a^2*cos(f*(D-d))
+    over the width frequencies f, highest at distance D == d. From random init the model
+    takes hours of CPU to find this alignment; given it, training only has to learn to
+    read glyphs. Returns d."""
+    import mlx.core as mx
+
+    b = batch(processor, model.config, data.pages(0, 1))
+    emb = model.get_input_embeddings(b["ids"], b["pixels"], image_grid_thw=b["grid"])
+    width = emb.position_ids[2, 0]
+    query = int(np.argmax(np.asarray(b["mask"][0]) > 0))  # the token predicting character 0
+    d = int(width[query].item() - width[b["prefix"]].item())
+    attn = model.language_model.model.layers[0].self_attn
+    cfg = model.config.text_config
+    half = attn.head_dim // 2
+    t, h, _ = cfg.rope_scaling["mrope_section"]
+    j = np.arange(t + h, half)  # the width section's rotary pairs
+    f = 1.0 / (float(cfg.rope_theta) ** (2.0 * j / attn.head_dim))
+    qb = np.array(attn.q_proj.bias)
+    kb = np.array(attn.k_proj.bias)
+    for head, sign in ((0, -1.0), (1, 1.0)):  # the query heads of key head 0; one of the
+        base = head * attn.head_dim            # two rotation senses looks back, not ahead
+        qb[base + j] = strength * np.cos(d * f)
+        qb[base + half + j] = sign * strength * np.sin(d * f)
+    kb[j] = strength
+    kb[half + j] = 0.0
+    attn.q_proj.bias = mx.array(qb)
+    attn.k_proj.bias = mx.array(kb)
+    return d
+
+
 def read(model: Any, processor: Any, image: Any, max_tokens: int = 96) -> str:
     """Greedy text for one page (mlx-vlm's generate_step on the worker's preparation)."""
     import mlx.core as mx
@@ -176,14 +212,20 @@ def save(model: Any, src: Path, dst: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--steps", type=int, default=900)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--eval-every", type=int, default=250)
-    ap.add_argument("--eval-pages", type=int, default=24)
+    ap.add_argument("--lr", type=float, default=1.5e-3)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--grow", type=int, default=25,
+                    help="curriculum: lines grow by one character every this many steps")
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--eval-pages", type=int, default=32)
     ap.add_argument("--minutes", type=float, default=0.0, help="stop after this long (0: no limit)")
     ap.add_argument("--seed", type=int, default=SEED)
+    ap.add_argument("--resume", type=Path, default=None,
+                    help="start from this checkpoint folder's weights (no aim)")
+    ap.add_argument("--no-aim", dest="aim", action="store_false",
+                    help="leave the first layer's heads at random init (see aim())")
     args = ap.parse_args(argv)
     blas.select()
     import mlx.core as mx
@@ -194,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     init = args.out / "init"
     build.write_checkpoint(init, args.seed)
     model, processor = load(str(init))
+    if args.resume is not None:  # a second stage: that run's weights, its curriculum done
+        model.load_weights(str(args.resume / "model.safetensors"))
+    elif args.aim:
+        print(json.dumps({"aimed_offset": aim(model, processor)}), flush=True)
     model.train()
     sched = optim.join_schedules(
         [optim.linear_schedule(1e-5, args.lr, args.warmup),
@@ -206,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     best = 2.0
     for step in range(1, args.steps + 1):
-        b = batch(processor, model.config, [data.page(rng) for _ in range(args.batch)])
+        longest = min(data.MAX_LINE, 1 + step // args.grow)
+        b = batch(processor, model.config,
+                  [data.page(rng, longest=longest) for _ in range(args.batch)])
         loss, grads = step_fn(model, b)
         grads, _ = optim.clip_grad_norm(grads, 1.0)  # type: ignore[no-untyped-call]
         opt.update(model, grads)
