@@ -187,7 +187,20 @@ def cmd_test(args: list[str]) -> int:
     if typecheck() != 0:
         return 1
     log("pytest")
-    return subprocess.run([str(PY), "-m", "pytest", *args], cwd=ROOT, check=False).returncode
+    return subprocess.run([str(PY), "-m", "pytest", *parallel(args), *args], cwd=ROOT,
+                          check=False).returncode
+
+
+def parallel(args: list[str]) -> list[str]:
+    """One pytest process per core (pytest-xdist), whole files to a process, unless the
+    caller chose (-n, -p no:xdist) or asks for a subset. Most tests wait on a worker process
+    that imports MLX on one core, so a second process uses the core that would idle."""
+    chosen = any(a.startswith(("-n", "--numprocesses", "--dist")) or a == "no:xdist"
+                 for a in args)
+    subset = any(not a.startswith("-") for a in args)
+    if chosen or subset:
+        return []
+    return ["-n", str(max(1, min(os.cpu_count() or 1, 4))), "--dist", "loadfile"]
 
 
 def cmd_demo(args: list[str]) -> int:
