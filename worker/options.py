@@ -275,7 +275,8 @@ OPTIONS: tuple[WorkerOption, ...] = (
     WorkerOption("prefix_cache_mb", "int", "Memory for reused prompt prefixes: the key/value "
                  "cache of an image and the template text around it, prefilled once for "
                  "every row and job with that image and prefix (LRU by bytes; default: a "
-                 "16th of the machine's memory, at most 1024; 0: off).", lo=0,
+                 "16th of the machine's memory, at most 1024; 0: off). Given, it also turns "
+                 "reuse on for qwen2_vl, whose prompt comes before the image.", lo=0,
                  field="prefix_cache_bytes", to_config=_mib_or_none),
     WorkerOption("poison_kills", "int", "A job whose item was being processed when this "
                  "many workers died is failed, naming the item (other jobs of a dead worker "

@@ -157,6 +157,9 @@ def test_families_off_say_why() -> None:
     assert prefix_cache.reason_off("gemma3") is not None
     assert prefix_cache.reason_off("qwen3_vl") is not None
     assert prefix_cache.reason_off("mistral3") == prefix_cache.UNVERIFIED
+    # prompt-first qwen2_vl: verified, off unless --prefix-cache-mb is given
+    assert prefix_cache.reason_off("qwen2_vl", given=False) is not None
+    assert prefix_cache.reason_off("qwen2_5_vl", given=False) is None
 
 
 def test_the_repetition_guards_retry_starts_from_the_cached_prefix(
@@ -180,3 +183,14 @@ def test_the_repetition_guards_retry_starts_from_the_cached_prefix(
     assert all(warm[k].prefix_tokens > 0 for k in retried)
     plain = [k for k, f in cold.items() if f.repetition is None]
     assert all(warm[k].tokens == cold[k].tokens for k in plain)
+
+
+def test_a_prompt_first_family_is_off_by_default_and_says_why(
+        models: dict[str, Path]) -> None:
+    for arch, off in (("qwen2_vl", True), ("qwen2_5_vl", False)):
+        engine = Engine(str(models[arch]), max_batch=2, prefix_cache_bytes=None)
+        try:
+            engine.wait_ready(timeout=120)
+            assert bool(engine.state.prefix_off) == off, engine.state.prefix_off
+        finally:
+            engine.close(timeout=10)

@@ -249,6 +249,7 @@ class Engine:
         self.fault = fault if fault is not None else faults.from_env()
         self.prefix_cache_bytes = (prefix_cache.default_budget() if prefix_cache_bytes is None
                                    else prefix_cache_bytes)
+        self.prefix_given = prefix_cache_bytes is not None  # on for every verified family
         self.state = EngineState()  # shared with the MLX thread; read it for counters
         self.state.kv_budget = max_kv_tokens or 0
         # Pure logic: made here so the limit is known before the model loads; from then on
@@ -374,7 +375,8 @@ class Engine:
         _Loop(self.state, self._loaded, max_batch=self.max_batch,
               prefill_batch=self.prefill_batch, repetition=self.repetition,
               max_kv_tokens=self.max_kv_tokens, fault=self.fault, sizer=self._sizer,
-              prefix_cache_bytes=self.prefix_cache_bytes).run()
+              prefix_cache_bytes=self.prefix_cache_bytes,
+              prefix_given=self.prefix_given).run()
 
     def _apply_family_limits(self, family: adapter.FamilySpec) -> None:
         """Prefill one prompt at a time where mlx-vlm cannot prefill this family's prompts
@@ -423,7 +425,8 @@ class _Loop:
     def __init__(self, state: EngineState, loaded: LoadedModel, *, max_batch: int,
                  prefill_batch: int, repetition: RepetitionGuard | None,
                  max_kv_tokens: int | None, fault: faults.StepFault | None = None,
-                 sizer: BatchSizer | None = None, prefix_cache_bytes: int = 0) -> None:
+                 sizer: BatchSizer | None = None, prefix_cache_bytes: int = 0,
+                 prefix_given: bool = True) -> None:
         self.state = state
         self.m = loaded
         self.max_batch = max_batch
@@ -443,7 +446,7 @@ class _Loop:
         self.isolating: set[Hashable] = set()
         self.isolated: set[Hashable] = set()  # rows that have been rerun apart at least once
         max_kv, per_token, weights = kv_budget.model_budget(loaded.model)
-        self.prefix = self._prefix_cache(prefix_cache_bytes, per_token)
+        self.prefix = self._prefix_cache(prefix_cache_bytes, per_token, prefix_given)
         self.gen = self._new_generator()
         if max_kv_tokens is None:
             max_kv_tokens = max_kv
@@ -453,9 +456,11 @@ class _Loop:
         state.kv_budget = max_kv_tokens
         self.warned_over_budget: set[Hashable] = set()
 
-    def _prefix_cache(self, budget: int, per_token: int) -> prefix_cache.PrefixCache | None:
+    def _prefix_cache(self, budget: int, per_token: int,
+                      given: bool) -> prefix_cache.PrefixCache | None:
         """The prefix store, when the budget allows one and the family's parity holds."""
-        why = prefix_cache.reason_off(self.m.model_type) if budget > 0 else "budget 0"
+        why = (prefix_cache.reason_off(self.m.model_type, given=given) if budget > 0
+               else "budget 0")
         self.state.prefix_off = why or ""
         if why is not None:
             log.info("engine: prefix reuse off for %s: %s", self.m.model_type, why)

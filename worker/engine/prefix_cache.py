@@ -27,7 +27,11 @@ What mlx-vlm's automatic prefix caching (mlx_vlm/apc.py) gives and what vlmq add
 
 Families are opted in by parity: greedy output with a cached prefix equals output without
 it, token for token, in batched runs (tests/worker/test_prefix_parity.py). Where that is
-not verified, or cannot hold, reuse is off and OFF says why.
+not verified, or cannot hold, reuse is off and OFF says why. A verified family whose
+template puts the prompt first (qwen2_vl) is off unless --prefix-cache-mb is given
+(DEFAULT_OFF): storing each new image's prefix means prefilling it alone, apart from
+its admission's other rows, and that costs a first pass more than later same-prompt runs
+are likely to win back.
 """
 
 from __future__ import annotations
@@ -52,15 +56,23 @@ OFF: dict[str, str] = {
                 "suffix-only prefill would misplace them",
 }
 UNVERIFIED = "prefix reuse not yet verified token for token for this family"
+# Verified families left off unless --prefix-cache-mb is given, and why.
+DEFAULT_OFF: dict[str, str] = {
+    "qwen2_vl": "its template puts the prompt before the image, so only the same prompt "
+                "shares the prefix (a retry or rerun), while storing every new image's "
+                "prefix cost a first pass 10-30% here (benchmarks/results/2026-12-02-"
+                "prefix.md); give --prefix-cache-mb to turn it on",
+}
 MIN_PREFIX = 16  # shorter prefixes are not worth a snapshot (mlx-vlm's exact minimum)
 _MIB = 1024 * 1024
 _KV_STEP = 256  # mlx-vlm's KVCache.step: a snapshot holds whole steps
 
 
-def reason_off(model_type: str) -> str | None:
-    """None when the family reuses prefixes; else why not."""
+def reason_off(model_type: str, *, given: bool = True) -> str | None:
+    """None when the family reuses prefixes; else why not. `given`: the budget was asked
+    for (--prefix-cache-mb), which turns on a verified family that is off by default."""
     if model_type in VERIFIED:
-        return None
+        return None if given else DEFAULT_OFF.get(model_type)
     return OFF.get(model_type, UNVERIFIED)
 
 
