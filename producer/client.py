@@ -54,7 +54,7 @@ from vlmq.shared.keys import (
 )
 from vlmq.shared.messages import ItemResult, JobPayload
 from vlmq.shared.redis_text import as_str
-from vlmq.shared.results import END_FIELD, count_done, ended_event, read_items
+from vlmq.shared.results import count_done, read_end, read_items
 from vlmq.shared.urls import redact_url
 from vlmq.stores.backends import Stores
 
@@ -336,7 +336,7 @@ class Client:
         if not self.redis.exists(Keys.rq_job(_checked(JOB_ID_SHAPE, job_id, "job_id"))):
             raise JobNotFound(job_id)
         try:
-            rq_job = fetch_job(self.redis, job_id)
+            rq_job = fetch_job(self.redis, job_id, self.keys)
         except PayloadError as exc:
             origin = self.redis.hget(Keys.rq_job(job_id), "origin")
             return Job(self, job_id, queue=as_str(origin or b""), items=0, problem=str(exc))
@@ -461,7 +461,7 @@ class Job:
         yield from read_items(self.client.redis, self.client.keys, self.id)
 
     def payload(self) -> JobPayload:
-        return payload_of(fetch_job(self.client.redis, self.id))
+        return payload_of(fetch_job(self.client.redis, self.id, self.client.keys))
 
     def cancel(self) -> None:
         self.client.cancel(self.id)
@@ -516,7 +516,7 @@ class Job:
     def _end(self) -> dict[str, Any] | None:
         """The terminal event the job hash keeps (end_job.lua), or None: the job has not
         ended, or ended before vlmq kept it there (RQ's results stream holds its end)."""
-        return ended_event(self.client.redis.hget(Keys.rq_job(self.id), END_FIELD))
+        return read_end(self.client.redis, self.client.keys, self.id)
 
     def summary(self) -> dict[str, Any] | None:
         """The job's summary (a JobSummary dict) once finished, else None: from the job

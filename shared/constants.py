@@ -11,6 +11,10 @@ PAGED_KINDS = ("pdf", "tiff")
 
 # The RQ function every vlmq job names; the worker dispatches on it.
 TASK_FUNC = "vlmq.worker.task.run"
+# What a finished job's hash holds as RQ's `data` once end_job.lua has moved the payload to
+# `<prefix>:job:<id>:end` (so every value of the hash is <= 64 B: issue 28): a call RQ can
+# still load (no arguments), never run because the job has ended.
+MOVED_DATA = '["' + TASK_FUNC + '",null,[],{}]'
 
 DEFAULT_QUEUE = {"ocr": "ocr", "caption": "caption", "generate": "generate",
                  "extract": "extract"}

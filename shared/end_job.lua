@@ -26,6 +26,7 @@ function KEY.batch_pending(prefix, batch_id) return prefix .. ':batch:' .. batch
 function KEY.blob(prefix, sha256) return prefix .. ':blob:' .. sha256 end
 function KEY.blob_jobs(prefix, sha256) return prefix .. ':blob-jobs:' .. sha256 end
 function KEY.job_batch(prefix, job_id) return prefix .. ':job:' .. job_id .. ':batch' end
+function KEY.job_end(prefix, job_id) return prefix .. ':job:' .. job_id .. ':end' end
 function KEY.job_events(prefix, job_id) return prefix .. ':job:' .. job_id .. ':events' end
 function KEY.job_failed(prefix, job_id) return prefix .. ':job:' .. job_id .. ':failed' end
 function KEY.job_inputs(prefix, job_id) return prefix .. ':job:' .. job_id .. ':inputs' end
@@ -34,7 +35,7 @@ function KEY.jobs_tally(prefix) return prefix .. ':jobs:tally' end
 function KEY.rq_job(job_id) return 'rq:job:' .. job_id end
 -- END KEYS
 -- BEGIN LIMITS: generated from vlmq/shared/constants.py by `python -m vlmq.shared.lua --write`; do not edit by hand.
-local LIMITS = {max_queues = 64, ended_events_s = 60}
+local LIMITS = {max_queues = 64, ended_events_s = 60, moved_data = "[\"vlmq.worker.task.run\",null,[],{}]"}
 -- END LIMITS
 -- BEGIN TALLY: copied from vlmq/shared/tally_lib.lua by `python -m vlmq.shared.lua --write`; do not edit by hand.
 -- vlmq protocol v1: running counts of jobs by state and of their items (PROTOCOL.md 8b).
@@ -143,7 +144,10 @@ TALLY.sync(prefix, ARGV[1])
 if redis.call('HGET', KEYS[1], 'status') ~= ARGV[2] then
   return nil
 end
-if redis.call('HEXISTS', KEYS[1], 'vlmq_end') == 1 then
+-- A finished job's end is in its end hash (below), the others' in the job hash.
+local end_key = KEY.job_end(prefix, ARGV[1])
+if redis.call('HEXISTS', KEYS[1], 'vlmq_end') == 1
+    or redis.call('HEXISTS', end_key, 'event') == 1 then
   return nil
 end
 local terminal = {finished = true, failed = true, canceled = true}
@@ -171,9 +175,30 @@ if kept.summary then
   kept = {type = ARGV[2], summary = ok and summary or kept.summary}
 end
 kept.id = id
-redis.call('HSET', KEYS[1], 'vlmq_end', cjson.encode(kept))
-redis.call('EXPIRE', KEYS[2], LIMITS.ended_events_s)
 local ttl = tonumber(ARGV[3])
+if ARGV[2] == 'finished' then
+  -- Revision 3 (PROTOCOL.md sections 5, 6): the event and RQ's payload (`data`, read again
+  -- only to retry the job) go to the end hash, and the job hash's `data` becomes a stub
+  -- RQ can load, so every value left there is <= 64 B and Redis keeps the hash in its
+  -- compact encoding (~500 B, not ~1.5 kB). A payload moved by an earlier run stays.
+  local data = redis.call('HGET', KEYS[1], 'data')
+  if data and data ~= LIMITS.moved_data then
+    redis.call('HSET', end_key, 'data', data)
+    redis.call('HSET', KEYS[1], 'data', LIMITS.moved_data)
+  end
+  -- Redis never turns a hashtable back into a listpack: the hash is written again, whole,
+  -- with its lifetime (RQ's result_ttl, set before this script in the same transaction).
+  local pttl = redis.call('PTTL', KEYS[1])
+  local all = redis.call('HGETALL', KEYS[1])
+  redis.call('DEL', KEYS[1])
+  redis.call('HSET', KEYS[1], unpack(all))
+  if pttl > 0 then redis.call('PEXPIRE', KEYS[1], pttl) end
+  redis.call('HSET', end_key, 'event', cjson.encode(kept))
+  if ttl > 0 then redis.call('EXPIRE', end_key, ttl) else redis.call('PERSIST', end_key) end
+else
+  redis.call('HSET', KEYS[1], 'vlmq_end', cjson.encode(kept))
+end
+redis.call('EXPIRE', KEYS[2], LIMITS.ended_events_s)
 -- The failed-items set (write_items.lua) lives exactly as long as the items hash.
 local failed_items = KEY.job_failed(prefix, ARGV[1])
 for _, key in ipairs({KEYS[3], failed_items}) do

@@ -54,10 +54,19 @@ def timeout_problem(raw: bytes | str | None) -> str | None:
             "a unit d/h/m/s (e.g. 86400 or 24h)")
 
 
+# At most this many UTF-8 bytes: Redis keeps a hash compact only while every value is
+# <= 64 B (hash-max-listpack-value), and a finished job's hash is otherwise (issue 28).
+DESCRIPTION_BYTES = 64
+
+
 def describe(payload: JobPayload) -> str:
     sources = sorted({i.source for i in payload.items})
     head = ", ".join(sources[:3]) + (f" +{len(sources) - 3} more" if len(sources) > 3 else "")
-    return f"vlmq {payload.task}: {len(payload.items)} item(s) from {head}"
+    text = f"vlmq {payload.task}: {len(payload.items)} item(s) from {head}"
+    raw = text.encode()
+    if len(raw) <= DESCRIPTION_BYTES:
+        return text
+    return raw[:DESCRIPTION_BYTES - 3].decode(errors="ignore") + "..."
 
 
 def check_queue_name(queue: str) -> str:
@@ -167,8 +176,11 @@ def enqueue_lua(redis: Redis, payload: dict[str, Any], *, queue: str,
     return job_id
 
 
-def fetch_job(redis: Redis, job_id: str) -> Job:
+def fetch_job(redis: Redis, job_id: str, keys: Keys | None = None) -> Job:
     """The RQ job, read with the JSON serializer so nothing in it is ever unpickled.
+
+    `keys`: given, a finished job's payload, which end_job.lua moved to its end hash
+    (the job hash keeps C.MOVED_DATA), is put back into the Job's `data`.
 
     Raises PayloadError when RQ cannot parse the hash (a non-Python producer wrote e.g.
     `created_at` = "yesterday"): RQ's own error is a bare ValueError that names neither
@@ -180,16 +192,22 @@ def fetch_job(redis: Redis, job_id: str) -> Job:
     problem = timeout_problem(timeout)
     if problem:
         raise PayloadError("timeout", problem)
-    if isinstance(data, bytes):
+    moved = (R.moved_data(redis, keys, job_id)
+             if keys is not None and data == C.MOVED_DATA.encode() else None)
+    payload = moved if moved is not None else data
+    if isinstance(payload, bytes):
         try:  # RQ inflates `data` unbounded inside Job.fetch: check the bound first
-            bounded.inflate(data, what="job data")
+            payload = bounded.inflate(payload, what="job data")
         except bounded.BoundError as exc:
             raise PayloadError("data", str(exc)) from exc
     try:
-        return Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
+        job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
     except UNREADABLE_HASH_ERRORS as exc:
         raise PayloadError("", f"RQ cannot read the job's hash "
                                f"({type(exc).__name__}: {exc})") from exc
+    if moved is not None:
+        job.data = payload
+    return job
 
 
 def raw_exc_info(redis: Redis, job_id: str) -> str | None:

@@ -36,6 +36,7 @@ from redis.client import Pipeline
 
 from vlmq.shared import constants as C
 from vlmq.shared import lua
+from vlmq.shared import results as R
 from vlmq.shared.keys import RQ_QUEUES, RQ_REGISTRIES, Keys
 from vlmq.shared.messages import JobPayload
 from vlmq.shared.redis_text import as_str
@@ -308,6 +309,7 @@ def _reindex(redis: Redis, keys: Keys, ids: list[str]) -> int:
     known = redis.hmget(keys.jobs_meta, ids)
     pipe = redis.pipeline(transaction=False)
     for job_id, (origin, created, data), meta in zip(ids, rows, known, strict=True):
+        data = R.stored_data(redis, keys, job_id, data)  # a finished job's moved payload
         meta_new = meta_of(loose_payload(data), as_str(origin or b""),
                            us_of_rq_time(as_str(created or b"")) or 0)
         if meta is None:

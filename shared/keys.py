@@ -155,6 +155,10 @@ KEY_TABLE: tuple[KeyName, ...] = (
             "the heartbeat TTL, refreshed by the owner's heartbeats"),
     KeyName("job_failed", "{prefix}:job:{job_id}:failed", "set", "worker (write_items.lua)",
             "indexes of the job's failed items", "as the items hash"),
+    KeyName("job_end", "{prefix}:job:{job_id}:end", "hash", "end_job.lua",
+            "a finished job's `event` (its terminal event, JSON, section 5) and `data` "
+            "(RQ's payload, moved out of the job hash, which then holds a stub: section 6)",
+            "as the job hash (`result_ttl` after the end)"),
     KeyName("job_risk", "{prefix}:job:{job_id}:risk", "hash", "worker",
             "item index -> `<worker>\\|<step>\\|<unix time>` while that item is in a step "
             "that could kill its worker", "cleared after the step; left behind if the worker died"),
@@ -451,6 +455,11 @@ class Keys:
         """Set: indexes of a job's failed items (write_items.lua); expires with the items
         hash, so done = HLEN items and failed = SCARD of this."""
         return _name("job_failed", self.prefix, job_id=job_id)
+
+    def job_end(self, job_id: str) -> str:
+        """Hash: a finished job's terminal event and its payload, so that its job hash
+        holds only values of at most 64 B (Redis's compact encoding, issue 28)."""
+        return _name("job_end", self.prefix, job_id=job_id)
 
     def batch(self, batch_id: str) -> str:
         """Hash: a batch's record (task, created_at, labels, items, jobs, ttl) and, once it

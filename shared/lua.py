@@ -16,6 +16,7 @@ tests/protocol/test_key_table.py) fails while a file differs from what the table
 
 from __future__ import annotations
 
+import json
 import re
 import string
 import sys
@@ -51,7 +52,8 @@ KEY_MARKERS = ("-- BEGIN KEYS", "-- END KEYS")
 # The limits block: protocol limits a script enforces that are no payload setting (the
 # queue count, issue 29), from shared/constants.py, so Lua and Python refuse at one number.
 LIMITS_MARKERS = ("-- BEGIN LIMITS", "-- END LIMITS")
-LIMITS = {"max_queues": C.MAX_QUEUES, "ended_events_s": C.ENDED_EVENTS_S}
+LIMITS: dict[str, int | str] = {"max_queues": C.MAX_QUEUES, "ended_events_s": C.ENDED_EVENTS_S,
+                                 "moved_data": C.MOVED_DATA}
 # What a script names outside its block: KEY.<name>(...) builds a key, KEY_SHOWN.<name>
 # is its documented form (`<prefix>:job:<job_id>:items`) for error messages.
 _USES = re.compile(r"\bKEY(_SHOWN)?\.(\w+)")
@@ -124,7 +126,8 @@ def tally_block() -> str:
 def limits_block() -> str:
     """The limits block: `local LIMITS = {...}` from LIMITS."""
     begin, end = LIMITS_MARKERS
-    fields = ", ".join(f"{name} = {value}" for name, value in LIMITS.items())
+    # json.dumps: a number as it is, a string quoted (a JSON string is a Lua string)
+    fields = ", ".join(f"{name} = {json.dumps(value)}" for name, value in LIMITS.items())
     return "\n".join([f"{begin}: generated from vlmq/shared/constants.py by "
                       "`python -m vlmq.shared.lua --write`; do not edit by hand.",
                       f"local LIMITS = {{{fields}}}", end])

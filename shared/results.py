@@ -5,7 +5,8 @@ job's events stream, in one script (write_items.lua), so a reader never sees an 
 without its result. A job's end is one terminal event (`finished`, `failed` or
 `canceled`), written by end_job_event in the same transaction as the status change: to
 the stream, which then lives only C.ENDED_EVENTS_S more, and into the job hash
-(END_FIELD), where it stays as long as the job (PROTOCOL.md section 5).
+(END_FIELD; a finished job's in its end hash, with its payload: read_end), where it stays
+as long as the job (PROTOCOL.md section 5).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from redis import Redis
 from redis.client import Pipeline
 
+from vlmq.shared import constants as C
 from vlmq.shared import lua
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult
@@ -25,6 +27,11 @@ EVENTS_MAXLEN = 10_000
 # Field of the RQ job hash that end_job.lua sets: this run of the job has its terminal
 # event, kept there as JSON (its type, stream id and fields; for `finished` the summary).
 END_FIELD = "vlmq_end"
+# A finished job's end is not there but in its end hash (keys.job_end), field END_EVENT
+# beside MOVED_DATA_FIELD (RQ's payload; the job hash keeps C.MOVED_DATA): revision 3,
+# so a finished job hash holds only values of at most 64 B (compact in Redis: issue 28).
+END_EVENT = "event"
+MOVED_DATA_FIELD = "data"
 TERMINAL_EVENTS = ("finished", "failed", "canceled")
 # Stream/hash lifetime after a job ends with result_ttl 0 ("keep nothing"): long enough
 # for a follower of the events stream to see the terminal event.
@@ -79,6 +86,31 @@ def ended_event(raw: bytes | str | None) -> dict[str, Any] | None:
     except ValueError:
         return None
     return event if isinstance(event, dict) and event.get("type") in TERMINAL_EVENTS else None
+
+
+def read_end(redis: Redis, keys: Keys, job_id: str) -> dict[str, Any] | None:
+    """The terminal event of the job's run, or None: from its end hash (a finished job),
+    else from its job hash (failed, canceled, or finished before revision 3)."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.hget(keys.job_end(job_id), END_EVENT)
+    pipe.hget(Keys.rq_job(job_id), END_FIELD)
+    moved, kept = pipe.execute()
+    return ended_event(moved) or ended_event(kept)
+
+
+def moved_data(redis: Redis, keys: Keys, job_id: str) -> bytes | None:
+    """RQ's payload of a finished job, which end_job.lua moved out of its job hash."""
+    raw = redis.hget(keys.job_end(job_id), MOVED_DATA_FIELD)
+    return raw if isinstance(raw, bytes) else None
+
+
+def stored_data(redis: Redis, keys: Keys, job_id: str,
+                data: bytes | str | None) -> bytes | str | None:
+    """A job hash's `data` as RQ stored it: for a finished job's stub (C.MOVED_DATA), the
+    payload end_job.lua moved to its end hash (or the stub, when that is gone)."""
+    if data not in (C.MOVED_DATA, C.MOVED_DATA.encode()):
+        return data
+    return moved_data(redis, keys, job_id) or data
 
 
 def count_done(redis: Redis, keys: Keys, job_id: str) -> int:

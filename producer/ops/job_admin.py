@@ -98,7 +98,7 @@ def read_rows(redis: Redis, keys: Keys, ids: Sequence[str],
     metas = [job_index.Meta.from_json(m) for m in raw_metas]
     bare = [j for j, f, m in zip(ids, hashes, metas, strict=True)
             if m is None and (f[0] is not None or f[1] is not None)]
-    datas = dict(zip(bare, _datas(redis, bare), strict=True)) if bare else {}
+    datas = dict(zip(bare, _datas(redis, keys, bare), strict=True)) if bare else {}
     for job_id, fields, meta in zip(ids, hashes, metas, strict=True):
         if fields[0] is None and fields[1] is None:  # gone: RQ's TTL, or deleted meanwhile
             if stale is not None:
@@ -107,11 +107,12 @@ def read_rows(redis: Redis, keys: Keys, ids: Sequence[str],
         yield _row(job_id, [*fields, datas.get(job_id)], meta)
 
 
-def _datas(redis: Redis, ids: list[str]) -> list[Any]:
+def _datas(redis: Redis, keys: Keys, ids: list[str]) -> list[Any]:
     pipe = redis.pipeline(transaction=False)
     for job_id in ids:
         pipe.hget(Keys.rq_job(job_id), "data")
-    return pipe.execute()
+    return [R.stored_data(redis, keys, job_id, data)  # a finished job's moved payload
+            for job_id, data in zip(ids, pipe.execute(), strict=True)]
 
 
 def with_counts(redis: Redis, keys: Keys, rows: list[JobRow]) -> list[JobRow]:
@@ -259,6 +260,7 @@ def delete(redis: Redis, keys: Keys, job_id: str) -> frozenset[str]:
         raise JobNotFound(job_id)
     meta = job_index.read_meta(redis, keys, [job_id])[0]
     row = _row(job_id, fields, meta)
+    data = R.stored_data(redis, keys, job_id, fields[3])  # a finished job's moved payload
     try:
         job = RQJob.fetch(job_id, connection=redis, serializer=JSONSerializer)
     except UNREADABLE_HASH_ERRORS:
@@ -273,7 +275,7 @@ def delete(redis: Redis, keys: Keys, job_id: str) -> frozenset[str]:
     job_index.remove(redis, keys, job_id, meta, queue=row.queue, pipeline=pipe)
     pipe.execute()
     BlobStore(redis, keys).release(job_id)  # a failed job's holds (an ended one has none)
-    return _blobs_of(job_index.loose_payload(fields[3]))
+    return _blobs_of(job_index.loose_payload(data))
 
 
 def abandon(redis: Redis, keys: Keys, job_id: str) -> None:
@@ -300,7 +302,7 @@ def _end_now(redis: Redis, keys: Keys, pipe: Pipeline, job_id: str, status: str,
 def _drop_keys(pipe: Pipeline, keys: Keys, job_id: str) -> None:
     pipe.delete(Keys.rq_job(job_id), Keys.rq_results(job_id), keys.job_items(job_id),
                 keys.job_events(job_id), keys.job_owner(job_id), keys.job_risk(job_id),
-                keys.job_kills(job_id), keys.job_batch(job_id))
+                keys.job_kills(job_id), keys.job_batch(job_id), keys.job_end(job_id))
 
 
 def purge_blobs(redis: Redis, keys: Keys, candidates: set[str]) -> int:

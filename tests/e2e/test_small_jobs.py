@@ -13,7 +13,6 @@ from redis import Redis
 from rq import Queue
 from rq.job import Job
 from rq.registry import FinishedJobRegistry, StartedJobRegistry
-from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from tests.support.helpers import (
@@ -43,7 +42,7 @@ def terminal(redis: Redis, keys: Keys, job_id: str) -> list[str]:
     """The terminal events of the job's stream; once the stream has expired (a minute after
     the end, on a loaded machine before the test reads it) the one its hash keeps."""
     if not redis.exists(keys.job_events(job_id)):
-        end = R.ended_event(redis.hget(keys.rq_job(job_id), R.END_FIELD))
+        end = R.read_end(redis, keys, job_id)
         return [] if end is None else [end["type"]]
     return [e["type"] for e in events(redis, keys, job_id) if e["type"] != "item"]
 
@@ -88,9 +87,10 @@ def test_many_one_item_jobs_end_right_among_poison_deleted_and_canceled(
     hits = sum(int((j.summary() or {})["result_cache_hits"]) for j in good)
     assert hits > 0
     assert out.count("1 result-cache hits") == hits
-    rq_job = Job.fetch(good[3].id, connection=redis, serializer=JSONSerializer)
-    # The duplicate entry did not run it again.
-    assert len(Result.all(rq_job, serializer=JSONSerializer)) == 1
+    # The duplicate entry did not run it again: one item event (RQ keeps no Result for a
+    # finished vlmq job since PROTOCOL.md revision 2, so RQ cannot count its runs).
+    runs = [e["type"] for e in events(redis, keys, good[3].id)]
+    assert runs.count("item") <= 1 and runs.count("finished") <= 1, runs
 
     assert canceled.status() == "canceled"
     assert terminal(redis, keys, canceled.id) == ["canceled"]

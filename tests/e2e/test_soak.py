@@ -63,7 +63,7 @@ def test_soak_300_jobs_two_workers_one_kill(redis_url: str, redis: Redis, tiny_m
             pipe.hlen(KEYS.job_items(job_id))
             pipe.xrange(KEYS.job_events(job_id))
         replies = pipe.execute()
-    ends = [R.ended_event(redis.hget(KEYS.rq_job(j), R.END_FIELD)) for j in ids]
+    ends = [R.read_end(redis, KEYS, j) for j in ids]
     for job_id, n_items, events, end in zip(ids, replies[::2], replies[1::2], ends,
                                             strict=True):
         kinds = Counter(f[b"type"] for _, f in events)

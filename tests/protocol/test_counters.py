@@ -26,6 +26,7 @@ from vlmq.producer.client import Client
 from vlmq.producer.job_sets import Batch
 from vlmq.producer.ops import job_admin as manage
 from vlmq.shared import job_index, lua
+from vlmq.shared import results as R
 from vlmq.shared.enqueue import enqueue, enqueue_lua
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult
@@ -62,7 +63,7 @@ def recount(redis: Redis) -> dict[str, dict[str, int]]:
         if job_id is None:
             continue
         status, origin, data = redis.hmget(raw, "status", "origin", "data")
-        payload = job_index.loose_payload(data)
+        payload = job_index.loose_payload(R.stored_data(redis, KEYS, job_id, data))
         meta = job_index.meta_of(payload, as_str(origin), 0)
         state = job_index.TALLY_STATES[job_index.TALLY_STATES.index(as_str(status))]
         done = int(redis.hlen(KEYS.job_items(job_id)))

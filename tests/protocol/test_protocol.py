@@ -235,11 +235,15 @@ def test_failed_and_finished_jobs_decode_without_rq(redis: Redis) -> None:
         life.succeed(ok, summary)
         life.fail(bad, message)
 
-    # Finished: status, then the summary in the terminal event the job hash keeps
-    # (section 6); RQ's results stream holds no entry for it (issue 28).
+    # Finished: status, then the summary in the terminal event its end hash keeps
+    # (sections 5, 6, revision 3), beside the payload the job hash's `data` no longer
+    # holds; RQ's results stream holds no entry for it (issue 28).
     assert redis.hget(Keys.rq_job(ok_id), "status") == b"finished"
-    end = json.loads(redis.hget(Keys.rq_job(ok_id), "vlmq_end"))
+    assert not redis.hexists(Keys.rq_job(ok_id), "vlmq_end")
+    end = json.loads(redis.hget(Keys().job_end(ok_id), "event"))
     assert end["type"] == "finished" and end["summary"] == summary
+    assert redis.hget(Keys.rq_job(ok_id), "data") == C.MOVED_DATA.encode()
+    assert payload_of(fetch_job(redis, ok_id, Keys())) == parse_payload(good_payload())
     assert not redis.exists(f"rq:results:{ok_id}")
     # Failed: the plain message in the kept `failed` event...
     failed_end = json.loads(redis.hget(Keys.rq_job(bad_id), "vlmq_end"))

@@ -206,7 +206,7 @@ def test_every_end_publishes_once_and_only_the_kept_end_lives_with_the_job(redis
             assert abs(redis.ttl(keys.job_items(job_id)) - job_ttl) <= 2
         # the stream outlives the end by ENDED_EVENTS_S only; the end stays in the hash
         assert 0 < redis.ttl(keys.job_events(job_id)) <= C.ENDED_EVENTS_S
-        end = R.ended_event(redis.hget(keys.rq_job(job_id), R.END_FIELD))
+        end = R.read_end(redis, keys, job_id)
         assert end is not None and end["type"] == ("finished" if job_id == ok_id else "failed")
     assert not redis.exists(keys.rq_results(ok_id))  # the summary is in the hash alone
 

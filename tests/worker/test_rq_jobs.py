@@ -144,7 +144,7 @@ def test_succeed_keeps_the_summary_in_the_hash_and_leaves_no_wip_entries(redis, 
     job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
     assert job.get_status() == JobStatus.FINISHED
     # the summary lives in the kept terminal event; RQ's results stream holds none
-    assert R.ended_event(redis.hget(Keys.rq_job(job_id), R.END_FIELD))["summary"] == summary
+    assert R.read_end(redis, Keys(), job_id)["summary"] == summary
     assert job.return_value() is None and not redis.exists(Keys.rq_results(job_id))
     assert job_id in FinishedJobRegistry(queue=Queue("low", connection=redis)).get_job_ids()
     assert wip(redis, "low") == []
@@ -327,7 +327,7 @@ def test_requeue_puts_job_back_first_for_another_worker(redis, life):
     again = take_running(other)
     assert again.job_id == first
     other.succeed(again, {"items": 2})
-    end = R.ended_event(redis.hget(Keys.rq_job(first), R.END_FIELD))
+    end = R.read_end(redis, Keys(), first)
     assert end is not None and end["summary"] == {"items": 2}
     other.register_death()
 

@@ -237,6 +237,7 @@ class Intake:
         pipe.hsetnx(job.key, C.FIRST_STARTED_FIELD, f"{at:.3f}")
         self.fence.claim(pipe, str(job.id), execution)
         pipe.hdel(job.key, R.END_FIELD)  # a new run gets its own terminal event
+        pipe.hdel(self.keys.job_end(str(job.id)), R.END_EVENT)  # (a payload moved there stays)
         pipe.persist(job.key)  # a job enqueued with ttl= must not vanish mid-run
         pipe.lrem(queue.intermediate_queue_key, 1, job.id)
         return execution

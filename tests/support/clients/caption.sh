@@ -35,9 +35,10 @@ enqueue() {  # job_id queue data [timeout]: prints the script's reply (1, 0 or t
     "$(date -u +%Y-%m-%dT%H:%M:%S.%6NZ)" 3 2>&1
 }
 
-kept_end() {  # job_id: the terminal event the job hash keeps (JSON), or nothing
-  local end
-  end=$(cli --raw HGET "rq:job:$1" vlmq_end)
+kept_end() {  # job_id: the terminal event kept once the job ended (JSON), or nothing:
+  local end   # a finished job's in its end hash, the others' in the job hash (section 5)
+  end=$(cli --raw HGET "$PREFIX:job:$1:end" event)
+  case $end in '{'*) ;; *) end=$(cli --raw HGET "rq:job:$1" vlmq_end) ;; esac
   case $end in '{'*) echo "$end" ;; esac
 }
 

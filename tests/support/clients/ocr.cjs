@@ -38,9 +38,11 @@ async function main() {
     id, queue, JSON.stringify(['vlmq.worker.task.run', null, [payload], {}]),
     'ocr from node', timeout, 604800, 2592000, rqNow(), 3);
 
-  // The terminal event the job hash keeps once the job ended (PROTOCOL.md section 5).
+  // The terminal event kept once the job ended (PROTOCOL.md section 5): a finished job's
+  // in its end hash, the others' in the job hash.
   async function keptEnd(id) {
-    const raw = await cmd('HGET', `rq:job:${id}`, 'vlmq_end');
+    const moved = await cmd('HGET', `${prefix}:job:${id}:end`, 'event');
+    const raw = moved || await cmd('HGET', `rq:job:${id}`, 'vlmq_end');
     return raw && raw.startsWith('{') ? JSON.parse(raw) : null;
   }
 

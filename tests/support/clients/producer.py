@@ -33,8 +33,9 @@ def rq_now() -> str:
 
 
 def kept_end(r: redis.Redis, job_id: str) -> dict[str, Any] | None:
-    """The terminal event the job hash keeps once the job ended (PROTOCOL.md section 5)."""
-    raw = r.hget(f"rq:job:{job_id}", "vlmq_end")
+    """The terminal event kept once the job ended (PROTOCOL.md section 5): a finished
+    job's in its end hash, the others' in the job hash."""
+    raw = r.hget(f"{PREFIX}:job:{job_id}:end", "event") or r.hget(f"rq:job:{job_id}", "vlmq_end")
     return json.loads(raw) if raw and raw.startswith("{") else None
 
 
