@@ -165,7 +165,10 @@ def _routes(app: Flask, client: Client, files: FileStore, batches: Batches) -> N
         purpose = request.form.get("purpose")
         if purpose is None:
             raise ApiError(400, "Missing required parameter: 'purpose'.", param="purpose")
-        stored = files.save(upload.stream, upload.filename or "", purpose, g.owner)
+        try:
+            stored = files.save(upload.stream, upload.filename or "", purpose, g.owner)
+        finally:
+            upload.close()  # werkzeug's spooled copy: its disk space goes at once
         return jsonify(stored.object())
 
     @app.get("/v1/files")
