@@ -24,10 +24,10 @@ from redis import Redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import benchmarks.common as BC  # noqa: E402
-from tests.support import helpers  # noqa: E402
-from tests.support import openai_api as T  # noqa: E402
-from vlmq.producer.ops.openai_api.app import store_spec  # noqa: E402
+import benchmarks.common as BC
+from tests.support import helpers
+from tests.support import openai_api as T
+from vlmq.producer.ops.openai_api.app import store_spec
 
 
 def make_file(path: Path, lines: int, distinct: int, side: int) -> Path:
