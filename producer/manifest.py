@@ -27,6 +27,7 @@ from vlmq.shared import constants as C
 from vlmq.shared import extract_schema as json_schema
 from vlmq.shared import settings as S
 from vlmq.shared.errors import InputError, PayloadError
+from vlmq.shared.messages import Item
 
 # The request's own fields; every setting a manifest may carry (shared/settings.py) too.
 OWN_FIELDS = ("custom_id", "task", "file", "pages")
@@ -53,7 +54,7 @@ class Request:
     line: int
     custom_id: str
     task: str
-    file: Path
+    file: Path | None  # None: a text item (C.TEXT_KIND), the line's prompt alone
     pages: str | None
     settings: dict[str, Any]  # the line's own settings, checked, by name
     # Another line format (producer/openai_files.py) names its input elsewhere: the
@@ -220,7 +221,7 @@ def read_manifest(path: str | Path, base: JobOptions, *, skip_bad: bool = False,
         options = base.with_(**req.settings)
         group = groups.setdefault((req.task, options.key(), req.group),
                                   Group(req.task, options, Prepared()))
-        group.prepared.add(checked, pages, custom_id=req.custom_id)
+        _add(group.prepared, req, checked, pages)
     if errors and not skip_bad:
         raise ManifestError(str(path), errors)
     if not groups:
@@ -228,9 +229,21 @@ def read_manifest(path: str | Path, base: JobOptions, *, skip_bad: bool = False,
     return _split(groups.values(), job_size), errors
 
 
-def _checked_pages(req: Request) -> tuple[CheckedFile, list[int | None]]:
+def _add(prepared: Prepared, req: Request, checked: CheckedFile | None,
+         pages: list[int | None]) -> None:
+    if checked is None:
+        prepared.items.append(Item(kind=C.TEXT_KIND, blob=None,
+                                   source=req.source or C.TEXT_KIND, custom_id=req.custom_id))
+    else:
+        prepared.add(checked, pages, custom_id=req.custom_id)
+
+
+def _checked_pages(req: Request) -> tuple[CheckedFile | None, list[int | None]]:
     """The request's file checked (type, pages), and the items it asks for: the pages given
-    of a paged file (a one-item request may not name several), else the image itself."""
+    of a paged file (a one-item request may not name several), else the image itself; a
+    text request (no file) has none to check."""
+    if req.file is None:
+        return None, []
     checked = check_file(req.file, source=req.source or str(req.file))
     paged = checked.kind in C.PAGED_KINDS
     if req.one_item and checked.pages > 1:

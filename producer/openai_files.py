@@ -8,9 +8,10 @@ field are the manifest's own. The output side is the `openai-batch` format
 (producer/ops/output_formats.py).
 
 The mapping, and why:
-- One request is one item: exactly one image (an `image_url` part, or a `file` part's
-  `file_data`), of one page. vlmq's items are images and pages; a text-only request has
-  nothing to run on, and several images would need one answer per several items.
+- One request is one item: one image (an `image_url` part, or a `file` part's
+  `file_data`), of one page, or none: a text-only request is a text item (its prompt
+  alone, no image: shared/PROTOCOL.md). Several images would need one answer per several
+  items, so a second one is refused.
 - The text of every system, developer and user message, in order and a blank line apart,
   is the prompt: vlmq sends the model one prompt with the image. Assistant turns (a
   conversation) are refused rather than flattened into something the model never saw.
@@ -220,11 +221,7 @@ def parse_request(number: int, text: str, *, folder: Path, spool: Path,
         raise PayloadError("body", f"must be an object, got {type(body).__name__}")
     _check_body_fields(body)
     task, schema = _task(body.get("response_format"))
-    prompt, (field_name, url) = _messages(body.get("messages"))
-    if not prompt and task == "generate":
-        raise PayloadError("body.messages", "has no text: without a json_schema "
-                                            "response_format a request is task generate, "
-                                            "which needs a prompt")
+    prompt, image = _messages(body.get("messages"), task)
     model_name = _model_name(body.get("model"))
     if names is not None and model_name is not None:
         names[number] = model_name
@@ -238,7 +235,7 @@ def parse_request(number: int, text: str, *, folder: Path, spool: Path,
                                                       "body.temperature"),
         "stop": _stop(body.get("stop")),
     }
-    file, source = _input(url, field_name, number, folder, spool)
+    file, source, field_name = _item_input(image, number, folder, spool)
     return Request(line=number, custom_id=custom_id, task=task, file=file, pages=None,
                    settings={k: v for k, v in settings.items() if v is not None},
                    source=source, field=field_name, one_item=True,
@@ -328,8 +325,18 @@ def _task(value: Any) -> tuple[str, dict[str, Any] | None]:
     return "extract", schema
 
 
-def _messages(value: Any) -> tuple[str, tuple[str, str]]:
-    """(prompt, (field, url)): the messages' text a blank line apart, and the one image."""
+def _item_input(image: tuple[str, str] | None, number: int, folder: Path, spool: Path
+                ) -> tuple[Path | None, str | None, str]:
+    """(file, source, field) of the line's item: its image, or none for a text item."""
+    if image is None:
+        return None, f"text-line{number}", "body.messages"
+    file, source = _input(image[1], image[0], number, folder, spool)
+    return file, source, image[0]
+
+
+def _messages(value: Any, task: str) -> tuple[str, tuple[str, str] | None]:
+    """(prompt, (field, url)): the messages' text a blank line apart, and the one image
+    (None: a text-only request)."""
     if not isinstance(value, list) or not value:
         raise PayloadError("body.messages", "must be a non-empty list of messages")
     texts: list[str] = []
@@ -345,10 +352,12 @@ def _messages(value: Any) -> tuple[str, tuple[str, str]]:
                     raise PayloadError(ref[0], f"is a second image; a request takes one "
                                                f"(the first is {image[0]})")
                 image = ref
-    if image is None:
-        raise PayloadError("body.messages", "has no image: each request is one image (an "
-                                            "image_url part) or one PDF page")
-    return "\n\n".join(t for t in texts if t.strip()), image
+    prompt = "\n\n".join(t for t in texts if t.strip())
+    if not prompt and (task == "generate" or image is None):
+        raise PayloadError("body.messages", "has no text: a request without an image, or "
+                                            "without a json_schema response_format (task "
+                                            "generate), needs a prompt")
+    return prompt, image
 
 
 def _message(msg: Any, where: str) -> tuple[str, Any]:
@@ -361,8 +370,8 @@ def _message(msg: Any, where: str) -> tuple[str, Any]:
     role = msg.get("role")
     if role not in ROLES:
         raise PayloadError(f"{where}.role", f"must be one of {', '.join(ROLES)}, got "
-                                            f"{role!r} (vlmq sends one prompt with one "
-                                            "image, not a conversation)")
+                                            f"{role!r} (vlmq sends one prompt, not a "
+                                            "conversation)")
     return role, msg.get("content")
 
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 PROTOCOL_VERSION = 1
 TASKS = ("ocr", "caption", "generate", "extract")
-ITEM_KINDS = ("image", "pdf", "tiff")
+ITEM_KINDS = ("image", "pdf", "tiff", "text")
+# A text item has no input of its own (no blob, no ref): the job's prompt is all the model
+# sees (an OpenAI batch line with no image). Only tasks that take a prompt can run one.
+TEXT_KIND = "text"
+TEXT_TASKS = ("generate", "extract")
 # Kinds that are documents: each item is one 1-based page of the file (a TIFF page is a
 # frame). Every TIFF is one, even with a single frame, so its kind never depends on count.
 PAGED_KINDS = ("pdf", "tiff")

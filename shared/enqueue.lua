@@ -404,10 +404,23 @@ for i, item in ipairs(items) do
       return redis.error_reply(at .. ': unknown field ' .. tostring(k))
     end
   end
-  if item.kind ~= 'image' and item.kind ~= 'pdf' and item.kind ~= 'tiff' then
-    return redis.error_reply(at .. '.kind: must be one of image, pdf, tiff')
+  if item.kind ~= 'image' and item.kind ~= 'pdf' and item.kind ~= 'tiff' and
+      item.kind ~= 'text' then
+    return redis.error_reply(at .. '.kind: must be one of image, pdf, tiff, text')
   end
-  if item.ref ~= nil then
+  if item.kind == 'text' then
+    -- A text item (constants.TEXT_KIND) has no input: the prompt is all it gives the model.
+    for _, k in ipairs({'blob', 'ref', 'sha256', 'size', 'page'}) do
+      if item[k] ~= nil and item[k] ~= cjson.null then
+        return redis.error_reply(at .. '.' .. k .. ': is not allowed on a text item (it ' ..
+          'has no input: the prompt is all)')
+      end
+    end
+    if payload.task ~= 'generate' and payload.task ~= 'extract' then
+      return redis.error_reply(at .. '.kind: text is for tasks generate, extract: ' ..
+        payload.task .. ' reads an image')
+    end
+  elseif item.ref ~= nil then
     -- A reference: read by the worker from its own store, so no blob to look up.
     if item.blob ~= nil then
       return redis.error_reply(at .. ': has both blob and ref; give exactly one')

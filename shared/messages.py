@@ -29,6 +29,8 @@ STORE_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MAX_REF_PATH_CHARS = 4096
 # Sizes are JSON numbers: every other language reads them exactly up to 2**53.
 MAX_REF_SIZE = 2**53 - 1
+# A text item's content hash: that of no bytes.
+EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,8 @@ class Ref:
 
 @dataclass(frozen=True)
 class Item:
-    """One unit of work: an image, or one page of a PDF.
+    """One unit of work: an image, one page of a PDF, or a text item (no input: the job's
+    prompt alone, C.TEXT_KIND).
 
     Its input is either an uploaded blob (`blob`, its sha256) or a reference into a store
     (`ref`, with the content's `ref_sha256` and `size`, checked when the worker reads it):
@@ -70,6 +73,10 @@ class Item:
     ref_sha256: str | None = None  # content hash of a referenced input
 
     def __post_init__(self) -> None:
+        if self.kind == C.TEXT_KIND:
+            if self.blob is not None or self.ref is not None or self.page is not None:
+                raise ValueError("a text item has no blob, ref or page")
+            return
         if (self.blob is None) == (self.ref is None):
             raise ValueError("an item has exactly one of blob and ref")
         if self.ref is not None and (self.ref_sha256 is None or self.size is None):
@@ -77,7 +84,10 @@ class Item:
 
     @property
     def sha256(self) -> str:
-        """The input's content hash, whichever form carries it."""
+        """The input's content hash, whichever form carries it (a text item's input is
+        empty: the hash of no bytes, so caches key it on the prompt alone)."""
+        if self.kind == C.TEXT_KIND:
+            return EMPTY_SHA256
         sha = self.blob if self.blob is not None else self.ref_sha256
         assert sha is not None  # __post_init__
         return sha
@@ -86,7 +96,7 @@ class Item:
         out: dict[str, Any] = {"kind": self.kind}
         if self.ref is not None:
             out.update(ref=self.ref.to_dict(), sha256=self.ref_sha256, size=self.size)
-        else:
+        elif self.blob is not None:
             out["blob"] = self.blob
         out["source"] = self.source
         if self.page is not None:
@@ -323,6 +333,8 @@ def _parse_item(raw: Any, path: str) -> Item:
     kind = raw.get("kind")
     if kind not in C.ITEM_KINDS:
         raise PayloadError(f"{path}.kind", f"must be one of {list(C.ITEM_KINDS)}, got {kind!r}")
+    if kind == C.TEXT_KIND:
+        return _text_item(raw, path)
     blob: str | None = None
     ref: Ref | None = None
     sha: str | None = None
@@ -349,6 +361,30 @@ def _parse_item(raw: Any, path: str) -> Item:
         custom_id = S.check_str(custom_id, f"{path}.custom_id", C.MAX_CUSTOM_ID_CHARS)
     return Item(kind=kind, blob=blob, source=source, page=page, custom_id=custom_id,
                 ref=ref, size=size, ref_sha256=sha)
+
+
+def _text_item(raw: Mapping[str, Any], path: str) -> Item:
+    """A text item: nothing to read, so none of an input's fields."""
+    for name in ("blob", "ref", "sha256", "size", "page"):
+        if raw.get(name) is not None:
+            raise PayloadError(f"{path}.{name}", "is not allowed on a text item (it has no "
+                                                 "input: the prompt is all)")
+    source = S.check_str(raw.get("source", C.TEXT_KIND), f"{path}.source", 4096)
+    custom_id = raw.get("custom_id")
+    if custom_id is not None:
+        custom_id = S.check_str(custom_id, f"{path}.custom_id", C.MAX_CUSTOM_ID_CHARS)
+    return Item(kind=C.TEXT_KIND, blob=None, source=source, custom_id=custom_id)
+
+
+def _check_text_items(task: str, items: tuple[Item, ...]) -> None:
+    """ocr and caption read an image: a text item would give them nothing."""
+    if task in C.TEXT_TASKS:
+        return
+    for i, item in enumerate(items):
+        if item.kind == C.TEXT_KIND:
+            raise PayloadError(f"items[{i}].kind", f"text is for tasks "
+                                                   f"{', '.join(C.TEXT_TASKS)}: {task} "
+                                                   "reads an image")
 
 
 def _check_fields(raw: Mapping[str, Any]) -> None:
@@ -390,5 +426,6 @@ def parse_payload(raw: Any) -> JobPayload:
     json_schema.check_task(task, settings.get("schema"))  # extract needs one; others none
     if task == "generate" and not settings.get("prompt"):
         raise PayloadError("prompt", "is required for task 'generate'")
+    _check_text_items(task, items)
     created_at = S.check_str(raw.get("created_at") or utc_now_iso(), "created_at", 64)
     return JobPayload(task=task, items=items, settings=settings, created_at=created_at)

@@ -119,6 +119,37 @@ def test_good_lines_of_each_kind_become_grouped_items(tmp_path: Path) -> None:
     assert (g.task, g.options.schema) == ("extract", {"type": "object"})
 
 
+# OpenAI's Batch guide's own example line: text only, no image.
+DOCS_TEXT_LINE = (
+    '{"custom_id": "request-1", "method": "POST", "url": "/v1/chat/completions", "body": '
+    '{"model": "gpt-3.5-turbo-0125", "messages": [{"role": "system", "content": "You are a '
+    'helpful assistant."},{"role": "user", "content": "Hello world!"}],"max_tokens": 1000}}')
+
+
+def test_text_only_lines_are_text_items(tmp_path: Path) -> None:
+    schema = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}
+    lines = [DOCS_TEXT_LINE, {"custom_id": "parts", "method": "POST", "url": URL, "body": {
+        "model": "gpt-4o-mini", "response_format": schema, "messages": [
+            {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+            {"role": "user", "content": [{"type": "text", "text": "Name a title."}]}]}},
+        line("image", png_uri(1))]
+    groups, rejected = read(tmp_path, lines)
+    assert rejected == []
+    by_id = {i.custom_id: (g, i) for g in groups for i in g.prepared.items}
+    g, item = by_id["request-1"]
+    # No input of its own: nothing uploaded, the prompt is all the model is given.
+    assert (item.kind, item.blob, item.ref, item.page, item.source) == (
+        "text", None, None, None, "text-line1")
+    assert item.to_dict() == {"kind": "text", "source": "text-line1",
+                              "custom_id": "request-1"}
+    assert (g.task, g.options.prompt, g.options.max_tokens, g.prepared.blobs) == (
+        "generate", "You are a helpful assistant.\n\nHello world!", 1000, {})
+    g, item = by_id["parts"]
+    assert (g.task, item.kind, g.options.prompt) == ("extract", "text",
+                                                     "Be brief.\n\nName a title.")
+    assert by_id["image"][1].kind == "image"
+
+
 def test_model_names_are_recorded_mapped_or_required(tmp_path: Path) -> None:
     lines = [line("a", png_uri(1), model="gpt-4o-mini"), line("b", png_uri(2), model="gpt-4o"),
              line("c", png_uri(3), model="gpt-4o-mini"), line("d", png_uri(4))]
@@ -168,8 +199,9 @@ def _refusals(tmp: Path) -> list[tuple[list[Any], str]]:
     helpers.make_pdf(tmp / "three.pdf", 3)
     (tmp / "notes.txt").write_text("not an image")
     text_uri = "data:image/png;base64," + base64.b64encode(b"plain text").decode()
-    no_image = {"custom_id": "a", "method": "POST", "url": URL,
-                "body": {"messages": [{"role": "user", "content": "hi"}]}}
+    nothing = {"custom_id": "a", "method": "POST", "url": URL, "body": {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": " "}]}],
+        "response_format": {"type": "json_object"}}}
     two = line("a", good)
     two["body"]["messages"][0]["content"].append({"type": "image_url",
                                                    "image_url": {"url": good}})
@@ -187,7 +219,7 @@ def _refusals(tmp: Path) -> list[tuple[list[Any], str]]:
         ([{**line("a", good), "url": "/v1/embeddings"}],
          "line 1: field 'url' must be \"/v1/chat/completions\""),
         ([{**line("a", good), "method": "GET"}], "line 1: field 'method' must be \"POST\""),
-        ([no_image], "line 1: field 'body.messages' has no image"),
+        ([nothing], "line 1: field 'body.messages' has no text: a request without an image"),
         ([two], "line 1: field 'body.messages[0].content[2].image_url.url' is a second "
                 f"image; a request takes one (the first is {IMG_FIELD})"),
         ([line("a", "data:image/png;base64")], f"field '{IMG_FIELD}' is not a data: URI"),
@@ -379,8 +411,9 @@ def _docs_file(tmp: Path) -> list[Any]:
     """Requests as the Batch API guide and the chat completions reference write them:
     `model` on every line, system and developer messages, max_completion_tokens (and the
     legacy max_tokens), seed, sampling knobs, json_schema (strict) and json_object, data:
-    images with `detail`; one line refused for good (a web URL) and one Responses API
-    line, both to be skipped."""
+    images with `detail`, and text-only lines (the Batch guide's own example, and a
+    json_schema one); one line refused for good (a web URL) and one Responses API line,
+    both to be skipped."""
     def req(custom_id: str, messages: list[Any], **body: Any) -> dict[str, Any]:
         return {"custom_id": custom_id, "method": "POST", "url": URL,
                 "body": {"model": "gpt-4o-mini", "messages": messages, **body}}
@@ -418,6 +451,11 @@ def _docs_file(tmp: Path) -> list[Any]:
          "body": {"model": "gpt-4o-mini", "input": "Hello world!"}},
         req("request-8", [system, user("What is in this image?", png_uri(16), "auto")],
             max_completion_tokens=8, seed=42, temperature=0),
+        {**json.loads(DOCS_TEXT_LINE), "custom_id": "request-9"},
+        req("request-10", [developer, {"role": "user", "content": "Name a title."}],
+            max_completion_tokens=200, response_format={
+                "type": "json_schema", "json_schema": {"name": "title", "strict": True,
+                                                       "schema": SCHEMA}}),
     ]
 
 
@@ -449,6 +487,9 @@ def test_a_file_written_from_openais_docs_runs_as_it_is(
         assert body.model == str(model)  # the model that answered, as OpenAI echoes it
         finish[entry["custom_id"]] = body.choices[0]
     jsonschema.validate(json.loads(finish["request-3"].message.content or ""), SCHEMA)
+    # Text-only lines, answered from their prompt alone; json_schema constrained as ever.
+    jsonschema.validate(json.loads(finish["request-10"].message.content or ""), SCHEMA)
+    assert finish["request-9"].message.content
     if finish["request-4"].finish_reason == "stop":
         assert isinstance(json.loads(finish["request-4"].message.content or ""), dict)
     assert finish["request-6"].finish_reason == "length"

@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -160,6 +161,44 @@ def test_overlong_prompt_fails_alone(engine: Engine, refs) -> None:
     assert got["long"].finish_reason == "error"
     assert got["ok"].error is None and got["ok"].tokens == refs[ok].tokens
     assert engine.state.waiting == engine.state.active == 0
+
+
+TEXT_PROMPTS = ["You are a helpful assistant.\n\nHello world!", "Count to ten.",
+                "Write a haiku about queues."]
+
+
+@pytest.fixture(scope="module")
+def text_refs(tiny_model: Path) -> list[Ref]:
+    """Sequential references for text-only prompts (no image at all)."""
+    from mlx_vlm import load, stream_generate
+
+    model, processor = load(str(tiny_model))
+    out = []
+    for prompt in TEXT_PROMPTS:
+        prep = A.prepare(processor, model.config, None, prompt)
+        *_, last = stream_generate(model, processor, prep.text, image=None, max_tokens=16,
+                                   temperature=0.0)
+        out.append(Ref(prep, list(last.token_ids)))
+    return out
+
+
+def test_text_only_rows_share_the_batch_with_image_rows(text_refs: list[Ref],
+                                                        engine: Engine, refs) -> None:
+    """An OpenAI text-only line is a row with no image: batched beside image rows it
+    gives its sequential tokens, and only the image rows call the tower."""
+    images = [("job-a", 1), ("job-b", 4), ("job-c", 6)]
+    towers = engine.state.tower_calls
+    keys: list[Any] = []
+    for i, text in enumerate(text_refs):  # text and image rows interleaved, all at once
+        engine.submit(_req(("text", i), text.prepared, 16))
+        engine.submit(_req(images[i], refs[images[i]].prepared, 16))
+        keys += [("text", i), images[i]]
+    got = _collect(engine, len(keys))
+    for i, text in enumerate(text_refs):
+        assert got[("text", i)].error is None and got[("text", i)].tokens == text.tokens
+    for key in images:
+        assert got[key].tokens == refs[key].tokens[:16]
+    assert engine.state.tower_calls - towers == len(images)
 
 
 def test_bad_cached_features_fail_alone(engine: Engine, refs) -> None:

@@ -31,6 +31,7 @@ from redis import Redis
 from redis.client import Pipeline
 from redis.exceptions import RedisError
 
+from vlmq.shared import constants as C
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.errors import VlmqError
 from vlmq.shared.keys import Keys
@@ -312,6 +313,11 @@ class Preparer:
     def _prepare(self, job_id: str, payload: JobPayload, settings: JobSettings, idx: int,
                  held: _Held | None, common: dict[str, Any]) -> Prepared:
         item = payload.items[idx]
+        if item.kind == C.TEXT_KIND:
+            # No image: nothing to fetch, no tower, and no vision or prefix cache key.
+            prepared = A.prepare(self.engine.processor, self.engine.model_config, None,
+                                 settings.prompt)
+            return Request(prepared=prepared, cached_features=None, **common)
         if item.kind == "pdf" and payload.task == "ocr" and settings.text_layer == "prefer":
             answered = self._prefer_layer(job_id, idx, item, held)
             if answered is not None:
