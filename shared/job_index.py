@@ -54,6 +54,9 @@ ITEMS_FIELD = "vlmq_items"
 # status a hand-written hash holds); the first three are ends end_job.lua writes.
 ENDS = C.JOB_ENDS
 TALLY_STATES = (*C.JOB_STATES, "other")
+# The states with an index <prefix>:by-state:<state> (tally_lib.lua's TALLY.INDEXED):
+# those RQ keeps no list or registry of; a listing by another state reads RQ's.
+STATE_INDEXED = frozenset(s for s in TALLY_STATES if s != QUEUED and s not in REGISTRY_STATES)
 SYNC_CHUNK = 100  # job ids synced per script call: each call stays well under a ms
 
 

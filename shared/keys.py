@@ -206,8 +206,8 @@ KEY_TABLE: tuple[KeyName, ...] = (
             "hashes it is in (section 8b)",
             "until the job is deleted or its hash is found gone (then it is counted out)"),
     KeyName("jobs_state_index", "{prefix}:by-state:{name}", "zset", "tally block",
-            "the jobs counted in state `<name>` (queued, started, finished, failed, "
-            "canceled, stopped, deferred, scheduled, other), scored as `<prefix>:jobs`",
+            "the jobs counted in state `<name>`, for the states RQ keeps no list or "
+            "registry of (stopped, other), scored as `<prefix>:jobs`",
             "as `<prefix>:jobs:tally`"),
     KeyName("counts_queue", "{prefix}:counts:queue:{queue}", "hash", "tally block",
             "running counts of the queue's jobs (section 8b): `jobs`, `items`, `items_done`, "

@@ -35,6 +35,16 @@ function TALLY.state(status)
   if status and TALLY.STATES[status] then return status end
   return 'other'
 end
+-- The states with an index (KEY.jobs_state_index): those RQ keeps no list or registry
+-- of (job_index.STATE_INDEXED), so a listing by any state reads O(page); the others'
+-- members would repeat RQ's queue lists and registries at ~140 B a job (issue 28).
+TALLY.INDEXED = {stopped = true, other = true}
+
+local function tally_index(prefix, state, score, job_id)
+  if TALLY.INDEXED[state] then
+    redis.call('ZADD', KEY.jobs_state_index(prefix, state), score, job_id)
+  end
+end
 
 function TALLY.read(prefix, job_id)
   local raw = redis.call('HGET', KEY.jobs_tally(prefix), job_id)
@@ -71,7 +81,7 @@ function TALLY.create(prefix, job_id, state, items, score, keys)
   if redis.call('HEXISTS', KEY.jobs_tally(prefix), job_id) == 1 then return end
   local rec = {s = state, n = items, d = 0, f = 0, c = score, t = keys}
   tally_add(rec, {jobs = 1, items = items, [state] = 1, [state .. '_items'] = items})
-  redis.call('ZADD', KEY.jobs_state_index(prefix, state), score, job_id)
+  tally_index(prefix, state, score, job_id)
   tally_save(prefix, job_id, rec)
 end
 
@@ -80,7 +90,7 @@ function TALLY.move(prefix, job_id, rec, state)
   tally_add(rec, {[rec.s] = -1, [rec.s .. '_items'] = -rec.n, [state] = 1,
     [state .. '_items'] = rec.n})
   redis.call('ZREM', KEY.jobs_state_index(prefix, rec.s), job_id)
-  redis.call('ZADD', KEY.jobs_state_index(prefix, state), rec.c, job_id)
+  tally_index(prefix, state, rec.c, job_id)
   rec.s = state
   tally_save(prefix, job_id, rec)
 end

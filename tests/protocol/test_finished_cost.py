@@ -33,11 +33,11 @@ def test_finished_jobs_cost_what_their_items_do(redis_url: str) -> None:
     got = measure(redis_url, jobs=150, items=200)
     assert got["item"] <= 400, got  # per finished item, less its text (was 711)
     # Per one-item job: 12.9 kB before (two one-entry streams of ~4.7 kB each), 3.0 kB
-    # with the end in a hashtable job hash (~1.5 kB), 2.7 kB now (revision 3): the job
+    # with the end in a hashtable job hash (~1.5 kB), 2.6 kB now (revision 3): the job
     # hash compact (~0.5 kB), its end and payload in the end hash (~0.7 kB), the item
-    # ~0.6 kB, four index entries ~0.56 kB, tally and listing records ~0.37 kB. The
-    # issue's 1.5 kB is not reached.
-    assert got["one_item_job"] <= 2850, got
+    # ~0.6 kB, three index entries ~0.42 kB (none by state), tally and listing records
+    # ~0.37 kB. The 1.5 kB is not reached.
+    assert got["one_item_job"] <= 2700, got
     assert got["one_item rq:job:<id>"] <= 520, got  # listpack, not hashtable
     assert got["one_item_transient"] < 5000  # the events stream, gone a minute later
     for part in ("one_item", "item"):
