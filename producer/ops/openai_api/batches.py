@@ -250,10 +250,10 @@ class Batches:
         status = self._status(rec)
         ended = rec.get("ended_at")
         times: dict[str, int | None] = {t: int(rec[t]) if t in rec else None for t in TIMES}
-        if ended is not None:
-            times["finalizing_at"] = int(ended)
-            times["completed_at" if status == "completed" else "cancelled_at"
-                  if status == "cancelled" else "finalizing_at"] = int(ended)
+        if ended is not None:  # the end: when results were final, and what it ended as
+            at = {"completed": ("finalizing_at", "completed_at"),
+                  "cancelled": ("cancelled_at",), "expired": ("finalizing_at",)}
+            times.update(dict.fromkeys(at.get(status, ()), int(ended)))
         errors = json.loads(rec["errors"]) if "errors" in rec else None
         has_errors = ended is not None and int(rec.get("err_bytes", "0")) > 0
         return {"id": batch_id, "object": "batch", "endpoint": URL,
@@ -349,7 +349,8 @@ class Batches:
         vlmq_batch = batch_id if batch_id.startswith(BATCH_ID_PREFIX) else \
             self.record(owner, batch_id)["vlmq_batch"]
         size = self._size(owner, batch_id, errors)
-        return vlmq_batch, batch_id, errors, size, int(shown["finalizing_at"] or 0)
+        when = shown["finalizing_at"] or shown["cancelled_at"] or 0
+        return vlmq_batch, batch_id, errors, size, int(when)
 
     def _size(self, owner: str, batch_id: str, errors: bool) -> int:
         if batch_id.startswith(BATCH_ID_PREFIX):
