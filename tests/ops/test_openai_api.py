@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
 import openai
 import pytest
+from click.testing import Result
 from flask import Flask
 from openai.types import Batch, FileObject
 from werkzeug.test import TestResponse
@@ -21,6 +22,7 @@ from werkzeug.test import TestResponse
 from tests.support import openai_api as T
 from vlmq.producer.client import Client
 from vlmq.producer.openai_files import submit_openai_batch
+from vlmq.producer.ops.openai_api.access import KEYS_ENV, KeyRing, digest, load_keys
 from vlmq.producer.ops.openai_api.app import ApiSettings, create_app
 
 
@@ -187,3 +189,28 @@ def test_models_are_the_workers(app: Flask, redis_url: str) -> None:
     client.redis.hset(client.keys.worker_stats("w2"), "model", "tiny")
     assert [m.id for m in sdk(app).models.list()] == ["tiny"]
     client.close()
+
+
+def test_keys_from_a_file_or_the_environment(tmp_path: Path) -> None:
+    path = tmp_path / "keys.txt"
+    path.write_text("# ops team\nkey-one-12345678\n\n  key-two-12345678  \n")
+    assert load_keys(path, {}) == ["key-one-12345678", "key-two-12345678"]
+    assert load_keys(None, {KEYS_ENV: "key-a-12345678,key-b-12345678"}) == [
+        "key-a-12345678", "key-b-12345678"]
+    with pytest.raises(ValueError, match="no API keys"):
+        load_keys(None, {})
+    path.write_text("tiny9\n")
+    with pytest.raises(ValueError, match="key 1 is shorter") as refused:
+        load_keys(path, {})
+    assert "tiny9" not in str(refused.value)  # a key is never echoed
+    ring = KeyRing(["key-one-12345678"])
+    assert ring.owner("Bearer key-one-12345678") == digest("key-one-12345678")
+    assert ring.owner("Bearer key-one-1234567") is None and ring.owner("Basic x") is None
+
+
+def test_the_command_refuses_to_serve_without_keys(run_cli: Callable[..., Result],
+                                                   tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(KEYS_ENV, raising=False)
+    res = run_cli("api", "--files-dir", str(tmp_path / "files"), code=2)
+    assert "no API keys" in res.stderr
