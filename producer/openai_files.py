@@ -168,13 +168,16 @@ _PARAM = re.compile(r"field '([^']*)' ")
 
 def read_batch_file(path: str | Path, base: JobOptions, *, spool: Path,
                     skip_bad: bool = False, job_size: int = JOB_ITEMS,
-                    models: ModelPolicy | None = None) -> BatchFile:
+                    models: ModelPolicy | None = None, paths: bool = True) -> BatchFile:
     """read_manifest for an OpenAI Batch file, streamed line by line (a data: image goes
-    to `spool`, a folder the caller removes after the enqueue, never into memory twice)."""
+    to `spool`, a folder the caller removes after the enqueue, never into memory twice).
+    paths=False refuses file:// images: `vlmq api` reads files its callers uploaded,
+    whose paths would name the server's own files."""
     batch = Path(path)
     ids: dict[int, str] = {}
     names: dict[int, str] = {}
-    parse = functools.partial(parse_request, folder=batch.parent, spool=spool,
+    parse = functools.partial(parse_request, folder=batch.parent if paths else None,
+                              spool=spool,
                               models=models or ModelPolicy(), ids=ids, names=names)
     groups, rejected = read_manifest(batch, base, skip_bad=skip_bad, job_size=job_size,
                                      parse=parse, max_line_bytes=MAX_LINE_BYTES)
@@ -200,7 +203,7 @@ def read_openai_batch(path: str | Path, base: JobOptions, *, spool: Path,
     return read.groups, read.rejected
 
 
-def parse_request(number: int, text: str, *, folder: Path, spool: Path,
+def parse_request(number: int, text: str, *, folder: Path | None, spool: Path,
                   models: ModelPolicy | None = None, ids: dict[int, str] | None = None,
                   names: dict[int, str] | None = None) -> Request:
     """One line as a manifest Request; PayloadError names the field (body.messages[0]...).
@@ -325,7 +328,7 @@ def _task(value: Any) -> tuple[str, dict[str, Any] | None]:
     return "extract", schema
 
 
-def _item_input(image: tuple[str, str] | None, number: int, folder: Path, spool: Path
+def _item_input(image: tuple[str, str] | None, number: int, folder: Path | None, spool: Path
                 ) -> tuple[Path | None, str | None, str]:
     """(file, source, field) of the line's item: its image, or none for a text item."""
     if image is None:
@@ -452,15 +455,19 @@ def _stop(value: Any) -> tuple[str, ...] | None:
     return stop
 
 
-def _input(url: str, field: str, number: int, folder: Path, spool: Path
+def _input(url: str, field: str, number: int, folder: Path | None, spool: Path
            ) -> tuple[Path, str | None]:
-    """The image's file, and its item source (None: the path itself)."""
+    """The image's file, and its item source (None: the path itself). No folder: file://
+    paths are refused (read_batch_file's paths=False)."""
     scheme = url[:8].lower()
     if scheme.startswith(("http://", "https://")):
         raise PayloadError(field, WEB_REFUSED)
     if scheme.startswith("data:"):
         return _spooled(url, field, number, spool)
     if scheme.startswith("file://"):
+        if folder is None:
+            raise PayloadError(field, "file:// paths are refused here: inline the image "
+                                      "as a data: URI")
         name = unquote(url[len("file://"):])
         if name.startswith("localhost/"):
             name = name[len("localhost"):]

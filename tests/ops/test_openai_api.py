@@ -98,16 +98,20 @@ def test_bad_file_fails_with_numbered_lines(app: Flask, tmp_path: Path) -> None:
     good = T.line("ok", T.data_uri(0))
     bad = json.loads(good)
     bad["body"]["messages"][0]["content"][1]["image_url"]["url"] = "https://x/y.png"
+    local = json.loads(good)  # a path would name the server's own files
+    local["body"]["messages"][0]["content"][1]["image_url"]["url"] = "file:///etc/hostname"
     path.write_text(good + json.dumps({**bad, "custom_id": "web"}) + "\n" + good.replace(
-        '"ok"', '"n"') + '{"custom_id": "z", "method": "GET"}\n')
+        '"ok"', '"n"') + '{"custom_id": "z", "method": "GET"}\n'
+                    + json.dumps({**local, "custom_id": "local"}) + "\n")
     made = api.files.create(file=path, purpose="batch")
     batch = settled(api, api.batches.create(input_file_id=made.id,
                                             endpoint="/v1/chat/completions",
                                             completion_window="24h").id)
     assert batch.status == "failed" and batch.failed_at is not None
     assert batch.errors is not None and batch.errors.data is not None
-    assert [e.line for e in batch.errors.data] == [2, 4]
+    assert [e.line for e in batch.errors.data] == [2, 4, 5]
     assert "never fetches" in (batch.errors.data[0].message or "")
+    assert "file:// paths are refused" in (batch.errors.data[2].message or "")
     assert batch.errors.data[0].param and "image_url" in batch.errors.data[0].param
 
 

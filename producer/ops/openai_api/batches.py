@@ -142,7 +142,8 @@ class Batches:
         key = self.keys.api_batch(batch_id)
         try:
             read = read_batch_file(path, JobOptions.build(labels={LABEL: batch_id}),
-                                   spool=self.spool, skip_bad=True, models=self.models)
+                                   spool=self.spool, skip_bad=True, models=self.models,
+                                   paths=False)
             if read.skipped:
                 self._fail(batch_id, [{"code": "invalid_request", "message": s.reason,
                                        "param": s.param, "line": s.line}
