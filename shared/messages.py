@@ -161,6 +161,8 @@ class ItemResult:
     repetition: str | None = None  # what the repetition guard did (cut, retried), if anything
     # True when the text came from the shared result cache: nothing was generated.
     result_cache_hit: bool = False
+    # Prompt tokens a cached prefix spared this item's prefill; > 0 is a prefix hit.
+    prefix_tokens: int = 0
     # Where `text` came from: the model, or the PDF page's own text layer ("text_layer":
     # with text_layer prefer, or fallback after the model failed the page).
     text_source: str = TEXT_FROM_MODEL
@@ -230,6 +232,7 @@ class ItemResult:
             custom_id=None if raw.get("custom_id") is None else str(raw["custom_id"]),
             repetition=raw.get("repetition"),
             result_cache_hit=bool(raw.get("result_cache_hit")),
+            prefix_tokens=int(raw.get("prefix_tokens") or 0),
             text_source=str(raw.get("text_source") or TEXT_FROM_MODEL),
             model_error=raw.get("model_error"),
             model_text=raw.get("model_text"),
@@ -246,7 +249,7 @@ FINISH_STOP = "stop"
 STORED_DEFAULTS: tuple[tuple[str, Any], ...] = (
     ("page", None), ("text", None), ("finish_reason", FINISH_STOP), ("prompt_tokens", 0),
     ("completion_tokens", 0), ("vision_cache_hit", False), ("error", None),
-    ("timings", {}), ("custom_id", None), ("result_cache_hit", False))
+    ("timings", {}), ("custom_id", None), ("result_cache_hit", False), ("prefix_tokens", 0))
 # Decimal places of the stored timings: 1 ms.
 STORED_TIMING_DIGITS = 3
 
@@ -264,14 +267,26 @@ class JobSummary:
     cache_hits: int
     labels: Mapping[str, str] = field(default_factory=dict)  # the job's own, echoed back
     result_cache_hits: int = 0  # items answered from the shared result cache
+    # Items that started from a cached prefix, and the prompt tokens that spared the prefill.
+    prefix_hits: int = 0
+    prefix_tokens_skipped: int = 0
     # Items with text, by where it came from ({"model": 48, "text_layer": 52}).
     text_sources: Mapping[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
+        """The summary; the prefix counts only when not 0 (absent means 0): a finished job
+        keeps its summary twice, in its end's fields and JSON, for its whole result_ttl."""
         out = asdict(self)
         out["labels"] = dict(self.labels)
         out["text_sources"] = dict(self.text_sources)
+        for name in SUMMARY_LEFT_OUT_AT_0:
+            if not out[name]:
+                del out[name]
         return out
+
+
+# JobSummary keys left out while 0 (PROTOCOL.md section 6).
+SUMMARY_LEFT_OUT_AT_0 = ("prefix_hits", "prefix_tokens_skipped")
 
 
 # --- validation -------------------------------------------------------------------------

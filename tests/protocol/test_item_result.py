@@ -22,18 +22,21 @@ RESULT = ItemResult(index=3, source="scan.pdf", page=2, text="Zeile eins — 文
                     custom_id="req-17")
 DOCUMENTED = {"index", "source", "page", "text", "finish_reason", "prompt_tokens",
               "completion_tokens", "vision_cache_hit", "error", "timings", "custom_id",
-              "result_cache_hit"}
+              "result_cache_hit", "prefix_tokens"}
 # What a reader in any language fills in for an absent key (PROTOCOL.md section 4).
 READ_DEFAULTS = {"page": None, "text": None, "finish_reason": "stop", "prompt_tokens": 0,
                  "completion_tokens": 0, "vision_cache_hit": False, "error": None,
-                 "timings": {}, "custom_id": None, "result_cache_hit": False}
+                 "timings": {}, "custom_id": None, "result_cache_hit": False,
+                 "prefix_tokens": 0}
 
 
 def test_the_stored_form_leaves_out_every_default() -> None:
     wire = RESULT.to_json()
     data = json.loads(wire)
-    # finish_reason "stop", error null and result_cache_hit false are their defaults
-    assert set(data) == DOCUMENTED - {"finish_reason", "error", "result_cache_hit"}
+    # finish_reason "stop", error null, result_cache_hit false and prefix_tokens 0 are
+    # their defaults
+    assert set(data) == DOCUMENTED - {"finish_reason", "error", "result_cache_hit",
+                                      "prefix_tokens"}
     assert data["timings"] == {"queue_s": 0.012, "generate_s": 1.988}  # ms; 0 left out
     assert ", " not in wire and '": ' not in wire
     assert "文字" in wire  # UTF-8, not \\u escapes

@@ -1,8 +1,10 @@
 """Prefix reuse through a real `vlmq worker` and Redis: two jobs with the same image in one
-window prefill its prefix once, and --prefix-cache-mb 0 turns reuse off. Counts tokens."""
+window prefill its prefix once, and --prefix-cache-mb 0 turns reuse off. Counts tokens, in
+the worker's stats hash, each item result and each job's summary."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,19 @@ def test_two_jobs_of_one_image_prefill_its_prefix_once(
     else:
         assert s["prefix_hits"] == 1 and 0 < s["prefix_tokens_skipped"] < n
         assert s["prefill_tokens"] == 2 * n - s["prefix_tokens_skipped"]
+    # Each job's summary sums its items' prefix_tokens (its counts absent while 0): the one
+    # hit is the job whose item came second, and the two jobs count what the worker did.
+    items = {job.id: (a, b)[i] for i, job in enumerate(jobs)}
+    summaries = {job.id: job.summary() or {} for job in jobs}
+    for jid, res in items.items():
+        m = summaries[jid]
+        assert m["items"] == 1 and m.get("prefix_hits", 0) == (res.prefix_tokens > 0), m
+        assert m.get("prefix_tokens_skipped", 0) == res.prefix_tokens, m
+        assert ("prefix_hits" in m) == ("prefix_tokens_skipped" in m) == (res.prefix_tokens > 0)
+    assert sorted(r.prefix_tokens for r in items.values()) == [0, s["prefix_tokens_skipped"]]
+    assert sum(m.get("prefix_hits", 0) for m in summaries.values()) == s["prefix_hits"]
+    # The stored result spells prefix_tokens out only on a hit (0 is its default).
+    stored = [json.loads(redis.hget(Keys().job_items(jid), "0") or b"{}") for jid in items]
+    assert sorted(m.get("prefix_tokens", 0) for m in stored) == \
+        [0, s["prefix_tokens_skipped"]]
+    assert sum("prefix_tokens" in m for m in stored) == s["prefix_hits"]

@@ -27,6 +27,7 @@ class Tally:
     vision_cache_hit: bool
     result_cache_hit: bool
     text_source: str | None = None  # where its text came from; None: it has none
+    prefix_tokens: int = 0  # prompt tokens a cached prefix spared its prefill
 
 
 @dataclass(kw_only=True, eq=False)

@@ -51,7 +51,7 @@ def finished_result(state: Running, idx: int, f: Finished, prep_s: float,
         prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens,
         vision_cache_hit=f.vision_cache_hit, error=f.error, timings=timings,
         custom_id=item.custom_id, repetition=f.repetition,
-        json=None if f.error else f.json,
+        json=None if f.error else f.json, prefix_tokens=f.prefix_tokens,
         # What a cut answer (an extract's JSON at max_tokens) held: never `text`, which
         # a failed item has none of; the OpenAI output shows it with finish_reason length.
         model_text=(f.text or None) if f.error and f.finish_reason in CUT else None)
@@ -247,7 +247,7 @@ class ResultWriter:
                   from_memory=False)
 
     def _summary(self, state: Running, tallies: Iterable[Tally]) -> JobSummary:
-        ok = failed = prompt = completion = hits = cached = 0
+        ok = failed = prompt = completion = hits = cached = prefix_hits = skipped = 0
         sources: dict[str, int] = {}
         for t in tallies:
             if t.text_source is not None:
@@ -258,10 +258,13 @@ class ResultWriter:
             completion += t.completion_tokens
             hits += t.vision_cache_hit
             cached += t.result_cache_hit
+            prefix_hits += t.prefix_tokens > 0
+            skipped += t.prefix_tokens
         return JobSummary(items=state.total, ok=ok, failed=failed, prompt_tokens=prompt,
                           completion_tokens=completion, wall_s=self._whole_job_wall_s(state),
                           cache_hits=hits, labels=dict(state.payload.labels),
-                          result_cache_hits=cached, text_sources=sources)
+                          result_cache_hits=cached, text_sources=sources,
+                          prefix_hits=prefix_hits, prefix_tokens_skipped=skipped)
 
     def _end(self, ends: list[tuple[Running, JobSummary]], *, from_memory: bool) -> None:
         whys = self.lifecycle.succeed_many([(s, summary.to_dict()) for s, summary in ends],
@@ -309,7 +312,8 @@ class ResultWriter:
 
 def _tally(res: ItemResult) -> Tally:
     return Tally(res.ok, res.prompt_tokens, res.completion_tokens, res.vision_cache_hit,
-                 res.result_cache_hit, None if res.text is None else res.text_source)
+                 res.result_cache_hit, None if res.text is None else res.text_source,
+                 res.prefix_tokens)
 
 
 def _span(indexes: list[int]) -> str:
