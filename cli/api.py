@@ -85,7 +85,8 @@ def api_cmd(ctx: click.Context, redis_url: str | None, host: str, port: int,
     try:
         waitress.serve(app, host=host, port=port, threads=SERVER_THREADS, ident="vlmq",
                        channel_timeout=CHANNEL_TIMEOUT_S * 6, connection_limit=_connection_limit(),
-                       max_request_body_size=app.config["MAX_CONTENT_LENGTH"],
+                       # Past Flask's own limit, so Flask answers 413 in OpenAI's shape.
+                       max_request_body_size=app.config["MAX_CONTENT_LENGTH"] + (1 << 20),
                        asyncore_use_poll=True)
     finally:
         stop.set()
