@@ -207,6 +207,11 @@ if ARGV[2] == 'finished' then
   if ttl > 0 then redis.call('EXPIRE', end_key, ttl) else redis.call('PERSIST', end_key) end
 else
   redis.call('HSET', KEYS[1], 'vlmq_end', cjson.encode(kept))
+  -- RQ gives a canceled job's hash no lifetime (a failed one has failure_ttl): it is kept
+  -- as long as its items, then counted out by whoever meets it gone (section 8b).
+  if ARGV[2] == 'canceled' and ttl > 0 and redis.call('PTTL', KEYS[1]) == -1 then
+    redis.call('EXPIRE', KEYS[1], ttl)
+  end
 end
 redis.call('EXPIRE', KEYS[2], LIMITS.ended_events_s)
 -- The failed-items set (write_items.lua) lives exactly as long as the items hash.
