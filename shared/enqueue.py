@@ -99,30 +99,20 @@ def enqueue(redis: Redis, payload: JobPayload, *, queue: str, job_id: str | None
     so no job can hold it: it is not checked, and it may go in a pipeline (three round
     trips fewer per job of a large set).
     """
-    check_queue_name(queue)
-    if job_id is not None:
-        check_job_id(job_id)
-    watched = job_id is not None and not fresh_id
-    if watched and pipeline is not None:
-        raise ValueError("enqueue: job_id cannot be combined with a pipeline (the id is "
-                         "checked for uniqueness atomically, outside any pipeline)")
+    watched = _checked_id(queue, job_id, fresh_id=fresh_id, pipelined=pipeline is not None)
     keys = keys or Keys.from_env()
     pipe = pipeline if pipeline is not None else redis.pipeline(transaction=True)
     try:
-        if watched and job_id is not None:
-            pipe.watch(Keys.rq_job(job_id), keys.job_items(job_id))  # type: ignore[no-untyped-call]
-            if pipe.exists(Keys.rq_job(job_id), keys.job_items(job_id)):
-                raise PayloadError("job_id", f"a job with id {job_id} already exists")
+        if watched is not None:
+            pipe.watch(Keys.rq_job(watched), keys.job_items(watched))  # type: ignore[no-untyped-call]
+            if pipe.exists(Keys.rq_job(watched), keys.job_items(watched)):
+                raise PayloadError("job_id", f"a job with id {watched} already exists")
         if pipeline is None:
             pipe.multi()
         job = _enqueue_on(pipe, redis, payload, queue=queue, job_id=job_id, timeout=timeout,
                           result_ttl=result_ttl, failure_ttl=failure_ttl, wire=wire)
         jid = str(job.id)
-        job_index.add(redis, keys, jid, job_index.meta_of(
-            payload, queue, job_index.us_of(job.created_at)), pipeline=pipe)
-        BlobStore(redis, keys, ttl_s=int(payload.get("blob_ttl"))).hold(
-            jid, (i.blob for i in payload.items if i.blob is not None),
-            keep_s=int(payload.get("keep_inputs")), pipeline=pipe)
+        _index_and_hold(redis, keys, jid, payload, queue, job, pipe)
         if pipeline is None:
             pipe.execute()
     except WatchError as exc:
@@ -131,6 +121,29 @@ def enqueue(redis: Redis, payload: JobPayload, *, queue: str, job_id: str | None
         if pipeline is None:
             pipe.reset()
     return jid
+
+
+def _checked_id(queue: str, job_id: str | None, *, fresh_id: bool,
+                pipelined: bool) -> str | None:
+    """Checks the names; returns the id to WATCH (a caller-chosen id that is not fresh)."""
+    check_queue_name(queue)
+    if job_id is not None:
+        check_job_id(job_id)
+    watched = job_id if job_id is not None and not fresh_id else None
+    if watched is not None and pipelined:
+        raise ValueError("enqueue: job_id cannot be combined with a pipeline (the id is "
+                         "checked for uniqueness atomically, outside any pipeline)")
+    return watched
+
+
+def _index_and_hold(redis: Redis, keys: Keys, jid: str, payload: JobPayload, queue: str,
+                    job: Job, pipe: Pipeline) -> None:
+    """The job's index entries and its hold on its input blobs, in the enqueue's MULTI."""
+    job_index.add(redis, keys, jid, job_index.meta_of(
+        payload, queue, job_index.us_of(job.created_at)), pipeline=pipe)
+    BlobStore(redis, keys, ttl_s=int(payload.get("blob_ttl"))).hold(
+        jid, (i.blob for i in payload.items if i.blob is not None),
+        keep_s=int(payload.get("keep_inputs")), pipeline=pipe)
 
 
 def _enqueue_on(pipe: Pipeline, redis: Redis, payload: JobPayload, *, queue: str,
