@@ -28,6 +28,8 @@ def test_wheel_installs_the_vlmq_packages_only_and_runs_without_mlx(tmp_path: Pa
                    "vlmq/media/opener.py", "vlmq/media/py.typed", "vlmq/stores/backends.py",
                    "vlmq/producer/samples/document.pdf", "vlmq/producer/samples/reader.pdf",
                    "vlmq/producer/samples/reader.json", "vlmq/worker/model/reader/train.py",
+                   "vlmq/worker/model/reader/weights/model.safetensors",
+                   "vlmq/worker/model/reader/weights/tokenizer.json",
                    "vlmq/producer/ops/dashboard/templates/job.html",
                    "vlmq/producer/ops/dashboard/static/style.css"):
         assert needed in names
