@@ -4,8 +4,7 @@ Every other model vlmq builds offline has random weights, so nothing that depend
 what the model *sees* (rotation, page order, scaling, the chat template) can be
 tested with them. This one reads short rendered pages (`data.py` says exactly which),
 so tests and the demo can measure a character error rate. `train.py` makes it;
-`weights/` is where its checkpoint goes, in the mlx-vlm format `mlx_vlm.load` reads
-(none ships yet: issue 33 waits on a run that meets its CER targets).
+`weights/` is the checkpoint it made, in the mlx-vlm format `mlx_vlm.load` reads.
 """
 
 from __future__ import annotations
