@@ -33,6 +33,8 @@ def __getattr__(name: str) -> Any:
 
 
 def sample_files() -> dict[str, Path]:
-    """The bundled demo inputs (a 3-page PDF and 3 images), name -> path on disk."""
+    """The bundled demo inputs (a 3-page PDF and 3 images), name -> path on disk; the
+    reader's own pages (reader*, `vlmq demo --model reader`) are not among them."""
     root = Path(str(resources.files("vlmq.producer").joinpath("samples")))
-    return {p.name: p for p in sorted(root.iterdir()) if p.is_file() and p.name[0] != "."}
+    return {p.name: p for p in sorted(root.iterdir())
+            if p.is_file() and p.name[0] != "." and not p.name.startswith("reader")}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +23,13 @@ from vlmq.worker.redis_server import start_private
 
 # Before any test imports MLX: the same BLAS a default worker picks ($VLMQ_BLAS, else auto).
 blas.select()
+
+# pytest-xdist's worker processes start with SIGINT ignored, and an ignored signal stays
+# ignored across exec: every process a test starts would then ignore Ctrl-C, and Python
+# would not even install its KeyboardInterrupt handler. Caught here, it is default again
+# in children, as in a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 REDIS_BASE = os.environ.get("VLMQ_TEST_REDIS", "redis://127.0.0.1:6379")
 # Tests own these db indexes: a test claims a free one (so two test runs on one Redis

@@ -418,6 +418,10 @@ class _Engine:
     kv_budget: int = 0
     batch_limit: int = 0
     batch_reason: str = ""
+    prefix_hits: int = 0
+    prefix_tokens_skipped: int = 0
+    prefill_tokens: int = 0
+    prefix_bytes: int = 0
 
 
 def _worker_scrape(metrics: WorkerMetrics) -> dict[str, tuple[str, list[Sample]]]:
