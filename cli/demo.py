@@ -2,10 +2,11 @@
 
 Enqueue the bundled sample, run a burst worker, print results and stats; then run the
 same jobs again on a restarted worker to show the disk cache turning every image into a
-hit. The general sample is a multi-page PDF for OCR and a few images for captioning;
-with no --model it runs on the tiny random-weight model. `--model reader` runs the tiny
-reader being trained here (worker/model/reader, issue 33) on its own sample pages and
+hit. With no --model (or `--model reader`) it runs the tiny reader trained here
+(worker/model/reader) on its own sample pages (a 3-page typed PDF and two images) and
 prints what it read beside the text rendered there, with the character error rate.
+`--model tiny` runs the tiny random-weight model, any other --model the general sample
+(a multi-page PDF for OCR, a few images for captioning).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from vlmq.worker.redis_server import PrivateRedis, answers, start_private
 DEMO_QUEUE_PREFIX = "vlmq-demo-"
 TINY_MAX_SIDE = 224
 TINY_MAX_TOKENS = 24
-READER = "reader"  # --model reader: the tiny reader (worker/model/reader)
+READER = "reader"  # the default: the tiny reader (worker/model/reader)
+TINY = "tiny"  # the tiny random-weight model
 READER_MAX_TOKENS = 96
 
 
@@ -142,13 +144,13 @@ def run_demo(*, redis_url: str | None, model: str | None, max_batch: int) -> int
                    f"at {private.url} for this demo")
         url = private.url
     try:
-        tiny, reading = model is None, model == READER
+        tiny, reading = model == TINY, model in (None, READER)
         truth = None
         if tiny:
             from vlmq.worker.model.tiny import build_tiny_model
 
             model = str(build_tiny_model(default_cache_dir() / "models" / "tiny-qwen2_vl"))
-            click.secho("NOTE: no --model given, so this demo uses a tiny model with RANDOM "
+            click.secho("NOTE: --model tiny: a tiny model with RANDOM "
                         "weights that vlmq builds offline: its text is gibberish by design. "
                         "It shows the queue, the batching and the cache, not a model.",
                         fg="yellow")
@@ -158,9 +160,10 @@ def run_demo(*, redis_url: str | None, model: str | None, max_batch: int) -> int
 
             model = str(reader.weights_dir())
             truth = sample_truth()
-            click.secho("NOTE: --model reader: vlmq's tiny reader, a 3 M-parameter qwen2_vl "
-                        "trained here to read one printed line of capitals and digits "
-                        "(nothing else).", fg="yellow")
+            click.secho("NOTE: no --model given, so this demo uses vlmq's tiny reader: a "
+                        "3 M-parameter qwen2_vl trained here to read one printed line of "
+                        "capitals and digits (nothing else). --model picks a real one.",
+                        fg="yellow")
         assert model is not None
         with tempfile.TemporaryDirectory(prefix="vlmq-demo-cache-") as cache_dir:
             rounds = []

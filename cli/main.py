@@ -255,8 +255,8 @@ def _start_scheduler(*args: Any, **kwargs: Any) -> Any:
 
 @main.command("demo")
 @click.option("--model", default=None,
-              help="Model to use (default: build the tiny random-weight model; reader: the "
-                   "tiny reader of worker/model/reader).")
+              help="Model to use (default: the tiny reader trained here, worker/model/reader; "
+                   "tiny: the tiny random-weight model).")
 @click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True)
 @click.pass_context
 def demo_cmd(ctx: click.Context, model: str | None, max_batch: int) -> None:
