@@ -16,6 +16,19 @@ PROMPT = "Extract the fields of this document as JSON."
 MAX_TOKENS = 220
 
 
+def run(engine: Engine, reqs: list[Request], timeout: float) -> dict[object, Finished]:
+    """Submits every request and collects each one's Finished, by key."""
+    for r in reqs:
+        engine.submit(r)
+    got: dict[object, Finished] = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < len(reqs) and time.monotonic() < deadline:
+        for f in engine.get_finished(timeout=0.2):
+            got[f.key] = f
+    assert len(got) == len(reqs), f"{len(got)}/{len(reqs)} came back"
+    return got
+
+
 class Rig:
     """One model loaded in an engine at `max_batch`, and what builds its requests."""
 
@@ -36,15 +49,7 @@ class Rig:
                        constraint=None if schema is None else self.structured.row(schema))
 
     def run(self, reqs: list[Request], timeout: float = 120) -> dict[object, Finished]:
-        for r in reqs:
-            self.engine.submit(r)
-        got: dict[object, Finished] = {}
-        deadline = time.monotonic() + timeout
-        while len(got) < len(reqs) and time.monotonic() < deadline:
-            for f in self.engine.get_finished(timeout=0.2):
-                got[f.key] = f
-        assert len(got) == len(reqs), f"{len(got)}/{len(reqs)} came back"
-        return got
+        return run(self.engine, reqs, timeout)
 
     def close(self) -> None:
         self.engine.close(timeout=10)

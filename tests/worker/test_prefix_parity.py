@@ -5,12 +5,12 @@ while its row waits only costs a full prefill. Counts tokens and bytes, never ti
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support import engine_rig
 from tests.support.factories import random_image
 from vlmq.worker.engine import mlx_adapter as A
 from vlmq.worker.engine import prefix_cache
@@ -51,15 +51,7 @@ class Bench:
                        constraint=constraint)
 
     def run(self, reqs: list[Request], timeout: float = 180) -> dict[object, Finished]:
-        for r in reqs:
-            self.engine.submit(r)
-        got: dict[object, Finished] = {}
-        deadline = time.monotonic() + timeout
-        while len(got) < len(reqs) and time.monotonic() < deadline:
-            for f in self.engine.get_finished(timeout=0.2):
-                got[f.key] = f
-        assert len(got) == len(reqs), f"{len(got)}/{len(reqs)} came back"
-        return got
+        return engine_rig.run(self.engine, reqs, timeout)
 
     def close(self) -> None:
         self.engine.close(timeout=10)
