@@ -115,9 +115,11 @@ def rows(size: dict[str, int], p: dict[str, dict[str, Any]], b: dict[str, float]
         [f"first job queued, {pages['pages']:,}-page set by reference",
          f"{first:.2f} s (all: {pages['all_s']:.1f} s)" if first is not None else "-",
          "< 1 s", _mark(first is not None and first < 1)],
-        [f"`vlmq jobs --limit 20` wall at {s['queued']:,} jobs",
-         f"{s['jobs_cli_s']:.2f} s (`vlmq --help`: {s['help_cli_s']:.2f} s)",
-         "start-up < 0.15 s", _mark(s["help_cli_s"] < 0.15)],
+        ["`vlmq --help` wall (start-up, no command module)", f"{s['help_cli_s']:.2f} s",
+         "< 0.15 s", _mark(s["help_cli_s"] < 0.15)],
+        # The whole listing command: redis-py's own import is most of it.
+        [f"`vlmq jobs --limit 20` wall at {s['queued']:,} jobs", f"{s['jobs_cli_s']:.2f} s",
+         "< 0.15 s", _mark(s["jobs_cli_s"] < 0.15)],
         ["producer peak RSS (MB)", f"refs {refs['rss_mb']:.0f}, pages {pages['rss_mb']:.0f}, "
          f"upload {up['rss_mb']:.0f}", "bounded by a few jobs", ""],
     ]
