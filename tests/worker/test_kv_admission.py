@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from tests.support import engine_rig
 from vlmq.worker.engine import mlx_adapter as A
-from vlmq.worker.engine.batcher import Engine, Finished, Request, kv_budget
+from vlmq.worker.engine.batcher import Engine, Request, kv_budget
 
 
 def _prepared(tiny_model: Path, n: int) -> list[A.Prepared]:
@@ -26,17 +26,6 @@ def _prepared(tiny_model: Path, n: int) -> list[A.Prepared]:
     return out
 
 
-def _run(engine: Engine, reqs: list[Request], timeout: float = 120) -> dict[object, Finished]:
-    for r in reqs:
-        engine.submit(r)
-    got: dict[object, Finished] = {}
-    deadline = time.monotonic() + timeout
-    while len(got) < len(reqs) and time.monotonic() < deadline:
-        for f in engine.get_finished(timeout=0.2):
-            got[f.key] = f
-    assert len(got) == len(reqs)
-    return got
-
 
 def test_admission_keeps_kv_in_flight_under_the_budget(tiny_model: Path,
                                                        caplog: pytest.LogCaptureFixture) -> None:
@@ -50,7 +39,7 @@ def test_admission_keeps_kv_in_flight_under_the_budget(tiny_model: Path,
         engine.wait_ready(timeout=60)
         reqs = [Request(key=i, prepared=p, cached_features=None, max_tokens=12, temperature=0.0,
                         stop=()) for i, p in enumerate(preps)]
-        got = _run(engine, reqs)
+        got = engine_rig.run(engine, reqs, 120)
         assert all(f.error is None for f in got.values())
         assert engine.state.peak_kv_in_flight <= budget
         assert engine.state.peak_active == 2  # the batch had 6 rows, the budget allowed 2
@@ -63,7 +52,7 @@ def test_admission_keeps_kv_in_flight_under_the_budget(tiny_model: Path,
         small = Request(key="small", prepared=preps[1], cached_features=None,
                         max_tokens=4, temperature=0.0, stop=())
         engine.state.peak_active = 0
-        got = _run(engine, [big, small])
+        got = engine_rig.run(engine, [big, small], 120)
         assert got["big"].error is None and got["small"].error is None
         assert engine.state.peak_active == 1
         assert "over the --max-kv-tokens budget" in caplog.text

@@ -34,7 +34,12 @@ from vlmq.producer.openai_files import (
 )
 from vlmq.producer.ops.openai_api import outputs
 from vlmq.producer.ops.openai_api.errors import ApiError, not_found
-from vlmq.producer.ops.openai_api.files import ERRORS_PREFIX, OUTPUT_PREFIX, FileStore
+from vlmq.producer.ops.openai_api.files import (
+    ERRORS_PREFIX,
+    OUTPUT_PREFIX,
+    FileStore,
+    page_start,
+)
 from vlmq.producer.options import JobOptions
 from vlmq.shared.errors import VlmqError
 from vlmq.shared.keys import BATCH_ID_PREFIX
@@ -291,12 +296,7 @@ class Batches:
              ) -> tuple[list[dict[str, Any]], bool]:
         """The caller's batches, newest first, after `after`."""
         index = self.keys.api_batches(owner)
-        start = 0
-        if after:
-            rank: Any = self.redis.zrevrank(index, after)
-            if rank is None:
-                raise not_found("batch", after)
-            start = int(rank) + 1
+        start = page_start(self.redis, index, after, "batch")
         members: Any = self.redis.zrevrange(index, start, start + limit)
         ids = [as_str(m) for m in members]
         page: list[dict[str, Any]] = []

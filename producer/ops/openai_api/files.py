@@ -52,6 +52,17 @@ def file_object(file_id: str, size: int, created_at: int, filename: str,
             "status_details": None, "expires_at": None}
 
 
+def page_start(redis: Redis, index: str, after: str | None, kind: str) -> int:
+    """Where a newest-first page of an owner's index starts: just past `after` (OpenAI's
+    cursor), 0 without one; an `after` not in the index is a 404 of that kind."""
+    if not after:
+        return 0
+    rank: Any = redis.zrevrank(index, after)
+    if rank is None:
+        raise not_found(kind, after)
+    return int(rank) + 1
+
+
 class FileStore:
     """The folder and the metadata, together: one upload is one file and one hash."""
 
@@ -109,12 +120,7 @@ class FileStore:
              purpose: str | None) -> tuple[list[StoredFile], bool]:
         """The caller's files, newest first, after `after`; (page, more after it)."""
         index = self.keys.api_files(owner)
-        start = 0
-        if after:
-            rank: Any = self.redis.zrevrank(index, after)
-            if rank is None:
-                raise not_found("file", after)
-            start = int(rank) + 1
+        start = page_start(self.redis, index, after, "file")
         found: list[StoredFile] = []
         more = False
         members: Any = self.redis.zrevrange(index, start, -1)
