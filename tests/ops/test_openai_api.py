@@ -92,6 +92,25 @@ def test_upload_create_and_read_back(app: Flask, tmp_path: Path, redis_url: str)
     client.close()
 
 
+def test_listings_page_with_the_after_cursor(app: Flask, tmp_path: Path) -> None:
+    api = sdk(app)
+    made = {api.files.create(file=T.batch_file(tmp_path / f"in{n}.jsonl", 1),
+                             purpose="batch").id for n in range(3)}
+    seen: list[str] = []
+    after: str | None = None
+    for _ in range(3):
+        page = api.files.list(limit=1, **({"after": after} if after else {}))
+        assert len(page.data) == 1
+        after = page.data[0].id
+        seen.append(after)
+    assert sorted(seen) == sorted(made)  # each once, one a page
+    assert api.files.list(after=after).data == []
+    with pytest.raises(openai.NotFoundError):
+        api.files.list(after="file-unknown")
+    with pytest.raises(openai.NotFoundError):
+        api.batches.list(after="batch_unknown")
+
+
 def test_bad_file_fails_with_numbered_lines(app: Flask, tmp_path: Path) -> None:
     api = sdk(app)
     path = tmp_path / "bad.jsonl"
