@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
 from rq import Worker
@@ -21,15 +21,11 @@ from rq.job import Job as RQJob
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from vlmq.producer import job_sets as batches
-from vlmq.producer import stream_sets
+from vlmq.producer.defaults import DEFAULT_MAX_PENDING_MB, JOB_ITEMS
 from vlmq.producer.errors import JobNotFound
-from vlmq.producer.inputs import Prepared, prepare
 from vlmq.producer.ops import job_admin as manage
 from vlmq.producer.options import JOB_FIELDS, JobOptions
-from vlmq.producer.page_specs import PageSpec
 from vlmq.producer.progress import ProgressBar, ProgressLines, display
-from vlmq.producer.upload import DEFAULT_MAX_PENDING_MB, Uploader
 from vlmq.shared import constants as C
 from vlmq.shared import extract_schema as json_schema
 from vlmq.shared import redis_checks
@@ -56,7 +52,16 @@ from vlmq.shared.messages import ItemResult, JobPayload
 from vlmq.shared.redis_text import as_str
 from vlmq.shared.results import count_done, read_end, read_items
 from vlmq.shared.urls import redact_url
-from vlmq.stores.backends import Stores
+
+# The enqueue side (file checks, Pillow and PDFium through them, uploads, sets, stores) is
+# imported by the methods that enqueue: a listing through the client pays for none of it
+# (issue 28's start time; tests/ops/test_cli_start.py).
+if TYPE_CHECKING:
+    from vlmq.producer import job_sets as batches
+    from vlmq.producer.inputs import Prepared
+    from vlmq.producer.page_specs import PageSpec
+    from vlmq.producer.upload import Uploader
+    from vlmq.stores.backends import Stores
 
 __all__ = ["DEFAULT_REDIS_URL", "Client", "Job", "JobFailed", "JobNotFound",
            "RedisUnreachable", "WaitTimeout", "check_redis_url", "follow_batch", "redact_url",
@@ -149,19 +154,33 @@ class Client:
         self.redis = connect(self.redis_url)
         self.keys = Keys(prefix) if prefix is not None else Keys.from_env()
         self.blobs = BlobStore(self.redis, self.keys)
-        self.uploads = Uploader(self.redis, self.keys, max_pending_mb=max_pending_mb,
-                                progress=progress, wait_timeout=wait_timeout)
+        self._upload_settings: dict[str, Any] = {
+            "max_pending_mb": max_pending_mb, "progress": progress,
+            "wait_timeout": wait_timeout}
+        self._uploads: Uploader | None = None
+
+    @property
+    def uploads(self) -> Uploader:
+        """This producer's upload budget, made by the first enqueue that needs it."""
+        if self._uploads is None:
+            from vlmq.producer.upload import Uploader
+
+            self._uploads = Uploader(self.redis, self.keys, **self._upload_settings)
+        return self._uploads
 
     @property
     def stores(self) -> Stores:
         """Read from the environment only when an enqueue needs them: a bad VLMQ_STORES
         must not break `vlmq status`."""
         if self._stores is None:
+            from vlmq.stores.backends import Stores
+
             self._stores = Stores.from_env()
         return self._stores
 
     def close(self) -> None:
-        self.uploads.close()
+        if self._uploads is not None:
+            self._uploads.close()
         self.redis.close()
 
     def __enter__(self) -> Client:
@@ -219,6 +238,8 @@ class Client:
         made for a batch it is enqueueing (producer/job_sets.py, stream_sets.py), whose
         queue it checked once for the set: neither is checked again per job.
         """
+        from vlmq.producer.inputs import Prepared, prepare
+
         if task not in C.TASKS:
             raise PayloadError("task", f"must be one of {list(C.TASKS)}, got {task!r}")
         opts = options if options is not None else JobOptions()
@@ -250,11 +271,15 @@ class Client:
     def submit_set(self, task: str, inputs: Inputs | Prepared,
                    options: JobOptions | None = None, *, pages: PageSpec = None,
                    recursive: bool = False, skip_bad: bool = False,
-                   job_size: int = batches.JOB_ITEMS,
+                   job_size: int = JOB_ITEMS,
                    progress: bool = False) -> Job | batches.Batch:
         """A set of any size: one job when it fits in `job_size` items, else a Batch of
         jobs of at most `job_size` (producer/job_sets.py says why 500 by default).
         `progress`: show files hashed on stderr while a big folder is checked."""
+        from vlmq.producer import job_sets as batches
+        from vlmq.producer import stream_sets
+        from vlmq.producer.inputs import Prepared
+
         if task not in C.TASKS:
             raise PayloadError("task", f"must be one of {list(C.TASKS)}, got {task!r}")
         batches.check_job_size(job_size)
@@ -306,6 +331,8 @@ class Client:
 
     def batch(self, batch_id: str) -> batches.Batch:
         """Handle for an existing batch; raises BatchNotFound (a JobNotFound)."""
+        from vlmq.producer import job_sets as batches
+
         return batches.Batch.load(self, _checked(JOB_ID_SHAPE, batch_id, "batch_id"))
 
     def serving(self, queue: str) -> int:
@@ -482,6 +509,8 @@ class Job:
                       ) -> tuple[str, Prepared, JobOptions]:
         """What retry() submits (task, items, options), checked; a batch retries its jobs
         through it into a new batch."""
+        from vlmq.producer.inputs import Prepared
+
         payload = self.payload()
         results = {r.index: r for r in self.results()}
         items = [item for i, item in enumerate(payload.items)

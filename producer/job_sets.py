@@ -31,9 +31,6 @@ from typing import TYPE_CHECKING, Any
 
 from vlmq.producer import defaults
 from vlmq.producer.errors import JobNotFound
-from vlmq.producer.inputs import (
-    Prepared,
-)
 from vlmq.producer.ops import job_admin as manage
 from vlmq.producer.options import JobOptions
 from vlmq.shared import constants as C
@@ -45,6 +42,7 @@ from vlmq.shared.redis_text import as_str
 
 if TYPE_CHECKING:
     from vlmq.producer.client import Client, Job
+    from vlmq.producer.inputs import Prepared  # (file checks: imported where sets are split)
 
 JOB_ITEMS = defaults.JOB_ITEMS  # defined where the CLI's help reads it cheaply
 
@@ -126,6 +124,8 @@ def split_prepared(prepared: Prepared, size: int = JOB_ITEMS, *,
 
     Each job's blobs are looked up from its own items, so the split costs the set's size
     once (walking every blob per job cost jobs x blobs)."""
+    from vlmq.producer.inputs import Prepared
+
     out = []
     blobs = prepared.blobs
     sizes = {sha: src.size for sha, src in blobs.items()}

@@ -20,6 +20,11 @@ HEAVY = ("PIL", "pypdfium2", "boto3", "botocore", "numpy", "mlx", "mlx_vlm", "tr
 # media/opener.py imports Pillow and PDFium where a file is opened.
 LISTING_NEVER = ("PIL", "pypdfium2", "boto3", "botocore", "numpy", "mlx", "mlx_vlm",
                  "transformers", "jsonschema", "llguidance")
+# Nor the client's enqueue side: file checks, uploads and stores (producer/client.py and
+# job_sets.py import them in the functions that enqueue).
+ENQUEUE_SIDE = ("vlmq.producer.inputs", "vlmq.producer.files",
+                "vlmq.producer.stream_sets", "vlmq.producer.upload", "vlmq.stores.backends",
+                "vlmq.media.opener")
 
 PROBE = """
 import json, sys
@@ -71,6 +76,7 @@ def test_a_listing_imports_only_what_it_reads_with(redis_url: str, args: tuple[s
     assert not mods & never, sorted(mods & never)
     assert not {m for m in mods if m.startswith(("vlmq.worker", "vlmq.cli.worker",
                                                  "vlmq.cli.metrics", "vlmq.cli.dashboard"))}
+    assert not mods & set(ENQUEUE_SIDE), sorted(mods & set(ENQUEUE_SIDE))
 
 
 def test_each_line_of_the_root_help_is_the_commands_own() -> None:

@@ -20,7 +20,7 @@ from rq.serializers import JSONSerializer
 from tests.support.helpers import following_events, pdf_bytes, wait_for, worker_lifecycle
 from tests.support.lua_calls import write_items
 from vlmq.producer import Client, JobFailed, JobNotFound, WaitTimeout, sample_files
-from vlmq.producer import client as client_module
+from vlmq.producer import inputs as inputs_module
 from vlmq.producer.client import wait_all
 from vlmq.producer.page_specs import PagesWithoutPdf
 from vlmq.shared import constants as C
@@ -269,7 +269,7 @@ def test_file_changed_after_validation_enqueues_nothing(client: Client, redis: R
     first, second = tmp_path / "a.png", tmp_path / "b.png"
     first.write_bytes(png_bytes((1, 2, 3)))
     second.write_bytes(png_bytes((4, 5, 6)))
-    real_prepare = client_module.prepare
+    real_prepare = inputs_module.prepare
 
     def prepare_then_edit(*args: Any, **kwargs: Any) -> Any:
         prepared = real_prepare(*args, **kwargs)
@@ -279,7 +279,7 @@ def test_file_changed_after_validation_enqueues_nothing(client: Client, redis: R
                            else data[:-1] + bytes([data[-1] ^ 0xFF]))
         return prepared
 
-    monkeypatch.setattr(client_module, "prepare", prepare_then_edit)
+    monkeypatch.setattr(inputs_module, "prepare", prepare_then_edit)
     with pytest.raises(InputError, match=r"b\.png: changed since it was validated"):
         client.caption([first, second])
     assert list(redis.scan_iter(match="rq:*")) == []  # no job, no queue
