@@ -230,11 +230,34 @@ def main(argv: list[str] | None = None) -> None:
         (f"gone within {C.ENDED_EVENTS_S} s, per one-item job (events stream)",
          f"{got['one_item_transient']:.0f}"),
         (f"gone within {C.ENDED_EVENTS_S} s, per item", f"{got['item_transient']:.0f}")]))
+    _floor(got)
     for part in ("one_item", "item"):
         rows = sorted(((k.split(" ", 1)[1], v) for k, v in got.items()
                        if k.startswith(part + " ")), key=lambda kv: -kv[1])
         print(f"\n{part.replace('_', '-')} share by key:")
         print(BC.table(("key", "bytes"), [(k, f"{v:.1f}") for k, v in rows]))
+
+
+# What a finished one-item job keeps for a feature, by key shape: its end (the summary that
+# section 5 of PROTOCOL.md keeps, and RQ's payload that result, export, retry and the
+# dashboard read), the listing summary, and the per-queue listing index. The rest is what
+# RQ, the item result and the running counts need whatever vlmq keeps besides.
+FEATURES = {"<prefix>:job:<id>:end": "the kept end and payload",
+            "<prefix>:jobs:meta": "the listing summary"}
+
+
+def _floor(got: dict[str, float]) -> None:
+    """The one-item figure without what it keeps for features: how close any layout of
+    the rest can come to issue 28's 1,500 B."""
+    shares = {k.split(" ", 1)[1]: v for k, v in got.items() if k.startswith("one_item ")}
+    kept = {k: v for k, v in shares.items()
+            if k in FEATURES or k.startswith("<prefix>:jobs:queue:")}
+    rows = [(FEATURES.get(k, "the per-queue listing index"), f"{v:.0f}")
+            for k, v in sorted(kept.items(), key=lambda kv: -kv[1])]
+    rows.append(("left: RQ's hash and entry, items, time index, count record",
+                 f"{got['one_item_job'] - sum(kept.values()):.0f}"))
+    print("\none-item job, what it keeps for features:")
+    print(BC.table(("part", "bytes"), rows))
 
 
 if __name__ == "__main__":
