@@ -26,6 +26,7 @@ from vlmq.producer.errors import JobNotFound
 from vlmq.producer.ops import job_admin as manage
 from vlmq.producer.options import JOB_FIELDS, JobOptions
 from vlmq.producer.progress import ProgressBar, ProgressLines, display
+from vlmq.producer.upload import Uploader
 from vlmq.shared import constants as C
 from vlmq.shared import extract_schema as json_schema
 from vlmq.shared import redis_checks
@@ -53,14 +54,13 @@ from vlmq.shared.redis_text import as_str
 from vlmq.shared.results import count_done, read_end, read_items
 from vlmq.shared.urls import redact_url
 
-# The enqueue side (file checks, Pillow and PDFium through them, uploads, sets, stores) is
+# The enqueue side (file checks, Pillow and PDFium through them, sets, stores) is
 # imported by the methods that enqueue: a listing through the client pays for none of it
 # (issue 28's start time; tests/ops/test_cli_start.py).
 if TYPE_CHECKING:
     from vlmq.producer import job_sets as batches
     from vlmq.producer.inputs import Prepared
     from vlmq.producer.page_specs import PageSpec
-    from vlmq.producer.upload import Uploader
     from vlmq.stores.backends import Stores
 
 __all__ = ["DEFAULT_REDIS_URL", "Client", "Job", "JobFailed", "JobNotFound",
@@ -154,19 +154,8 @@ class Client:
         self.redis = connect(self.redis_url)
         self.keys = Keys(prefix) if prefix is not None else Keys.from_env()
         self.blobs = BlobStore(self.redis, self.keys)
-        self._upload_settings: dict[str, Any] = {
-            "max_pending_mb": max_pending_mb, "progress": progress,
-            "wait_timeout": wait_timeout}
-        self._uploads: Uploader | None = None
-
-    @property
-    def uploads(self) -> Uploader:
-        """This producer's upload budget, made by the first enqueue that needs it."""
-        if self._uploads is None:
-            from vlmq.producer.upload import Uploader
-
-            self._uploads = Uploader(self.redis, self.keys, **self._upload_settings)
-        return self._uploads
+        self.uploads = Uploader(self.redis, self.keys, max_pending_mb=max_pending_mb,
+                                progress=progress, wait_timeout=wait_timeout)
 
     @property
     def stores(self) -> Stores:
@@ -179,8 +168,7 @@ class Client:
         return self._stores
 
     def close(self) -> None:
-        if self._uploads is not None:
-            self._uploads.close()
+        self.uploads.close()
         self.redis.close()
 
     def __enter__(self) -> Client:

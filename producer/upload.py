@@ -44,7 +44,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from redis import Redis
@@ -52,12 +52,14 @@ from redis.client import Pipeline, PubSub
 from redis.exceptions import OutOfMemoryError, RedisError
 
 from vlmq.producer import defaults
-from vlmq.producer.files import BlobSource
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import UPLOAD_TTL_S, BlobStore
 from vlmq.shared.errors import PayloadError, VlmqError
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import JobPayload
+
+if TYPE_CHECKING:
+    from vlmq.producer.files import BlobSource  # (file checks: the client's enqueue side)
 
 MB = 1024 * 1024
 DEFAULT_MAX_PENDING_MB = defaults.DEFAULT_MAX_PENDING_MB  # where the CLI's help reads it

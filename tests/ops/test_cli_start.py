@@ -20,10 +20,10 @@ HEAVY = ("PIL", "pypdfium2", "boto3", "botocore", "numpy", "mlx", "mlx_vlm", "tr
 # media/opener.py imports Pillow and PDFium where a file is opened.
 LISTING_NEVER = ("PIL", "pypdfium2", "boto3", "botocore", "numpy", "mlx", "mlx_vlm",
                  "transformers", "jsonschema", "llguidance")
-# Nor the client's enqueue side: file checks, uploads and stores (producer/client.py and
-# job_sets.py import them in the functions that enqueue).
+# Nor the client's enqueue side: file checks and stores (producer/client.py, job_sets.py and
+# upload.py import them in the functions that enqueue, or for type checks only).
 ENQUEUE_SIDE = ("vlmq.producer.inputs", "vlmq.producer.files",
-                "vlmq.producer.stream_sets", "vlmq.producer.upload", "vlmq.stores.backends",
+                "vlmq.producer.stream_sets", "vlmq.stores.backends",
                 "vlmq.media.opener")
 
 PROBE = """
