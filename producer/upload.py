@@ -293,7 +293,9 @@ class Uploader:
         if self._ends is not None:
             return
         try:
-            ends = self.redis.pubsub()  # type: ignore[no-untyped-call]
+            # Typed in some redis-py releases and not in others.
+            pubsub: Callable[[], PubSub] = self.redis.pubsub
+            ends = pubsub()
             ends.subscribe(self.keys.done_channel)
         except RedisError:
             self._stale = True

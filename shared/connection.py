@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -175,10 +176,12 @@ def connect_sentinel(s: SentinelURL) -> Redis:
         "socket_connect_timeout": SENTINEL_TIMEOUT_S, "socket_timeout": SENTINEL_TIMEOUT_S,
         "username": s.params.get("sentinel_username"),
         "password": s.params.get("sentinel_password"), **tls}
-    # redis-py's sentinel module is untyped.
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
-        list(s.hosts), sentinel_kwargs=sentinel_kwargs, **_common(), **tls)
-    master: Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+    # redis-py's sentinel module is typed in some releases and not in others: called through
+    # typed names, the same code checks against both.
+    make_sentinel: Callable[..., Sentinel] = Sentinel
+    sentinel = make_sentinel(list(s.hosts), sentinel_kwargs=sentinel_kwargs, **_common(), **tls)
+    master_for: Callable[..., Redis] = sentinel.master_for
+    master = master_for(
         s.service, redis_class=Redis, connection_pool_class=FollowingPool, db=s.db,
         username=s.username, password=s.password)
     return master

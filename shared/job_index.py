@@ -28,7 +28,7 @@ import json
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from redis import Redis, WatchError
@@ -41,7 +41,7 @@ from vlmq.shared.keys import RQ_QUEUES, RQ_REGISTRIES, Keys
 from vlmq.shared.messages import JobPayload
 from vlmq.shared.redis_text import as_str
 
-EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 PAGE = 200  # entries read per round trip while walking an index
 SCAN_COUNT = 1000
 # A job's state, as RQ records it (its hash's `status`), and where RQ keeps jobs in it.
@@ -125,7 +125,7 @@ def batch_of(payload: JobPayload | Mapping[str, Any]) -> str | None:
 def us_of(when: datetime) -> int:
     """Epoch microseconds of a datetime (RQ's are naive UTC), exactly."""
     if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
+        when = when.replace(tzinfo=UTC)
     return (when - EPOCH) // timedelta(microseconds=1)
 
 
@@ -133,7 +133,7 @@ def parse_rq_time(text: str) -> datetime | None:
     """RQ's `%Y-%m-%dT%H:%M:%S.%fZ` (or without fraction) as an aware UTC time, else None."""
     for fmt in ("%Y-%m-%dT%H:%M:%S.%fZ", "%Y-%m-%dT%H:%M:%SZ"):
         with contextlib.suppress(ValueError):
-            return datetime.strptime(text, fmt).replace(tzinfo=timezone.utc)
+            return datetime.strptime(text, fmt).replace(tzinfo=UTC)
     return None
 
 

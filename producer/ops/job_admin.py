@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from redis import Redis
@@ -57,7 +57,7 @@ class JobRow:
         created = job_index.parse_rq_time(self.created_at)
         if created is None:
             return None
-        return max(0.0, ((now or datetime.now(timezone.utc)) - created).total_seconds())
+        return max(0.0, ((now or datetime.now(UTC)) - created).total_seconds())
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "queue": self.queue, "task": self.task, "status": self.status,

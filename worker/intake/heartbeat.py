@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from redis.client import Pipeline
@@ -106,7 +106,7 @@ class Heartbeats:
         """
         batch = list(running)
         at = self.clock.measure()
-        stamp = datetime.fromtimestamp(at, timezone.utc)
+        stamp = datetime.fromtimestamp(at, UTC)
 
         def build(pipe: Pipeline, whys: Whys) -> None:
             self.worker.heartbeat(pipeline=pipe)  # HSET returns 1 if the worker key was gone

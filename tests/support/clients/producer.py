@@ -18,7 +18,7 @@ import pickle
 import sys
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ TERMINAL = {"finished", "failed", "canceled"}
 
 
 def rq_now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def kept_end(r: redis.Redis, job_id: str) -> dict[str, Any] | None:

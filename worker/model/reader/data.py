@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import cache, lru_cache
 from pathlib import Path
 
@@ -150,7 +150,7 @@ def born_digital_pdf(texts: list[str], rng: random.Random, font: str = FONTS[0])
     import fpdf
 
     pdf = fpdf.FPDF(unit="pt", format=(WIDTH, HEIGHT))
-    pdf.creation_date = datetime(2026, 1, 1, tzinfo=timezone.utc)  # same texts, same bytes
+    pdf.creation_date = datetime(2026, 1, 1, tzinfo=UTC)  # same texts, same bytes
     pdf.set_auto_page_break(False)
     pdf.set_margin(0)
     pdf.add_font("reader", fname=str(font_path(font)))
