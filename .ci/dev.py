@@ -27,6 +27,7 @@ LOCK = ROOT / "uv.lock"
 TEST_REDIS = ("127.0.0.1", 6379)
 NODE_PACKAGES = ROOT / "tests" / "support" / "clients" / "package.json"
 MIN_PYTHON = (3, 11)
+EXTRAS = "worker,dashboard"  # with the dev group: what the demo and the suite need
 REFRESH_HINT = ("refresh it with `python3 .ci/dev.py lock` (or `uv lock`) and commit uv.lock "
                 "with the change")
 # The tests `--oldest` runs on the floors: the CLI's start, the producer, the protocol,
@@ -34,12 +35,18 @@ REFRESH_HINT = ("refresh it with `python3 .ci/dev.py lock` (or `uv lock`) and co
 OLDEST_SUBSET = (
     "tests/ops/test_cli_start.py",
     "tests/ops/test_cli.py",
-    "tests/producer/test_inputs.py",
+    "tests/producer/test_producer_inputs.py",
+    "tests/producer/test_client.py",
     "tests/producer/test_heic.py",
+    "tests/producer/test_tiff.py",
+    "tests/producer/test_extract_enqueue.py",
     "tests/protocol",
     "tests/media",
+    "tests/worker/test_preprocess.py",
+    "tests/worker/test_decode_limits.py",
     "tests/worker/test_text_layer.py",
     "tests/e2e/test_worker_e2e.py",
+    "tests/e2e/test_reader_cer.py",
 )
 
 
@@ -137,18 +144,20 @@ def ensure_venv(kind: str = "lock") -> Venv:
             return env
         check_lock(uv)
         fresh_venv(uv, env)
-        log(f"installing vlmq[worker] and the dev group from uv.lock into {env.path}")
-        run([uv, "sync", "--locked", "--extra", "worker", "--group", "dev"], cwd=ROOT,
-            env=uv_env(env))
+        log(f"installing vlmq[{EXTRAS}] and the dev group from uv.lock into {env.path}")
+        run([uv, "sync", "--locked", *[f"--extra={e}" for e in EXTRAS.split(",")],
+             "--group", "dev"], cwd=ROOT, env=uv_env(env))
         env.stamp.write_text(want)
         return env
     fresh_venv(uv, env)
     how = {"newest": ["--upgrade", "--refresh"],
            "oldest": ["--resolution", "lowest-direct"]}[kind]
-    log(f"installing vlmq[worker] and the dev group at the {kind} versions pyproject.toml "
+    group = "test" if kind == "oldest" else "dev"
+    log(f"installing vlmq[{EXTRAS}] and the {group} group at the {kind} versions pyproject.toml "
         f"allows into {env.path}")
     run([uv, "pip", "install", "--quiet", "--python", str(env.python), *how,
-         "-e", f"{ROOT}[worker]", "--group", f"{PYPROJECT}:dev"], cwd=ROOT, env=uv_env(env))
+         "-e", f"{ROOT}[{EXTRAS}]", "--group", f"{PYPROJECT}:{group}"], cwd=ROOT,
+        env=uv_env(env))
     shown = subprocess.run([uv, "pip", "list", "--python", str(env.python)], cwd=ROOT,
                            capture_output=True, text=True, check=False).stdout
     log(f"{kind} versions:\n{shown}")

@@ -79,6 +79,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                             "bulk work to vlmq."),
     "metrics": ("vlmq.cli.metrics", "Serve fleet metrics for Prometheus at "
                                     "http://HOST:PORT/metrics."),
+    "help": ("vlmq.cli.help", "Print an installed documentation page (no TOPIC: list them); "
+                              "a command's name prints that command's --help."),
     "service": ("vlmq.cli.units", "launchd and systemd units that keep a worker running and "
                                   "stop it within --grace."),
 }
@@ -229,7 +231,7 @@ def _check_url(ctx: click.Context, _param: click.Parameter, value: str) -> str:
 
 _HELP = ("vlmq: a Redis job queue for bulk vision-language work (OCR, captioning).\n\n"
          "Exit codes: " + ", ".join(f"{code} {kind}" for code, (kind, _) in EXIT_CODES.items())
-         + "; what each means, --json errors and shell completion: docs/jobs.md.")
+         + "; what each means, --json errors and shell completion: `vlmq help jobs`.")
 
 
 @click.group(cls=_Main, help=_HELP)
@@ -255,7 +257,7 @@ def _start_scheduler(*args: Any, **kwargs: Any) -> Any:
 
 @main.command("demo")
 @click.option("--model", default=None,
-              help="Model to use (default: the tiny reader trained here, worker/model/reader; "
+              help="Model to use (default: vlmq's tiny reader, shipped in the package; "
                    "tiny: the tiny random-weight model).")
 @click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True)
 @click.pass_context

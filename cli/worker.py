@@ -153,7 +153,7 @@ def model_group() -> None:
               show_default=True, help="mlx-vlm model family to build.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--size", type=click.Choice(["tiny", "bench"]), default="tiny", show_default=True,
-              help="tiny: 0.8 M parameters, for tests; bench: ~20 M, for benchmarks/run.py.")
+              help="tiny: 0.8 M parameters, for tests; bench: ~20 M, for benchmarks.")
 def make_tiny_cmd(out_dir: Path, arch: str, seed: int, size: str) -> None:
     """Build a tiny random-weight model (real mlx-vlm format) for tests and offline demos."""
     require_worker_extra()

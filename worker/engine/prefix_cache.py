@@ -60,8 +60,8 @@ UNVERIFIED = "prefix reuse not yet verified token for token for this family"
 DEFAULT_OFF: dict[str, str] = {
     "qwen2_vl": "its template puts the prompt before the image, so only the same prompt "
                 "shares the prefix (a retry or rerun), while storing every new image's "
-                "prefix cost a first pass 10-30% here (benchmarks/results/2026-12-02-"
-                "prefix.md); give --prefix-cache-mb to turn it on",
+                "prefix cost a first pass 10-30% in vlmq's benchmark (`vlmq help "
+                "workers-and-models`); give --prefix-cache-mb to turn it on",
 }
 MIN_PREFIX = 16  # shorter prefixes are not worth a snapshot (mlx-vlm's exact minimum)
 _MIB = 1024 * 1024
