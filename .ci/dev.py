@@ -45,6 +45,7 @@ OLDEST_SUBSET = (
     "tests/worker/test_preprocess.py",
     "tests/worker/test_decode_limits.py",
     "tests/worker/test_text_layer.py",
+    "tests/worker/test_blas.py",
     "tests/e2e/test_worker_e2e.py",
     "tests/e2e/test_reader_cer.py",
 )
@@ -153,11 +154,18 @@ def ensure_venv(kind: str = "lock") -> Venv:
     how = {"newest": ["--upgrade", "--refresh"],
            "oldest": ["--resolution", "lowest-direct"]}[kind]
     group = "test" if kind == "oldest" else "dev"
-    log(f"installing vlmq[{EXTRAS}] and the {group} group at the {kind} versions pyproject.toml "
-        f"allows into {env.path}")
-    run([uv, "pip", "install", "--quiet", "--python", str(env.python), *how,
-         "-e", f"{ROOT}[{EXTRAS}]", "--group", f"{PYPROJECT}:{group}"], cwd=ROOT,
+    log(f"resolving vlmq[{EXTRAS}] and the {group} group at the {kind} versions "
+        f"pyproject.toml allows, into {env.path}")
+    wanted = env.path / "requirements.txt"
+    wanted.unlink(missing_ok=True)  # compile would prefer the pins of an earlier run
+    uv_pip = [uv, "pip"]
+    target = ["--quiet", "--python", str(env.python)]
+    run([*uv_pip, "compile", *target, *how, *[f"--extra={e}" for e in EXTRAS.split(",")],
+         "--group", f"{PYPROJECT}:{group}", str(PYPROJECT), "-o", str(wanted)], cwd=ROOT,
         env=uv_env(env))
+    # Exactly that resolution (sync removes what an earlier run left), then vlmq itself.
+    run([*uv_pip, "sync", *target, str(wanted)], cwd=ROOT, env=uv_env(env))
+    run([*uv_pip, "install", *target, "--no-deps", "-e", str(ROOT)], cwd=ROOT, env=uv_env(env))
     shown = subprocess.run([uv, "pip", "list", "--python", str(env.python)], cwd=ROOT,
                            capture_output=True, text=True, check=False).stdout
     log(f"{kind} versions:\n{shown}")

@@ -4,6 +4,7 @@ hash RQ cannot load end up failed alike for producers, `rq info` and event follo
 from __future__ import annotations
 
 import json
+import uuid
 
 from redis import Redis
 from redis.client import PubSub
@@ -26,25 +27,28 @@ def _done_messages(pubsub: PubSub, timeout: float = 1.0) -> list[str]:
 
 def test_loaded_and_raw_jobs_fail_alike_with_one_terminal_event(redis: Redis,
                                                                 keys: Keys) -> None:
-    loaded_id = enqueue(redis, job_payload(), queue="q")
+    # Pub/sub channels are one namespace across a server's dbs: a queue name of its own
+    # keeps other tests' jobs off this test's done channel.
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    loaded_id = enqueue(redis, job_payload(), queue=queue)
     raw_id = "raw-1"  # a hash RQ could not load: failed by id
-    redis.hset(Keys.rq_job(raw_id), mapping={"status": "queued", "origin": "q"})
+    redis.hset(Keys.rq_job(raw_id), mapping={"status": "queued", "origin": queue})
     pubsub = redis.pubsub()
-    pubsub.subscribe(keys.done_queue_channel("q"))
+    pubsub.subscribe(keys.done_queue_channel(queue))
     confirmed = pubsub.get_message(timeout=1.0)
     assert confirmed is not None and confirmed["type"] == "subscribe"
     for _ in range(2):  # failing again writes no second terminal event
         with redis.pipeline() as pipe:
-            fail_job(pipe, keys, fetch_job(redis, loaded_id), "q", "bad input",
+            fail_job(pipe, keys, fetch_job(redis, loaded_id), queue, "bad input",
                      worker_name="w1")
-            fail_job(pipe, keys, raw_id, "q", "unreadable hash")
+            fail_job(pipe, keys, raw_id, queue, "unreadable hash")
             pipe.execute()
 
     for job_id, message in ((loaded_id, "bad input"), (raw_id, "unreadable hash")):
         assert redis.hget(Keys.rq_job(job_id), "status") == JobStatus.FAILED.value.encode()
         assert redis.hget(Keys.rq_job(job_id), "ended_at")
         assert redis.hexists(Keys.rq_job(job_id), R.END_FIELD)
-        assert redis.zscore(Keys.rq_registry("failed", "q"), job_id) is not None
+        assert redis.zscore(Keys.rq_registry("failed", queue), job_id) is not None
         events = redis.xrange(keys.job_events(job_id))
         assert [(e[b"type"], e[b"error"]) for _, e in events] == \
             [(b"failed", message.encode())]
