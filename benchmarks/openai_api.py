@@ -10,11 +10,20 @@ every key.
 
     .venv/bin/python benchmarks/openai_api.py                     # 10,000 lines, enqueue only
     .venv/bin/python benchmarks/openai_api.py --lines 10000 --run # and through a tiny worker
+    .venv/bin/python benchmarks/openai_api.py --prompts distinct  # each line its own prompt
+    .venv/bin/python benchmarks/openai_api.py --via cli           # `vlmq enqueue --openai-batch`
+
+`--prompts distinct` gives each line a prompt of its own (eight words drawn from a small
+vocabulary and the line's number), the case where lines share no job unless an item can
+carry its own prompt; `--text` writes text-only lines (no image), where the prompt is
+all a line holds.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import random
 import sys
 import tempfile
 import time
@@ -29,12 +38,29 @@ from tests.support import helpers
 from tests.support import openai_api as T
 from vlmq.producer.ops.openai_api.app import store_spec
 
+WORDS = ("describe", "the", "image", "list", "colors", "shapes", "count", "objects",
+         "read", "title", "left", "right", "top", "bottom", "corner", "briefly")
 
-def make_file(path: Path, lines: int, distinct: int, side: int) -> Path:
-    uris = [T.data_uri(i, (side, side * 5 // 4)) for i in range(distinct)]
+
+def prompt(i: int, rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(8)) + f" ({i})"
+
+
+def make_file(path: Path, args: argparse.Namespace) -> Path:
+    """The batch file: image lines (`distinct` images) or text lines, each with the one
+    prompt T.line writes or (--prompts distinct) a prompt of its own."""
+    uris = [] if args.text else [T.data_uri(i, (args.side, args.side * 5 // 4))
+                                 for i in range(args.distinct)]
+    rng = random.Random(0)
     with path.open("w") as f:
-        for i in range(lines):
-            f.write(T.line(f"req-{i}", uris[i % distinct]))
+        for i in range(args.lines):
+            line = json.loads(T.line(f"req-{i}", uris[i % args.distinct] if uris else ""))
+            content = line["body"]["messages"][0]["content"]
+            if args.prompts == "distinct":
+                content[0]["text"] = prompt(i, rng)
+            if args.text:
+                line["body"]["messages"][0]["content"] = content[0]["text"]
+            f.write(json.dumps(line) + "\n")
     return path
 
 
@@ -47,9 +73,11 @@ def measure(url: str, tmp: Path, args: argparse.Namespace) -> dict[str, float]:
 
     redis = Redis.from_url(url)
     t0 = time.monotonic()
-    path = make_file(tmp / "batch.jsonl", args.lines, args.distinct, args.side)
+    path = make_file(tmp / "batch.jsonl", args)
     out: dict[str, float] = {"file_bytes": path.stat().st_size,
                              "make_s": time.monotonic() - t0}
+    if args.via == "cli":
+        return {**out, **_through_cli(url, redis, path)}
     port = T.free_port()
     procs = [T.start_api(url, tmp / "files", port)]
     api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=T.KEYS[0],
@@ -74,6 +102,22 @@ def measure(url: str, tmp: Path, args: argparse.Namespace) -> dict[str, float]:
         helpers.stop_all(procs)
         redis.close()
     return out
+
+
+def _through_cli(url: str, redis: Redis, path: Path) -> dict[str, float]:
+    """The same file through `submit_openai_batch` (what `vlmq enqueue --openai-batch`
+    runs): the jobs it makes, and what Redis holds for them, without the API's record."""
+    from vlmq.producer.client import Client
+    from vlmq.producer.openai_files import submit_openai_batch
+
+    before_mem, before_keys = int(redis.info("memory")["used_memory"]), _keys_bytes(redis)
+    t0 = time.monotonic()
+    with Client(url) as client:
+        batch, _ = submit_openai_batch(client, path)
+        jobs = len(batch.job_ids())
+    return {"upload_s": 0.0, "validate_s": time.monotonic() - t0, "jobs": jobs,
+            "redis_used_memory": int(redis.info("memory")["used_memory"]) - before_mem,
+            "redis_keys": _keys_bytes(redis) - before_keys}
 
 
 def _answers(api: object) -> bool:
@@ -119,13 +163,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run", action="store_true",
                         help="also answer it with a tiny worker to completed")
     parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--prompts", choices=("same", "distinct"), default="same",
+                        help="one prompt on every line, or each line its own")
+    parser.add_argument("--text", action="store_true",
+                        help="text-only lines (no image): the prompt is all a line holds")
+    parser.add_argument("--via", choices=("api", "cli"), default="api",
+                        help="through `vlmq api` (HTTP, the SDK) or submit_openai_batch")
     args = parser.parse_args(argv)
+    if args.run and args.via != "api":
+        parser.error("--run goes with --via api")
     args.distinct = args.distinct or args.lines
     with BC.redis_url_or_private(args.redis_url) as url, \
             tempfile.TemporaryDirectory(prefix="vlmq-api-bench-") as tmp:
         got = measure(url, Path(tmp), args)
     size = got["file_bytes"]
-    print(f"{args.lines} lines, {args.distinct} distinct {args.side}px PNGs as data: URIs; "
+    inputs = ("text only" if args.text else
+              f"{args.distinct} distinct {args.side}px PNGs as data: URIs")
+    print(f"{args.lines} lines, {inputs}, {args.prompts} prompts, via {args.via}; "
           f"file {size / 1e6:.1f} MB")
     rows = [("upload (SDK, HTTP)", f"{got['upload_s']:.1f} s"),
             ("validate + enqueue", f"{got['validate_s']:.1f} s"),
@@ -134,6 +188,8 @@ def main(argv: list[str] | None = None) -> None:
             ("Redis keys' MEMORY USAGE", f"{got['redis_keys'] / 1e3:.0f} kB "
                                          f"({100 * got['redis_keys'] / size:.2f} %)"),
             ("per line (keys)", f"{got['redis_keys'] / args.lines:.0f} B")]
+    if "jobs" in got:
+        rows.append(("jobs", f"{got['jobs']:.0f}"))
     if args.run:
         rows += [("worker run to completed", f"{got['run_s']:.0f} s"),
                  ("download output + errors", f"{got['download_s']:.1f} s"),

@@ -2,21 +2,38 @@
 
 The dashboard's stack (Flask under waitress): already a vlmq extra, with its Host guard
 and connection limits reused; the API's work is Redis reads and file streams, which
-waitress' thread pool serves, and validation runs on its own threads.
+waitress' thread pool serves, and validation runs on its own threads. waitress runs with
+the API's own request parser (producer/ops/openai_api/server.py), so a request without a
+valid key is refused before its body is read. The limits a key has are options from one
+table (producer/ops/openai_api/limits.py).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
 from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_UNREACHABLE, fail
+from vlmq.producer.ops.openai_api.limits import LIMITS
 
 SWEEP_EVERY_S = 10.0  # how often live batches are checked for their end and window
 SERVER_THREADS = 8
+
+
+def _limit_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """One option a row of LIMITS, in the row's units."""
+    for row in reversed(LIMITS):
+        kind = click.IntRange(1) if row.integer else click.FloatRange(0, min_open=True)
+        command = click.option(row.flag, row.name, type=kind,
+                               default=int(row.default) if row.integer else row.default,
+                               show_default=True, metavar=row.unit.upper(),
+                               help=f"Bounds {row.doc}.")(command)
+    return command
 
 
 @click.command("api")
@@ -38,10 +55,11 @@ SERVER_THREADS = 8
               help="A line's model NAME runs on workers serving CHECKPOINT (as enqueue's).")
 @click.option("--strict-model", is_flag=True,
               help="A line's model must be the one its workers serve (as enqueue's).")
+@_limit_options
 @click.pass_context
-def api_cmd(ctx: click.Context, redis_url: str | None, host: str, port: int,
+def api_cmd(ctx: click.Context, /, redis_url: str | None, host: str, port: int,
             api_keys: str | None, files_dir: str, allowed_hosts: tuple[str, ...],
-            model_map: tuple[str, ...], strict_model: bool) -> None:
+            model_map: tuple[str, ...], strict_model: bool, **limits: float) -> None:
     """Serve OpenAI's Files and Batch API: the official SDKs submit bulk work to vlmq."""
     from redis.exceptions import RedisError
 
@@ -50,10 +68,10 @@ def api_cmd(ctx: click.Context, redis_url: str | None, host: str, port: int,
     from vlmq.shared.errors import PayloadError
 
     try:
-        import waitress
-
         from vlmq.producer.ops.openai_api.access import load_keys
         from vlmq.producer.ops.openai_api.app import ApiSettings, create_app, store_spec
+        from vlmq.producer.ops.openai_api.limits import ApiLimits
+        from vlmq.producer.ops.openai_api.server import make_server
     except ImportError as exc:
         fail(f"error: `vlmq api` needs the dashboard extra ({exc.name} is missing): "
              "pip install 'vlmq[dashboard]'", EXIT_BAD_INPUT)
@@ -66,8 +84,12 @@ def api_cmd(ctx: click.Context, redis_url: str | None, host: str, port: int,
     folder = Path(files_dir)
     folder.mkdir(parents=True, exist_ok=True)
     settings = ApiSettings(redis_url=url, files_dir=folder, keys=tuple(keys), host=host,
-                           port=port, allowed_hosts=allowed_hosts, models=models)
-    app = create_app(settings)
+                           port=port, allowed_hosts=allowed_hosts, models=models,
+                           limits=ApiLimits.from_options(limits))
+    try:
+        app = create_app(settings)
+    except ValueError as exc:  # a bad --allowed-host; the message never holds a key
+        fail(f"error: {exc}", EXIT_BAD_INPUT)
     parts = app.extensions["vlmq_api"]
     try:
         parts["client"].redis.ping()
@@ -76,34 +98,40 @@ def api_cmd(ctx: click.Context, redis_url: str | None, host: str, port: int,
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
                                                    "%(message)s")
     stop = threading.Event()
-    threading.Thread(target=_sweep, args=(parts["batches"], stop), name="api-sweeper",
+    threading.Thread(target=_sweep, args=(parts, stop), name="api-sweeper",
                      daemon=True).start()
-    click.echo(f"vlmq api on http://{host}:{port}/v1 ({len(keys)} keys); workers need "
-               f"--store {store_spec(folder)}; Ctrl-C stops it", err=True)
     from vlmq.cli.dashboard import CHANNEL_TIMEOUT_S, _connection_limit
 
+    server = make_server(app, parts["gate"], parts["allowed"], parts["limits"], host=host,
+                         port=port, threads=SERVER_THREADS, ident="vlmq",
+                         channel_timeout=CHANNEL_TIMEOUT_S * 6,
+                         connection_limit=_connection_limit(), asyncore_use_poll=True)
+    click.echo(f"vlmq api on http://{host}:{port}/v1 ({len(keys)} keys); workers need "
+               f"--store {store_spec(folder)}; Ctrl-C stops it", err=True)
     try:
-        waitress.serve(app, host=host, port=port, threads=SERVER_THREADS, ident="vlmq",
-                       channel_timeout=CHANNEL_TIMEOUT_S * 6, connection_limit=_connection_limit(),
-                       # Past Flask's own limit, so Flask answers 413 in OpenAI's shape.
-                       max_request_body_size=app.config["MAX_CONTENT_LENGTH"] + (1 << 20),
-                       asyncore_use_poll=True)
+        server.run()
     finally:
         stop.set()
 
 
-def _sweep(batches: object, stop: threading.Event) -> None:
-    """Ends and completion windows, checked while nobody reads the batches."""
+def _sweep(parts: dict[str, Any], stop: threading.Event) -> None:
+    """Ends and completion windows, checked while nobody reads the batches; then the
+    images of batches that ended (and of any whose record is gone, from a past run)."""
     from redis.exceptions import RedisError
 
     from vlmq.producer.ops.openai_api.batches import Batches
+    from vlmq.producer.ops.openai_api.images import BatchImages
 
-    assert isinstance(batches, Batches)
-    while not stop.wait(SWEEP_EVERY_S):
+    batches, images = parts["batches"], parts["images"]
+    assert isinstance(batches, Batches) and isinstance(images, BatchImages)
+    while True:
         try:
             batches.sweep()
-        except RedisError as exc:
+            images.sweep()
+        except (RedisError, OSError) as exc:
             click.echo(f"vlmq api: sweeping batches failed: {exc}", err=True)
+        if stop.wait(SWEEP_EVERY_S):
+            return
 
 
 def register(group: click.Group) -> None:

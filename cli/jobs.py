@@ -545,19 +545,30 @@ def _redis_health(client: Client, allow_eviction: bool) -> tuple[dict[str, str],
 
 
 def _overview(client: Client, as_json: bool, allow_eviction: bool = False) -> None:
+    from vlmq.producer.ops.metrics_exporter import OTHER_QUEUES
+    from vlmq.shared import fair
+
     queues = client.queues()
     workers = client.workers()
+    waiting = fair.waiting(client.redis, client.keys,
+                           [q for q in queues if q != OTHER_QUEUES])
     health, warning, refused = _redis_health(client, allow_eviction)
     if as_json:
         click.echo(json.dumps({
             "version": package_version(),
-            "queues": {q.name: vars(q) for q in queues.values()},
+            "queues": {q.name: {**vars(q), **({"shares": waiting[q.name].to_dict()}
+                                              if q.name in waiting else {})}
+                       for q in queues.values()},
             "workers": [{"name": w.name, "state": w.state, "queues": list(w.queues),
-                         "stats": w.stats} for w in workers],
+                         "stats": w.stats, "shares": [
+                             {"batch": s.batch or None, "jobs": s.jobs, "items": s.items}
+                             for s in fair.parse_shares(w.stats.get("shares"))]}
+                        for w in workers],
             "redis": {**health, "warning": warning, "error": refused},
         }))
     else:
         _overview_text(queues, workers)
+        _shares_text(waiting, workers)
         click.echo(f"redis: maxmemory-policy {health['maxmemory_policy']}, persistence "
                    f"{health['persistence']}, run_id {health['run_id'][:8]}")
     if warning:
@@ -596,6 +607,22 @@ def _overview_text(queues: dict[str, QueueInfo], workers: Sequence[WorkerInfo]) 
     for w in workers:
         if w.stats.get("blas"):
             click.echo(f"{w.name} blas: {w.stats['blas']}")
+
+
+def _shares_text(waiting: dict[str, Any], workers: Sequence[WorkerInfo]) -> None:
+    """The share between batches: each queue's waiting batches (the next few in turn) and
+    each worker's jobs in hand by batch."""
+    from vlmq.shared import fair
+
+    for queue, w in waiting.items():
+        if w.batches:
+            click.echo(f"{queue}: {w.batches} batch(es) waiting, next in turn: " + ", ".join(
+                f"{fair.shown(b)} ({n} jobs)" for b, n in w.next))
+    for worker in workers:
+        shares = fair.parse_shares(worker.stats.get("shares"))
+        if shares:
+            click.echo(f"{worker.name} shares: " + ", ".join(
+                f"{fair.shown(s.batch)} {s.jobs} jobs/{s.items} items" for s in shares))
 
 
 # --- cancel / retry / delete -------------------------------------------------------------------

@@ -22,7 +22,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from vlmq.producer.defaults import DEFAULT_MAX_PENDING_MB, JOB_ITEMS
-from vlmq.producer.errors import JobNotFound
+from vlmq.producer.errors import JobNotFound, NotAJob
 from vlmq.producer.ops import job_admin as manage
 from vlmq.producer.options import JOB_FIELDS, JobOptions
 from vlmq.producer.progress import ProgressBar, ProgressLines, display
@@ -342,14 +342,18 @@ class Client:
     # --- inspect ----------------------------------------------------------------------
 
     def job(self, job_id: str) -> Job:
-        """Handle for an existing job; raises JobNotFound.
+        """Handle for an existing job; raises JobNotFound (NotAJob where its key holds
+        another Redis type than a hash: no command on it could answer).
 
         A job that is not a readable vlmq job (pickled data, a bad payload, a hash RQ
         cannot parse) still gets a handle, with `problem` saying why and `items` 0: its
         status and failure message are exactly what whoever asks about it needs.
         """
-        if not self.redis.exists(Keys.rq_job(_checked(JOB_ID_SHAPE, job_id, "job_id"))):
+        found = as_str(self.redis.type(Keys.rq_job(_checked(JOB_ID_SHAPE, job_id, "job_id"))))
+        if found == "none":
             raise JobNotFound(job_id)
+        if found != "hash":
+            raise NotAJob(job_id, found)
         try:
             rq_job = fetch_job(self.redis, job_id, self.keys)
         except PayloadError as exc:

@@ -77,11 +77,11 @@ LINE_FIELDS = ("custom_id", "method", "url", "body")
 RESPONSES_URL = "/v1/responses"
 BODY_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature",
                "stop", "response_format")
-# Checked, and not applied (the module's docstring says why): name -> (low, high), None
-# for an integer.
-NOT_APPLIED: Mapping[str, tuple[float, float] | None] = {
-    "seed": None, "top_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
-    "frequency_penalty": (-2.0, 2.0)}
+# Checked, and not applied (the module's docstring says why): name -> (type, low, high),
+# OpenAI's own ranges (a seed is an int64).
+NOT_APPLIED: Mapping[str, tuple[type, float, float]] = {
+    "seed": (int, -2**63, 2**63 - 1), "top_p": (float, 0.0, 1.0),
+    "presence_penalty": (float, -2.0, 2.0), "frequency_penalty": (float, -2.0, 2.0)}
 # Accepted only at their OpenAI default: any other value asks for what vlmq does not do.
 DEFAULT_ONLY: Mapping[str, Any] = {"n": 1, "stream": False, "logprobs": False,
                                    "top_logprobs": 0, "logit_bias": {},
@@ -103,6 +103,11 @@ MAX_LINE_BYTES = C.BLOB_MAX_BYTES * 4 // 3 + 1024 * 1024
 WEB_REFUSED = ("http(s) URLs are refused: vlmq never fetches from the web; download it "
                "and use a file:// path")
 MAX_MODEL_NAME = 256
+# OpenAI's limit on one batch input file ("up to 50,000 requests", its batches.create
+# reference): a longer file is refused at its first request over, the rest unread.
+MAX_REQUESTS = 50_000
+# A value quoted in an error is cut to this many characters: a line may be 86 MiB.
+SHOWN_CHARS = 100
 _SUBTYPE = re.compile(r"[a-z0-9][a-z0-9.+-]{0,30}")
 
 
@@ -180,17 +185,24 @@ def read_batch_file(path: str | Path, base: JobOptions, *, spool: Path,
                               spool=spool,
                               models=models or ModelPolicy(), ids=ids, names=names)
     groups, rejected = read_manifest(batch, base, skip_bad=skip_bad, job_size=job_size,
-                                     parse=parse, max_line_bytes=MAX_LINE_BYTES)
+                                     parse=parse, max_line_bytes=MAX_LINE_BYTES,
+                                     max_requests=MAX_REQUESTS)
     if len(rejected) > MAX_SKIPPED:
         raise InputError(str(batch), f"{len(rejected)} bad lines, more than the "
                                      f"{MAX_SKIPPED} --skip-bad keeps a record of; fix the "
                                      f"file (the first: line {rejected[0][0]}: "
                                      f"{rejected[0][1]})")
     bad = {n for n, _ in rejected}
-    skipped = [Skipped(n, ids.get(n), m[1] if (m := _PARAM.match(why)) else None,
-                       why[:MAX_REASON_CHARS]) for n, why in rejected]
+    skipped = [Skipped(n, ids.get(n), param_of(why), why[:MAX_REASON_CHARS])
+               for n, why in rejected]
     lines = {cid: n for n, cid in ids.items() if n not in bad}
     return BatchFile(groups, skipped, lines, {n: v for n, v in names.items() if n not in bad})
+
+
+def param_of(reason: str) -> str | None:
+    """The field a line's refusal names (OpenAI's BatchError `param`), if any."""
+    found = _PARAM.match(reason)
+    return found[1] if found else None
 
 
 def read_openai_batch(path: str | Path, base: JobOptions, *, spool: Path,
@@ -209,15 +221,19 @@ def parse_request(number: int, text: str, *, folder: Path | None, spool: Path,
     """One line as a manifest Request; PayloadError names the field (body.messages[0]...).
     `ids` and `names` collect each line's custom_id and model name as soon as they are
     read, so a line refused later still has its custom_id in the error file."""
-    raw = line_object(text, LINE_FIELDS, ())
+    def note_id(raw: dict[str, Any]) -> None:
+        value = raw.get("custom_id")
+        if ids is not None and isinstance(value, str) \
+                and 0 < len(value) <= C.MAX_CUSTOM_ID_CHARS:
+            ids[number] = value
+
+    raw = line_object(text, LINE_FIELDS, (), first=note_id)
     for name in LINE_FIELDS:
         if name not in raw:
             raise PayloadError(name, "is required")
     custom_id = check_custom_id(raw["custom_id"])
-    if ids is not None:
-        ids[number] = custom_id
     if raw["method"] != "POST":
-        raise PayloadError("method", f'must be "POST", got {raw["method"]!r}')
+        raise PayloadError("method", f'must be "POST", got {_shown(raw["method"])}')
     _check_url(raw["url"])
     body = raw["body"]
     if not isinstance(body, dict):
@@ -245,6 +261,11 @@ def parse_request(number: int, text: str, *, folder: Path | None, spool: Path,
                    group=() if wanted is not None else (model_name,))
 
 
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+
+
 def _check_url(url: Any) -> None:
     if url == URL:
         return
@@ -252,7 +273,8 @@ def _check_url(url: Any) -> None:
         raise PayloadError("url", f'"{RESPONSES_URL}" (the Responses API) is not served: '
                                   f'vlmq serves "{URL}"; write the request as a chat '
                                   "completion (messages, response_format)")
-    raise PayloadError("url", f'must be "{URL}" (vlmq serves chat completions), got {url!r}')
+    raise PayloadError("url", f'must be "{URL}" (vlmq serves chat completions), got '
+                              f"{_shown(url)}")
 
 
 def _model_name(value: Any) -> str | None:
@@ -283,16 +305,17 @@ def _check_body_fields(body: Mapping[str, Any]) -> None:
                                            f"{', '.join(IGNORED)})")
 
 
-def _check_number(where: str, value: Any, bounds: tuple[float, float] | None) -> None:
+def _check_number(where: str, value: Any, bounds: tuple[type, float, float]) -> None:
     """A knob that is not applied must still be what OpenAI would take."""
     if value is None:
         return
+    kind, low, high = bounds
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            bounds is None and not isinstance(value, int)):
-        raise PayloadError(where, f"must be {'an integer' if bounds is None else 'a number'}")
-    if bounds is not None and not bounds[0] <= value <= bounds[1]:
-        raise PayloadError(where, f"must be between {bounds[0]:g} and {bounds[1]:g}, "
-                                  f"got {value}")
+            kind is int and not isinstance(value, int)):
+        raise PayloadError(where, f"must be {'an integer' if kind is int else 'a number'}")
+    if not low <= value <= high:
+        shown = (f"{low} and {high}" if kind is int else f"{low:g} and {high:g}")
+        raise PayloadError(where, f"must be between {shown}, got {value}")
 
 
 def _task(value: Any) -> tuple[str, dict[str, Any] | None]:
@@ -309,7 +332,7 @@ def _task(value: Any) -> tuple[str, dict[str, Any] | None]:
         return "extract", {"type": "object"}
     if kind != "json_schema":
         raise PayloadError(f"{where}.type", f'must be "text", "json_object" or '
-                                            f'"json_schema", got {kind!r}')
+                                            f'"json_schema", got {_shown(kind)}')
     spec = value.get("json_schema")
     where = f"{where}.json_schema"
     if not isinstance(spec, dict):
@@ -373,7 +396,7 @@ def _message(msg: Any, where: str) -> tuple[str, Any]:
     role = msg.get("role")
     if role not in ROLES:
         raise PayloadError(f"{where}.role", f"must be one of {', '.join(ROLES)}, got "
-                                            f"{role!r} (vlmq sends one prompt, not a "
+                                            f"{_shown(role)} (vlmq sends one prompt, not a "
                                             "conversation)")
     return role, msg.get("content")
 
@@ -403,7 +426,7 @@ def _part(part: Any, where: str, role: str) -> tuple[str | None, tuple[str, str]
         return text, None
     if kind not in ("image_url", "file"):
         raise PayloadError(f"{where}.type", f'must be "text", "image_url" or "file", '
-                                            f"got {kind!r}")
+                                            f"got {_shown(kind)}")
     if role != "user":
         raise PayloadError(where, f"is an image in a {role} message; images go in user "
                                   "messages")
@@ -433,7 +456,7 @@ def _check_image(inner: Mapping[str, Any], where: str) -> None:
     detail = inner.get("detail")
     if detail is not None and detail not in DETAILS:
         raise PayloadError(f"{where}.detail", f"must be one of {', '.join(DETAILS)}, got "
-                                              f"{detail!r}")
+                                              f"{_shown(detail)}")
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int | None:
@@ -490,7 +513,7 @@ def _spooled(url: str, field: str, number: int, spool: Path) -> tuple[Path, str]
         raise PayloadError(field, "must be base64-encoded (data:image/png;base64,...)")
     kind, _, subtype = mime.partition("/")
     if not ((kind == "image" and _SUBTYPE.fullmatch(subtype)) or mime == "application/pdf"):
-        raise PayloadError(field, f"is a data: URI of {mime or 'no media type'!r}; give an "
+        raise PayloadError(field, f"is a data: URI of {_shown(mime or 'no media type')}; give an "
                                   "image (image/png, image/jpeg...) or a PDF "
                                   "(application/pdf)")
     try:

@@ -72,11 +72,23 @@ MAX_CUSTOM_ID_CHARS = 256
 # Field of the RQ job hash (rq:job:<id>) holding the epoch seconds of the job's first start
 # on any worker (HSETNX): a resumed job's summary wall_s covers the whole job.
 FIRST_STARTED_FIELD = "vlmq_first_started"
+# Field of the RQ job hash naming the batch whose fair-share list holds the job ("" for
+# one without a batch): written at enqueue, removed when a worker takes or starts the job,
+# so an entry without it (requeued, pushed by hand) is taken from the queue's head.
+FAIR_FIELD = "vlmq_fair"
+# Field of the RQ job hash holding its item count (RQ ignores fields it does not know), so a
+# reader of one hash need not inflate its payload (shared/job_index.py writes it).
+ITEMS_FIELD = "vlmq_items"
+# The share list of jobs enqueued without a batch (a batch id is never empty).
+LOOSE_SHARE = ""
 
 # Hard bounds on what a worker reads from a job hash (shared/bounded_reads.py): any compressed
-# field inflates to at most MAX_FIELD_BYTES, and JSON nests at most MAX_JSON_DEPTH deep.
+# field inflates to at most MAX_FIELD_BYTES, JSON nests at most MAX_JSON_DEPTH deep, and a
+# JSON number is at most MAX_JSON_NUMBER_CHARS characters (every such integer converts to a
+# float; Python refuses integers past 4,300 digits with a ValueError).
 MAX_FIELD_BYTES = 16 * 1024 * 1024
 MAX_JSON_DEPTH = 32
+MAX_JSON_NUMBER_CHARS = 100
 # The dead-letter list (<prefix>:dead) keeps this many newest entries.
 DEAD_LETTER_MAX = 10_000
 # Queue names are chosen by whoever enqueues, and every one lives on in rq:queues and in

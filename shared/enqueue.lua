@@ -21,6 +21,8 @@ function KEY.blob(prefix, sha256) return prefix .. ':blob:' .. sha256 end
 function KEY.blob_jobs(prefix, sha256) return prefix .. ':blob-jobs:' .. sha256 end
 function KEY.counts_label(prefix, key, value) return prefix .. ':counts:label:' .. #key .. ':' .. key .. '=' .. value end
 function KEY.counts_queue(prefix, queue) return prefix .. ':counts:queue:' .. queue end
+function KEY.fair_jobs(prefix, queue, batch_id) return prefix .. ':fair:' .. queue .. ':batch:' .. batch_id end
+function KEY.fair_ring(prefix, queue) return prefix .. ':fair:' .. queue .. ':ring' end
 function KEY.job_events(prefix, job_id) return prefix .. ':job:' .. job_id .. ':events' end
 function KEY.job_inputs(prefix, job_id) return prefix .. ':job:' .. job_id .. ':inputs' end
 function KEY.job_items(prefix, job_id) return prefix .. ':job:' .. job_id .. ':items' end
@@ -42,7 +44,7 @@ local KEY_SHOWN = {
 }
 -- END KEYS
 -- BEGIN LIMITS: generated from vlmq/shared/constants.py by `python -m vlmq.shared.lua --write`; do not edit by hand.
-local LIMITS = {max_queues = 64, ended_events_s = 60, moved_data = "[\"vlmq.worker.task.run\",null,[],{}]"}
+local LIMITS = {max_queues = 64, ended_events_s = 60, moved_data = "[\"vlmq.worker.task.run\",null,[],{}]", fair_field = "vlmq_fair", loose_share = "", items_field = "vlmq_items", max_items = 10000}
 -- END LIMITS
 -- BEGIN TALLY: copied from vlmq/shared/tally_lib.lua by `python -m vlmq.shared.lua --write`; do not edit by hand.
 -- vlmq protocol v1: running counts of jobs by state and of their items (PROTOCOL.md 8b).
@@ -385,7 +387,12 @@ if #items > 10000 then
   return redis.error_reply('items: has more than 10000 entries')
 end
 local item_fields = {kind = 1, blob = 1, ref = 1, sha256 = 1, size = 1, source = 1, page = 1,
-  custom_id = 1}
+  custom_id = 1, prompt = 1}
+-- An item's own prompt follows the job's prompt setting's row (and is never empty).
+local prompt_row
+for _, s in ipairs(SETTINGS) do
+  if s.name == 'prompt' then prompt_row = s end
+end
 local function is_sha256(x)
   return type(x) == 'string' and #x == 64 and not string.match(x, '[^0-9a-f]')
 end
@@ -484,6 +491,14 @@ for i, item in ipairs(items) do
       (type(item.custom_id) ~= 'string' or utf8_len(item.custom_id) > 256) then
     return redis.error_reply(at .. '.custom_id: must be a string of at most 256 characters')
   end
+  if item.prompt ~= nil and item.prompt ~= cjson.null then
+    local problem = check_setting(prompt_row, item.prompt)
+    if problem then return redis.error_reply(at .. '.prompt: ' .. problem) end
+    if item.prompt == '' then
+      return redis.error_reply(at .. ".prompt: must not be empty (leave it out to use " ..
+        "the job's prompt)")
+    end
+  end
 end
 for _, sha in ipairs(blob_order) do
   local at, key = blobs[sha], KEY.blob(prefix, sha)
@@ -524,6 +539,16 @@ redis.call('HSET', KEYS[1],
   'group_id', '')
 redis.call('SADD', KEYS[3], KEYS[2])
 redis.call('RPUSH', KEYS[2], ARGV[1])
+-- Fair shares (PROTOCOL.md section 3a): the job joins its batch's list and the batch the
+-- queue's ring (a new batch at tag 0: its turn comes next), and the hash says so, so a
+-- worker takes batches in turn without scanning the queue.
+do
+  local batch = LIMITS.loose_share
+  if type(payload.batch) == 'string' then batch = payload.batch end
+  redis.call('RPUSH', KEY.fair_jobs(prefix, ARGV[2], batch), ARGV[1])
+  redis.call('ZADD', KEY.fair_ring(prefix, ARGV[2]), 'NX', 0, batch)
+  redis.call('HSET', KEYS[1], LIMITS.fair_field, batch)
+end
 -- Input holds (PROTOCOL.md section 2): the job holds each blob until it ends (end_job.lua).
 -- A setting the payload leaves out takes its row's default (the generated SETTINGS table).
 local function given(name)

@@ -23,7 +23,7 @@ from rq.utils import current_timestamp, now, utcformat
 
 from vlmq.shared import bounded_reads as bounded
 from vlmq.shared import constants as C
-from vlmq.shared import job_index, lua
+from vlmq.shared import fair, job_index, lua
 from vlmq.shared import results as R
 from vlmq.shared import settings as S
 from vlmq.shared.blobs import BlobStore
@@ -39,19 +39,21 @@ UNREADABLE_HASH_ERRORS = (ValueError, TypeError, KeyError, AttributeError, Asser
 
 def timeout_problem(raw: bytes | str | None) -> str | None:
     """Why RQ cannot parse a job hash's `timeout` field, or None (RQ's own error for e.g.
-    "86400.0" is a bare AssertionError with no message)."""
+    "86400.0" is a bare AssertionError with no message). A number longer than 12 digits is
+    refused too: RQ would parse it, and Redis refuse every expiry computed from it."""
     if raw is None or raw in (b"", ""):
         return None
     text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
-    try:
-        int(text)  # what RQ's parse_timeout tries first
-        return None
-    except ValueError:
-        digits, unit = text[:-1], text[-1:].lower()
-        if digits.isascii() and digits.isdigit() and unit in ("d", "h", "m", "s"):
+    if len(text) <= 13:
+        try:
+            int(text)  # what RQ's parse_timeout tries first
             return None
-    return (f"job timeout {text[:40]!r} is not a whole number of seconds, nor digits with "
-            "a unit d/h/m/s (e.g. 86400 or 24h)")
+        except ValueError:
+            digits, unit = text[:-1], text[-1:].lower()
+            if digits.isascii() and digits.isdigit() and unit in ("d", "h", "m", "s"):
+                return None
+    return (f"job timeout {text[:40]!r} is not a whole number of seconds (at most 12 "
+            "digits), nor digits with a unit d/h/m/s (e.g. 86400 or 24h)")
 
 
 # At most this many UTF-8 bytes: Redis keeps a hash compact only while every value is
@@ -138,9 +140,11 @@ def _checked_id(queue: str, job_id: str | None, *, fresh_id: bool,
 
 def _index_and_hold(redis: Redis, keys: Keys, jid: str, payload: JobPayload, queue: str,
                     job: Job, pipe: Pipeline) -> None:
-    """The job's index entries and its hold on its input blobs, in the enqueue's MULTI."""
+    """The job's index entries, its fair-share place and its hold on its input blobs, in
+    the enqueue's MULTI."""
     job_index.add(redis, keys, jid, job_index.meta_of(
         payload, queue, job_index.us_of(job.created_at)), pipeline=pipe)
+    fair.index(pipe, keys, jid, queue, fair.share_of(payload))
     BlobStore(redis, keys, ttl_s=int(payload.get("blob_ttl"))).hold(
         jid, (i.blob for i in payload.items if i.blob is not None),
         keep_s=int(payload.get("keep_inputs")), pipeline=pipe)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -34,6 +33,7 @@ from typing import Any
 from redis import Redis, WatchError
 from redis.client import Pipeline
 
+from vlmq.shared import bounded_reads as bounded
 from vlmq.shared import constants as C
 from vlmq.shared import lua
 from vlmq.shared import results as R
@@ -47,9 +47,7 @@ SCAN_COUNT = 1000
 # A job's state, as RQ records it (its hash's `status`), and where RQ keeps jobs in it.
 QUEUED = "queued"
 REGISTRY_STATES = frozenset(RQ_REGISTRIES)
-# Field of the RQ job hash holding its item count (RQ ignores fields it does not know, as
-# it does vlmq_end), so a reader of one hash need not inflate its payload.
-ITEMS_FIELD = "vlmq_items"
+ITEMS_FIELD = C.ITEMS_FIELD  # the job hash's item count
 # The states the running counts name (tally_lib.lua's TALLY.STATES, and "other" for any
 # status a hand-written hash holds); the first three are ends end_job.lua writes.
 ENDS = C.JOB_ENDS
@@ -97,7 +95,7 @@ class Meta:
                        labels={str(k): str(v) for k, v in labels.items()}
                        if isinstance(labels, Mapping) else {},
                        created=int(d.get("created", 0)))
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # int() of 1e999 overflows
             return None
 
 
@@ -326,16 +324,15 @@ def _reindex(redis: Redis, keys: Keys, ids: list[str]) -> int:
 
 
 def loose_payload(data: bytes | str | None) -> Mapping[str, Any]:
-    """The payload dict of a job's `data`, or {}: JSON only, never unpickled."""
+    """The payload dict of a job's `data`, or {}: JSON only, never unpickled, and read
+    within shared/bounded_reads.py's bounds (a foreign writer's data may be a zlib bomb or
+    hold an integer Python refuses to convert)."""
     if not data:
         return {}
-    if isinstance(data, str):
-        data = data.encode()
-    with contextlib.suppress(zlib.error):
-        data = zlib.decompress(data)
+    raw = data.encode() if isinstance(data, str) else data
     try:
-        decoded = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        decoded = bounded.loads(bounded.inflate(raw, what="job data"), what="job data")
+    except (bounded.BoundError, UnicodeDecodeError, json.JSONDecodeError):
         return {}
     if isinstance(decoded, list) and len(decoded) >= 3 and isinstance(decoded[2], list) \
             and decoded[2] and isinstance(decoded[2][0], Mapping):

@@ -140,6 +140,9 @@ KEY_TABLE: tuple[KeyName, ...] = (
             "after it fails (RQ)"),
     KeyName("rq_queue", "rq:queue:{queue}", "list", "producer",
             "job ids waiting; RPUSH to enqueue", "none"),
+    KeyName("rq_intermediate", "rq:queue:{queue}:intermediate", "list", _RQ,
+            "entries a worker has taken from the queue and not yet started (RQ's; a "
+            "worker's maintenance cleans what a crashed one left)", "none"),
     KeyName("rq_queues", "rq:queues", "set", "producer",
             "every queue key (`rq:queue:<queue>`)", "none"),
     KeyName("job_items", "{prefix}:job:{job_id}:items", "hash", "worker",
@@ -188,6 +191,18 @@ KEY_TABLE: tuple[KeyName, ...] = (
             "producer, end_job.lua", "the batch's jobs that have not ended", "gone when empty"),
     KeyName("batch_events", "{prefix}:batch:{batch_id}:events", "stream", "end_job.lua",
             "the batch's one terminal event (section 9)", "as the batch hash"),
+    KeyName("fair_jobs", "{prefix}:fair:{queue}:batch:{batch_id}", "list",
+            "enqueue, worker (fair_take.lua)",
+            "ids of the batch's jobs waiting in the queue, in order (`<batch_id>` empty for "
+            "jobs without a batch), so a worker takes the batch's next job without scanning "
+            "the queue (section 3a); an id taken otherwise stays until popped, then skipped",
+            "none (popped as the batch's jobs are taken)"),
+    KeyName("fair_ring", "{prefix}:fair:{queue}:ring", "zset", "enqueue, worker",
+            "the batches with waiting jobs in the queue, scored by their fair-share tag: the "
+            "lowest goes next (section 3a)", "none (a batch leaves it when its list empties)"),
+    KeyName("fair_clock", "{prefix}:fair:{queue}:clock", "string", "worker",
+            "the queue's fair-share virtual time: the tag of the last batch served",
+            "none"),
     KeyName("jobs_index", "{prefix}:jobs", "zset", "enqueue (Python, enqueue.lua)",
             "every indexed job id, score = its `created_at` in epoch microseconds (section 8a)",
             "until the job is deleted, or its hash is found gone"),
@@ -446,6 +461,19 @@ class Keys:
         """Hash: the same running counts for the jobs of one batch."""
         return _name("batch_counts", self.prefix, batch_id=batch_id)
 
+    def fair_jobs(self, queue: str, batch_id: str) -> str:
+        """List: the ids of one batch's jobs waiting in `queue` (batch_id C.LOOSE_SHARE:
+        jobs without a batch), pushed at enqueue and popped by the worker's fair take."""
+        return _name("fair_jobs", self.prefix, queue=queue, batch_id=batch_id)
+
+    def fair_ring(self, queue: str) -> str:
+        """Zset: the batches with jobs waiting in `queue`, by fair-share tag (lowest next)."""
+        return _name("fair_ring", self.prefix, queue=queue)
+
+    def fair_clock(self, queue: str) -> str:
+        """String: `queue`'s fair-share virtual time (where a returning batch starts)."""
+        return _name("fair_clock", self.prefix, queue=queue)
+
     @property
     def jobs_sweep(self) -> str:
         """String: the jobs_index rank where the last sweep for expired jobs stopped."""
@@ -558,6 +586,11 @@ class Keys:
     @staticmethod
     def rq_queue(name: str) -> str:
         return _name("rq_queue", queue=name)
+
+    @staticmethod
+    def rq_intermediate(queue: str) -> str:
+        """List: entries taken from `queue` and not yet started (RQ's intermediate queue)."""
+        return _name("rq_intermediate", queue=queue)
 
     @staticmethod
     def rq_registry(kind: str, queue: str) -> str:

@@ -40,8 +40,9 @@ RESULT_CACHE_LOOKUP = "result_cache_lookup.lua"
 SCHEDULE_CLAIM = "schedule_claim.lua"
 BLOB_EXTEND_TTL = "blob_extend_ttl.lua"
 TALLY = "tally.lua"
+FAIR_TAKE = "fair_take.lua"
 SCRIPTS = (ENQUEUE, END_JOB, WRITE_ITEMS, RESULT_CACHE_STORE, RESULT_CACHE_LOOKUP,
-           SCHEDULE_CLAIM, BLOB_EXTEND_TTL, TALLY)
+           SCHEDULE_CLAIM, BLOB_EXTEND_TTL, TALLY, FAIR_TAKE)
 # The running counts' functions (PROTOCOL.md 8b), one file copied into every script that
 # changes a job, between these markers: each change and its counts land in one script.
 TALLY_LIB = "tally_lib.lua"
@@ -53,7 +54,10 @@ KEY_MARKERS = ("-- BEGIN KEYS", "-- END KEYS")
 # queue count, issue 29), from shared/constants.py, so Lua and Python refuse at one number.
 LIMITS_MARKERS = ("-- BEGIN LIMITS", "-- END LIMITS")
 LIMITS: dict[str, int | str] = {"max_queues": C.MAX_QUEUES, "ended_events_s": C.ENDED_EVENTS_S,
-                                 "moved_data": C.MOVED_DATA}
+                                 "moved_data": C.MOVED_DATA, "fair_field": C.FAIR_FIELD,
+                                 "loose_share": C.LOOSE_SHARE,
+                                 "items_field": C.ITEMS_FIELD,
+                                 "max_items": C.MAX_ITEMS_PER_JOB}
 # What a script names outside its block: KEY.<name>(...) builds a key, KEY_SHOWN.<name>
 # is its documented form (`<prefix>:job:<job_id>:items`) for error messages.
 _USES = re.compile(r"\bKEY(_SHOWN)?\.(\w+)")

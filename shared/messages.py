@@ -71,6 +71,9 @@ class Item:
     ref: Ref | None = None
     size: int | None = None  # bytes of a referenced input
     ref_sha256: str | None = None  # content hash of a referenced input
+    # The item's own prompt, in place of the job's: requests that differ only in their
+    # prompt (an OpenAI batch file's lines) share one job instead of a job each.
+    prompt: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind == C.TEXT_KIND:
@@ -103,6 +106,8 @@ class Item:
             out["page"] = self.page
         if self.custom_id is not None:
             out["custom_id"] = self.custom_id
+        if self.prompt is not None:
+            out["prompt"] = self.prompt
         return out
 
 
@@ -335,7 +340,7 @@ def _parse_ref(raw: Mapping[str, Any], path: str) -> tuple[Ref, str, int]:
 # a producer enqueues and a worker takes (a 1 M-file set: a million), hence the dict fast
 # paths and no set built per item.
 _ITEM_FIELDS = frozenset({"kind", "blob", "ref", "sha256", "size", "source", "page",
-                          "custom_id"})
+                          "custom_id", "prompt"})
 _REF_FIELDS = frozenset({"store", "path"})
 
 
@@ -375,7 +380,20 @@ def _parse_item(raw: Any, path: str) -> Item:
     if custom_id is not None:
         custom_id = S.check_str(custom_id, f"{path}.custom_id", C.MAX_CUSTOM_ID_CHARS)
     return Item(kind=kind, blob=blob, source=source, page=page, custom_id=custom_id,
-                ref=ref, size=size, ref_sha256=sha)
+                ref=ref, size=size, ref_sha256=sha, prompt=_item_prompt(raw, path))
+
+
+def _item_prompt(raw: Mapping[str, Any], path: str) -> str | None:
+    """An item's own prompt: the job's prompt setting's rules, and not empty (an item that
+    uses the job's prompt leaves the field out)."""
+    value = raw.get("prompt")
+    if value is None:
+        return None
+    prompt: str | None = S.BY_NAME["prompt"].check(value, f"{path}.prompt")
+    if not prompt:
+        raise PayloadError(f"{path}.prompt", "must not be empty (leave it out to use the "
+                                             "job's prompt)")
+    return prompt
 
 
 def _text_item(raw: Mapping[str, Any], path: str) -> Item:
@@ -388,7 +406,8 @@ def _text_item(raw: Mapping[str, Any], path: str) -> Item:
     custom_id = raw.get("custom_id")
     if custom_id is not None:
         custom_id = S.check_str(custom_id, f"{path}.custom_id", C.MAX_CUSTOM_ID_CHARS)
-    return Item(kind=C.TEXT_KIND, blob=None, source=source, custom_id=custom_id)
+    return Item(kind=C.TEXT_KIND, blob=None, source=source, custom_id=custom_id,
+                prompt=_item_prompt(raw, path))
 
 
 def _check_text_items(task: str, items: tuple[Item, ...]) -> None:

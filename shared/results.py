@@ -118,7 +118,18 @@ def count_done(redis: Redis, keys: Keys, job_id: str) -> int:
 
 
 def read_items(redis: Redis, keys: Keys, job_id: str) -> list[ItemResult]:
-    """All results written so far, in item order."""
+    """All results written so far, in item order. An entry that is no item result (a
+    foreign writer's) is left out: it is not a result, and a worker computes the item."""
     raw = redis.hgetall(keys.job_items(job_id))
-    out = [ItemResult.from_dict(json.loads(v)) for v in raw.values()]
+    out = [r for r in map(item_result, raw.values()) if r is not None]
     return sorted(out, key=lambda r: r.index)
+
+
+def item_result(raw: bytes | str) -> ItemResult | None:
+    """One stored item result, or None where the entry cannot be one. Not bounded like a
+    job hash: a model's JSON answer may hold a long number, and this reads it back."""
+    try:
+        value = json.loads(raw)
+        return ItemResult.from_dict(value) if isinstance(value, Mapping) else None
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
+        return None

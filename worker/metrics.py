@@ -32,6 +32,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from vlmq.shared import constants as C
+from vlmq.shared import fair
 from vlmq.shared.messages import ItemResult
 from vlmq.worker.stats import JOB_EVENTS, WorkerStats
 
@@ -164,6 +165,7 @@ class WorkerCollector(Collector):
         yield _gauge("vlmq_items_waiting", "Items prepared or being prepared, not yet in the "
                      "batch.", waiting + in_prep)
         yield _gauge("vlmq_jobs_in_flight", "Jobs this worker runs now.", jobs)
+        yield from _shares(s.shares)
         yield _gauge("vlmq_kv_tokens_in_flight", "Prompt plus max new tokens of the rows in "
                      "the batch (what the KV budget admits by).",
                      e.kv_in_flight if e is not None else 0)
@@ -185,8 +187,25 @@ class WorkerCollector(Collector):
                        "attempt counts).", e.repetitions if e is not None else 0)
         yield _counter("vlmq_step_isolations", "Failed generator steps whose rows were rerun "
                        "apart to find the one at fault.", e.isolations if e is not None else 0)
+        yield _counter("vlmq_matcher_deferrals", "Constrained rows taken out of the batch to "
+                       "keep a step's schema matching within the model's time.",
+                       e.deferrals if e is not None else 0)
         yield _counter("vlmq_mlx_busy_seconds", "Seconds the MLX thread spent in model work.",
                        e.busy_s if e is not None else 0.0)
+
+
+def _shares(shares: Iterable[fair.Share]) -> Iterable[Metric]:
+    """The jobs in hand by batch: the share each batch (an API key's batch too) has of
+    this worker now. Series come and go with the batches, at most shares_of's limit + 1."""
+    jobs = GaugeMetricFamily("vlmq_share_jobs", "Jobs this worker runs now, by batch ("
+                             f"{fair.LOOSE_NAME!r}: jobs without one).", labels=["batch"])
+    items = GaugeMetricFamily("vlmq_share_items", "Items not yet done of the jobs this "
+                              "worker runs now, by batch.", labels=["batch"])
+    for share in shares:
+        jobs.add_metric([fair.shown(share.batch)], share.jobs)
+        items.add_metric([fair.shown(share.batch)], share.items)
+    yield jobs
+    yield items
 
 
 def _labelled(name: str, doc: str, labels: list[str],

@@ -12,6 +12,7 @@ from typing import Protocol
 from redis import Redis
 from redis.typing import EncodableT, FieldT
 
+from vlmq.shared import fair
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult
 from vlmq.worker.prep import decode as P
@@ -44,6 +45,8 @@ class _EngineView(Protocol):
     def repetitions(self) -> int: ...
     @property
     def isolations(self) -> int: ...
+    @property
+    def deferrals(self) -> int: ...
     @property
     def kv_in_flight(self) -> int: ...
     @property
@@ -110,6 +113,9 @@ class WorkerStats:
         # and with each job taken and how long it waited in its queue.
         self.on_item: Callable[[ItemResult, str], None] | None = None
         self.on_wait: Callable[[str, float], None] | None = None
+        # The jobs in hand by batch (shared/fair.py), replaced whole at each publish: the
+        # metrics thread reads whichever list is current.
+        self.shares: list[fair.Share] = []
         self._samples: deque[tuple[float, int, int]] = deque()
         # Preprocessing counters are process-wide; report this worker's share only.
         self._work_base = P.COUNTERS.snapshot()
@@ -216,6 +222,8 @@ class WorkerStats:
             "mlx_busy_s": round(engine.busy_s, 3),
             # PDF render processes running (started before the worker says it is ready).
             "render_procs": len(self.renders.pids) if self.renders is not None else 0,
+            # The batches of the jobs in hand, with their jobs and items left.
+            "shares": fair.shares_json(self.shares),
             **self.work_counts(),
             "uptime_s": round(now - self.started, 1),
         }

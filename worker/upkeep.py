@@ -12,7 +12,7 @@ from redis import Redis
 from rq import Queue
 from rq.worker import WorkerStatus
 
-from vlmq.shared import redis_checks
+from vlmq.shared import fair, redis_checks
 from vlmq.shared.keys import Keys
 from vlmq.worker.engine.batcher import EngineState
 from vlmq.worker.engine.item_order import ItemOrder
@@ -89,6 +89,8 @@ class Upkeep:
 
     def publish(self, *, stopped: bool = False) -> None:
         jobs, preparing = (0, 0) if stopped else (len(self.order), self.flight.preparing)
+        held = [] if stopped else [(j.share, j.left) for j in self.order.jobs.values()]
+        self.stats.shares = fair.shares_of(held)
         self.stats.publish(self.redis, self.keys, self.engine, self.cache, jobs, preparing)
 
     def _drop(self, lost: Iterable[tuple[Running, str]]) -> None:

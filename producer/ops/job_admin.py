@@ -16,7 +16,9 @@ from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
+from redis.exceptions import WatchError
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
+from rq.executions import Execution
 from rq.job import Job as RQJob
 from rq.serializers import JSONSerializer
 
@@ -32,11 +34,27 @@ from vlmq.shared.redis_text import as_str
 from vlmq.shared.results import end_job_event, ended_ttl
 
 ENDED = frozenset({"finished", "failed", "stopped", "canceled"})
+# Looks a cancel takes at a job that changes under it (it ends, a worker takes it or
+# writes its heartbeat) before it gives up: each look is one WATCH, a few ms.
+CANCEL_LOOKS = 10
 
 
 class CannotCancel(VlmqError):
     def __init__(self, job_id: str, status: str) -> None:
         super().__init__(f"job {job_id} is already {status}; nothing to cancel")
+
+
+class CancelContended(CannotCancel):
+    """The job changed under every look: nothing was written; cancel it again."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(job_id, "changing")
+        self.args = (f"job {job_id} changed under {CANCEL_LOOKS} tries to cancel it; "
+                     "nothing was changed: try again",)
+
+
+class _ExecutionGone(Exception):
+    """RQ's cancel met an execution its registry lists but whose record is gone."""
 
 
 @dataclass(frozen=True)
@@ -226,26 +244,73 @@ def cancel(redis: Redis, keys: Keys, job_id: str) -> None:
 
     A queued job leaves its queue; a running one is dropped by its worker at the next
     ownership check (its heartbeat). Items already done stay readable.
+
+    A cancel can race the job's end: the job hash is WATCHed from the status read to the
+    EXEC, so a job that ends meanwhile is never turned `canceled`; the cancel looks again
+    and answers CannotCancel (it ended), or cancels it (a worker only took it). An
+    execution RQ's registry still lists after its record went (the end of that run, or
+    its record's TTL) is dropped from the registries on the next look, so RQ's cancel
+    never stops on it.
     """
-    try:
-        job = RQJob.fetch(job_id, connection=redis, serializer=JSONSerializer)
-    except NoSuchJobError:
-        raise JobNotFound(job_id) from None
-    except UNREADABLE_HASH_ERRORS as exc:
-        raise PayloadError("", f"RQ cannot read job {job_id}'s hash; delete it instead "
-                               f"({type(exc).__name__})") from exc
-    status = str(job.get_status(refresh=False) or "")
+    with redis.pipeline(transaction=True) as pipe:
+        for look in range(CANCEL_LOOKS):
+            try:
+                _cancel_once(redis, keys, pipe, job_id, repair=look > 0)
+                return
+            except (WatchError, _ExecutionGone):
+                continue
+            finally:
+                pipe.reset()
+    raise CancelContended(job_id)
+
+
+def _cancel_once(redis: Redis, keys: Keys, pipe: Pipeline, job_id: str, *,
+                 repair: bool) -> None:
+    pipe.watch(Keys.rq_job(job_id))  # type: ignore[no-untyped-call]
+    job = _fetch_job(redis, job_id)
+    # The hash's own text: str() of RQ's JobStatus would be "JobStatus.FINISHED".
+    status = as_str(redis.hget(Keys.rq_job(job_id), "status") or b"")
     if status in ENDED:
         raise CannotCancel(job_id, status)
-    pipe = redis.pipeline(transaction=True)
+    if repair:
+        _forget_lost_executions(redis, job)
     pipe.multi()
     try:
         job.cancel(pipeline=pipe)
     except InvalidJobOperation as exc:
         raise CannotCancel(job_id, "canceled") from exc
+    except ValueError as exc:  # rq.executions: "Execution ... not found in Redis"
+        raise _ExecutionGone(str(exc)) from exc
     end_job_event(redis, keys, job_id, "canceled", queue=job.origin,
                   ttl_s=ended_ttl(job.result_ttl, C.RESULT_TTL_S), pipeline=pipe)
     pipe.execute()
+
+
+def _fetch_job(redis: Redis, job_id: str) -> RQJob:
+    try:
+        return RQJob.fetch(job_id, connection=redis, serializer=JSONSerializer)
+    except NoSuchJobError:
+        raise JobNotFound(job_id) from None
+    except UNREADABLE_HASH_ERRORS as exc:
+        raise PayloadError("", f"RQ cannot read job {job_id}'s hash; delete it instead "
+                               f"({type(exc).__name__})") from exc
+
+
+def _forget_lost_executions(redis: Redis, job: RQJob) -> None:
+    """Drop the executions the job's registries list whose records are gone: pointers to
+    nothing, which RQ's cancel cannot read."""
+    registry = job.execution_registry.key
+    members: Any = redis.zrange(registry, 0, -1)
+    ids = [as_str(e) for e in members]
+    if not ids:
+        return
+    pipe = redis.pipeline(transaction=False)
+    for execution_id in ids:
+        pipe.exists(Execution(execution_id, job.id, connection=redis).key)
+    gone = [e for e, there in zip(ids, pipe.execute(), strict=True) if not there]
+    if gone:
+        redis.zrem(registry, *gone)
+        redis.zrem(job.started_job_registry.key, *(f"{job.id}:{e}" for e in gone))
 
 
 def delete(redis: Redis, keys: Keys, job_id: str) -> frozenset[str]:

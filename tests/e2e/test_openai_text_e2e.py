@@ -121,10 +121,10 @@ def test_text_only_lines_batched_with_image_lines_match_sequential_generate(
 
     made = json.loads(helpers.invoke_cli(redis_url, "enqueue", "--openai-batch",
                                          str(requests), "--json").stdout)
-    # Each line's own settings (prompt, max_tokens) make it a job of its own: all queued
-    # before the worker starts, so its 4-row batch takes rows of several jobs, text and
-    # image alike.
-    assert len(made["jobs"]) == len(LINES)
+    # Lines share a job by max_tokens, each item with its own prompt (five jobs, two of
+    # them holding a text and an image line): all queued before the worker starts, so its
+    # 4-row batch takes rows of several jobs, text and image alike.
+    assert len(made["jobs"]) == len({m for *_, m in LINES}) == 5
     proc = helpers.start_worker(redis_url, tiny_model, tmp_path, "--burst", "--max-batch",
                                 "4", "--blas", "auto")
     procs.append(proc)

@@ -19,6 +19,7 @@ from vlmq.producer import Client
 from vlmq.producer.ops.dashboard import markup
 from vlmq.producer.ops.dashboard.app import Settings, create_app
 from vlmq.producer.ops.dashboard.render import MAX_PX, RenderError, render
+from vlmq.shared import constants as C
 from vlmq.shared.keys import Keys
 
 
@@ -161,6 +162,25 @@ def test_bad_requests_get_a_clear_page(redis_url: str, redis: Redis, data: Datas
     odd = client.get(f"/jobs/{data.queued}")
     assert odd.status_code == 200 and "Not a readable vlmq job" in text(odd)
     assert client.get(f"/jobs/{data.queued}/download.md").status_code == 409
+
+
+def test_raw_jobs_no_reader_can_parse_get_a_clear_answer(redis_url: str, redis: Redis) -> None:
+    """Written raw (HSET, RPUSH): data holding a 4,401-digit integer, and a job key stored
+    as a list. Their page and download say why, never a 500."""
+    client = web(redis_url)
+    wire = json.dumps([C.TASK_FUNC, None, [{"v": 1, "task": "ocr", "max_side": 0}], {}])
+    redis.hset("rq:job:huge", mapping={
+        "data": wire.replace('"max_side": 0', '"max_side": 1' + "0" * 4400),
+        "origin": "ocr", "status": "queued"})
+    redis.rpush("rq:job:listed", "x")
+    page = client.get("/jobs/huge")
+    assert page.status_code == 200
+    assert "holds a number of 4401 characters" in text(page), text(page)
+    assert client.get("/jobs/huge/download.md").status_code == 409
+    for url in ("/jobs/listed", "/jobs/listed/download.md", "/jobs/listed/items/0.png"):
+        resp = client.get(url)
+        assert resp.status_code == 409, url
+        assert "its key rq:job:listed is a Redis list, not a job hash" in text(resp), url
 
 
 def test_downloads(redis_url: str, data: Dataset) -> None:

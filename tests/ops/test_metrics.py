@@ -32,7 +32,7 @@ from vlmq.cli.common import EXIT_CONFIG
 from vlmq.producer.client import Client
 from vlmq.producer.ops.metrics_exporter import FleetCollector, serve
 from vlmq.shared import constants as C
-from vlmq.shared import job_index
+from vlmq.shared import fair, job_index
 from vlmq.shared.blobs import sha256_hex
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult
@@ -422,6 +422,7 @@ class _Engine:
     prefix_tokens_skipped: int = 0
     prefill_tokens: int = 0
     prefix_bytes: int = 0
+    deferrals: int = 0
 
 
 def _worker_scrape(metrics: WorkerMetrics) -> dict[str, tuple[str, list[Sample]]]:
@@ -517,6 +518,25 @@ def test_worker_kv_budget_beside_the_tokens_in_flight() -> None:
     s = {name: samples for name, (_, samples) in _worker_scrape(metrics).items()}
     assert _value(s["vlmq_kv_tokens_in_flight"], "vlmq_kv_tokens_in_flight") == 3000
     assert _value(s["vlmq_kv_tokens_budget"], "vlmq_kv_tokens_budget") == 12000
+
+
+def test_worker_shows_its_share_between_batches() -> None:
+    """The jobs in hand by batch (the worker fills stats.shares at each stats tick): one
+    series per batch, the jobs without one under their own name, promtool-clean."""
+    stats = WorkerStats("w", 4, 8)
+    metrics = WorkerMetrics(stats, lambda: (0, 0))
+    stats.shares = fair.shares_of([("b-big", 1), ("b-big", 1), ("b-big", 3), ("b-one", 1),
+                                   ("", 40)])
+    s = {name: samples for name, (_, samples) in _worker_scrape(metrics).items()}
+    assert _value(s["vlmq_share_jobs"], "vlmq_share_jobs", batch="b-big") == 3
+    assert _value(s["vlmq_share_items"], "vlmq_share_items", batch="b-big") == 5
+    assert _value(s["vlmq_share_jobs"], "vlmq_share_jobs", batch="b-one") == 1
+    assert _value(s["vlmq_share_items"], "vlmq_share_items", batch=fair.LOOSE_NAME) == 40
+    rc, out = prom.check_metrics(generate_latest(metrics.registry).decode())
+    assert rc == 0, out
+    stats.shares = []  # the batches ended: their series go
+    s = {name: samples for name, (_, samples) in _worker_scrape(metrics).items()}
+    assert s["vlmq_share_jobs"] == []
 
 
 def test_engine_state_says_its_kv_budget(tiny_model: Path) -> None:

@@ -27,6 +27,7 @@ REGISTRY_CLASSES = {"started": StartedJobRegistry, "finished": FinishedJobRegist
 def test_rq_names_match_rq(redis: Redis) -> None:
     assert Keys.rq_job("j1") == Job.key_for("j1")
     assert Keys.rq_queue("ocr") == Queue("ocr", connection=redis).key
+    assert Keys.rq_intermediate("ocr") == Queue("ocr", connection=redis).intermediate_queue_key
     assert Queue.redis_queues_keys == RQ_QUEUES
     assert Keys.rq_results("j1") == Result.get_key("j1")
     assert Keys.rq_worker("w1") == Worker.redis_worker_namespace_prefix + "w1"

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +56,12 @@ def free_port() -> int:
         return port
 
 
-def start_api(redis_url: str, files_dir: Path, port: int) -> subprocess.Popen[str]:
-    env = {**os.environ, "REDIS_URL": redis_url, "VLMQ_API_KEYS": ",".join(KEYS),
+def start_api(redis_url: str, files_dir: Path, port: int, *args: str,
+              keys: Sequence[str] = KEYS) -> subprocess.Popen[str]:
+    """`vlmq api` on `port` serving `keys`; `args` are more of its options."""
+    env = {**os.environ, "REDIS_URL": redis_url, "VLMQ_API_KEYS": ",".join(keys),
            "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([str(Path(sys.executable).parent / "vlmq"), "api", "--port",
-                             str(port), "--files-dir", str(files_dir)], env=env,
+                             str(port), "--files-dir", str(files_dir), *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

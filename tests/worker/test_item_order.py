@@ -66,3 +66,28 @@ def test_a_small_job_is_prepared_past_a_full_window_and_a_big_one_is_not() -> No
     s.remove("small")
     s.add(_state("tiny", 1))
     assert s.next_item_within(window + small, window, small) is None  # past the allowance
+
+
+def _in_batch(job_id: str, n: int, batch: str) -> JobState:
+    payload = job_payload(n, task="caption", name="{}.png", batch=batch)
+    return JobState(job_id=job_id, payload=payload, pending=deque(range(n)))
+
+
+def test_among_equal_jobs_the_batch_with_fewest_items_out_goes_first() -> None:
+    """Fair turns carried into the batch: a one-item job of a batch with nothing out is
+    prepared, and admitted, before the one-item jobs of a batch that holds rows already."""
+    s: ItemOrder[JobState] = ItemOrder()
+    for k in range(3):
+        s.add(_in_batch(f"big-{k}", 1, "b-big"))
+    st, _ = s.next_item()
+    assert st.job_id == "big-0"
+    s.add(_in_batch("small", 1, "b-small"))  # taken in its batch's turn, after the others
+    nxt = s.next_item()
+    assert nxt is not None and nxt[0].job_id == "small"
+    assert s.next_item()[0].job_id == "big-1"  # b-big: 2 items out, b-small: 1
+    # The engine's priority says the same: items left first, then the batch's items out.
+    s.add(_in_batch("big-3", 1, "b-big"))
+    s.add(_in_batch("small-2", 1, "b-small"))
+    assert s.priority(s.jobs["small-2"]) < s.priority(s.jobs["big-3"])
+    s.add(_in_batch("two", 2, "b-other"))
+    assert s.priority(s.jobs["big-3"]) < s.priority(s.jobs["two"])  # fewer items left first

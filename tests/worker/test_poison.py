@@ -114,3 +114,20 @@ def test_risk_records_are_cleared_when_the_step_ends(redis: Redis) -> None:
     except ValueError:
         pass
     assert not redis.exists(Keys().job_risk("j1"))
+
+
+def test_junk_in_a_jobs_kill_count_or_risk_record_stops_no_reclaim(redis: Redis) -> None:
+    """A foreign writer's junk in the keys the reclaim reads (a kill count that is no
+    number, a risk key of another type): the next worker's maintenance still runs, the job
+    in risky work is charged from a fresh count, and the other keeps its retries."""
+    bad = enqueue(redis, job_payload(3), queue="q")
+    innocent = enqueue(redis, job_payload(3), queue="q")
+    redis.hset(Keys().job_kills(bad), "count", "1" + "0" * 5000)
+    die_with(redis, bad)
+    redis.rpush(Keys().job_risk(innocent), "not a hash")
+    reclaim(redis)
+    b, i = fetch_job(redis, bad), fetch_job(redis, innocent)
+    assert b.get_status() == i.get_status() == JobStatus.QUEUED
+    assert redis.hget(Keys().job_kills(bad), "count") == b"1"
+    assert b.retries_left == C.CRASH_RETRIES - 1
+    assert i.retries_left == C.CRASH_RETRIES

@@ -20,6 +20,7 @@ from vlmq.shared.enqueue import enqueue_lua, raw_exc_info
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import parse_payload
+from vlmq.worker.intake import queue_guard
 from vlmq.worker.intake.queue_guard import scrub_intermediate
 from vlmq.worker.intake.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
 
@@ -57,6 +58,27 @@ def deep_json(depth: int) -> bytes:
     return b"[" * depth + b"]" * depth
 
 
+def huge_int_data(digits: int = 4401) -> bytes:
+    """Job data whose max_side is an integer of `digits` digits, as a raw producer writes it
+    (Python's own json.dumps refuses to write one past 4,300)."""
+    text = json.dumps([C.TASK_FUNC, None, [payload(item(source="a.png"), max_side=0)], {}])
+    return text.replace('"max_side": 0', '"max_side": 1' + "0" * (digits - 1)).encode()
+
+
+def list_job(redis: Redis, job_id: str = "listjob") -> None:
+    """rq:job:<id> written as a Redis list, its id pushed: no hash command works on it."""
+    redis.rpush(Keys.rq_job(job_id), "x")
+    redis.rpush("rq:queue:q", job_id)
+
+
+def side_key_of_type(redis: Redis, key: str) -> str:
+    """A valid job whose `key` (one of its vlmq keys) is a Redis list."""
+    job_id = _enqueue(redis, payload(item(source="a.png")), queue="q")
+    redis.delete(key.format(job_id=job_id))
+    redis.rpush(key.format(job_id=job_id), "x")
+    return job_id
+
+
 def poison_job(redis: Redis, field: str, value: bytes | None) -> str:
     job_id = _enqueue(redis, payload(item(source="a.png")), queue="q")
     if value is None:
@@ -86,6 +108,27 @@ CASES = {
     "bad status": (lambda r: poison_job(r, "status", b"bogus"), "RQ cannot read its hash"),
     "float timeout": (lambda r: poison_job(r, "timeout", b"86400.0"),
                       "job timeout '86400.0' is not a whole number of seconds"),
+    "4,401-digit integer in data": (lambda r: poison_job(r, "data", huge_int_data()),
+                                    "job data holds a number of 4401 characters"),
+    "same, zlib-compressed": (lambda r: poison_job(r, "data", zlib.compress(huge_int_data())),
+                              "job data holds a number of 4401 characters"),
+    "400-digit integer in data": (lambda r: poison_job(r, "data", huge_int_data(400)),
+                                  "over the 100-character limit"),
+    "4,401-digit integer in meta": (lambda r: poison_job(r, "meta", b"1" + b"0" * 4400),
+                                    "job meta holds a number of 4401 characters"),
+    "job key a list": (lambda r: list_job(r), "its key rq:job:listjob is a Redis list, where "
+                                             "vlmq keeps a hash"),
+    "items key a list": (lambda r: side_key_of_type(r, "vlmq:job:{job_id}:items"),
+                         ":items is a Redis list, where vlmq keeps a hash"),
+    "events key a list": (lambda r: side_key_of_type(r, "vlmq:job:{job_id}:events"),
+                          ":events is a Redis list, where vlmq keeps a stream"),
+    "40-digit timeout": (lambda r: poison_job(r, "timeout", b"9" * 40),
+                         "is not a whole number of seconds (at most 12 digits)"),
+    "400-digit result_ttl": (lambda r: poison_job(r, "result_ttl", b"9" * 400),
+                             "job field result_ttl"),
+    "dependency_ids a number": (lambda r: poison_job(r, "dependency_ids", b"1e999"),
+                                "job dependency_ids is not a list of job ids"),
+    "meta a list": (lambda r: poison_job(r, "meta", b"[1]"), "job meta is not a JSON object"),
 }
 
 
@@ -145,12 +188,84 @@ def test_maintenance_survives_poison_in_the_intermediate_list(redis: Redis,
     assert scrub_intermediate(redis, Keys(), queue, "w") == 0  # nothing left to refuse
 
 
+def test_maintenance_survives_a_huge_integer_and_a_list_job_key(redis: Redis,
+                                                                life: JobLifecycle) -> None:
+    """Left in the intermediate list by a worker that died between its take and its start:
+    the next worker's maintenance dead-letters both (and fails the one with a hash) instead
+    of dying on them at every start, and leaves the healthy entry for RQ's own cleanup."""
+    queue = Queue("q", connection=redis)
+    huge = poison_job(redis, "data", huge_int_data())
+    list_job(redis)
+    healthy = _enqueue(redis, payload(item(source="a.png")), queue="q")
+    for _ in range(3):
+        redis.lmove("rq:queue:q", queue.intermediate_queue_key)
+    life.worker.last_cleaned_at = None  # due now
+    life.maintain()
+    assert redis.lrange(queue.intermediate_queue_key, 0, -1) == [healthy.encode()]
+    reasons = {r["entry"]: r["reason"] for r in dead(redis)}
+    assert reasons.keys() == {huge, "listjob"}
+    assert "holds a number of 4401 characters" in reasons[huge]
+    assert "rq:job:listjob is a Redis list" in reasons["listjob"]
+    assert Job(huge, connection=redis).get_status(refresh=True) == JobStatus.FAILED
+    assert redis.type(Keys.rq_job("listjob")) == b"list"  # not ours to delete
+
+
+def test_a_job_key_turned_into_a_list_as_it_is_taken(redis: Redis, life: JobLifecycle,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer racing the take: the guard read a hash, and the key is a list by the time
+    the job is started. That job is dead-lettered; the one taken with it starts."""
+    bad = _enqueue(redis, payload(item(source="a.png")), queue="q")
+    good = _enqueue(redis, payload(item(source="b.png")), queue="q")
+    checked = queue_guard.inspect_many
+
+    def racing(conn: Redis, keys: Keys, raws: list[bytes | str]) -> object:
+        out = checked(conn, keys, raws)
+        redis.delete(Keys.rq_job(bad))
+        redis.rpush(Keys.rq_job(bad), "x")
+        return out
+
+    monkeypatch.setattr(queue_guard, "inspect_many", racing)
+    taken, _ = life.take_many(2)
+    assert [t.job_id for t in taken if isinstance(t, Running)] == [good]
+    (record,) = dead(redis)
+    assert record["entry"] == bad and "became another Redis type" in record["reason"]
+    assert redis.llen("rq:queue:q:intermediate") == 0
+
+
+def test_a_job_hash_turned_into_a_list_between_the_guards_two_reads(
+        redis: Redis, life: JobLifecycle, monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = _enqueue(redis, payload(item(source="a.png")), queue="q")
+    good = _enqueue(redis, payload(item(source="b.png")), queue="q")
+    sizes = queue_guard._check_sizes
+
+    def racing(*args: object) -> object:
+        out = sizes(*args)  # type: ignore[arg-type]
+        redis.delete(Keys.rq_job(bad))
+        redis.rpush(Keys.rq_job(bad), "x")
+        return out
+
+    monkeypatch.setattr(queue_guard, "_check_sizes", racing)
+    taken, _ = life.take_many(2)
+    assert [t.job_id for t in taken if isinstance(t, Running)] == [good]
+    (record,) = dead(redis)
+    assert record["entry"] == bad
+    assert f"its key rq:job:{bad} is of another Redis type" in record["reason"]
+
+
 def test_bounded_helpers() -> None:
     assert bounded.inflate(zlib.compress(b"x" * 100), cap=100) == b"x" * 100
     with pytest.raises(bounded.BoundError, match="more than"):
         bounded.inflate(zlib.compress(b"x" * 101), cap=100)
     assert bounded.inflate(b'["plain json"]') == b'["plain json"]'
     assert bounded.loads(deep_json(32)) is not None
+    assert bounded.loads(b"[" + b"9" * 100 + b", 1.5e300, NaN]")[0] == int("9" * 100)
+    for number in (b"1" + b"0" * 4400, b"9" * 101, b"0." + b"1" * 100, b"-" + b"9" * 100):
+        with pytest.raises(bounded.BoundError, match="over the 100-character limit"):
+            bounded.loads(b'{"a": [' + number + b"]}")
+    with pytest.raises(json.JSONDecodeError):  # not JSON stays a JSON error, not a bound
+        bounded.loads(b"[1, 2")
+    with pytest.raises(UnicodeDecodeError):
+        bounded.loads(b'["\xff"]')
     with pytest.raises(bounded.BoundError, match="deeper than 32"):
         bounded.loads(deep_json(33))
     with pytest.raises(bounded.BoundError, match="deeper than 32"):

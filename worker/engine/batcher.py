@@ -31,6 +31,7 @@ from vlmq.worker.engine import faults, kv_budget, prefix_cache
 from vlmq.worker.engine import mlx_adapter as adapter
 from vlmq.worker.engine.batch_size import FLOOR, BatchSizer, Shape
 from vlmq.worker.engine.constraints import RowConstraint
+from vlmq.worker.engine.match_budget import MatchBudget
 from vlmq.worker.engine.mlx_adapter import LoadedModel, Prepared
 from vlmq.worker.engine.repetition import RepetitionGuard
 from vlmq.worker.model import blas
@@ -57,7 +58,8 @@ class Request:
     # there is charged to it (worker/intake/poison.py). Called with the step's name.
     risky: Callable[[str], AbstractContextManager[None]] | None = None
     # Lower is admitted first when rows free up, FIFO among equals. The worker passes its
-    # job's items left, so a small job's items overtake a big job's queued ones.
+    # job's items left, then its batch's items out (ItemOrder.priority), so a small job's
+    # items overtake a big job's queued ones, and a batch with few rows another's.
     priority: int = 0
     # An extract item's schema matcher (worker/engine/constraints.py): masks each step's logits,
     # and decides at the end whether the output is a whole JSON value.
@@ -159,6 +161,7 @@ class EngineState:
     peak_kv_in_flight: int = 0
     tower_calls: int = 0
     isolations: int = 0  # failed steps whose rows were rerun apart to find the culprit
+    deferrals: int = 0  # constrained rows taken out to keep the matching budget
     busy_s: float = 0.0  # MLX thread time in model work (tower, embed, prefill, decode)
     tokens_generated: int = 0
     finished: int = 0
@@ -455,6 +458,8 @@ class _Loop:
         self.kv_budget: int = max_kv_tokens
         state.kv_budget = max_kv_tokens
         self.warned_over_budget: set[Hashable] = set()
+        # Schema matching over all rows of a step, held to a share of the model's time.
+        self.matching = MatchBudget()
 
     def _prefix_cache(self, budget: int, per_token: int,
                       given: bool) -> prefix_cache.PrefixCache | None:
@@ -494,9 +499,16 @@ class _Loop:
                 prefill = admitted > 0 or any(lv.first_token_at is None
                                               for lv in self.live.values())
                 rows = len(self.live)
+                matchers = [c for _, c in self._constrained()]
+                for c in matchers:
+                    c.last_s = 0.0
+                ts = time.perf_counter()
                 tokens = self._step()
                 if not prefill:
                     self._size(rows, tokens, time.perf_counter() - t0)
+                    self.matching.observe(time.perf_counter() - ts,
+                                          sum(c.last_s for c in matchers))
+                self._hold_matching()
             st.busy_s += time.perf_counter() - t0
         while self.suspects:
             self.pending.extend(self.suspects.popleft())
@@ -504,6 +516,41 @@ class _Loop:
         self.gen.close()
         if self.prefix is not None:
             self.prefix.close()
+
+    def _constrained(self) -> list[tuple[_Live, RowConstraint]]:
+        """The rows with a schema matcher, oldest first."""
+        return [(lv, lv.req.constraint) for lv in self.live.values()
+                if lv.req.constraint is not None]
+
+    def _hold_matching(self) -> None:
+        """After a step: defer the costliest constrained rows while they cost over the
+        matching budget (match_budget.py)."""
+        if self.isolating or self._one_schema():
+            return  # a failed step's rows rerun apart; or no other row to slow down
+        rows = [(lv, c) for lv, c in self._constrained() if lv.first_token_at is not None]
+        going = [rows[i][0] for i in self.matching.defer([c.cost_s for _, c in rows])]
+        if going:
+            self._defer(going)
+
+    def _defer(self, rows: list[_Live]) -> None:
+        """Take constrained rows out of the batch to wait for room in the matching
+        budget; each restarts from its prompt (its matcher too) when admitted again."""
+        import mlx.core as mx
+
+        log.info("engine: %d constrained row(s) deferred: the rows cost %.1f ms a step, "
+                 "over the matching budget of %.1f ms (%s)", len(rows),
+                 1000 * sum(c.cost_s for _, c in self._constrained()),
+                 1000 * (self.matching.budget_s or 0.0), ", ".join(repr(lv.req.key)
+                                                                    for lv in rows))
+        mx.synchronize()  # Metal: settle in-flight work before the batch is filtered
+        for lv in rows:
+            self.gen.remove(lv.uid)
+            del self.live[lv.uid]
+            self.state.kv_in_flight -= lv.kv_cost
+            self.pending.appendleft((lv.req, time.perf_counter()))
+        self.state.deferrals += len(rows)
+        self.state.move(active=-len(rows), waiting=len(rows))
+        self.clear_cache_at = self.steps + _CLEAR_CACHE_DELAY
 
     def _size(self, rows: int, tokens: int, seconds: float) -> None:
         """Tell the sizer what this turn produced; say so when the row limit moves."""
@@ -529,10 +576,10 @@ class _Loop:
     def _admit(self) -> int:
         """Embed and insert pending requests while there are free rows and KV budget.
 
-        The next request is the one with the best priority (its job's items left; FIFO
-        among equals). If it does not fit the KV budget it waits (later ones wait behind
-        it, so a long one is never starved); one over the whole budget runs alone, once
-        nothing else is in flight.
+        The next request is the one with the best priority (its job's items left, then
+        its batch's items out; FIFO among equals). If it does not fit the KV budget it
+        waits (later ones wait behind it, so a long one is never starved); one over the
+        whole budget runs alone, once nothing else is in flight.
         """
         if self._admit_suspects():
             return 1
@@ -540,7 +587,9 @@ class _Loop:
         while (self.pending and len(self.live) < self.sizer.limit
                and admitted < self.prefill_batch):
             pending = self.pending
-            first = min(range(len(pending)), key=lambda k: pending[k][0].priority)
+            first = self._next_pending()
+            if first is None:
+                return admitted
             req, submitted_at = pending[first]
             cost = self._kv_cost(req)
             if self.live and self.state.kv_in_flight + cost > self.kv_budget:
@@ -555,6 +604,30 @@ class _Loop:
             self._insert_risky(req, submitted_at)
             admitted += 1
         return admitted
+
+    def _next_pending(self) -> int | None:
+        """The pending request to admit next: the best priority, unless it is constrained
+        and does not fit the matching budget; then the best unconstrained one (the
+        constrained behind it wait too, so it is never starved), or None."""
+        pending = self.pending
+        first = min(range(len(pending)), key=lambda k: pending[k][0].priority)
+        constraint = pending[first][0].constraint
+        held = self._constrained()
+        if constraint is None or self._one_schema() or (
+                self.matching.admits([c.cost_s for _, c in held], constraint.cost_s)
+                and not _unproven(constraint, held)):
+            return first
+        free = [k for k in range(len(pending)) if pending[k][0].constraint is None]
+        return min(free, key=lambda k: pending[k][0].priority) if free else None
+
+    def _one_schema(self) -> bool:
+        """Every row in the batch and waiting is of one schema: its matching slows only
+        rows that cost the same, so the budget has no one to protect (a batch of one
+        extract job's pages runs at full width)."""
+        costs = {id(r.constraint.schema_cost) if r.constraint is not None else None
+                 for r in [*(lv.req for lv in self.live.values()),
+                           *(req for req, _ in self.pending)]}
+        return len(costs) == 1 and None not in costs
 
     def _insert_risky(self, req: Request, submitted_at: float) -> None:
         risky = req.risky("vision tower") if req.risky is not None else nullcontext()
@@ -890,6 +963,14 @@ class _Cuts:
                    + [r for r, _ in self.failed]):
             seen.setdefault(lv.uid, lv)
         return list(seen.values())
+
+
+def _unproven(constraint: RowConstraint, held: list[tuple[_Live, RowConstraint]]) -> bool:
+    """A row of a schema no row has run a step of yet, while one of its rows is in the
+    batch: it waits for that row's first step, so a schema whose first mask looked cheaper
+    than its steps are admits one row, not a batch full."""
+    cost = constraint.schema_cost
+    return not cost.measured and any(c.schema_cost is cost for _, c in held)
 
 
 def _json_outcome(constraint: RowConstraint, tokens: list[int], reason: str,

@@ -22,7 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -32,6 +32,7 @@ import llguidance.numpy
 import numpy as np
 
 from vlmq.shared import extract_schema as json_schema
+from vlmq.worker.engine.match_budget import ema
 
 T = TypeVar("T")
 V = TypeVar("V")
@@ -161,6 +162,21 @@ class _Offload:
             self._jobs.put(None)
 
 
+class SchemaCost:
+    """What one step of a schema's matcher costs, averaged over its rows' steps (until
+    one has run, its first mask's time): what the engine's matching budget
+    (match_budget.py) judges a row by before that row has run a step. Rows write it on
+    the MLX thread only."""
+
+    def __init__(self, first_s: float) -> None:
+        self.per_step_s = first_s  # the first mask's time until a row has run a step
+        self.measured = False  # a row has run a step of it
+
+    def observe(self, seconds: float) -> None:
+        self.per_step_s = ema(None if not self.measured else self.per_step_s, seconds)
+        self.measured = True
+
+
 @dataclass(frozen=True)
 class _Template:
     """A schema's matcher at its first step, mask computed: rows start from copies of it."""
@@ -168,6 +184,7 @@ class _Template:
     matcher: llguidance.LLMatcher | None
     first_mask: np.ndarray | None
     problem: str | None  # why this schema cannot be matched within budget (cached too)
+    cost: SchemaCost = field(default_factory=lambda: SchemaCost(0.0))
 
 
 class Structured:
@@ -226,18 +243,21 @@ class Structured:
         if template.problem is not None:
             raise ConstraintError(template.problem)
         assert template.matcher is not None and template.first_mask is not None
-        return RowConstraint(template.matcher.deep_copy(), template.first_mask)
+        return RowConstraint(template.matcher.deep_copy(), template.first_mask,
+                             cost=template.cost)
 
     def _build(self, grammar: str) -> _Template:
         tokenizer = self.tokenizer
         vocab = int(tokenizer.vocab_size)
 
-        def first() -> tuple[llguidance.LLMatcher, np.ndarray, str]:
+        def first() -> tuple[llguidance.LLMatcher, np.ndarray, str, float]:
             matcher = llguidance.LLMatcher(tokenizer, grammar, limits=_limits(), log_level=0)
             mask = np.full((1, (vocab + 31) // 32), -1, dtype=np.int32)
+            t0 = time.perf_counter()
             if not matcher.is_error():
                 llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
-            return matcher, mask, matcher.get_error() or _probe(matcher, mask)
+            took = time.perf_counter() - t0
+            return matcher, mask, matcher.get_error() or _probe(matcher, mask), took
 
         offload = _Offload()
         try:
@@ -247,10 +267,10 @@ class Structured:
         if built is None:
             return _Template(None, None, _too_costly(
                 f"its first mask took over {BUILD_BUDGET_S:g} s"))
-        matcher, mask, error = built
+        matcher, mask, error, took = built
         if error:
             return _Template(None, None, _too_costly(_first_line(error)))
-        return _Template(matcher, mask, None)
+        return _Template(matcher, mask, None, SchemaCost(took))
 
 
 def _probe(matcher: llguidance.LLMatcher, first_mask: np.ndarray) -> str:
@@ -288,7 +308,7 @@ class RowConstraint:
     """
 
     def __init__(self, matcher: llguidance.LLMatcher, first_mask: np.ndarray, *,
-                 step_budget_s: float = STEP_BUDGET_S) -> None:
+                 step_budget_s: float = STEP_BUDGET_S, cost: SchemaCost | None = None) -> None:
         self.matcher = matcher
         self._first = first_mask
         self._bitmask = first_mask.copy()
@@ -299,6 +319,15 @@ class RowConstraint:
         self.consumed = 0  # tokens of the row's output the matcher has taken
         self.mask_s = 0.0  # seconds spent computing and applying masks
         self.steps = 0
+        self.last_s = 0.0  # the last step's seconds (the engine sums a step's rows)
+        self.schema_cost = cost if cost is not None else SchemaCost(0.0)
+        self._own_s: float | None = None  # this row's steps, averaged
+
+    @property
+    def cost_s(self) -> float:
+        """What a step of this row costs: its own steps' average once it has run one,
+        else its schema's."""
+        return self.schema_cost.per_step_s if self._own_s is None else self._own_s
 
     def reset(self) -> None:
         """Back to the first token (the engine retries a looping row from its prompt)."""
@@ -323,8 +352,9 @@ class RowConstraint:
         if self.failure is not None:
             return logits  # cut after this step; its token is discarded
         t0 = time.perf_counter()
+        advanced = self._started and last is not None
         try:
-            if not self._started or last is None:
+            if last is None or not self._started:
                 np.copyto(self._bitmask, self._first)  # computed when the row was built
             elif self._offload.run(partial(self._advance, last), self.step_budget_s) is None:
                 self.failure = (_too_costly(f"a mask step took over the "
@@ -337,9 +367,16 @@ class RowConstraint:
             self.failure = f"{type(exc).__name__}: {exc}"
             return logits
         finally:
-            self.mask_s += time.perf_counter() - t0
-            self.steps += 1
+            self._count(time.perf_counter() - t0, advanced)
         return out
+
+    def _count(self, seconds: float, advanced: bool) -> None:
+        self.mask_s += seconds
+        self.steps += 1
+        self.last_s = seconds
+        if advanced:  # a real step: what the next ones of this row and schema will cost
+            self._own_s = ema(self._own_s, seconds)
+            self.schema_cost.observe(seconds)
 
     def _advance(self, token: int) -> bool:
         """Take the sampled token and compute the next mask (the row's mask thread)."""

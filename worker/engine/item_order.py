@@ -1,9 +1,13 @@
 """Which item to prepare next, across every job in flight.
 
-The job with the fewest items left goes first (shortest remaining first), ties to the job
+The job with the fewest items left goes first (shortest remaining first); among equals,
+the job whose batch has the fewest items out (being prepared or generated), then the job
 taken earliest. A small job enqueued behind a 2,000-page PDF therefore joins the running
 batches at once and finishes first, and a backlog of big jobs finishes one after another
-rather than all together at the end, which frees room for the next job sooner.
+rather than all together at the end, which frees room for the next job sooner. The batch
+tie-break carries the intake's fair turns (shared/fair.py) into the batch: a one-item
+batch taken beside a backlog of another batch's one-item jobs gets the next free row, not
+one behind every backlog item already prepared.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from vlmq.shared import fair
 from vlmq.shared.messages import JobPayload
 from vlmq.worker.intake.job_settings import JobSettings
 
@@ -63,12 +68,25 @@ class JobState:
         return len(self.payload.items)
 
     @property
+    def left(self) -> int:
+        """Items not yet come back (pending or out)."""
+        return len(self.pending) + len(self.outstanding)
+
+    @property
+    def share(self) -> str:
+        """The batch whose fair share the job counts in (shared/fair.py)."""
+        return fair.share_of(self.payload)
+
+    @property
     def complete(self) -> bool:
         """Every item has come back (its result may still wait to be written)."""
         return not self.pending and not self.outstanding
 
 
 S = TypeVar("S", bound=JobState)
+# The engine's priority is one number: items left, then (within the same items left) a
+# batch's items out, up to this many.
+SHARE_RANKS = 1024
 
 
 class ItemOrder(Generic[S]):
@@ -88,25 +106,41 @@ class ItemOrder(Generic[S]):
     def outstanding(self) -> int:
         return sum(len(j.outstanding) for j in self.jobs.values())
 
+    def _out_by_share(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for state in self.jobs.values():
+            if state.outstanding:
+                out[state.share] = out.get(state.share, 0) + len(state.outstanding)
+        return out
+
     def best(self) -> S | None:
         """The job next_item would take from: the one with the fewest items left among
-        those with a pending item (ties to the earliest job), or None."""
+        those with a pending item, then the one whose batch has the fewest items out (ties
+        to the earliest job), or None."""
+        out = self._out_by_share()
         best: S | None = None
+        rank = (0, 0)
         for state in self.jobs.values():  # insertion order: ties go to the earliest job
-            left = len(state.pending) + len(state.outstanding)
-            if state.pending and (best is None or
-                                  left < len(best.pending) + len(best.outstanding)):
-                best = state
+            mine = (state.left, out.get(state.share, 0))
+            if state.pending and (best is None or mine < rank):
+                best, rank = state, mine
         return best
+
+    def priority(self, state: S) -> int:
+        """The engine's admission priority for an item of `state` (lower first): its
+        job's items left, then its batch's items out, as `best` ranks them."""
+        out = sum(len(j.outstanding) for j in self.jobs.values() if j.share == state.share)
+        return state.left * SHARE_RANKS + min(out, SHARE_RANKS - 1)
 
     def next_item(self) -> tuple[S, int] | None:
         """Pop one pending item of the job with the fewest left, or None if nothing is."""
         best = self.best()
-        if best is None:
-            return None
-        idx = best.pending.popleft()
-        best.outstanding.add(idx)
-        return best, idx
+        return None if best is None else self._take(best)
+
+    def _take(self, state: S) -> tuple[S, int]:
+        idx = state.pending.popleft()
+        state.outstanding.add(idx)
+        return state, idx
 
     def next_item_within(self, ahead: int, window: int, small: int) -> tuple[S, int] | None:
         """next_item, when `ahead` items prepared but not yet batched leave room: fewer
@@ -117,9 +151,9 @@ class ItemOrder(Generic[S]):
         best = self.best()
         if best is None or ahead >= window + small:
             return None
-        if ahead >= window and len(best.pending) + len(best.outstanding) > small:
+        if ahead >= window and best.left > small:
             return None
-        return self.next_item()
+        return self._take(best)
 
     def retry_item(self, job_id: str, idx: int) -> None:
         """Put an item whose preparation hit a transient error back at the head of its job."""

@@ -12,13 +12,13 @@ the worker holds no second copy of either.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from vlmq.shared import constants as C
 from vlmq.shared import extract_schema as json_schema
 from vlmq.shared import settings as S
-from vlmq.shared.messages import JobPayload
+from vlmq.shared.messages import Item, JobPayload
 from vlmq.worker.model.defaults import Resolved, resolve
 
 # olmOCR renders pages at 1288 px on the longest side; a sound default for OCR models.
@@ -52,6 +52,11 @@ class JobSettings(Resolved):
         if kind != "pdf":  # only a PDF page has a text layer: other items share one key
             del out["text_layer"]
         return out
+
+    def for_item(self, item: Item) -> JobSettings:
+        """The settings `item` runs with: its own prompt, where it carries one, in place of
+        the job's (so the preparer and the result-cache key read one object per item)."""
+        return self if item.prompt is None else replace(self, prompt=item.prompt)
 
     def side_for(self, kind: str) -> int:
         if self.max_side is not None:

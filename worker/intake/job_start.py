@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 from vlmq.shared.connection import transient
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult
+from vlmq.shared.redis_text import as_str
 from vlmq.worker.engine.item_order import ItemOrder
 from vlmq.worker.intake.rq_jobs import JobLifecycle, Refused, Running
 from vlmq.worker.prep.requests import Preparer
@@ -128,7 +129,7 @@ class JobStarter:
         todo_of: list[list[int]] = []
         for running, done_raw in zip(ready, done_of, strict=True):
             n = len(running.payload.items)
-            done = {i for i in map(int, done_raw) if i < n}
+            done = {i for i in map(_item_index, done_raw) if i is not None and i < n}
             running.already_done = len(done)
             todo_of.append([i for i in range(n) if i not in done])
         return todo_of
@@ -165,3 +166,10 @@ class JobStarter:
         log.error("job %s could not be started", running.job_id, exc_info=exc)
         self.writer.fail(running, f"worker error starting the job: "
                                   f"{type(exc).__name__}: {exc}")
+
+
+def _item_index(field: bytes | str) -> int | None:
+    """A field of a job's results hash as an item index; any other field (written by hand)
+    names no result."""
+    text = as_str(field)
+    return int(text) if len(text) <= 9 and text.isascii() and text.isdigit() else None

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from redis import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
@@ -121,7 +121,11 @@ def reclaim(redis: Redis, keys: Keys, queue: Queue, *, poison_kills: int,
         expired = [str(j) for j in registry.get_expired_job_ids(at)]
         culprits = _culprit_workers(redis, keys, expired)
         for job_id in expired:
-            _attribute(redis, keys, job_id, poison_kills, culprits)
+            try:
+                _attribute(redis, keys, job_id, poison_kills, culprits)
+            except ResponseError as exc:  # a key of this job replaced by hand: its own problem
+                log.warning("job %s: its worker's death not attributed (%s); RQ's cleanup "
+                            "handles it", job_id, exc)
     finally:
         queue.release_maintenance_lock()  # type: ignore[no-untyped-call]
 
@@ -129,10 +133,35 @@ def reclaim(redis: Redis, keys: Keys, queue: Queue, *, poison_kills: int,
 def _culprit_workers(redis: Redis, keys: Keys, job_ids: list[str]) -> set[str]:
     """Workers that died with some item in risky work: the deaths someone is charged for."""
     workers: set[str] = set()
-    for job_id in job_ids:
-        for record in redis.hvals(keys.job_risk(job_id)):
-            workers.add(as_str(record).partition("|")[0])
+    with redis.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.hvals(keys.job_risk(job_id))
+        replies = pipe.execute(raise_on_error=False)
+    for records in replies:
+        if not isinstance(records, ResponseError):  # a risk key of another type: no record
+            workers.update(as_str(record).partition("|")[0] for record in records)
     return workers
+
+
+def _records(redis: Redis, risk_key: str) -> dict[bytes, bytes]:
+    """A job's risk records; a risk key of another type (written by hand) holds none."""
+    try:
+        return redis.hgetall(risk_key)  # type: ignore[return-value]  # bytes: not decoded
+    except ResponseError:
+        return {}
+
+
+def _charge(redis: Redis, keys: Keys, job_id: str) -> int:
+    """One more death for the job; a count that is no number (written by hand) starts over,
+    so junk there neither stops the reclaim nor spares the job."""
+    key = keys.job_kills(job_id)
+    try:
+        kills = int(redis.hincrby(key, "count", 1))
+    except ResponseError:
+        redis.delete(key)
+        kills = int(redis.hincrby(key, "count", 1))
+    redis.expire(key, C.FAILURE_TTL_S)
+    return kills
 
 
 def _attribute(redis: Redis, keys: Keys, job_id: str, poison_kills: int,
@@ -141,7 +170,7 @@ def _attribute(redis: Redis, keys: Keys, job_id: str, poison_kills: int,
     if status is None or as_str(status) != JobStatus.STARTED.value:
         return
     risk_key = keys.job_risk(job_id)
-    risks = {as_str(k): as_str(v) for k, v in redis.hgetall(risk_key).items()}
+    risks = {as_str(k): as_str(v) for k, v in _records(redis, risk_key).items()}
     if not risks:
         if worker_name is None or as_str(worker_name) not in culprits:
             # Nobody is charged for this death (no item of any job was in risky work):
@@ -157,8 +186,7 @@ def _attribute(redis: Redis, keys: Keys, job_id: str, poison_kills: int,
     index, record = min(risks.items())
     worker, _, rest = record.partition("|")
     step = rest.partition("|")[0]
-    kills = int(redis.hincrby(keys.job_kills(job_id), "count", 1))
-    redis.expire(keys.job_kills(job_id), C.FAILURE_TTL_S)
+    kills = _charge(redis, keys, job_id)
     redis.delete(risk_key)
     message = (f"item {index} killed {kills} worker(s) (last: {worker}, during {step}); "
                f"failed after --poison-kills {poison_kills}")

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from redis.client import Pipeline
-from redis.exceptions import WatchError
+from redis.exceptions import ResponseError, WatchError
 from rq import Queue
 from rq.executions import Execution
 from rq.job import Job, JobStatus
@@ -21,7 +21,7 @@ from rq.serializers import JSONSerializer
 from rq.worker import WorkerStatus
 
 from vlmq.shared import constants as C
-from vlmq.shared import job_index
+from vlmq.shared import fair, job_index
 from vlmq.shared import results as R
 from vlmq.shared.connection import RedisClock
 from vlmq.shared.enqueue import payload_of
@@ -53,8 +53,9 @@ class Intake:
         self.connection = worker.connection
 
     def take_many(self, limit: int, *, block_s: float = 0.0) -> tuple[list[Taken], bool]:
-        """Start up to `limit` jobs, the first queue drained before the next; returns them
-        and whether every queue was found empty.
+        """Start up to `limit` jobs, the first queue drained before the next, each queue's
+        batches in fair turns (shared/fair.py); returns them and whether every queue was
+        found empty.
 
         Each entry is LMOVEd into the queue's intermediate list, as RQ does for one queue:
         a crash between the pop and the start leaves the job where maintenance finds it
@@ -86,22 +87,9 @@ class Intake:
         return out, True
 
     def _pop(self, queue: Queue, want: int) -> list[bytes]:
-        """Move up to `want` entries into the intermediate list: one, with the queue's
-        length, then as many more as it said in one pipeline (an empty queue costs one
-        round trip of two commands)."""
-        with self.connection.pipeline(transaction=False) as pipe:
-            pipe.llen(queue.key)
-            pipe.lmove(queue.key, queue.intermediate_queue_key)
-            length, first = pipe.execute()
-        if first is None:
-            return []
-        more = min(want, int(length)) - 1
-        if more <= 0:
-            return [first]
-        with self.connection.pipeline(transaction=False) as pipe:
-            for _ in range(more):
-                pipe.lmove(queue.key, queue.intermediate_queue_key)
-            return [first, *(raw for raw in pipe.execute() if raw is not None)]
+        """Move up to `want` entries into the intermediate list, in fair turns between the
+        queue's batches (shared/fair.py: one script call, one round trip)."""
+        return fair.take(self.connection, self.keys, queue.name, want).entries
 
     # --- entries to jobs -----------------------------------------------------------------
 
@@ -110,8 +98,8 @@ class Intake:
         out: list[Taken] = []
         jobs: list[Job] = []
         first: dict[str, float | None] = {}  # each job's first start on any worker, if any
-        for raw, (verdict, fields) in zip(raws, guard.inspect_many(self.connection, raws),
-                                          strict=True):
+        checked = guard.inspect_many(self.connection, self.keys, raws)
+        for raw, (verdict, fields) in zip(raws, checked, strict=True):
             loaded = self._load(verdict, fields)
             if isinstance(loaded, Job):
                 jobs.append(loaded)
@@ -137,6 +125,9 @@ class Intake:
             job = self.worker.job_class(verdict.job_id, connection=self.connection,
                                         serializer=JSONSerializer)
             job.restore(fields)  # what Job.fetch does with the hash read above
+            # RQ writes the job back at its start and end: a value restore let through but
+            # cannot write (dependency_ids of 1e999) must fail here, not in the end's MULTI.
+            job.to_dict()
         except Exception as exc:  # noqa: BLE001  # whatever RQ raises on a hash it cannot load
             return guard.Verdict(verdict.job_id, f"RQ cannot read its hash "
                                  f"({type(exc).__name__}: {exc})", hash_exists=True)
@@ -205,6 +196,10 @@ class Intake:
             except WatchError:
                 pipe.reset()
                 return self._one_by_one(jobs, queue)
+            except ResponseError as exc:  # a job's key replaced by another type meanwhile
+                guard.wrong_type(exc)  # any other refusal is the server's own: raised
+                pipe.reset()
+                return self._retyped(jobs, queue)
         for job, why in stale:
             log.warning("job %s listed in queue %s but %s: stale entry skipped", job.id,
                         queue.name, why)
@@ -223,6 +218,18 @@ class Intake:
                     "entry skipped", jobs[0].id, queue.name)
         return []
 
+    def _retyped(self, jobs: Sequence[Job], queue: Queue
+                 ) -> list[tuple[Job, Execution, float]]:
+        """A key of one of `jobs` became another Redis type after the guard read it: each
+        is tried again alone, and a lone one that still fails is dead-lettered."""
+        if len(jobs) > 1:
+            return [s for job in jobs for s in self._mark_started([job], queue)]
+        job_id = str(jobs[0].id)
+        guard.refuse(self.connection, self.keys, queue, job_id, guard.Verdict(
+            job_id, "one of its keys became another Redis type as it was taken (written by "
+                    "hand?): no command on it can succeed"), self.worker.name)
+        return []
+
     def _queue_start(self, pipe: Pipeline, job: Job, queue: Queue, at: float) -> Execution:
         worker = self.worker
         if job.origin != queue.name:
@@ -235,6 +242,7 @@ class Intake:
         score_execution(pipe, queue, execution, ttl, at)
         job.prepare_for_execution(worker.name, pipe)
         pipe.hsetnx(job.key, C.FIRST_STARTED_FIELD, f"{at:.3f}")
+        pipe.hdel(job.key, C.FAIR_FIELD)  # taken, whichever way: no turn may take it again
         self.fence.claim(pipe, str(job.id), execution)
         pipe.hdel(job.key, R.END_FIELD)  # a new run gets its own terminal event
         pipe.hdel(self.keys.job_end(str(job.id)), R.END_EVENT)  # (a payload moved there stays)

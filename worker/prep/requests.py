@@ -280,7 +280,8 @@ class Preparer:
         return copy
 
     def submit(self, state: JobState, idx: int) -> Future[tuple[Prepared, float]]:
-        return self.pool.submit(self.prepare, state.job_id, state.payload, state.resolved, idx)
+        return self.pool.submit(self.prepare, state.job_id, state.payload,
+                                state.resolved.for_item(state.payload.items[idx]), idx)
 
     def key_for(self, settings: JobSettings, item: Item) -> str:
         params = {"max_side": settings.side_for(item.kind), "kind": item.kind,

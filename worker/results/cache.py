@@ -256,7 +256,8 @@ def _digests(cache: ResultCache, state: JobState, indexes: Sequence[int]) -> lis
     settings = state.resolved
     if not cache.applies(settings):
         return None
-    return [cache.digest(state.payload.items[i], settings) for i in indexes]
+    items = state.payload.items
+    return [cache.digest(items[i], settings.for_item(items[i])) for i in indexes]
 
 
 def cached_results(cache: ResultCache, state: JobState,

@@ -28,7 +28,7 @@ from werkzeug.wrappers import Response as BaseResponse
 
 from vlmq.cli.common import split_labels
 from vlmq.producer.client import Client, Job
-from vlmq.producer.errors import JobNotFound
+from vlmq.producer.errors import JobNotFound, NotAJob
 from vlmq.producer.ops import job_admin as manage
 from vlmq.producer.ops.dashboard import data, markup, trust
 from vlmq.producer.ops.dashboard.render import PreviewCache, RenderError
@@ -305,6 +305,8 @@ def _job(client: Client, job_id: str) -> Job:
         abort(400, "not a valid job id (letters, digits, '-' and '_', at most 128)")
     try:
         return client.job(job_id)
+    except NotAJob as exc:
+        abort(409, str(exc))
     except JobNotFound:
         abort(404, f"no job {job_id} (never enqueued, deleted, or expired)")
 

@@ -1,5 +1,7 @@
 """`vlmq api`: OpenAI's Files and Batch API over HTTP, so the official SDKs submit bulk
 work to vlmq (docs/openai-api.md). One module a job: errors (OpenAI's error shape),
-access (API keys), files (uploads on disk, metadata in Redis), batches (an API batch as
-one vlmq batch, its lifecycle), outputs (the output and error files, made when read),
-app (the Flask routes)."""
+access (API keys, and the Gate asked before a body is read), limits (what a key may
+hold), files (uploads on disk, metadata in Redis), images (a batch's decoded images, as
+long as it lives), batches (an API batch as one vlmq batch, its lifecycle), outputs (the
+output and error files, made when read, whole or refused), app (the Flask routes),
+server (waitress with the key checked before the body)."""

@@ -25,10 +25,14 @@ from redis.exceptions import RedisError
 
 from vlmq.producer.client import Client
 from vlmq.producer.job_sets import Batch, BatchNotFound
+from vlmq.producer.manifest import ManifestError, TooManyRequests
 from vlmq.producer.openai_files import (
+    MAX_REASON_CHARS,
+    MAX_SKIPPED,
     URL,
-    FileRecord,
+    BatchFile,
     ModelPolicy,
+    param_of,
     read_batch_file,
     submit_batch_file,
 )
@@ -40,9 +44,9 @@ from vlmq.producer.ops.openai_api.files import (
     FileStore,
     page_start,
 )
+from vlmq.producer.ops.openai_api.images import batch_spool
 from vlmq.producer.options import JobOptions
 from vlmq.shared.errors import VlmqError
-from vlmq.shared.keys import BATCH_ID_PREFIX
 from vlmq.shared.redis_text import as_str
 from vlmq.stores.backends import Stores
 
@@ -59,6 +63,15 @@ LABEL = "openai_batch"  # the vlmq batch's label naming its API batch
 ENDED_AS = {"expired": "expired", "cancelling": "cancelled"}
 TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
          "failed_at", "expired_at", "cancelling_at", "cancelled_at")
+# The running counts' states of jobs that have not ended (PROTOCOL.md 8b): a cancelling
+# batch with any cancels them again.
+NOT_ENDED = ("queued", "started", "deferred", "scheduled")
+
+
+def batch_error(code: str, message: str, *, param: str | None = None,
+                line: int | None = None) -> dict[str, Any]:
+    """One entry of a Batch's `errors.data`: OpenAI's BatchError."""
+    return {"code": code, "message": message, "param": param, "line": line}
 
 
 def new_batch_id() -> str:
@@ -143,28 +156,39 @@ class Batches:
 
     def validate(self, batch_id: str, path: Path, file_id: str) -> None:
         """Read the file as --openai-batch does; enqueue it, or fail it with every bad
-        line. Runs on the executor: a 200 MB file takes the time its lines take."""
+        line. Runs on the executor: a 200 MB file takes the time its lines take. It always
+        ends `validating`: a failure no check foresaw fails the batch, and is logged."""
+        try:
+            self._validate(batch_id, path, file_id)
+        except Exception as exc:  # a batch must never stay validating: fail it, logged
+            log.exception("batch %s: validation failed unexpectedly", batch_id)
+            try:
+                self._fail(batch_id, [batch_error(
+                    "server_error", f"validation failed unexpectedly "
+                                    f"({type(exc).__name__}); the server's log says why")])
+            except RedisError as again:
+                log.error("batch %s: cannot record its failure: %s", batch_id, again)
+
+    def _validate(self, batch_id: str, path: Path, file_id: str) -> None:
         key = self.keys.api_batch(batch_id)
         try:
             read = read_batch_file(path, JobOptions.build(labels={LABEL: batch_id}),
-                                   spool=self.spool, skip_bad=True, models=self.models,
+                                   spool=batch_spool(self.spool, batch_id), skip_bad=True,
+                                   models=self.models,
                                    paths=False)
-            if read.skipped:
-                self._fail(batch_id, [{"code": "invalid_request", "message": s.reason,
-                                       "param": s.param, "line": s.line}
-                                      for s in read.skipped])
-                return
-            made = submit_batch_file(self.client, read, labels={LABEL: batch_id},
-                                     stores=self.stores)
         except (VlmqError, OSError) as exc:
-            message = str(exc).replace(str(path), file_id)
-            self._fail(batch_id, [{"code": "invalid_file", "message": message,
-                                   "param": None, "line": None}])
+            self._fail(batch_id, _read_errors(exc, str(path), file_id))
             return
-        except RedisError as exc:
-            log.error("batch %s: Redis failed during enqueue: %s", batch_id, exc)
-            self._fail(batch_id, [{"code": "server_error", "message": f"Redis: {exc}",
-                                   "param": None, "line": None}])
+        if read.skipped:
+            self._fail(batch_id, [batch_error("invalid_request", s.reason, param=s.param,
+                                              line=s.line) for s in read.skipped])
+            return
+        if self.redis.hexists(key, "cancelling_at"):  # cancelled while it was read
+            self.redis.hset(key, mapping={"status": "cancelled",
+                                          "cancelled_at": self.clock()})
+            return
+        made = self._submit(batch_id, read, path, file_id)
+        if made is None:
             return
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(key, mapping={"status": "enqueued", "vlmq_batch": made.id,
@@ -172,7 +196,20 @@ class Batches:
         pipe.sadd(self.keys.api_live, batch_id)
         pipe.execute()
         if self.redis.hexists(key, "cancelling_at"):
-            made.cancel()  # cancelled while it was validating
+            made.cancel()  # cancelled while it was enqueued
+
+    def _submit(self, batch_id: str, read: BatchFile, path: Path, file_id: str
+                ) -> Batch | None:
+        """The read file enqueued, or None with the batch failed saying why."""
+        try:
+            return submit_batch_file(self.client, read, labels={LABEL: batch_id},
+                                     stores=self.stores)
+        except (VlmqError, OSError) as exc:
+            self._fail(batch_id, _read_errors(exc, str(path), file_id))
+        except RedisError as exc:
+            log.error("batch %s: Redis failed during enqueue: %s", batch_id, exc)
+            self._fail(batch_id, [batch_error("server_error", f"Redis: {exc}")])
+        return None
 
     def _fail(self, batch_id: str, errors: list[dict[str, Any]]) -> None:
         self.redis.hset(self.keys.api_batch(batch_id), mapping={
@@ -188,16 +225,16 @@ class Batches:
         return raw
 
     def get(self, owner: str, batch_id: str) -> dict[str, Any]:
-        """OpenAI's Batch object: an API batch of the caller's, or a CLI-made one (read
-        by every key: docs/openai-api.md)."""
-        if batch_id.startswith(BATCH_ID_PREFIX):
-            return self.cli_batch(batch_id)
+        """OpenAI's Batch object of an API batch of the caller's: any other id (another
+        key's, a vlmq batch's `b-...`, whoever made it) is 404."""
         rec = self.record(owner, batch_id)
         self._settle(batch_id, rec)
         return self.shape(batch_id, rec)
 
     def _settle(self, batch_id: str, rec: dict[str, str]) -> None:
-        """Bring the record up to date: expire it past its window, cache its end."""
+        """Bring the record up to date: expire it past its window, finish a cancel (or an
+        expiry) some job escaped (it was being taken, or enqueued, meanwhile), cache its
+        end."""
         if rec.get("status") != "enqueued" or "ended_at" in rec:
             return
         vlmq_batch = rec["vlmq_batch"]
@@ -207,23 +244,37 @@ class Batches:
                 rec["expired_at"] = str(self.clock())
                 self.redis.hset(self.keys.api_batch(batch_id), "expired_at", rec["expired_at"])
                 self._cancel_vlmq(vlmq_batch)
+            elif ("cancelling_at" in rec or "expired_at" in rec) \
+                    and self._not_ended(vlmq_batch):
+                self._cancel_vlmq(vlmq_batch)
             return
+        when, ended_as = end
         figures = outputs.tally(self.client, vlmq_batch, expired="expired_at" in rec)
-        fields = {**{k: str(v) for k, v in figures.items()}, "ended_at": str(end)}
+        fields = {**{k: str(v) for k, v in figures.items()}, "ended_at": str(when),
+                  "ended_as": ended_as}
         rec.update(fields)
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(self.keys.api_batch(batch_id), mapping=fields)  # type: ignore[arg-type]
         pipe.srem(self.keys.api_live, batch_id)
         pipe.execute()
 
-    def _end(self, vlmq_batch: str) -> int | None:
-        """When the vlmq batch ended (its events stream's first entry: Redis's clock)."""
+    def _end(self, vlmq_batch: str) -> tuple[int, str] | None:
+        """When the vlmq batch ended (its events stream's first entry: Redis's clock), and
+        how (finished, failed, canceled)."""
         entries: Any = self.redis.xrange(self.keys.batch_events(vlmq_batch), count=1)
         if not entries:
             return None
-        return int(as_str(entries[0][0]).split("-")[0]) // 1000
+        fields = {as_str(k): as_str(v) for k, v in entries[0][1].items()}
+        return int(as_str(entries[0][0]).split("-")[0]) // 1000, fields.get("type", "")
+
+    def _not_ended(self, vlmq_batch: str) -> bool:
+        """Whether any of the batch's jobs is counted in a state that is no end."""
+        raw = self.redis.hmget(self.keys.batch_counts(vlmq_batch), NOT_ENDED)
+        return any(int(n or 0) > 0 for n in raw)
 
     def _cancel_vlmq(self, vlmq_batch: str) -> None:
+        """Cancel every job of the vlmq batch that has not ended; a job that ends
+        meanwhile is left as it ended (job_admin.cancel)."""
         try:
             Batch.load(self.client, vlmq_batch).cancel()
         except BatchNotFound:
@@ -231,13 +282,18 @@ class Batches:
 
     def _status(self, rec: Mapping[str, str]) -> str:
         status = rec.get("status", "failed")
+        if status == "validating" and "cancelling_at" in rec:
+            return "cancelling"
         if status != "enqueued":
             return status
         for field_name, shown in (("expired_at", "expired"), ("cancelling_at", "cancelled")):
             if field_name in rec:
-                if "ended_at" in rec:
-                    return shown
-                return "cancelling" if shown == "cancelled" else "finalizing"
+                if "ended_at" not in rec:
+                    return "cancelling" if shown == "cancelled" else "finalizing"
+                # A cancel that came as the last job finished cancelled nothing.
+                if shown == "cancelled" and rec.get("ended_as") == "finished":
+                    return "completed"
+                return shown
         return "completed" if "ended_at" in rec else "in_progress"
 
     def _counts(self, rec: Mapping[str, str]) -> dict[str, int]:
@@ -272,26 +328,6 @@ class Batches:
                 **times, "request_counts": self._counts(rec),
                 "metadata": json.loads(rec.get("metadata") or "null")}
 
-    def cli_batch(self, batch_id: str) -> dict[str, Any]:
-        """A batch `vlmq enqueue --openai-batch` made, as a read-only Batch object."""
-        if FileRecord.read(self.redis, self.keys, batch_id) is None:
-            raise not_found("batch", batch_id)
-        batch = Batch.load(self.client, batch_id)
-        counts, _, _ = batch.look()
-        end = self._end(batch_id)
-        created = _epoch(batch.created_at)
-        rec = {"status": "enqueued", "vlmq_batch": batch_id, "total": str(batch.items),
-               "created_at": str(created), "in_progress_at": str(created),
-               "expires_at": str(created + WINDOWS["24h"]),
-               "input_file_id": f"file-cli-{batch_id}",
-               "metadata": json.dumps(batch.labels or None)}
-        if end is not None:
-            completed = counts.done - counts.failed
-            rec.update({"ended_at": str(end), "completed": str(completed),
-                        "failed": str(batch.items - completed),
-                        "err_bytes": str(int(batch.items > completed))})
-        return self.shape(batch_id, rec)
-
     def list(self, owner: str, *, after: str | None, limit: int
              ) -> tuple[list[dict[str, Any]], bool]:
         """The caller's batches, newest first, after `after`."""
@@ -310,18 +346,18 @@ class Batches:
     # --- cancel and expire ------------------------------------------------------------
 
     def cancel(self, owner: str, batch_id: str) -> dict[str, Any]:
-        if batch_id.startswith(BATCH_ID_PREFIX):
-            self.cli_batch(batch_id)
-            raise ApiError(403, f"batch {batch_id} was enqueued by the CLI and is read-only "
-                                f"here: cancel it with `vlmq cancel {batch_id}`")
         rec = self.record(owner, batch_id)
         self._settle(batch_id, rec)
         status = self._status(rec)
-        if status not in ("validating", "in_progress"):
+        if status not in ("validating", "in_progress", "cancelling"):
             raise ApiError(409, f"Cannot cancel a batch with status '{status}'.")
-        self.redis.hset(self.keys.api_batch(batch_id), "cancelling_at", self.clock())
-        if "vlmq_batch" in rec:
-            self._cancel_vlmq(rec["vlmq_batch"])
+        key = self.keys.api_batch(batch_id)
+        self.redis.hsetnx(key, "cancelling_at", self.clock())
+        # Read after the write: validation writes vlmq_batch, then reads cancelling_at, so
+        # one of the two sees the other and the jobs are cancelled either way.
+        vlmq_batch = self.redis.hget(key, "vlmq_batch")
+        if vlmq_batch is not None:
+            self._cancel_vlmq(as_str(vlmq_batch))
         return self.get(owner, batch_id)
 
     def sweep(self) -> int:
@@ -347,31 +383,25 @@ class Batches:
             raise not_found("file", file_id) from None
         if shown[("error" if errors else "output") + "_file_id"] != file_id:
             raise not_found("file", file_id)
-        vlmq_batch = batch_id if batch_id.startswith(BATCH_ID_PREFIX) else \
-            self.record(owner, batch_id)["vlmq_batch"]
-        size = self._size(owner, batch_id, errors)
+        rec = self.record(owner, batch_id)
+        size = int(rec["err_bytes" if errors else "out_bytes"])
         when = shown["finalizing_at"] or shown["cancelled_at"] or 0
-        return vlmq_batch, batch_id, errors, size, int(when)
-
-    def _size(self, owner: str, batch_id: str, errors: bool) -> int:
-        if batch_id.startswith(BATCH_ID_PREFIX):
-            figures = outputs.tally(self.client, batch_id)
-        else:
-            figures = {k: int(v) for k, v in self.record(owner, batch_id).items()
-                       if k in ("out_bytes", "err_bytes")}
-        return figures["err_bytes" if errors else "out_bytes"]
+        return rec["vlmq_batch"], batch_id, errors, size, int(when)
 
     def expired(self, owner: str, batch_id: str) -> bool:
-        return not batch_id.startswith(BATCH_ID_PREFIX) and \
-            "expired_at" in self.record(owner, batch_id)
+        return "expired_at" in self.record(owner, batch_id)
 
 
-def _epoch(iso: str) -> int:
-    from datetime import datetime
-
-    try:
-        return int(datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp())
-    except ValueError:
-        return 0
-
+def _read_errors(exc: VlmqError | OSError, path: str, file_id: str) -> list[dict[str, Any]]:
+    """A file refused whole as a Batch's errors: OpenAI's codes where it has one (too many
+    requests, an empty file), each bad line of a file with no good one, else the reason
+    (naming the file by its id, not the server's path)."""
+    if isinstance(exc, TooManyRequests):
+        return [batch_error("too_many_tasks", exc.problem, line=exc.line)]
+    if isinstance(exc, ManifestError):
+        return [batch_error("empty_file", "the file has no requests") if n == 0 else
+                batch_error("invalid_request", why[:MAX_REASON_CHARS], param=param_of(why),
+                            line=n)
+                for n, why in exc.errors[:MAX_SKIPPED]]
+    return [batch_error("invalid_file", str(exc).replace(path, file_id))]
 

@@ -15,18 +15,27 @@ TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
 
 
 class ApiError(Exception):
-    """A request vlmq refuses: its status, and what the error body says."""
+    """A request vlmq refuses: its status, and what the error body says; `retry_after`
+    (seconds) goes out as the Retry-After header, which the SDKs wait for."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after = retry_after
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code)
+
+    def headers(self) -> list[tuple[str, str]]:
+        """The headers every refusal carries, whoever sends it (Flask or the server)."""
+        out = [("Cache-Control", "no-store"), ("X-Content-Type-Options", "nosniff")]
+        if self.retry_after is not None:
+            out.append(("Retry-After", str(self.retry_after)))
+        return out
 
 
 def error_body(status: int, message: str, *, param: str | None = None,

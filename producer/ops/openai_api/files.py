@@ -1,5 +1,6 @@
 """Uploaded files: the bytes in the server's folder (hashed while written), the metadata
-in Redis (api_file, api_files). OpenAI's FileObject is what every route answers."""
+in Redis (api_file, api_files). OpenAI's FileObject is what every route answers. What a
+key may keep (files, bytes, one file's size) is its ApiLimits (limits.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from typing import IO, Any
 from redis import Redis
 
 from vlmq.producer.ops.openai_api.errors import ApiError, not_found
+from vlmq.producer.ops.openai_api.limits import ApiLimits
 from vlmq.shared.keys import Keys
 from vlmq.shared.redis_text import as_str
 
-MAX_FILE_BYTES = 200 * 1000 * 1000  # OpenAI's limit for a batch input file
 CHUNK = 1 << 20
 PURPOSES = ("batch",)
 MAX_FILENAME = 255
@@ -66,14 +67,37 @@ def page_start(redis: Redis, index: str, after: str | None, kind: str) -> int:
 class FileStore:
     """The folder and the metadata, together: one upload is one file and one hash."""
 
-    def __init__(self, redis: Redis, keys: Keys, folder: Path) -> None:
+    def __init__(self, redis: Redis, keys: Keys, folder: Path,
+                 limits: ApiLimits | None = None) -> None:
         self.redis = redis
         self.keys = keys
+        self.limits = limits or ApiLimits()
         self.uploads = folder / "uploads"
         self.uploads.mkdir(parents=True, exist_ok=True)
 
     def path(self, file_id: str) -> Path:
         return self.uploads / file_id
+
+    def check_room(self, owner: str, incoming: int) -> None:
+        """400 when `owner` keeps its limit of files, or `incoming` more bytes would take it
+        past its limit of bytes: asked before an upload's form is read. Two uploads at once
+        may each fit and together pass it, by an upload each at most (the key's uploads
+        at once are bounded)."""
+        limits = self.limits
+        members: Any = self.redis.zrange(self.keys.api_files(owner), 0, -1)
+        if len(members) >= limits.files_per_key:
+            raise ApiError(400, f"This key keeps {len(members)} files, this server's limit "
+                                f"({limits.files_per_key}): delete one to upload another.",
+                           code="quota_exceeded")
+        pipe = self.redis.pipeline(transaction=False)
+        for member in members:
+            pipe.hget(self.keys.api_file(as_str(member)), "bytes")
+        kept = sum(int(b) for b in pipe.execute() if b is not None and as_str(b).isdigit())
+        if kept + incoming > limits.stored_bytes_per_key:
+            raise ApiError(400, f"This key keeps {kept:,} bytes of files; {incoming:,} more "
+                                f"would pass this server's limit of "
+                                f"{limits.stored_bytes_per_key:,} bytes a key: delete some "
+                                "files first.", code="quota_exceeded")
 
     def save(self, stream: IO[bytes], filename: str, purpose: str, owner: str) -> StoredFile:
         """Copy an upload into the folder in chunks, hashing it; 413 past the limit."""
@@ -89,9 +113,10 @@ class FileStore:
             with temp.open("wb") as out:
                 while chunk := stream.read(CHUNK):
                     size += len(chunk)
-                    if size > MAX_FILE_BYTES:
-                        raise ApiError(413, f"the file is larger than {MAX_FILE_BYTES} bytes "
-                                            "(OpenAI's limit for a batch file)", param="file")
+                    if size > self.limits.upload_bytes:
+                        raise ApiError(413, f"the file is larger than "
+                                            f"{self.limits.upload_bytes:,} bytes, this "
+                                            "server's limit for an upload", param="file")
                     sha.update(chunk)
                     out.write(chunk)
             os.replace(temp, final)
