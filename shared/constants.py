@@ -81,6 +81,12 @@ FAIR_FIELD = "vlmq_fair"
 ITEMS_FIELD = "vlmq_items"
 # The share list of jobs enqueued without a batch (a batch id is never empty).
 LOOSE_SHARE = ""
+# A job whose labels name a tenant takes its turn with that tenant's jobs, whatever their
+# batch (the OpenAI API labels each key's batches with the key's owner name), so a tenant
+# with many batches gets one turn, not one per batch. Its share is TENANT_SHARE + the name,
+# which no batch id (b-...) can be.
+TENANT_LABEL = "tenant"
+TENANT_SHARE = "tenant:"
 
 # Hard bounds on what a worker reads from a job hash (shared/bounded_reads.py): any compressed
 # field inflates to at most MAX_FIELD_BYTES, JSON nests at most MAX_JSON_DEPTH deep, and a

@@ -35,7 +35,7 @@ function KEY.jobs_tally(prefix) return prefix .. ':jobs:tally' end
 function KEY.rq_job(job_id) return 'rq:job:' .. job_id end
 -- END KEYS
 -- BEGIN LIMITS: generated from vlmq/shared/constants.py by `python -m vlmq.shared.lua --write`; do not edit by hand.
-local LIMITS = {max_queues = 64, ended_events_s = 60, moved_data = "[\"vlmq.worker.task.run\",null,[],{}]", fair_field = "vlmq_fair", loose_share = "", items_field = "vlmq_items", max_items = 10000}
+local LIMITS = {max_queues = 64, ended_events_s = 60, moved_data = "[\"vlmq.worker.task.run\",null,[],{}]", fair_field = "vlmq_fair", loose_share = "", tenant_label = "tenant", tenant_share = "tenant:", items_field = "vlmq_items", max_items = 10000}
 -- END LIMITS
 -- BEGIN TALLY: copied from vlmq/shared/tally_lib.lua by `python -m vlmq.shared.lua --write`; do not edit by hand.
 -- vlmq protocol v1: running counts of jobs by state and of their items (PROTOCOL.md 8b).

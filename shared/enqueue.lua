@@ -44,7 +44,7 @@ local KEY_SHOWN = {
 }
 -- END KEYS
 -- BEGIN LIMITS: generated from vlmq/shared/constants.py by `python -m vlmq.shared.lua --write`; do not edit by hand.
-local LIMITS = {max_queues = 64, ended_events_s = 60, moved_data = "[\"vlmq.worker.task.run\",null,[],{}]", fair_field = "vlmq_fair", loose_share = "", items_field = "vlmq_items", max_items = 10000}
+local LIMITS = {max_queues = 64, ended_events_s = 60, moved_data = "[\"vlmq.worker.task.run\",null,[],{}]", fair_field = "vlmq_fair", loose_share = "", tenant_label = "tenant", tenant_share = "tenant:", items_field = "vlmq_items", max_items = 10000}
 -- END LIMITS
 -- BEGIN TALLY: copied from vlmq/shared/tally_lib.lua by `python -m vlmq.shared.lua --write`; do not edit by hand.
 -- vlmq protocol v1: running counts of jobs by state and of their items (PROTOCOL.md 8b).
@@ -544,7 +544,12 @@ redis.call('RPUSH', KEYS[2], ARGV[1])
 -- worker takes batches in turn without scanning the queue.
 do
   local batch = LIMITS.loose_share
-  if type(payload.batch) == 'string' then batch = payload.batch end
+  local tenant = type(payload.labels) == 'table' and payload.labels[LIMITS.tenant_label]
+  if type(tenant) == 'string' and tenant ~= '' then
+    batch = LIMITS.tenant_share .. tenant
+  elseif type(payload.batch) == 'string' then
+    batch = payload.batch
+  end
   redis.call('RPUSH', KEY.fair_jobs(prefix, ARGV[2], batch), ARGV[1])
   redis.call('ZADD', KEY.fair_ring(prefix, ARGV[2]), 'NX', 0, batch)
   redis.call('HSET', KEYS[1], LIMITS.fair_field, batch)

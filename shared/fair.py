@@ -61,7 +61,12 @@ LOOSE_NAME = "(no batch)"
 
 
 def share_of(payload: JobPayload | Mapping[str, Any]) -> str:
-    """The batch a job's turn belongs to (C.LOOSE_SHARE without one), as enqueue.lua says."""
+    """The share a job's turn belongs to, as enqueue.lua says: its tenant's when its labels
+    name one, else its batch's (C.LOOSE_SHARE without one)."""
+    labels = payload.get("labels")
+    tenant = labels.get(C.TENANT_LABEL) if isinstance(labels, Mapping) else None
+    if isinstance(tenant, str) and tenant:
+        return C.TENANT_SHARE + tenant
     batch = payload.get("batch")
     return batch if isinstance(batch, str) else C.LOOSE_SHARE
 

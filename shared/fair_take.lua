@@ -21,7 +21,7 @@ function KEY.fair_jobs(prefix, queue, batch_id) return prefix .. ':fair:' .. que
 function KEY.rq_job(job_id) return 'rq:job:' .. job_id end
 -- END KEYS
 -- BEGIN LIMITS: generated from vlmq/shared/constants.py by `python -m vlmq.shared.lua --write`; do not edit by hand.
-local LIMITS = {max_queues = 64, ended_events_s = 60, moved_data = "[\"vlmq.worker.task.run\",null,[],{}]", fair_field = "vlmq_fair", loose_share = "", items_field = "vlmq_items", max_items = 10000}
+local LIMITS = {max_queues = 64, ended_events_s = 60, moved_data = "[\"vlmq.worker.task.run\",null,[],{}]", fair_field = "vlmq_fair", loose_share = "", tenant_label = "tenant", tenant_share = "tenant:", items_field = "vlmq_items", max_items = 10000}
 -- END LIMITS
 local queue_key, intermediate, ring, clock_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local prefix, queue = ARGV[1], ARGV[2]

@@ -56,6 +56,8 @@ LIMITS_MARKERS = ("-- BEGIN LIMITS", "-- END LIMITS")
 LIMITS: dict[str, int | str] = {"max_queues": C.MAX_QUEUES, "ended_events_s": C.ENDED_EVENTS_S,
                                  "moved_data": C.MOVED_DATA, "fair_field": C.FAIR_FIELD,
                                  "loose_share": C.LOOSE_SHARE,
+                                 "tenant_label": C.TENANT_LABEL,
+                                 "tenant_share": C.TENANT_SHARE,
                                  "items_field": C.ITEMS_FIELD,
                                  "max_items": C.MAX_ITEMS_PER_JOB}
 # What a script names outside its block: KEY.<name>(...) builds a key, KEY_SHOWN.<name>

@@ -191,3 +191,23 @@ def test_a_workers_shares_read_back_whatever_its_stats_hold() -> None:
     for junk in (None, "", "[", "{}", "[1]", '[{"batch": 1, "jobs": 1, "items": 1}]',
                  "[" * 5000, '[{"batch": "b", "jobs": 1e999, "items": 1}]', "x" * 20000):
         assert fair.parse_shares(junk) == [], junk
+
+
+def test_a_tenants_batches_take_one_turn_together(redis: Redis, keys: Keys) -> None:
+    """A tenant with two batches gets one turn, like a tenant with one: per batch it would
+    get two turns in three."""
+    redis.set(keys.blob(SHA), b"x")
+
+    def put(batch: str, tenant: str, lua: bool) -> list[str]:
+        labels = {C.TENANT_LABEL: tenant}
+        if lua:
+            return [enqueue_lua(redis, payload(batch=batch, labels=labels), queue=Q, keys=keys)
+                    for _ in range(10)]
+        return [enqueue(redis, job_payload(1, batch=batch, labels=labels), queue=Q, keys=keys)
+                for _ in range(10)]
+
+    ids = {"a": put("b-a1", "alice", True) + put("b-a2", "alice", False),
+           "b": put("b-b1", "bob", True)}
+    assert fair.share_of({"labels": {C.TENANT_LABEL: "bob"}, "batch": "b-b1"}) == "tenant:bob"
+    first = [_batch_of(ids)[j] for j in _take_all(redis, keys)][:10]
+    assert first.count("b") == 5, first

@@ -46,6 +46,7 @@ from vlmq.producer.ops.openai_api.files import (
 )
 from vlmq.producer.ops.openai_api.images import batch_spool
 from vlmq.producer.options import JobOptions
+from vlmq.shared import constants as C
 from vlmq.shared.errors import VlmqError
 from vlmq.shared.redis_text import as_str
 from vlmq.stores.backends import Stores
@@ -169,10 +170,17 @@ class Batches:
             except RedisError as again:
                 log.error("batch %s: cannot record its failure: %s", batch_id, again)
 
+    def _labels(self, batch_id: str) -> dict[str, str]:
+        """The API batch's jobs' labels: the batch, and its key's owner as their tenant, so
+        the key's batches take one fair turn together at the workers."""
+        owner = as_str(self.redis.hget(self.keys.api_batch(batch_id), "owner") or b"")
+        return {LABEL: batch_id, **({C.TENANT_LABEL: owner} if owner else {})}
+
     def _validate(self, batch_id: str, path: Path, file_id: str) -> None:
         key = self.keys.api_batch(batch_id)
+        labels = self._labels(batch_id)
         try:
-            read = read_batch_file(path, JobOptions.build(labels={LABEL: batch_id}),
+            read = read_batch_file(path, JobOptions.build(labels=labels),
                                    spool=batch_spool(self.spool, batch_id), skip_bad=True,
                                    models=self.models,
                                    paths=False)
@@ -187,7 +195,7 @@ class Batches:
             self.redis.hset(key, mapping={"status": "cancelled",
                                           "cancelled_at": self.clock()})
             return
-        made = self._submit(batch_id, read, path, file_id)
+        made = self._submit(batch_id, read, path, file_id, labels)
         if made is None:
             return
         pipe = self.redis.pipeline(transaction=True)
@@ -198,11 +206,11 @@ class Batches:
         if self.redis.hexists(key, "cancelling_at"):
             made.cancel()  # cancelled while it was enqueued
 
-    def _submit(self, batch_id: str, read: BatchFile, path: Path, file_id: str
-                ) -> Batch | None:
+    def _submit(self, batch_id: str, read: BatchFile, path: Path, file_id: str,
+                labels: dict[str, str]) -> Batch | None:
         """The read file enqueued, or None with the batch failed saying why."""
         try:
-            return submit_batch_file(self.client, read, labels={LABEL: batch_id},
+            return submit_batch_file(self.client, read, labels=labels,
                                      stores=self.stores)
         except (VlmqError, OSError) as exc:
             self._fail(batch_id, _read_errors(exc, str(path), file_id))
