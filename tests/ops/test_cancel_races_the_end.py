@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx2 as httpx
 import openai
 import pytest
 from flask import Flask
@@ -28,7 +27,6 @@ from tests.support import openai_api as T
 from vlmq.producer.client import Client
 from vlmq.producer.openai_files import submit_openai_batch
 from vlmq.producer.ops import job_admin
-from vlmq.producer.ops.openai_api.app import ApiSettings, create_app
 from vlmq.shared import results as R
 from vlmq.shared.keys import Keys
 
@@ -113,16 +111,9 @@ def test_an_execution_whose_record_is_gone_does_not_stop_a_cancel(redis_url: str
 
 @pytest.fixture
 def app(redis_url: str, tmp_path: Path) -> Iterator[Flask]:
-    client = Client(redis_url)
-    yield create_app(ApiSettings(redis_url=redis_url, files_dir=tmp_path / "files",
-                                 keys=T.KEYS), client=client)
-    client.close()
+    with T.in_process_app(redis_url, tmp_path / "files") as made:
+        yield made
 
-
-def sdk(app: Flask) -> openai.OpenAI:
-    transport = httpx.WSGITransport(app=app)  # type: ignore[arg-type]
-    return openai.OpenAI(api_key=T.KEYS[0], base_url="http://127.0.0.1:8000/v1",
-                         max_retries=0, http_client=httpx.Client(transport=transport))
 
 
 def until(api: openai.OpenAI, batch_id: str, leave: str) -> str:
@@ -136,7 +127,7 @@ def until(api: openai.OpenAI, batch_id: str, leave: str) -> str:
 
 def test_an_api_cancel_racing_the_end_succeeds_and_ends_cancelled(
         app: Flask, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    api = sdk(app)
+    api = T.sdk(app)
     client = Client(redis_url)
     path = tmp_path / "in.jsonl"
     # Lines of distinct max_tokens: three jobs.
@@ -165,7 +156,7 @@ def test_an_api_cancel_racing_the_end_succeeds_and_ends_cancelled(
 
 def test_a_batch_whose_cancel_missed_a_job_is_cancelled_on_the_next_look(
         app: Flask, redis_url: str, tmp_path: Path) -> None:
-    api = sdk(app)
+    api = T.sdk(app)
     client = Client(redis_url)
     path = tmp_path / "in.jsonl"
     path.write_text("".join(request(f"r{i}", max_completion_tokens=4 + i) + "\n"

@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx2 as httpx
 import openai
 import pytest
 from click.testing import Result
@@ -23,21 +22,13 @@ from tests.support import openai_api as T
 from vlmq.producer.client import Client
 from vlmq.producer.openai_files import submit_openai_batch
 from vlmq.producer.ops.openai_api.access import KEYS_ENV, KeyRing, digest, load_keys
-from vlmq.producer.ops.openai_api.app import ApiSettings, create_app
 
 
 @pytest.fixture
 def app(redis_url: str, tmp_path: Path) -> Iterator[Flask]:
-    client = Client(redis_url)
-    yield create_app(ApiSettings(redis_url=redis_url, files_dir=tmp_path / "files",
-                                 keys=T.KEYS), client=client)
-    client.close()
+    with T.in_process_app(redis_url, tmp_path / "files") as made:
+        yield made
 
-
-def sdk(app: Flask, key: str = T.KEYS[0]) -> openai.OpenAI:
-    transport = httpx.WSGITransport(app=app)  # type: ignore[arg-type]
-    return openai.OpenAI(api_key=key, base_url="http://127.0.0.1:8000/v1", max_retries=0,
-                         http_client=httpx.Client(transport=transport))
 
 
 def settled(api: openai.OpenAI, batch_id: str, leave: str = "validating") -> Batch:
@@ -50,7 +41,7 @@ def settled(api: openai.OpenAI, batch_id: str, leave: str = "validating") -> Bat
 
 
 def test_upload_create_and_read_back(app: Flask, tmp_path: Path, redis_url: str) -> None:
-    api = sdk(app)
+    api = T.sdk(app)
     path = T.batch_file(tmp_path / "in.jsonl", 5)
     made = api.files.create(file=path, purpose="batch")
     assert FileObject.model_validate(made.model_dump()).bytes == path.stat().st_size
@@ -71,7 +62,7 @@ def test_upload_create_and_read_back(app: Flask, tmp_path: Path, redis_url: str)
     listed = api.batches.list(limit=10)
     assert [b.id for b in listed.data] == [batch.id]
     # Another key sees none of it.
-    other = sdk(app, T.KEYS[1])
+    other = T.sdk(app, T.KEYS[1])
     with pytest.raises(openai.NotFoundError):
         other.batches.retrieve(batch.id)
     with pytest.raises(openai.NotFoundError):
@@ -93,7 +84,7 @@ def test_upload_create_and_read_back(app: Flask, tmp_path: Path, redis_url: str)
 
 
 def test_listings_page_with_the_after_cursor(app: Flask, tmp_path: Path) -> None:
-    api = sdk(app)
+    api = T.sdk(app)
     made = {api.files.create(file=T.batch_file(tmp_path / f"in{n}.jsonl", 1),
                              purpose="batch").id for n in range(3)}
     seen: list[str] = []
@@ -112,7 +103,7 @@ def test_listings_page_with_the_after_cursor(app: Flask, tmp_path: Path) -> None
 
 
 def test_bad_file_fails_with_numbered_lines(app: Flask, tmp_path: Path) -> None:
-    api = sdk(app)
+    api = T.sdk(app)
     path = tmp_path / "bad.jsonl"
     good = T.line("ok", T.data_uri(0))
     bad = json.loads(good)
@@ -174,7 +165,7 @@ def test_refusals_are_openai_shaped(app: Flask) -> None:
 
 
 def test_the_window_expires_a_batch(app: Flask, tmp_path: Path, redis_url: str) -> None:
-    api = sdk(app)
+    api = T.sdk(app)
     made = api.files.create(file=T.batch_file(tmp_path / "in.jsonl", 3),
                             purpose="batch")
     batch = settled(api, api.batches.create(input_file_id=made.id,
@@ -199,10 +190,10 @@ def test_a_cli_batch_is_no_keys(app: Flask, tmp_path: Path, redis_url: str) -> N
     made, _ = submit_openai_batch(client, T.batch_file(tmp_path / "cli.jsonl", 2))
     for key in T.KEYS:
         with pytest.raises(openai.NotFoundError):
-            sdk(app, key).batches.retrieve(made.id)
+            T.sdk(app, key).batches.retrieve(made.id)
         with pytest.raises(openai.NotFoundError):
-            sdk(app, key).batches.cancel(made.id)
-        assert list(sdk(app, key).batches.list()) == []
+            T.sdk(app, key).batches.cancel(made.id)
+        assert list(T.sdk(app, key).batches.list()) == []
     client.close()
 
 
@@ -211,7 +202,7 @@ def test_models_are_the_workers(app: Flask, redis_url: str) -> None:
     client.redis.sadd(client.keys.workers, "w1", "w2", "gone")
     client.redis.hset(client.keys.worker_stats("w1"), "model", "tiny")
     client.redis.hset(client.keys.worker_stats("w2"), "model", "tiny")
-    assert [m.id for m in sdk(app).models.list()] == ["tiny"]
+    assert [m.id for m in T.sdk(app).models.list()] == ["tiny"]
     client.close()
 
 

@@ -14,7 +14,6 @@ from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
-import httpx2 as httpx
 import openai
 import pytest
 from flask import Flask
@@ -25,7 +24,6 @@ from tests.support import openai_api as T
 from vlmq.producer.client import Client
 from vlmq.producer.openai_files import MAX_REQUESTS
 from vlmq.producer.ops.openai_api import batches as batches_module
-from vlmq.producer.ops.openai_api.app import ApiSettings, create_app
 from vlmq.producer.ops.openai_api.batches import Batches
 from vlmq.producer.ops.openai_api.files import FileStore
 from vlmq.stores.backends import Stores
@@ -33,16 +31,9 @@ from vlmq.stores.backends import Stores
 
 @pytest.fixture
 def app(redis_url: str, tmp_path: Path) -> Iterator[Flask]:
-    client = Client(redis_url)
-    yield create_app(ApiSettings(redis_url=redis_url, files_dir=tmp_path / "files",
-                                 keys=T.KEYS), client=client)
-    client.close()
+    with T.in_process_app(redis_url, tmp_path / "files") as made:
+        yield made
 
-
-def sdk(app: Flask) -> openai.OpenAI:
-    transport = httpx.WSGITransport(app=app)  # type: ignore[arg-type]
-    return openai.OpenAI(api_key=T.KEYS[0], base_url="http://127.0.0.1:8000/v1",
-                         max_retries=0, http_client=httpx.Client(transport=transport))
 
 
 def settled(api: openai.OpenAI, batch_id: str, seconds: float = 120) -> Batch:
@@ -70,7 +61,7 @@ def errors_of(batch: Batch) -> list[BatchError]:
 
 
 def test_hostile_lines_fail_the_batch_with_numbered_errors(app: Flask, tmp_path: Path) -> None:
-    api = sdk(app)
+    api = T.sdk(app)
     lines = [request("ok"), *(text for text, _, _ in HOSTILE)]
     path = tmp_path / "hostile.jsonl"
     path.write_text("".join(x + "\n" for x in lines))
@@ -91,7 +82,7 @@ def test_hostile_lines_fail_the_batch_with_numbered_errors(app: Flask, tmp_path:
 
 def test_a_file_past_openais_request_limit_fails_as_openai_fails_it(
         app: Flask, tmp_path: Path) -> None:
-    api = sdk(app)
+    api = T.sdk(app)
     path = tmp_path / "big.jsonl"
     one = request("x")
     with path.open("w") as f:
@@ -112,7 +103,7 @@ def test_an_unforeseen_failure_fails_the_batch_and_is_logged(
     path = tmp_path / "in.jsonl"
     path.write_text(request("a") + "\n")
     with caplog.at_level(logging.ERROR, logger="vlmq.api"):
-        (error,) = errors_of(submit(sdk(app), path))
+        (error,) = errors_of(submit(T.sdk(app), path))
     assert error.code == "server_error" and "RuntimeError" in (error.message or "")
     assert any("validation failed unexpectedly" in r.getMessage() and r.exc_info
                for r in caplog.records)

@@ -9,11 +9,16 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tests.support import helpers
+
+if TYPE_CHECKING:
+    import openai
+    from flask import Flask
 
 URL = "/v1/chat/completions"
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["title"],
@@ -65,3 +70,27 @@ def start_api(redis_url: str, files_dir: Path, port: int, *args: str,
                              str(port), "--files-dir", str(files_dir), *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+
+
+@contextmanager
+def in_process_app(redis_url: str, files_dir: Path) -> Iterator[Flask]:
+    """The API's Flask app in this process (no server), over the suite's keys."""
+    from vlmq.producer.client import Client
+    from vlmq.producer.ops.openai_api.app import ApiSettings, create_app
+
+    client = Client(redis_url)
+    try:
+        yield create_app(ApiSettings(redis_url=redis_url, files_dir=files_dir, keys=KEYS),
+                         client=client)
+    finally:
+        client.close()
+
+
+def sdk(app: Flask, key: str = KEYS[0]) -> openai.OpenAI:
+    """The official SDK talking to `app` in process, one try per call."""
+    import httpx2 as httpx
+    import openai
+
+    transport = httpx.WSGITransport(app=app)  # type: ignore[arg-type]
+    return openai.OpenAI(api_key=key, base_url="http://127.0.0.1:8000/v1", max_retries=0,
+                         http_client=httpx.Client(transport=transport))
