@@ -112,6 +112,8 @@ class KeyName:
 
     def build(self, prefix: str, values: Mapping[str, str]) -> str:
         """The key for `values` (one per param) under `prefix`."""
+        if not self.lengths:
+            return self.pattern.format(prefix=prefix, **values)
         computed = {n: str(len(values[of].encode())) for n, of in self.lengths}
         return self.pattern.format(prefix=prefix, **values, **computed)
 

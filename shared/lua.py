@@ -41,8 +41,9 @@ SCHEDULE_CLAIM = "schedule_claim.lua"
 BLOB_EXTEND_TTL = "blob_extend_ttl.lua"
 TALLY = "tally.lua"
 FAIR_TAKE = "fair_take.lua"
+QUEUE_CENSUS = "queue_census.lua"
 SCRIPTS = (ENQUEUE, END_JOB, WRITE_ITEMS, RESULT_CACHE_STORE, RESULT_CACHE_LOOKUP,
-           SCHEDULE_CLAIM, BLOB_EXTEND_TTL, TALLY, FAIR_TAKE)
+           SCHEDULE_CLAIM, BLOB_EXTEND_TTL, TALLY, FAIR_TAKE, QUEUE_CENSUS)
 # The running counts' functions (PROTOCOL.md 8b), one file copied into every script that
 # changes a job, between these markers: each change and its counts land in one script.
 TALLY_LIB = "tally_lib.lua"

@@ -34,7 +34,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from vlmq.shared import constants as C
-from vlmq.shared import job_index
+from vlmq.shared import job_index, lua
 from vlmq.shared.keys import RQ_QUEUES, RQ_REGISTRIES, Keys
 from vlmq.shared.redis_text import as_str
 
@@ -91,13 +91,14 @@ def read_fleet(redis: Redis, keys: Keys, *, items: bool = False,
     firsts = set(C.DEFAULT_QUEUE.values()) if defaults else set()
     queues = sorted({Keys.rq_name(as_str(k)) for k in queue_keys} | firsts)
     names = sorted(as_str(n) for n in worker_names)
-    figures = _counts(redis, keys, queues, items)
+    figures, keyed = _counts(redis, keys, queues, items)
     pipe = redis.pipeline(transaction=False)
     for name in names:
         pipe.exists(keys.worker_stats(name))
     live = sum(int(n) for n in pipe.execute()) if names else 0
     order = sorted(queues, key=lambda q: (figures[q][1] == 0, q not in firsts,
-                                          -sum(figures[q][0].values()), q))
+                                          -sum(figures[q][0].values()),
+                                          q not in keyed, q))
     kept = sorted(order if len(order) <= shown else order[:max(shown - 1, 0)])
     folded = order[len(kept):]
     heads = _head_ages(redis, kept, now) if ages else [0.0] * len(kept)
@@ -110,8 +111,23 @@ Counted = tuple[dict[str, int], int, int | None]  # jobs by state, workers, queu
 
 
 def _counts(redis: Redis, keys: Keys, queues: list[str],
-            items: bool) -> dict[str, Counted]:
-    """Each queue's jobs by state, workers and (with `items`) queued items, one round trip."""
+            items: bool) -> tuple[dict[str, Counted], set[str]]:
+    """Each queue's jobs by state, workers and (with `items`) queued items.
+
+    rq:queues may hold thousands of names with no key behind them (anyone can SADD), so
+    one script finds the queues that have keys and only those are counted; the others
+    are all zero, and come last among the queues without workers.
+    """
+    live = {Keys.rq_name(as_str(m))
+            for m in lua.script(redis, lua.QUEUE_CENSUS)(keys=[RQ_QUEUES], args=[keys.prefix])}
+    empty: Counted = (dict.fromkeys(STATES, 0), 0, 0 if items else None)
+    out = dict.fromkeys(queues, empty)
+    out.update(_full_counts(redis, keys, [q for q in queues if q in live], items))
+    return out, live
+
+
+def _full_counts(redis: Redis, keys: Keys, queues: list[str],
+                 items: bool) -> dict[str, Counted]:
     pipe = redis.pipeline(transaction=False)
     for q in queues:
         pipe.llen(Keys.rq_queue(q))

@@ -124,3 +124,35 @@ def test_metrics_scrape_is_bounded_whatever_redis_holds(redis: Redis) -> None:
                                          - (C.MAX_SHOWN_QUEUES - 1)]
     depth = sum(s.value for s in samples if s.name == "vlmq_queue_depth")
     assert depth == sum(i % 5 for i in range(PREFILLED))
+
+
+def test_names_without_keys_cost_no_command_each(redis: Redis,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Names SADDed by hand with no key behind them: the reader counts only the queues
+    that have keys (one script finds them), so its commands do not grow with the names,
+    and the queues with jobs are still the ones shown."""
+    from redis.client import Pipeline
+
+    from vlmq.producer.ops.metrics_exporter import read_fleet
+
+    def sent_by(n: int) -> tuple[int, list[str]]:
+        redis.delete(RQ_QUEUES)
+        redis.sadd(RQ_QUEUES, *(Keys.rq_queue(f"junk{i}") for i in range(n)))
+        _fill_queues(redis, 3, jobs=True)  # q1 and q2 hold jobs, q0 is a bare name too
+        count = [0]
+        execute = Pipeline.execute
+
+        def counted(self: Pipeline, raise_on_error: bool = True) -> list[object]:
+            count[0] += len(self.command_stack)
+            return execute(self, raise_on_error)
+
+        monkeypatch.setattr(Pipeline, "execute", counted)
+        fleet = read_fleet(redis, Keys("vlmq"), items=True, defaults=False)
+        monkeypatch.setattr(Pipeline, "execute", execute)
+        assert fleet.other is not None and fleet.other.queues == n + 3 - len(fleet.queues)
+        return count[0], [q.name for q in fleet.queues]
+
+    few, shown_few = sent_by(C.MAX_SHOWN_QUEUES)
+    many, shown_many = sent_by(20_000)
+    assert many == few, (few, many)
+    assert {"q1", "q2"} <= set(shown_few) and {"q1", "q2"} <= set(shown_many)
