@@ -286,7 +286,7 @@ def typecheck(env: Venv) -> int:
     """
     tree = ROOT / "build" / "typecheck" / "vlmq"
     tree.mkdir(parents=True, exist_ok=True)
-    names = ("cli", "producer", "worker", "shared", "media", "stores")
+    names = ("cli", "server", "producer", "worker", "shared", "media", "stores")
     for name in names:
         link = tree / name
         if not link.is_symlink():

@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
     from mlx_vlm.generate import BatchGenerator
 
-    from vlmq.worker.engine import mlx_adapter as A
     from vlmq.worker.engine.batcher import Engine, Request
+    from vlmq.worker.model import mlx_adapter as A
     from vlmq.worker.model.defaults import resolve
 
     print(f"0. float32 (b x 512) @ (512 x 1408), GFLOP/s, OpenBLAS threads 1 vs {blas.cores()}:")

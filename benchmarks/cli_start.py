@@ -1,5 +1,5 @@
-"""How long `vlmq` takes to start for help and listing commands (issue 28: 0.37 s for
-`vlmq --help`; the target is under 0.15 s), side by side with the floors: bare Python,
+"""How long `vlmq` takes to start for help and listing commands (the target: under
+0.15 s for `vlmq --help`), side by side with the floors: bare Python,
 `import click` and `import redis` (which every command that reads Redis pays).
 
 Each command runs RUNS times in a fresh interpreter; the median wall time and the median

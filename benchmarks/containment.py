@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     from mlx_vlm import load
 
     from vlmq.worker.engine import constraints as S
-    from vlmq.worker.engine import mlx_adapter as A
     from vlmq.worker.engine.batcher import Engine, Request
+    from vlmq.worker.model import mlx_adapter as A
 
     model_path = C.resolve_model(args.model)
     print(f"machine: {C.machine()}\nmodel: {model_path}; {args.rows} innocent rows, "

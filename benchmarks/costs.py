@@ -1,4 +1,4 @@
-"""Every acceptance figure of issue 28, side by side in one run, each beside its target.
+"""Every cost figure of the status and listing paths, side by side, each beside its target.
 
 Costs that should follow a job's own work, measured by the scripts that own each one
 (imported, not copied):

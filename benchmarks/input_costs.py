@@ -1,6 +1,6 @@
 """What one input costs the worker: a deep TIFF page, a decode behind it, a huge reference.
 
-Three figures, each the thing issue 25 (part 2) bounds:
+Three figures, each a cost that one input must not pass on to others:
 1. TIFF page N against page 1: a `--tiff-pages` page TIFF (20,000 by default, written
    directory by directory), its page 1 and its last page decoded in process, each from a
    fresh document (the page index read again) and from the kept one, plus the producer's

@@ -1,4 +1,4 @@
-"""Redis bytes a finished job leaves behind (issue 28), counted with MEMORY USAGE.
+"""Redis bytes a finished job leaves behind, counted with MEMORY USAGE.
 
 Jobs are enqueued by the real Python client (uploaded PNGs), taken, written and finished by
 the real worker path without a model: JobLifecycle, ResultWriter and the scripts they run
@@ -34,8 +34,8 @@ from vlmq.producer.client import Client
 from vlmq.shared import constants as C
 from vlmq.shared.keys import Keys
 from vlmq.worker.engine.batcher import Finished
-from vlmq.worker.engine.item_order import ItemOrder
-from vlmq.worker.intake.rq_jobs import BatchWorker, JobLifecycle, Running
+from vlmq.worker.item_order import ItemOrder
+from vlmq.worker.jobs.rq_jobs import BatchWorker, JobLifecycle, Running
 from vlmq.worker.results.writer import ResultWriter
 from vlmq.worker.stats import WorkerStats
 
@@ -248,7 +248,7 @@ FEATURES = {"<prefix>:job:<id>:end": "the kept end and payload",
 
 def _floor(got: dict[str, float]) -> None:
     """The one-item figure without what it keeps for features: how close any layout of
-    the rest can come to issue 28's 1,500 B."""
+    the rest can come to the 1,500 B target."""
     shares = {k.split(" ", 1)[1]: v for k, v in got.items() if k.startswith("one_item ")}
     kept = {k: v for k, v in shares.items()
             if k in FEATURES or k.startswith("<prefix>:jobs:queue:")}

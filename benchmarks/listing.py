@@ -96,7 +96,7 @@ def time_in_process(redis_url: str, *, repeats: int = 3) -> dict[str, float]:
 
 def time_dashboard(redis_url: str, path: str = "/", *, repeats: int = 3) -> float:
     """Median seconds of one GET of a dashboard page (in process, warm)."""
-    from vlmq.producer.ops.dashboard.app import Settings, create_app
+    from vlmq.server.dashboard.app import Settings, create_app
 
     app = create_app(Settings(redis_url=redis_url))
     client = app.test_client()

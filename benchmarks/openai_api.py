@@ -1,4 +1,4 @@
-"""`vlmq api` at scale (issue 32): a large OpenAI Batch file with data-URI images,
+"""`vlmq api` at scale: a large OpenAI Batch file with data-URI images,
 uploaded with the official `openai` SDK to a real `vlmq api`, validated and enqueued,
 then (with --run) answered by a tiny worker to completed and its output downloaded.
 
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import benchmarks.common as BC
 from tests.support import helpers
 from tests.support import openai_api as T
-from vlmq.producer.ops.openai_api.app import store_spec
+from vlmq.server.openai_api.app import store_spec
 
 WORDS = ("describe", "the", "image", "list", "colors", "shapes", "count", "objects",
          "read", "title", "left", "right", "top", "bottom", "corner", "briefly")

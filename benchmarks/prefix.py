@@ -1,4 +1,4 @@
-"""Prefix reuse (issue 31), side by side in one run, in the engine (no Redis, no worker).
+"""Prefix reuse, side by side in one run, in the engine (no Redis, no worker).
 
 1. The share of an item's time spent in prefill, caption shape (32 new tokens) and OCR
    shape (256), one row at a time: a 1-token request is the prefill; the rest is decode.
@@ -80,8 +80,8 @@ class Run:
         self.features: dict[int, tuple[Any, str, Any]] = {}
 
     def requests(self, imgs: list[Any], prompt: str, max_tokens: int, tag: str) -> list[Any]:
-        from vlmq.worker.engine import mlx_adapter as A
         from vlmq.worker.engine.batcher import Request
+        from vlmq.worker.model import mlx_adapter as A
 
         out = []
         for i, img in enumerate(imgs):

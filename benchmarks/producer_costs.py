@@ -1,4 +1,4 @@
-"""Producer costs that should follow a job's own work (issue 28), side by side in one run.
+"""Producer costs that should follow a job's own work, side by side in one run.
 
 - upload: enqueue rate of one-item uploaded jobs with ~1 k and ~8 k of this producer's jobs
   pending (no worker runs, so none ends); the ratio should stay near 1 (under 1.5).

@@ -323,8 +323,8 @@ def run_c(model_path: str, prompt: str, stop: tuple[str, ...], jobs: Sequence[Jo
           max_tokens: int, max_batch: int, prep_threads: int,
           guard: RepetitionGuard | None) -> SystemRun:
     """The vlmq Engine in-process, fed at the arrival times, prep on a thread pool."""
-    from vlmq.worker.engine import mlx_adapter as A
     from vlmq.worker.engine.batcher import Engine, Request
+    from vlmq.worker.model import mlx_adapter as A
 
     engine = Engine(model_path, max_batch=max_batch, repetition=guard)
     engine.wait_ready(timeout=300)
@@ -579,7 +579,7 @@ def run(args: argparse.Namespace) -> int:
     if (systems & {"D", "D_ref"} or not args.no_enqueue_bench) and not args.no_flush:
         C.connect(args.redis_url).close()
 
-    from vlmq.worker.engine import mlx_adapter as A
+    from vlmq.worker.model import mlx_adapter as A
     from vlmq.worker.model.defaults import resolve
 
     t_start = time.perf_counter()

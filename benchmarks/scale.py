@@ -15,7 +15,7 @@ so used_memory is vlmq's alone and nothing touches a shared db. In order:
 6. Redis memory for 1 M pages by reference, queued (in 500-page jobs, and as one-item
    jobs) and finished, extrapolated from 1, 4 and 2.
 
-Targets (issue 17) are printed beside the figures, never asserted. The last line is JSON.
+Targets are printed beside the figures, never asserted. The last line is JSON.
 
     .venv/bin/python benchmarks/scale.py            # under 10 minutes on 2 cores
     .venv/bin/python benchmarks/scale.py --sizes 200,1000 --small   # a quick look

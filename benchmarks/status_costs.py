@@ -1,4 +1,4 @@
-"""What status reads cost as queues, batches and labels grow (issue 28), side by side:
+"""What status reads cost as queues, batches and labels grow, side by side:
 
 - the longest single Redis command during `vlmq status` with N queued jobs (SLOWLOG with
   slowlog-log-slower-than 0: every command is logged with its duration; target < 10 ms);

@@ -124,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     blas.select()
     from mlx_vlm import load
 
-    from vlmq.worker.engine import mlx_adapter as A
     from vlmq.worker.engine.batcher import Engine, Request
     from vlmq.worker.engine.constraints import Structured
+    from vlmq.worker.model import mlx_adapter as A
 
     model_path = C.resolve_model(args.model)
     print(f"machine: {C.machine()}\nmodel: {model_path}; {args.rows} rows at {args.side} px")

@@ -3,9 +3,9 @@
 The dashboard's stack (Flask under waitress): already a vlmq extra, with its Host guard
 and connection limits reused; the API's work is Redis reads and file streams, which
 waitress' thread pool serves, and validation runs on its own threads. waitress runs with
-the API's own request parser (producer/ops/openai_api/server.py), so a request without a
+the API's own request parser (server/openai_api/server.py), so a request without a
 valid key is refused before its body is read. The limits a key has are options from one
-table (producer/ops/openai_api/limits.py).
+table (server/openai_api/limits.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import click
 
 from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_UNREACHABLE, fail
-from vlmq.producer.ops.openai_api.limits import LIMITS
+from vlmq.server.openai_api.limits import LIMITS
 
 SWEEP_EVERY_S = 10.0  # how often live batches are checked for their end and window
 SERVER_THREADS = 8
@@ -68,10 +68,10 @@ def api_cmd(ctx: click.Context, /, redis_url: str | None, host: str, port: int,
     from vlmq.shared.errors import PayloadError
 
     try:
-        from vlmq.producer.ops.openai_api.access import load_keys
-        from vlmq.producer.ops.openai_api.app import ApiSettings, create_app, store_spec
-        from vlmq.producer.ops.openai_api.limits import ApiLimits
-        from vlmq.producer.ops.openai_api.server import make_server
+        from vlmq.server.openai_api.access import load_keys
+        from vlmq.server.openai_api.app import ApiSettings, create_app, store_spec
+        from vlmq.server.openai_api.limits import ApiLimits
+        from vlmq.server.openai_api.server import make_server
     except ImportError as exc:
         fail(f"error: `vlmq api` needs the dashboard extra ({exc.name} is missing): "
              "pip install 'vlmq[dashboard]'", EXIT_BAD_INPUT)
@@ -119,8 +119,8 @@ def _sweep(parts: dict[str, Any], stop: threading.Event) -> None:
     images of batches that ended (and of any whose record is gone, from a past run)."""
     from redis.exceptions import RedisError
 
-    from vlmq.producer.ops.openai_api.batches import Batches
-    from vlmq.producer.ops.openai_api.images import BatchImages
+    from vlmq.server.openai_api.batches import Batches
+    from vlmq.server.openai_api.images import BatchImages
 
     batches, images = parts["batches"], parts["images"]
     assert isinstance(batches, Batches) and isinstance(images, BatchImages)

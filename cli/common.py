@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
+from vlmq.producer.labels import split_labels
 from vlmq.shared import constants as C
-from vlmq.shared.keys import JOB_ID_SHAPE, QUEUE_SHAPE, SCHEDULE_SHAPE, IdShape, label_problem
+from vlmq.shared.keys import JOB_ID_SHAPE, QUEUE_SHAPE, SCHEDULE_SHAPE, IdShape
 
 if TYPE_CHECKING:
     from vlmq.stores.backends import Stores
@@ -122,21 +123,6 @@ class IdType(click.ParamType[str, Any]):
 JOB_ID = IdType(JOB_ID_SHAPE)
 QUEUE = IdType(QUEUE_SHAPE)
 SCHEDULE_NAME = IdType(SCHEDULE_SHAPE)
-
-
-def split_labels(values: Sequence[str]) -> dict[str, str]:
-    """`key=value` strings as a dict; ValueError names the first one without a key or '='
-    or one no job could carry (shared/keys.py's label_problem)."""
-    labels: dict[str, str] = {}
-    for raw in values:
-        key, sep, value = raw.partition("=")
-        if not sep or not key:
-            raise ValueError(f"label {raw!r} is not key=value")
-        problem = label_problem(key, value)
-        if problem is not None:
-            raise ValueError(problem)
-        labels[key] = value
-    return labels
 
 
 def parse_labels(_ctx: click.Context, _param: click.Parameter,

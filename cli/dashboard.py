@@ -60,9 +60,9 @@ def dashboard_cmd(ctx: click.Context, redis_url: str | None, host: str, port: in
     try:
         import waitress
 
-        from vlmq.producer.ops.dashboard.app import Settings, create_app
-        from vlmq.producer.ops.dashboard.data import History, workers
-        from vlmq.producer.ops.dashboard.trust import LOOPBACK, bracket, normalize_name
+        from vlmq.server.dashboard.app import Settings, create_app
+        from vlmq.server.dashboard.data import History, workers
+        from vlmq.server.dashboard.trust import LOOPBACK, bracket, normalize_name
     except ImportError as exc:
         fail(f"error: `vlmq dashboard` needs the dashboard extra ({exc.name} is missing): "
              "pip install 'vlmq[dashboard]'", EXIT_BAD_INPUT)

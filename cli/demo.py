@@ -22,6 +22,7 @@ import click
 from rq import Queue
 from rq.serializers import JSONSerializer
 
+from vlmq.cli.progress import warn
 from vlmq.producer.client import Client, Job
 from vlmq.shared import constants as C
 from vlmq.shared.redis_text import as_str
@@ -168,7 +169,7 @@ def run_demo(*, redis_url: str | None, model: str | None, max_batch: int) -> int
         with tempfile.TemporaryDirectory(prefix="vlmq-demo-cache-") as cache_dir:
             rounds = []
             for n, label in enumerate(("cold cache", "warm cache, restarted worker")):
-                client = Client(url)
+                client = Client(url, on_warning=warn)
                 queues = demo_queues()
                 jobs = _enqueue(client, tiny, reading, queues)
                 click.secho(f"\n== {label}: enqueued {sum(j.items for j in jobs)} items "

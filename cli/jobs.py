@@ -28,8 +28,9 @@ from vlmq.cli.common import (
     parse_labels,
     store_option,
 )
+from vlmq.cli.options import job_options
 from vlmq.producer.defaults import DEFAULT_MAX_PENDING_MB, JOB_ITEMS
-from vlmq.producer.options import JobOptions, job_options
+from vlmq.producer.options import JobOptions
 from vlmq.shared import constants as C
 from vlmq.shared import settings as S
 from vlmq.shared.errors import InputError, PayloadError
@@ -73,11 +74,13 @@ def _handle_errors(func: F) -> F:
 def _client(ctx: click.Context, stores: Stores | None = None,
             max_pending_mb: float = DEFAULT_MAX_PENDING_MB,
             allow_eviction: bool = False, wait_timeout: float | None = None) -> Client:
+    from vlmq.cli.progress import StatusLines, warn
     from vlmq.producer.client import Client
 
     return Client(ctx.find_root().obj["redis_url"], stores=stores,
-                  max_pending_mb=max_pending_mb, progress=True,
-                  allow_eviction=allow_eviction or None, wait_timeout=wait_timeout)
+                  max_pending_mb=max_pending_mb, progress=StatusLines(),
+                  allow_eviction=allow_eviction or None, wait_timeout=wait_timeout,
+                  on_warning=warn)
 
 
 def _allow_eviction(func: F) -> F:
@@ -323,6 +326,7 @@ def _set_command(task: str) -> Callable[..., None]:
                 recursive: bool, skip_bad: bool, options: JobOptions, as_json: bool,
                 job_size: int, max_pending_mb: float, wait_timeout: float | None,
                 allow_eviction: bool, stores: Stores) -> None:
+        from vlmq.cli.progress import display
         from vlmq.producer.page_specs import PagesWithoutPdf
 
         allow = allow_eviction or bool(ctx.meta.get("vlmq.allow_eviction"))
@@ -330,7 +334,8 @@ def _set_command(task: str) -> Callable[..., None]:
             try:
                 job = client.submit_set(task, paths, options, pages=pages,
                                         recursive=recursive, skip_bad=skip_bad,
-                                        job_size=job_size, progress=not as_json)
+                                        job_size=job_size,
+                                        progress=None if as_json else display)
             except PagesWithoutPdf as exc:
                 raise PagesWithoutPdf("--pages") from exc  # name the option the user typed
             _report(client, job, as_json)
@@ -545,7 +550,7 @@ def _redis_health(client: Client, allow_eviction: bool) -> tuple[dict[str, str],
 
 
 def _overview(client: Client, as_json: bool, allow_eviction: bool = False) -> None:
-    from vlmq.producer.ops.metrics_exporter import OTHER_QUEUES
+    from vlmq.producer.fleet import OTHER_QUEUES
     from vlmq.shared import fair
 
     queues = client.queues()
@@ -578,7 +583,7 @@ def _overview(client: Client, as_json: bool, allow_eviction: bool = False) -> No
 
 
 def _overview_text(queues: dict[str, QueueInfo], workers: Sequence[WorkerInfo]) -> None:
-    from vlmq.producer.ops.metrics_exporter import OTHER_QUEUES
+    from vlmq.producer.fleet import OTHER_QUEUES
 
     if queues:
         # At most C.MAX_SHOWN_QUEUES rows, the last one summing the queues not shown.
@@ -636,7 +641,7 @@ def cancel_cmd(ctx: click.Context, job_ids: tuple[str, ...], as_json: bool) -> N
     """Cancel jobs (a batch id: every job of it not yet ended): a queued job never runs; a
     running one is dropped by its worker within seconds. Items already done stay
     readable. Exit 1 if any could not be canceled."""
-    from vlmq.producer.ops.job_admin import CannotCancel
+    from vlmq.producer.job_admin import CannotCancel
 
     out: dict[str, str] = {}
     with _client(ctx) as client:

@@ -28,7 +28,11 @@ from vlmq.cli.common import (
 from vlmq.shared import constants as C
 
 if TYPE_CHECKING:
+    import threading
+
     from redis.exceptions import ResponseError
+
+    from vlmq.stores.backends import Stores
 
 # Every command but demo (below): the module whose register(group) adds it, and its
 # one-line help. A command's module is imported only when that command runs, and
@@ -244,15 +248,17 @@ _HELP = ("vlmq: a Redis job queue for bulk vision-language work (OCR, captioning
 def main(ctx: click.Context, redis_url: str) -> None:
     """The root: _HELP is its help (the exit codes from cli/common.py's table)."""
     # A plain dict, so that both sides read it without importing each other; the worker's
-    # --with-scheduler runs the producer's scheduler loop through it.
+    # --with-scheduler runs the scheduler loop through it.
     ctx.obj = {"redis_url": redis_url, "start_scheduler": _start_scheduler}
 
 
-def _start_scheduler(*args: Any, **kwargs: Any) -> Any:
-    """producer.schedule.start_scheduler_thread, imported only by a worker that runs it."""
-    from vlmq.producer.ops.schedules import start_scheduler_thread
+def _start_scheduler(redis_url: str, stores: Stores | None = None
+                     ) -> tuple[threading.Thread, threading.Event]:
+    """server.scheduler.start_scheduler_thread, imported only by a worker that runs it."""
+    from vlmq.cli.progress import warn
+    from vlmq.server.scheduler import start_scheduler_thread
 
-    return start_scheduler_thread(*args, **kwargs)
+    return start_scheduler_thread(redis_url, stores, on_warning=warn)
 
 
 @main.command("demo")

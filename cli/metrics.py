@@ -1,4 +1,4 @@
-"""`vlmq metrics`: serve the fleet's figures (producer/ops/metrics_exporter.py) to Prometheus."""
+"""`vlmq metrics`: serve the fleet's figures (server/metrics_exporter.py) to Prometheus."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from redis.exceptions import RedisError
 
 from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, fail
 from vlmq.producer.client import check_redis_url, redact_url
-from vlmq.producer.ops.metrics_exporter import DEFAULT_PORT, FleetCollector, serve
+from vlmq.server.metrics_exporter import DEFAULT_PORT, FleetCollector, serve
 from vlmq.shared.connection import connect
 from vlmq.shared.keys import Keys
 

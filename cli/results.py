@@ -26,6 +26,7 @@ from vlmq.cli.common import (
     JOB_ID,
     fail,
 )
+from vlmq.cli.progress import display
 from vlmq.producer.errors import JobNotFound
 from vlmq.producer.ops import output_formats as formats
 from vlmq.producer.ops.output_formats import FORMATS, JobResults, last_line
@@ -81,7 +82,7 @@ def _wait_batches(client: Client, ids: Sequence[str], deadline: float | None
     rows = []
     for batch_id in ids:
         batch = client.batch(batch_id)
-        rows.append(_batch_row(batch, batch.wait(timeout=_left(deadline), progress=True)))
+        rows.append(_batch_row(batch, batch.wait(timeout=_left(deadline), progress=display)))
     return rows
 
 
@@ -98,7 +99,7 @@ def _wait_all(client: Client, ids: Sequence[str], timeout: float | None, jobs: l
     jobs += expand(client, [i for i in ids if i not in batch_ids])
     batch_rows = _wait_batches(client, batch_ids, deadline)
     statuses = wait_all(jobs, timeout=_left(deadline) if batch_ids else timeout,
-                        progress=True)
+                        progress=display)
     return batch_rows, statuses
 
 

@@ -13,19 +13,20 @@ from typing import Any
 import click
 
 from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, SCHEDULE_NAME, fail, store_option
+from vlmq.cli.options import job_options
+from vlmq.cli.progress import warn
 from vlmq.producer.client import Client
 from vlmq.producer.expand import S3_SCHEME
 from vlmq.producer.ops.export import FORMATS
 from vlmq.producer.ops.schedules import (
     TASKS,
-    TICK_S,
     Schedule,
     ScheduleError,
     ScheduleStore,
     iso_time,
-    run_scheduler,
 )
-from vlmq.producer.options import JobOptions, job_options
+from vlmq.producer.options import JobOptions
+from vlmq.server.scheduler import TICK_S, run_scheduler
 from vlmq.shared.errors import PayloadError
 from vlmq.stores.backends import Stores
 
@@ -33,7 +34,7 @@ _GLOB = frozenset("*?[")
 
 
 def _store(ctx: click.Context) -> tuple[Client, ScheduleStore]:
-    client = Client(ctx.obj["redis_url"])
+    client = Client(ctx.obj["redis_url"], on_warning=warn)
     return client, ScheduleStore(client)
 
 
@@ -230,7 +231,7 @@ def scheduler_cmd(ctx: click.Context, tick: float, stores: Stores) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    run_scheduler(ctx.obj["redis_url"], stop, tick_s=tick, stores=stores)
+    run_scheduler(ctx.obj["redis_url"], stop, tick_s=tick, stores=stores, on_warning=warn)
 
 
 def register(group: click.Group) -> None:

@@ -2,7 +2,7 @@
 
 They join the root group (vlmq.cli.main), so this module imports only click, the
 standard library, the worker's option table (vlmq.worker.options) and the families' data
-(vlmq.worker.engine.families), no MLX; MLX loads inside the command bodies, where it is
+(vlmq.worker.model.families), no MLX; MLX loads inside the command bodies, where it is
 needed, after a check that says which install extra is missing. `vlmq worker`'s options are
 the table's rows (worker_options).
 """
@@ -22,7 +22,7 @@ from vlmq.cli.common import EXIT_CONFIG, EXIT_FAILED, fail, store_option
 from vlmq.shared import constants as C
 from vlmq.worker import options as WO
 from vlmq.worker.default_dirs import default_cache_dir
-from vlmq.worker.engine import families
+from vlmq.worker.model import families
 
 if TYPE_CHECKING:  # the service loads MLX; the commands import it in their bodies
     from vlmq.worker.loop import WorkerConfig
@@ -46,7 +46,7 @@ def require_worker_extra() -> None:
 
 def _quiet() -> None:
     """Library lines that say nothing to an operator, filtered before transformers loads."""
-    from vlmq.worker.engine.mlx_adapter import quiet_library_noise
+    from vlmq.worker.model.mlx_adapter import quiet_library_noise
 
     quiet_library_noise()
 
@@ -185,8 +185,8 @@ def check_cmd(model: str, max_tokens: int, max_batch: int, as_json: bool) -> Non
     from vlmq.worker.model import blas
 
     blas.select()  # before MLX loads, as the worker does: the speed figures are its own
-    from vlmq.worker.engine.mlx_adapter import ModelLoadError
-    from vlmq.worker.model.check import check_model
+    from vlmq.worker.engine.check import check_model
+    from vlmq.worker.model.mlx_adapter import ModelLoadError
 
     try:
         report = check_model(model, max_tokens=max_tokens, max_batch=max_batch)

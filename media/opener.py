@@ -44,7 +44,7 @@ from vlmq.shared import constants as C
 from vlmq.shared.errors import VlmqError
 
 # Pillow and PDFium are imported where a file is opened: a producer's listing or help
-# never opens one, and the two cost a fifth of a second at start (issue 28).
+# never opens one, and the two cost a fifth of a second at start.
 if TYPE_CHECKING:
     import pypdfium2 as pdfium
     from PIL import Image
@@ -65,7 +65,7 @@ CAPS: Final = Caps(max_pixels=C.MAX_IMAGE_PIXELS, max_aspect=C.MAX_ASPECT_RATIO)
 # messages end in a newline; a TIFF directory can fail as a TypeError or struct.error).
 # UserWarning: Pillow only warns about some truncations; strict_warnings() raises them.
 # RuntimeError: pillow-heif's for whatever libheif refuses while decoding, e.g. a coded
-# image larger than its `ispe` box declares (issue 29 row 1); uncaught it ended a whole
+# image larger than its `ispe` box declares; uncaught it ended a whole
 # enqueue, a scheduler, or the worker's item batch rather than refusing the one file.
 DECODE_ERRORS: Final = (OSError, SyntaxError, ValueError, EOFError, TypeError, KeyError,
                         IndexError, struct.error, UserWarning, RuntimeError)

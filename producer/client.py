@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,11 +20,11 @@ from rq.job import Job as RQJob
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
+from vlmq.producer import job_admin as manage
 from vlmq.producer.defaults import DEFAULT_MAX_PENDING_MB, JOB_ITEMS
 from vlmq.producer.errors import JobNotFound, NotAJob
-from vlmq.producer.ops import job_admin as manage
 from vlmq.producer.options import JOB_FIELDS, JobOptions
-from vlmq.producer.progress import ProgressBar, ProgressLines, display
+from vlmq.producer.progress import Progress, ShowProgress, StatusLines
 from vlmq.producer.upload import Uploader
 from vlmq.shared import constants as C
 from vlmq.shared import extract_schema as json_schema
@@ -136,18 +135,22 @@ class Client:
     def __init__(self, redis_url: str | None = None, *, prefix: str | None = None,
                  stores: Stores | None = None,
                  max_pending_mb: float = DEFAULT_MAX_PENDING_MB,
-                 progress: bool = False, allow_eviction: bool | None = None,
-                 wait_timeout: float | None = None) -> None:
+                 progress: StatusLines | None = None, allow_eviction: bool | None = None,
+                 wait_timeout: float | None = None,
+                 on_warning: Callable[[str], None] | None = None) -> None:
         """`stores`: this machine's stores (default: $VLMQ_STORES); files in them are
         enqueued by reference, not uploaded. `max_pending_mb`: this producer's uploads whose
-        jobs have not ended stay under it (producer/upload.py); `progress`: status lines on
-        stderr while it waits for workers. `wait_timeout`: a wait for room in that budget
-        raises BudgetWaitTimeout after this many seconds (default: only once no live worker
-        has served the pending jobs' queues for upload.UNSERVED_WAIT_S, 600 s).
-        `allow_eviction` (default $VLMQ_ALLOW_EVICTION):
-        enqueue on a Redis that may evict keys, with a warning, instead of refusing."""
+        jobs have not ended stay under it (producer/upload.py); `progress`: told the status
+        lines of a wait for workers (the CLI's cli/progress.StatusLines shows them).
+        `wait_timeout`: a wait for room in that budget raises BudgetWaitTimeout after this
+        many seconds (default: only once no live worker has served the pending jobs' queues
+        for upload.UNSERVED_WAIT_S, 600 s). `allow_eviction` (default
+        $VLMQ_ALLOW_EVICTION): enqueue on a Redis that may evict keys, with a warning,
+        instead of refusing. `on_warning`: told that warning (default: logged, on this
+        module's logger)."""
         self._stores = stores
         self.allow_eviction = allow_eviction
+        self.on_warning = on_warning
         self._redis_checked = False
         self.redis_url = check_redis_url(
             redis_url or os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL)
@@ -260,10 +263,10 @@ class Client:
                    options: JobOptions | None = None, *, pages: PageSpec = None,
                    recursive: bool = False, skip_bad: bool = False,
                    job_size: int = JOB_ITEMS,
-                   progress: bool = False) -> Job | batches.Batch:
+                   progress: ShowProgress | None = None) -> Job | batches.Batch:
         """A set of any size: one job when it fits in `job_size` items, else a Batch of
         jobs of at most `job_size` (producer/job_sets.py says why 500 by default).
-        `progress`: show files hashed on stderr while a big folder is checked."""
+        `progress`: opens the "files hashed" progress while a big folder is checked."""
         from vlmq.producer import job_sets as batches
         from vlmq.producer import stream_sets
         from vlmq.producer.inputs import Prepared
@@ -273,15 +276,15 @@ class Client:
         batches.check_job_size(job_size)
         self._refuse_new_queue((options or JobOptions()).queue_for(task))
         with ExitStack() as stack:
-            shown: dict[str, Any] = {}
+            shown: dict[str, Progress] = {}
             quiet_until = time.monotonic() + HASH_QUIET_S
 
             def on_file(done: int, total: int) -> None:
                 if total <= 0 or ("bar" not in shown and time.monotonic() < quiet_until):
                     return  # a set checked within seconds needs no progress (a walked
                     # set's total is unknown: the uploader's lines say what is enqueued)
-                if "bar" not in shown:
-                    shown["bar"] = display(stack, total, "files hashed")
+                if "bar" not in shown and progress is not None:
+                    shown["bar"] = progress(stack, total, "files hashed")
                 shown["bar"].update(done, final=done == total)
 
             if not isinstance(inputs, Prepared):
@@ -289,18 +292,20 @@ class Client:
                 return stream_sets.submit_paths(
                     self, task, _as_list(inputs), options or JobOptions(), pages=pages,
                     recursive=recursive, skip_bad=skip_bad, job_size=job_size,
-                    stores=self.stores, on_file=on_file if progress else None)
+                    stores=self.stores, on_file=on_file if progress is not None else None)
         return batches.submit_set(self, task, inputs, options or JobOptions(),
                                   job_size=job_size)
 
     def check_redis(self) -> None:
         """Before the first upload: raise EvictionRefused on an evicting Redis unless
-        eviction is allowed (then one warning on stderr). Once per client."""
+        eviction is allowed (then one warning, to on_warning). Once per client."""
         if self._redis_checked:
             return
         warning = redis_checks.check_eviction(self.redis, self.allow_eviction)
-        if warning:
-            print(f"vlmq: warning: {warning}", file=sys.stderr)
+        if warning and self.on_warning is not None:
+            self.on_warning(warning)
+        elif warning:
+            log.warning("%s", warning)
         self._redis_checked = True
 
     def _refuse_new_queue(self, queue: str) -> None:
@@ -405,7 +410,7 @@ class Client:
         in one row named OTHER_QUEUES (its `queues` says how many), so the answer stays
         bounded whatever names Redis holds (issue 29)."""
         # Here, not at the top: it imports prometheus_client, which `vlmq jobs` never needs.
-        from vlmq.producer.ops.metrics_exporter import read_fleet
+        from vlmq.producer.fleet import read_fleet
 
         fleet = read_fleet(self.redis, self.keys, items=True, shown=shown, defaults=False,
                            ages=False)
@@ -571,7 +576,7 @@ class Job:
             return raw_exc_info(self.client.redis, self.id) or NO_MESSAGE
         return None
 
-    def wait(self, timeout: float | None = None, progress: bool = False, *,
+    def wait(self, timeout: float | None = None, progress: ShowProgress | None = None, *,
              check: bool = False) -> str:
         """Block until the job is finished/failed/stopped/canceled; returns that status.
 
@@ -585,7 +590,8 @@ class Job:
 
 
 def wait_all(jobs: Sequence[Job], *, timeout: float | None = None,
-             progress: bool = False, poll_s: float = POLL_S) -> dict[str, str]:
+             progress: ShowProgress | None = None, poll_s: float = POLL_S
+             ) -> dict[str, str]:
     """Wait for several jobs at once; one progress bar over all their items.
 
     Sleeps by blocking on the jobs' event streams, so an item finishing wakes the bar
@@ -602,7 +608,7 @@ def wait_all(jobs: Sequence[Job], *, timeout: float | None = None,
     deadline = None if timeout is None else time.monotonic() + timeout
     cursors: dict[Any, Any] = {client.keys.job_events(j.id): "0-0" for j in jobs}
     with ExitStack() as stack:
-        shown = display(stack, total, "items") if progress else None
+        shown = progress(stack, total, "items") if progress is not None else None
         while True:
             try:
                 statuses, done, ended = _look(jobs, shown)
@@ -619,14 +625,14 @@ def wait_all(jobs: Sequence[Job], *, timeout: float | None = None,
 
 
 def follow_batch(batch: batches.Batch, *, timeout: float | None = None,
-                 progress: bool = False, poll_s: float = POLL_S) -> str:
+                 progress: ShowProgress | None = None, poll_s: float = POLL_S) -> str:
     """Wait for a batch's end by its running counts and its terminal event (Batch.wait):
     per poll one round trip of three commands and one blocking read of its events stream,
     which the end wakes at once. Redis outages are ridden out as in wait_all."""
     client = batch.client
     deadline = None if timeout is None else time.monotonic() + timeout
     with ExitStack() as stack:
-        shown = display(stack, batch.items, "items") if progress else None
+        shown = progress(stack, batch.items, "items") if progress is not None else None
         while True:
             try:
                 counts, _, end = batch.look()
@@ -648,7 +654,7 @@ def follow_batch(batch: batches.Batch, *, timeout: float | None = None,
                 _ride_out(client, exc, deadline, timeout, poll_s)
 
 
-def _look(jobs: Sequence[Job], shown: ProgressBar | ProgressLines | None
+def _look(jobs: Sequence[Job], shown: Progress | None
           ) -> tuple[dict[str, str], int, bool]:
     """One look at every job: (statuses, items done, whether all have ended); the bar, when
     shown, moves to it."""

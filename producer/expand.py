@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from vlmq.producer.ops.export_ledger import (
+from vlmq.producer.export_ledger import (
     MANIFEST_MAX,
     MANIFEST_NAME,
     parse_manifest,

@@ -2,7 +2,7 @@
 
 Why jobs of JOB_ITEMS (500) items, not the 10,000 a job may hold: a worker takes up to
 `max(4, max_batch)` jobs at once (worker/loop.py) and works shortest-remaining-first
-(worker/engine/item_order.py), so it finishes its jobs one after another while the others it took
+(worker/item_order.py), so it finishes its jobs one after another while the others it took
 wait on it. With 10,000-item jobs one worker could sit on 80,000 items while the next
 worker idles; with 500, what one worker holds back is a few thousand items, a free job
 slot comes round every 500 items, and a small job from another producer waits for that
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vlmq.producer import defaults
+from vlmq.producer import job_admin as manage
 from vlmq.producer.errors import JobNotFound
-from vlmq.producer.ops import job_admin as manage
 from vlmq.producer.options import JobOptions
 from vlmq.shared import constants as C
 from vlmq.shared import job_index
@@ -43,6 +43,7 @@ from vlmq.shared.redis_text import as_str
 if TYPE_CHECKING:
     from vlmq.producer.client import Client, Job
     from vlmq.producer.inputs import Prepared  # (file checks: imported where sets are split)
+    from vlmq.producer.progress import ShowProgress
 
 JOB_ITEMS = defaults.JOB_ITEMS  # defined where the CLI's help reads it cheaply
 
@@ -339,7 +340,8 @@ class Batch:
                 "created_at": self.created_at, "status": end["type"] if end else "running",
                 **summary, "missing": max(0, pending - counts.live), "ended": end}
 
-    def wait(self, timeout: float | None = None, progress: bool = False) -> str:
+    def wait(self, timeout: float | None = None, progress: ShowProgress | None = None
+             ) -> str:
         """Block until the batch has ended; returns its end (finished, failed or
         canceled). Raises WaitTimeout when `timeout` passes first.
 

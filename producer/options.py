@@ -1,5 +1,6 @@
 """The job options: the CLI, manifests, schedules, retries and the Python client all build
-a JobOptions, whose fields are the rows of shared/settings.py.
+a JobOptions, whose fields are the rows of shared/settings.py (the CLI's flags for them are
+built from the same rows in cli/options.py).
 
 A JobOptions keeps only the settings that were given (checked when it is built), so it
 turns into the payload in one step and a retry can copy every setting by walking the table.
@@ -7,15 +8,11 @@ turns into the payload in one step and a retry can copy every setting by walking
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import click
-
-from vlmq.cli.common import EXIT_BAD_INPUT, fail, parse_labels
 from vlmq.shared import constants as C
 from vlmq.shared import extract_schema as json_schema
 from vlmq.shared import settings as S
@@ -25,7 +22,6 @@ from vlmq.shared.messages import Item, JobPayload, parse_payload
 MAX_TTL_S = S.MAX_TTL_S
 # Fields of the RQ job hash that hold settings kept outside the payload (for retries).
 JOB_FIELDS: tuple[str, ...] = tuple(s.job_field for s in S.rows("retry") if s.job_field)
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 class JobOptions:
@@ -131,80 +127,3 @@ def read_schema_file(path: str | Path) -> dict[str, Any]:
     except (ValueError, RecursionError) as exc:
         raise PayloadError(where, f"is not JSON: {exc}") from None
     return json_schema.check_schema(value, where)
-
-
-def _schema_option(_ctx: click.Context, _param: click.Parameter,
-                   value: str | None) -> dict[str, Any] | None:
-    """Click callback of `--schema FILE`: the file read and checked before anything else
-    runs, so a bad schema exits 2 with Redis untouched."""
-    if value is None:
-        return None
-    try:
-        return read_schema_file(value)
-    except PayloadError as exc:
-        raise click.BadParameter(str(exc)) from None
-
-
-# --- click flags, from the table ------------------------------------------------------------
-
-
-def _click_type(s: S.Setting) -> Any:
-    if s.kind == "int":
-        return click.IntRange(int(s.lo or 0), int(s.hi or 0))
-    if s.kind == "float":
-        return click.FloatRange(s.lo, s.hi)
-    if s.kind == "choice":
-        return click.Choice(s.choices)
-    return None
-
-
-def _click_options(s: S.Setting, override: Mapping[str, Any]) -> list[Callable[[F], F]]:
-    dest = s.name
-    if s.switches:  # flag-style options that all set one value
-        return [click.option(sw.flag, dest, flag_value=sw.value, default=None, help=sw.help)
-                for sw in s.switches]
-    kw: dict[str, Any] = {"help": s.help, "metavar": s.metavar}
-    if s.kind in ("strs", "labels"):
-        kw["multiple"] = True
-    if s.kind == "labels":
-        kw["callback"] = parse_labels
-    if s.kind == "schema":
-        kw["callback"] = _schema_option
-    kind = _click_type(s)
-    if kind is not None:
-        kw["type"] = kind
-    kw.update(override)
-    return [click.option(s.cli_flag, dest, **kw)]
-
-
-def _given(value: Any) -> Any:
-    """click's "not given": None, or an empty tuple for a repeatable option."""
-    return None if value in ((), {}) else value
-
-
-def job_options(scope: str | None = None, *, exclude: Iterable[str] = (),
-                refused: str = "nothing was enqueued",
-                **overrides: Mapping[str, Any]) -> Callable[[F], F]:
-    """Add a click option per setting (those `scope` may carry, less `exclude`) and pass
-    them on as one `options` argument, a JobOptions. `overrides`: click keywords by
-    setting name (a command's own help or default)."""
-    chosen = [s for s in (S.SETTINGS if scope is None else S.rows(scope))
-              if s.name not in set(exclude)]
-
-    def decorate(func: F) -> F:
-        @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            values = {s.name: _given(kwargs.pop(s.name)) for s in chosen}
-            try:
-                kwargs["options"] = JobOptions.build(**values)
-            except PayloadError as exc:
-                fail(f"error: {exc}\n{refused}", EXIT_BAD_INPUT)
-            return func(*args, **kwargs)
-
-        out: Any = wrapper
-        for s in reversed(chosen):
-            for option in reversed(_click_options(s, overrides.get(s.name, {}))):
-                out = option(out)
-        return out  # type: ignore[no-any-return]
-
-    return decorate

@@ -1,54 +1,33 @@
-"""Progress for long producer steps (hashing a folder, waiting for jobs): click's bar on a
-terminal, else a line every 10 % or 10 s, so CI logs and pipes see it too."""
+"""What a long producer step reports as it goes, and to whom: the library counts and
+phrases, the caller shows. Like rq's and arq's clients, the producer writes nothing to a
+terminal itself; the CLI's bars and lines (cli/progress.py) are one such caller.
+"""
 
 from __future__ import annotations
 
-import sys
-import time
+from collections.abc import Callable
 from contextlib import ExitStack
-
-import click
-
-
-class ProgressBar:
-    """Progress on a terminal: click's bar, moved on to each new count."""
-
-    def __init__(self, stack: ExitStack, total: int, label: str) -> None:
-        self.bar = stack.enter_context(click.progressbar(
-            length=total, label=label, file=sys.stderr, show_pos=True, show_eta=True))
-        self.shown = 0
-
-    def update(self, done: int, *, final: bool = False) -> None:
-        if done > self.shown:
-            self.bar.update(done - self.shown)
-            self.shown = done
+from typing import Protocol
 
 
-class ProgressLines:
-    """Progress without a terminal (CI logs, pipes): a line every 10 % or every 10 s."""
+class Progress(Protocol):
+    """Told each new count of a step (items done, files hashed); `final` at the end."""
 
-    EVERY_S = 10.0
-    STEP = 0.1
-
-    def __init__(self, total: int, label: str) -> None:
-        self.total = total
-        self.label = label
-        self.started = time.monotonic()
-        self.last_t = self.started
-        self.last_step = -1
-
-    def update(self, done: int, *, final: bool = False) -> None:
-        now = time.monotonic()
-        step = int(done / self.total / self.STEP) if self.total else 10
-        if step > self.last_step or now - self.last_t >= self.EVERY_S or final:
-            if final and step == self.last_step and now - self.last_t < self.EVERY_S:
-                return
-            pct = 100 * done / self.total if self.total else 100.0
-            click.echo(f"{self.label} {done}/{self.total} ({pct:.0f}%) after "
-                       f"{now - self.started:.0f}s", err=True)
-            self.last_step, self.last_t = step, now
+    def update(self, done: int, *, final: bool = False) -> None: ...
 
 
-def display(stack: ExitStack, total: int, label: str) -> ProgressBar | ProgressLines:
-    """A bar (closed with `stack`) on a terminal, lines elsewhere."""
-    return ProgressBar(stack, total, label) if sys.stderr.isatty() else ProgressLines(total, label)
+class ShowProgress(Protocol):
+    """Opens a Progress for `total` units named `label`, closed with `stack`."""
+
+    def __call__(self, stack: ExitStack, total: int, label: str) -> Progress: ...
+
+
+class StatusLines(Protocol):
+    """Told the upload budget's status lines. `line` may be a callable, so that a line the
+    receiver does not show costs no Redis round trip; `force`: a line that must be shown
+    (the first wait, a queue with no worker); `live`: one a terminal may rewrite in place
+    until the next. `end` comes when a wait is over."""
+
+    def __call__(self, line: str | Callable[[], str], *, force: bool, live: bool) -> None: ...
+
+    def end(self) -> None: ...

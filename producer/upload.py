@@ -40,13 +40,11 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import click
 from redis import Redis
 from redis.client import Pipeline, PubSub
 from redis.exceptions import OutOfMemoryError, RedisError
@@ -60,6 +58,7 @@ from vlmq.shared.messages import JobPayload
 
 if TYPE_CHECKING:
     from vlmq.producer.files import BlobSource  # (file checks: the client's enqueue side)
+    from vlmq.producer.progress import StatusLines
 
 MB = 1024 * 1024
 DEFAULT_MAX_PENDING_MB = defaults.DEFAULT_MAX_PENDING_MB  # where the CLI's help reads it
@@ -79,7 +78,6 @@ SWEEP_S = 30.0
 SWEEP_CHUNK = 10_000
 # A status line names items done only while this few jobs are pending (one HLEN each).
 DESCRIBE_MAX = 1000
-STATUS_EVERY_S = 10.0
 # RQ statuses after which a job holds its inputs no more (failed: only until its record goes).
 ENDED = frozenset({b"finished", b"failed", b"stopped", b"canceled"})
 
@@ -131,7 +129,8 @@ class Uploader:
 
     def __init__(self, redis: Redis, keys: Keys, *,
                  max_pending_mb: float = DEFAULT_MAX_PENDING_MB,
-                 progress: bool = False, wait_timeout: float | None = None) -> None:
+                 progress: StatusLines | None = None,
+                 wait_timeout: float | None = None) -> None:
         if max_pending_mb <= 0:
             raise ValueError(f"max_pending_mb must be positive, got {max_pending_mb}")
         if wait_timeout is not None and wait_timeout <= 0:
@@ -148,8 +147,6 @@ class Uploader:
         self._stale = False  # an end may have gone unheard: sweep at the next refresh
         self._swept = time.monotonic()
         self.blobs = BlobStore(redis, keys, ttl_s=UPLOAD_TTL_S)
-        self._said = time.monotonic()  # the first line after STATUS_EVERY_S
-        self._open = False  # a live line is on the terminal
         self._waited = False  # the first wait is always said
         self.totals = {"jobs": 0, "items": 0, "bytes": 0}
 
@@ -256,9 +253,8 @@ class Uploader:
                 self._await_end(POLL_S)
                 self.refresh()
         finally:
-            if self._open:  # end the line rewritten in place
-                click.echo("", err=True)
-                self._open = False
+            if self.progress is not None:
+                self.progress.end()
 
     def _waiting_line(self, note: str) -> str:
         return "waiting for workers: " + self.describe() + note
@@ -389,23 +385,11 @@ class Uploader:
 
     def _status(self, line: str | Callable[[], str], *, force: bool = False,
                 live: bool = False) -> None:
-        """A status line on stderr, at most one every STATUS_EVERY_S seconds unless forced
-        (CI logs stay short). `live` lines (waiting) are rewritten in place on a terminal
-        until the next forced one. `line` may be a callable, so a line that is not shown
-        costs no Redis round trip."""
-        if not self.progress:
-            return
-        now = time.monotonic()
-        in_place = live and sys.stderr.isatty()
-        if not (force or in_place or now - self._said >= STATUS_EVERY_S):
-            return
-        text = line() if callable(line) else line
-        if in_place:
-            click.echo("\r\x1b[2K" + text, err=True, nl=False)
-        else:
-            click.echo(("\r\x1b[2K" if self._open else "") + text, err=True)
-        self._open = in_place
-        self._said = now
+        """A status line for `progress`, the caller's to show or drop (the CLI shows at
+        most one every few seconds unless forced). `line` may be a callable, so a line
+        that is not shown costs no Redis round trip."""
+        if self.progress is not None:
+            self.progress(line, force=force, live=live)
 
 
 def _chunks(sources: Iterable[BlobSource]) -> Iterable[list[BlobSource]]:

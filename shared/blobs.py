@@ -8,8 +8,9 @@ short TTL (UPLOAD_TTL_S), so an upload that never becomes a job (Ctrl-C, a crash
 of memory) leaves nothing that lasts. Enqueueing a job holds its blobs, in the same MULTI:
 `<prefix>:blob-jobs:<sha>` (zset of job ids) and `<prefix>:job:<id>:inputs` (hash of the
 job's blobs), and the blob then lives the job's blob_ttl. When a job ends, end_job.lua lets
-go; a deleted job lets go through `release`. A blob no live job holds expires after the
-last holder's keep_inputs, or with a failed holder's failure record if that is later.
+go; a deleted job lets go through `release` (blob_release.lua: the same Lua). A blob no
+live job holds expires after the last holder's keep_inputs, or with a failed holder's
+failure record if that is later.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from redis import Redis, WatchError
+from redis import Redis
 from redis.client import Pipeline
 
 from vlmq.shared import constants as C
@@ -43,6 +44,7 @@ class BlobStore:
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
         self._extend = lua.script(redis, lua.BLOB_EXTEND_TTL)  # sent once, then by sha
+        self._release = lua.script(redis, lua.BLOB_RELEASE)
 
     def put(self, data: bytes) -> tuple[str, bool]:
         """Store `data`; returns (sha256, uploaded) where uploaded is False if it was there.
@@ -104,45 +106,13 @@ class BlobStore:
     def release(self, job_id: str) -> int:
         """Let go of a deleted job's blobs; returns how many it held.
 
-        The rule of end_job.lua's inputs block (a finished job), in one WATCH transaction:
-        a blob that another live job holds keeps its TTL; otherwise it expires after this
-        job's keep_inputs, or when the latest failed holder's record does.
+        blob_release.lua runs the very Lua end_job.lua runs for a job that finishes (the
+        shared BLOBS block), atomically: expired holds go first, a blob that another live
+        job holds keeps its TTL, otherwise it expires after this job's keep_inputs or when
+        the latest failed holder's record does.
         """
-        inputs = self.keys.job_inputs(job_id)
-        with self.redis.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    pipe.watch(inputs)  # type: ignore[no-untyped-call]
-                    held = {_text(k): int(v) for k, v in pipe.hgetall(inputs).items()}
-                    holders = [self.keys.blob_jobs(sha) for sha in held]
-                    if holders:
-                        pipe.watch(*holders)  # type: ignore[no-untyped-call]
-                    self._queue_release(pipe, job_id, held)
-                    pipe.execute()
-                    return len(held)
-                except WatchError:
-                    continue
-
-    def _queue_release(self, pipe: Pipeline, job_id: str, held: dict[str, int]) -> None:
-        secs, micros = self.redis.time()
-        now_ms = secs * 1000 + micros // 1000
-        reads = self.redis.pipeline(transaction=False)
-        for sha in held:  # the two latest holds: one of them may be this job's own
-            reads.zrevrangebyscore(self.keys.blob_jobs(sha), "+inf", now_ms, start=0, num=2,
-                                   withscores=True)
-        tops = reads.execute() if held else []
-        pipe.multi()
-        for (sha, keep_s), top in zip(held.items(), tops, strict=True):
-            others = [score for member, score in top if _text(member) != job_id]
-            holders = self.keys.blob_jobs(sha)
-            pipe.zrem(holders, job_id)
-            if others and math.isinf(others[0]):
-                continue  # a live job holds it: never shortened
-            ms = max(keep_s * 1000, int(others[0]) - now_ms if others else 0)
-            pipe.pexpire(self.keys.blob(sha), ms)
-            pipe.pexpire(holders, ms)
-        pipe.delete(self.keys.job_inputs(job_id))
-
+        held = self._release(keys=[self.keys.job_inputs(job_id)], args=[job_id])
+        return int(held)
 
     def get(self, sha: str) -> bytes:
         """Fetch a blob and check its content against its name."""
@@ -155,7 +125,3 @@ class BlobStore:
         if sha256_hex(data) != sha:
             raise BlobError(f"blob {sha[:12]}… content does not match its sha256")
         return data
-
-
-def _text(raw: bytes | str) -> str:
-    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw

@@ -9,6 +9,8 @@ ITEM_KINDS = ("image", "pdf", "tiff", "text")
 # sees (an OpenAI batch line with no image). Only tasks that take a prompt can run one.
 TEXT_KIND = "text"
 TEXT_TASKS = ("generate", "extract")
+# The task whose job must give a prompt (it has no default one).
+PROMPT_TASK = "generate"
 # Kinds that are documents: each item is one 1-based page of the file (a TIFF page is a
 # frame). Every TIFF is one, even with a single frame, so its kind never depends on count.
 PAGED_KINDS = ("pdf", "tiff")
@@ -45,6 +47,13 @@ JOB_TIMEOUT_S = 24 * 3600
 # RQ requeues a job whose worker died (abandoned) while retries are left; vlmq then
 # resumes it at item level. Bad payloads and wrong models fail without retry.
 CRASH_RETRIES = 3
+# The most retries a job may carry (enqueue.lua's retries_left, for every language).
+MAX_CRASH_RETRIES = 10
+# A job's description (vlmq's short summary: at most three sources of 4096 characters),
+# as enqueue.lua bounds it for every language.
+MAX_DESCRIPTION_CHARS = 16_384
+# An item's source (a file name, URL or store path, echoed in its result).
+MAX_SOURCE_CHARS = 4096
 
 # Decompression-bomb guard: Pillow's own default is ~89 Mpx; bulk OCR never needs more.
 MAX_IMAGE_PIXELS = 64_000_000
@@ -106,7 +115,20 @@ MAX_QUEUES = 64
 # between two reads) sees the terminal event; the end itself stays in the job hash
 # (PROTOCOL.md section 5), so nothing per job is kept as a stream (issue 28).
 ENDED_EVENTS_S = 60
+# A job's events stream is capped near this many entries (XADD MAXLEN ~).
+EVENTS_MAXLEN = 10_000
 # `vlmq status` and `vlmq metrics` show at most this many queues, one of them the
 # "(other)" line folding the rest (those with workers and the most jobs are shown), so
 # their output is bounded whatever names an older Redis already holds.
 MAX_SHOWN_QUEUES = 20
+# fair_take.lua's bounds on one call's work: stale ids dropped from a batch list's head per
+# look, and share-list pops per job wanted (plus a floor), so a call never scans a queue.
+FAIR_STALE_DROPS = 16
+FAIR_POPS_PER_JOB = 4
+FAIR_POPS_FLOOR = 64
+# result_cache_store.lua's eviction: a hash table's 24-byte dict entries take 32 in
+# jemalloc, which MEMORY USAGE leaves out (8 more per field, measured on Redis 7.0); at most
+# this many rounds of at most this many entries per call.
+RCACHE_FIELD_OVERHEAD_BYTES = 8
+RCACHE_EVICT_ROUNDS = 64
+RCACHE_EVICT_MAX = 1000

@@ -34,9 +34,68 @@ function KEY.jobs_state_index(prefix, name) return prefix .. ':by-state:' .. nam
 function KEY.jobs_tally(prefix) return prefix .. ':jobs:tally' end
 function KEY.rq_job(job_id) return 'rq:job:' .. job_id end
 -- END KEYS
--- BEGIN LIMITS: generated from vlmq/shared/constants.py by `python -m vlmq.shared.lua --write`; do not edit by hand.
-local LIMITS = {max_queues = 64, ended_events_s = 60, moved_data = "[\"vlmq.worker.task.run\",null,[],{}]", fair_field = "vlmq_fair", loose_share = "", tenant_label = "tenant", tenant_share = "tenant:", items_field = "vlmq_items", max_items = 10000}
+-- BEGIN LIMITS: generated from vlmq/shared/constants.py, keys.py and messages.py by `python -m vlmq.shared.lua --write`; do not edit by hand.
+local LIMITS = {
+  max_queues = 64,
+  ended_events_s = 60,
+  events_maxlen = 10000,
+  moved_data = "[\"vlmq.worker.task.run\",null,[],{}]",
+  fair_field = "vlmq_fair",
+  loose_share = "",
+  tenant_label = "tenant",
+  tenant_share = "tenant:",
+  items_field = "vlmq_items",
+  max_items = 10000,
+  version = 1,
+  task_func = "vlmq.worker.task.run",
+  tasks = {"ocr", "caption", "generate", "extract"},
+  item_kinds = {"image", "pdf", "tiff", "text"},
+  text_kind = "text",
+  text_tasks = {"generate", "extract"},
+  schema_task = "extract",
+  prompt_task = "generate",
+  paged_kinds = {"pdf", "tiff"},
+  max_pages = 1000000,
+  max_retries = 10,
+  max_description_chars = 16384,
+  max_source_chars = 4096,
+  max_custom_id_chars = 256,
+  max_blob_bytes = 67108864,
+  job_id_chars = 128,
+  job_id_shape = "[A-Za-z0-9_-]{1,128}",
+  queue_chars = 64,
+  queue_shape = "[A-Za-z0-9_.-]{1,64}",
+  sha256_chars = 64,
+  store_chars = 64,
+  max_ref_path_chars = 4096,
+  max_ref_size = 9007199254740991,
+  fair_stale_drops = 16,
+  fair_pops_per_job = 4,
+  fair_pops_floor = 64,
+  rcache_field_overhead = 8,
+  rcache_evict_rounds = 64,
+  rcache_evict_max = 1000,
+}
 -- END LIMITS
+-- BEGIN UNITS: generated from vlmq/shared/lua.py UNITS by `python -m vlmq.shared.lua --write`; do not edit by hand.
+local UNITS = {
+  ms_per_s = 1000,
+  us_per_ms = 1000,
+  mib = 1048576,
+  us_per_s = 1000000,
+  s_per_min = 60,
+  min_per_h = 60,
+  h_per_day = 24,
+  max_hour = 23,
+  max_minute = 59,
+  max_second = 59,
+  fraction_digits = 6,
+  pair = 2,
+  pttl_missing = -2,
+  rcache_first_gen_key = 2,
+  max_exact_int = 9007199254740991,
+}
+-- END UNITS
 -- BEGIN TALLY: copied from vlmq/shared/tally_lib.lua by `python -m vlmq.shared.lua --write`; do not edit by hand.
 -- vlmq protocol v1: running counts of jobs by state and of their items (PROTOCOL.md 8b).
 -- Copied into every script that changes a job (enqueue.lua, write_items.lua,
@@ -146,6 +205,46 @@ function TALLY.items(prefix, job_id, done, failed)
   tally_save(prefix, job_id, rec)
 end
 -- END TALLY
+-- BEGIN BLOBS: copied from vlmq/shared/blob_release_lib.lua by `python -m vlmq.shared.lua --write`; do not edit by hand.
+-- vlmq protocol v1: a job lets go of its input blobs (PROTOCOL.md section 2). Copied into
+-- every script that releases holds (end_job.lua, blob_release.lua) by
+-- `python -m vlmq.shared.lua --write`, so a job that ends and a job that is deleted let go
+-- by the same rule. Holds past their end are pruned first, so a long-expired failed
+-- holder never keeps a blob. A failed job keeps holding its blobs until its failure
+-- record expires (retry --failed-only reads them); a blob no live job holds lives on for
+-- the longest of this job's keep_inputs and any failed holder's record. A blob that a
+-- live job still holds is never shortened. Returns how many blobs the job held.
+local BLOBS = {}
+function BLOBS.release(prefix, job_id, failed, ttl)
+  local inputs = KEY.job_inputs(prefix, job_id)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * UNITS.ms_per_s + math.floor(tonumber(t[2]) / UNITS.us_per_ms)
+  local until_ms = (ttl > 0) and string.format('%d', now + ttl * UNITS.ms_per_s) or 'inf'
+  local held = redis.call('HGETALL', inputs)
+  for i = 1, #held, UNITS.pair do
+    local sha, keep_s = held[i], held[i + 1]
+    local jobs = KEY.blob_jobs(prefix, sha)
+    if failed then
+      redis.call('ZADD', jobs, until_ms, job_id)
+    else
+      redis.call('ZREM', jobs, job_id)
+    end
+    redis.call('ZREMRANGEBYSCORE', jobs, '-inf', '(' .. now)
+    local last = redis.call('ZRANGE', jobs, -1, -1, 'WITHSCORES')[UNITS.pair]
+    if last ~= 'inf' then
+      local ms = math.max(tonumber(keep_s) * UNITS.ms_per_s, last and tonumber(last) - now or 0)
+      redis.call('PEXPIRE', KEY.blob(prefix, sha), ms)
+      redis.call('PEXPIRE', jobs, ms)
+    end
+  end
+  if failed and ttl > 0 then
+    redis.call('EXPIRE', inputs, ttl)
+  elseif not failed then
+    redis.call('DEL', inputs)
+  end
+  return #held / UNITS.pair
+end
+-- END BLOBS
 -- The prefix is KEYS[2]'s, less the events stream's own name.
 local prefix = string.sub(KEYS[2], 1, #KEYS[2] - #KEY.job_events('', ARGV[1]))
 -- Running counts (PROTOCOL.md 8b): the job is counted in the state its hash now says,
@@ -163,7 +262,7 @@ end
 local terminal = {finished = true, failed = true, canceled = true}
 local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
 if last then
-  for i = 1, #last[2], 2 do
+  for i = 1, #last[UNITS.pair], UNITS.pair do
     if last[2][i] == 'type' and terminal[last[2][i + 1]] then
       return nil
     end
@@ -173,7 +272,7 @@ local fields = {'type', ARGV[2]}
 for i = 6, #ARGV do
   fields[#fields + 1] = ARGV[i]
 end
-local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', '10000', '*', unpack(fields))
+local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', LIMITS.events_maxlen, '*', unpack(fields))
 -- The event as the job hash keeps it: its type and fields, but for `finished` only the
 -- summary (the stream's other fields are copies of the summary's).
 local kept = {type = ARGV[2]}
@@ -260,37 +359,6 @@ do
   end
 end
 -- END BATCH
--- BEGIN INPUTS (PROTOCOL.md section 2): the job lets go of its input blobs. A failed job
--- keeps holding them until its failure record expires (retry --failed-only reads them); a
--- blob no live job holds lives on for the longest of this job's keep_inputs and any failed
--- holder's record. A blob that a live job still holds is never shortened.
-do
-  local inputs = KEY.job_inputs(prefix, ARGV[1])
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local failed = ARGV[2] == 'failed'
-  local until_ms = (ttl > 0) and string.format('%d', now + ttl * 1000) or 'inf'
-  local held = redis.call('HGETALL', inputs)
-  for i = 1, #held, 2 do
-    local jobs = KEY.blob_jobs(prefix, held[i])
-    if failed then
-      redis.call('ZADD', jobs, until_ms, ARGV[1])
-    else
-      redis.call('ZREM', jobs, ARGV[1])
-    end
-    redis.call('ZREMRANGEBYSCORE', jobs, '-inf', '(' .. now)
-    local last = redis.call('ZRANGE', jobs, -1, -1, 'WITHSCORES')[2]
-    if last ~= 'inf' then
-      local ms = math.max(tonumber(held[i + 1]) * 1000, last and tonumber(last) - now or 0)
-      redis.call('PEXPIRE', KEY.blob(prefix, held[i]), ms)
-      redis.call('PEXPIRE', jobs, ms)
-    end
-  end
-  if failed and ttl > 0 then
-    redis.call('EXPIRE', inputs, ttl)
-  elseif not failed then
-    redis.call('DEL', inputs)
-  end
-end
--- END INPUTS
+-- The job lets go of its input blobs (PROTOCOL.md section 2; the BLOBS block above).
+BLOBS.release(prefix, ARGV[1], ARGV[2] == 'failed', ttl)
 return id

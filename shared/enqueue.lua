@@ -4,7 +4,8 @@
 -- ARGV[1] = job_id   ARGV[2] = queue name   ARGV[3] = data: JSON ["vlmq.worker.task.run", null, [payload], {}]
 -- ARGV[4] = description   ARGV[5] = timeout (s)   ARGV[6] = result_ttl (s)   ARGV[7] = failure_ttl (s)
 -- ARGV[8] = now, RQ's format %Y-%m-%dT%H:%M:%S.%fZ (UTC)
--- ARGV[9] = retries_left: how often RQ requeues the job if its worker dies (0..10; vlmq uses 3)
+-- ARGV[9] = retries_left: how often RQ requeues the job if its worker dies (0 to
+--           LIMITS.max_retries; vlmq uses CRASH_RETRIES)
 -- A queue not yet in rq:queues is refused once it holds LIMITS.max_queues queues (the
 -- generated block below, shared/constants.py MAX_QUEUES): names are the caller's, and each
 -- lives on in every listing. A queue already there is always taken.
@@ -43,9 +44,118 @@ local KEY_SHOWN = {
   rq_queues = 'rq:queues',
 }
 -- END KEYS
--- BEGIN LIMITS: generated from vlmq/shared/constants.py by `python -m vlmq.shared.lua --write`; do not edit by hand.
-local LIMITS = {max_queues = 64, ended_events_s = 60, moved_data = "[\"vlmq.worker.task.run\",null,[],{}]", fair_field = "vlmq_fair", loose_share = "", tenant_label = "tenant", tenant_share = "tenant:", items_field = "vlmq_items", max_items = 10000}
+-- BEGIN LIMITS: generated from vlmq/shared/constants.py, keys.py and messages.py by `python -m vlmq.shared.lua --write`; do not edit by hand.
+local LIMITS = {
+  max_queues = 64,
+  ended_events_s = 60,
+  events_maxlen = 10000,
+  moved_data = "[\"vlmq.worker.task.run\",null,[],{}]",
+  fair_field = "vlmq_fair",
+  loose_share = "",
+  tenant_label = "tenant",
+  tenant_share = "tenant:",
+  items_field = "vlmq_items",
+  max_items = 10000,
+  version = 1,
+  task_func = "vlmq.worker.task.run",
+  tasks = {"ocr", "caption", "generate", "extract"},
+  item_kinds = {"image", "pdf", "tiff", "text"},
+  text_kind = "text",
+  text_tasks = {"generate", "extract"},
+  schema_task = "extract",
+  prompt_task = "generate",
+  paged_kinds = {"pdf", "tiff"},
+  max_pages = 1000000,
+  max_retries = 10,
+  max_description_chars = 16384,
+  max_source_chars = 4096,
+  max_custom_id_chars = 256,
+  max_blob_bytes = 67108864,
+  job_id_chars = 128,
+  job_id_shape = "[A-Za-z0-9_-]{1,128}",
+  queue_chars = 64,
+  queue_shape = "[A-Za-z0-9_.-]{1,64}",
+  sha256_chars = 64,
+  store_chars = 64,
+  max_ref_path_chars = 4096,
+  max_ref_size = 9007199254740991,
+  fair_stale_drops = 16,
+  fair_pops_per_job = 4,
+  fair_pops_floor = 64,
+  rcache_field_overhead = 8,
+  rcache_evict_rounds = 64,
+  rcache_evict_max = 1000,
+}
 -- END LIMITS
+-- BEGIN UNITS: generated from vlmq/shared/lua.py UNITS by `python -m vlmq.shared.lua --write`; do not edit by hand.
+local UNITS = {
+  ms_per_s = 1000,
+  us_per_ms = 1000,
+  mib = 1048576,
+  us_per_s = 1000000,
+  s_per_min = 60,
+  min_per_h = 60,
+  h_per_day = 24,
+  max_hour = 23,
+  max_minute = 59,
+  max_second = 59,
+  fraction_digits = 6,
+  pair = 2,
+  pttl_missing = -2,
+  rcache_first_gen_key = 2,
+  max_exact_int = 9007199254740991,
+}
+-- END UNITS
+-- BEGIN CALENDAR: generated from vlmq/shared/lua.py CALENDAR by `python -m vlmq.shared.lua --write`; do not edit by hand.
+local CALENDAR = {
+  month_days = {31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31},
+  leap_month = 2,
+  leap_every = 4,
+  century = 100,
+  era_years = 400,
+  era_days = 146097,
+  year_days = 365,
+  months = 12,
+  march_shift = 9,
+  month_days_num = 153,
+  month_days_round = 2,
+  month_days_den = 5,
+  epoch_shift = 719468,
+}
+-- END CALENDAR
+-- BEGIN MESSAGES: generated from vlmq/shared/messages.py PAYLOAD_MESSAGES and REF_PATH_PROBLEMS by `python -m vlmq.shared.lua --write`; do not edit by hand.
+local MESSAGES = {
+  version = "unsupported protocol version %s; vlmq speaks v1",
+  task = "must be one of ocr, caption, generate, extract",
+  items = "must be a non-empty list",
+  max_items = "has more than 10000 entries",
+  prompt_required = "is required for task generate",
+  not_object = "must be an object",
+  unknown_fields = "unknown field(s) %s",
+  kind = "must be one of image, pdf, tiff, text",
+  text_input = "is not allowed on a text item (it has no input: the prompt is all)",
+  text_task = "text is for tasks generate, extract: %s reads an image",
+  blob_and_ref = "has both blob and ref; give exactly one",
+  ref_object = "must be an object {\"store\", \"path\"}",
+  store = "must match [A-Za-z0-9_.-]{1,64}",
+  ref_path = "must be a non-empty string of at most 4096 characters",
+  size_missing = "is required with ref (the input's bytes)",
+  size = "must be a whole number of bytes from 1 to 9007199254740991",
+  sha256 = "must be a lowercase hex sha256 (64 characters)",
+  only_with_ref = "is only allowed with ref",
+  page_missing = "is required for a %s item (1-based)",
+  page = "must be an integer from 1 to 1000000 (1-based)",
+  page_not_paged = "is only allowed on pdf and tiff items",
+  source = "must be a string of at most 4096 characters",
+  custom_id = "must be a string of at most 256 characters",
+  prompt_empty = "must not be empty (leave it out to use the job's prompt)",
+  path_empty = "is empty",
+  path_nul = "contains a NUL character",
+  path_backslash = "contains a backslash (paths in a store use /)",
+  path_absolute = "is absolute (paths in a store are relative to it)",
+  path_dotdot = "has a '..' segment (it would leave the store)",
+}
+-- END MESSAGES
 -- BEGIN TALLY: copied from vlmq/shared/tally_lib.lua by `python -m vlmq.shared.lua --write`; do not edit by hand.
 -- vlmq protocol v1: running counts of jobs by state and of their items (PROTOCOL.md 8b).
 -- Copied into every script that changes a job (enqueue.lua, write_items.lua,
@@ -155,14 +265,16 @@ function TALLY.items(prefix, job_id, done, failed)
   tally_save(prefix, job_id, rec)
 end
 -- END TALLY
-if #KEYS ~= 5 then
-  return redis.error_reply('KEYS: expected 5 keys, got ' .. #KEYS)
+-- What each key must hold when it exists (checked below, once its name is checked).
+local expected_types = {[1] = 'hash', [2] = 'list', [3] = 'set', [4] = 'hash', [5] = 'stream'}
+if #KEYS ~= #expected_types then
+  return redis.error_reply('KEYS: expected ' .. #expected_types .. ' keys, got ' .. #KEYS)
 end
-if not string.match(ARGV[1], '^[%w_-]+$') or #ARGV[1] > 128 then
-  return redis.error_reply('job_id: must match [A-Za-z0-9_-]{1,128}')
+if not string.match(ARGV[1], '^[%w_-]+$') or #ARGV[1] > LIMITS.job_id_chars then
+  return redis.error_reply('job_id: must match ' .. LIMITS.job_id_shape)
 end
-if not string.match(ARGV[2], '^[%w_.-]+$') or #ARGV[2] > 64 then
-  return redis.error_reply('queue: must match [A-Za-z0-9_.-]{1,64}')
+if not string.match(ARGV[2], '^[%w_.-]+$') or #ARGV[2] > LIMITS.queue_chars then
+  return redis.error_reply('queue: must match ' .. LIMITS.queue_shape)
 end
 if KEYS[1] ~= KEY.rq_job(ARGV[1]) then
   return redis.error_reply('KEYS[1]: must be ' .. KEY_SHOWN.rq_job)
@@ -194,22 +306,25 @@ end
 do  -- a real time of day on a real date: the worker's strptime refuses month 13 or day 45
   local y, mo, d, h, mi, sec = string.match(ARGV[8], '^(%d+)%-(%d+)%-(%d+)T(%d+):(%d+):(%d+)')
   y, mo, d = tonumber(y), tonumber(mo), tonumber(d)
-  local leap = (y % 4 == 0 and y % 100 ~= 0) or y % 400 == 0
-  local days = ({31, leap and 29 or 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31})[mo]
-  if y < 1 or not days or d < 1 or d > days or tonumber(h) > 23 or tonumber(mi) > 59 or
-      tonumber(sec) > 59 then
+  local leap = (y % CALENDAR.leap_every == 0 and y % CALENDAR.century ~= 0) or
+    y % CALENDAR.era_years == 0
+  local days = CALENDAR.month_days[mo]
+  if days and leap and mo == CALENDAR.leap_month then days = days + 1 end
+  if y < 1 or not days or d < 1 or d > days or tonumber(h) > UNITS.max_hour or
+      tonumber(mi) > UNITS.max_minute or tonumber(sec) > UNITS.max_second then
     return redis.error_reply('now: ' .. ARGV[8] .. ' is not a valid UTC date and time')
   end
 end
 -- The description is vlmq's short summary (at most three sources of 4096 characters).
 local _, description_chars = string.gsub(ARGV[4], '[^\128-\191]', '')
-if description_chars > 16384 then
-  return redis.error_reply('description: is longer than 16384 characters')
+if description_chars > LIMITS.max_description_chars then
+  return redis.error_reply('description: is longer than ' .. LIMITS.max_description_chars ..
+    ' characters')
 end
-if not string.match(ARGV[9], '^%d+$') or tonumber(ARGV[9]) > 10 then
-  return redis.error_reply('retries_left: must be a whole number from 0 to 10')
+if not string.match(ARGV[9], '^%d+$') or tonumber(ARGV[9]) > LIMITS.max_retries then
+  return redis.error_reply('retries_left: must be a whole number from 0 to ' ..
+    LIMITS.max_retries)
 end
-local expected_types = {[1] = 'hash', [2] = 'list', [3] = 'set', [4] = 'hash', [5] = 'stream'}
 for i, want in pairs(expected_types) do
   local got = redis.call('TYPE', KEYS[i])['ok']
   if got ~= 'none' and got ~= want then
@@ -231,8 +346,8 @@ local ok, data = pcall(cjson.decode, ARGV[3])
 if not ok or type(data) ~= 'table' then
   return redis.error_reply('data: must be the JSON array [func, null, [payload], {}]')
 end
-if data[1] ~= 'vlmq.worker.task.run' then
-  return redis.error_reply('data: function must be vlmq.worker.task.run')
+if data[1] ~= LIMITS.task_func then
+  return redis.error_reply('data: function must be ' .. LIMITS.task_func)
 end
 if type(data[3]) ~= 'table' or #data[3] ~= 1 or type(data[3][1]) ~= 'table' then
   return redis.error_reply('data: args must be a list holding exactly one payload object')
@@ -247,6 +362,16 @@ end
 local function utf8_len(s)
   local _, n = string.gsub(s, '[^\128-\191]', '')
   return n
+end
+-- A JSON value as Python's repr writes it, for a message that quotes what was given.
+local function py_repr(x)
+  if x == nil or x == cjson.null then return 'None' end
+  if type(x) == 'boolean' then return x and 'True' or 'False' end
+  if type(x) == 'string' then return "'" .. x .. "'" end
+  if type(x) == 'number' and x == math.floor(x) and math.abs(x) <= UNITS.max_exact_int then
+    return string.format('%d', x)
+  end
+  return tostring(x)
 end
 local function is_int(x, lo, hi)
   return type(x) == 'number' and x == math.floor(x) and x >= lo and x <= hi
@@ -276,19 +401,25 @@ for _, s in ipairs(SETTINGS) do
   top[head] = top[head] or {}
   if inner then top[head][inner] = 1 end
 end
-for k in pairs(payload) do
-  if type(k) ~= 'string' or not top[k] then
-    return redis.error_reply('payload: unknown field ' .. tostring(k))
+-- Each refusal below is shared/messages.py's, from the generated MESSAGES block.
+local function unknown_fields(t, allowed)
+  local names = {}
+  for k in pairs(t) do
+    if not allowed[k] then names[#names + 1] = tostring(k) end
   end
+  if #names == 0 then return nil end
+  table.sort(names)
+  return string.format(MESSAGES.unknown_fields, "['" .. table.concat(names, "', '") .. "']")
+end
+local unknown = unknown_fields(payload, top)
+if unknown then return redis.error_reply('payload: ' .. unknown) end
+for k in pairs(payload) do
   if next(top[k]) ~= nil and payload[k] ~= cjson.null then
     if type(payload[k]) ~= 'table' or (#payload[k] > 0) then
-      return redis.error_reply(k .. ': must be an object')
+      return redis.error_reply(k .. ': ' .. MESSAGES.not_object)
     end
-    for inner in pairs(payload[k]) do
-      if type(inner) ~= 'string' or not top[k][inner] then
-        return redis.error_reply(k .. ': unknown field ' .. tostring(inner))
-      end
-    end
+    unknown = unknown_fields(payload[k], top[k])
+    if unknown then return redis.error_reply(k .. ': ' .. unknown) end
   end
 end
 local function check_setting(s, x)
@@ -362,141 +493,143 @@ for _, s in ipairs(SETTINGS) do
     if problem then return redis.error_reply(s.name .. (at or '') .. ': ' .. problem) end
   end
 end
-if payload.v ~= 1 then
-  return redis.error_reply('v: must be 1 (protocol version)')
+if payload.v ~= LIMITS.version then
+  return redis.error_reply('v: ' .. string.format(MESSAGES.version, py_repr(payload.v)))
 end
-local tasks = {ocr = 1, caption = 1, generate = 1, extract = 1}
-if type(payload.task) ~= 'string' or not tasks[payload.task] then
-  return redis.error_reply('task: must be one of ocr, caption, generate, extract')
+local function one_of(list, x)
+  for _, v in ipairs(list) do
+    if v == x then return true end
+  end
+  return false
+end
+if type(payload.task) ~= 'string' or not one_of(LIMITS.tasks, payload.task) then
+  return redis.error_reply('task: ' .. MESSAGES.task)
 end
 local has_schema = payload.schema ~= nil and payload.schema ~= cjson.null
-if payload.task == 'extract' and not has_schema then
-  return redis.error_reply('schema: is required for task extract')
+if payload.task == LIMITS.schema_task and not has_schema then
+  return redis.error_reply('schema: is required for task ' .. LIMITS.schema_task)
 end
-if payload.task ~= 'extract' and has_schema then
-  return redis.error_reply('schema: is only allowed with task extract, not ' .. payload.task)
+if payload.task ~= LIMITS.schema_task and has_schema then
+  return redis.error_reply('schema: is only allowed with task ' .. LIMITS.schema_task ..
+    ', not ' .. payload.task)
 end
-if payload.task == 'generate' and (type(payload.prompt) ~= 'string' or payload.prompt == '') then
-  return redis.error_reply('prompt: is required for task generate')
+if payload.task == LIMITS.prompt_task and
+    (type(payload.prompt) ~= 'string' or payload.prompt == '') then
+  return redis.error_reply('prompt: ' .. MESSAGES.prompt_required)
 end
 local items = payload.items
 if not is_array(items) or #items == 0 then
-  return redis.error_reply('items: must be a non-empty list')
+  return redis.error_reply('items: ' .. MESSAGES.items)
 end
-if #items > 10000 then
-  return redis.error_reply('items: has more than 10000 entries')
+if #items > LIMITS.max_items then
+  return redis.error_reply('items: ' .. MESSAGES.max_items)
 end
 local item_fields = {kind = 1, blob = 1, ref = 1, sha256 = 1, size = 1, source = 1, page = 1,
   custom_id = 1, prompt = 1}
+local ref_fields = {store = 1, path = 1}
 -- An item's own prompt follows the job's prompt setting's row (and is never empty).
 local prompt_row
 for _, s in ipairs(SETTINGS) do
   if s.name == 'prompt' then prompt_row = s end
 end
 local function is_sha256(x)
-  return type(x) == 'string' and #x == 64 and not string.match(x, '[^0-9a-f]')
+  return type(x) == 'string' and #x == LIMITS.sha256_chars and not string.match(x, '[^0-9a-f]')
+end
+local function given_field(x)
+  return x ~= nil and x ~= cjson.null
 end
 -- Why a store path would leave its store (nil when it cannot): as stores/backends.py.
 local function ref_path_problem(p)
-  if type(p) ~= 'string' or p == '' or utf8_len(p) > 4096 then
-    return 'must be a non-empty string of at most 4096 characters'
+  if type(p) ~= 'string' or p == '' or utf8_len(p) > LIMITS.max_ref_path_chars then
+    return MESSAGES.ref_path
   end
-  if string.find(p, '\0', 1, true) then return 'must not contain NUL' end
-  if string.find(p, '\\', 1, true) then return 'must not contain a backslash' end
-  if string.sub(p, 1, 1) == '/' then return 'must be relative (no leading /)' end
+  if string.find(p, '\0', 1, true) then return MESSAGES.path_nul end
+  if string.find(p, '\\', 1, true) then return MESSAGES.path_backslash end
+  if string.sub(p, 1, 1) == '/' then return MESSAGES.path_absolute end
   for seg in string.gmatch(p, '[^/]+') do
-    if seg == '..' then return "must not have a '..' segment" end
+    if seg == '..' then return MESSAGES.path_dotdot end
   end
   return nil
+end
+local function bounded_str(x, max_len)
+  return type(x) == 'string' and utf8_len(x) <= max_len
 end
 local blobs = {}
 local blob_order = {}  -- first use first: a missing blob is named by its first item
 for i, item in ipairs(items) do
   local at = 'items[' .. (i - 1) .. ']'
+  local function refuse(field, message)
+    return redis.error_reply(at .. field .. ': ' .. message)
+  end
   if type(item) ~= 'table' or is_array(item) and #item > 0 then
-    return redis.error_reply(at .. ': must be an object')
+    return refuse('', MESSAGES.not_object)
   end
-  for k in pairs(item) do
-    if type(k) ~= 'string' or not item_fields[k] then
-      return redis.error_reply(at .. ': unknown field ' .. tostring(k))
-    end
+  unknown = unknown_fields(item, item_fields)
+  if unknown then return refuse('', unknown) end
+  if not one_of(LIMITS.item_kinds, item.kind) then
+    return refuse('.kind', MESSAGES.kind)
   end
-  if item.kind ~= 'image' and item.kind ~= 'pdf' and item.kind ~= 'tiff' and
-      item.kind ~= 'text' then
-    return redis.error_reply(at .. '.kind: must be one of image, pdf, tiff, text')
-  end
-  if item.kind == 'text' then
-    -- A text item (constants.TEXT_KIND) has no input: the prompt is all it gives the model.
+  if item.kind == LIMITS.text_kind then
+    -- A text item has no input: the prompt is all it gives the model.
     for _, k in ipairs({'blob', 'ref', 'sha256', 'size', 'page'}) do
-      if item[k] ~= nil and item[k] ~= cjson.null then
-        return redis.error_reply(at .. '.' .. k .. ': is not allowed on a text item (it ' ..
-          'has no input: the prompt is all)')
-      end
-    end
-    if payload.task ~= 'generate' and payload.task ~= 'extract' then
-      return redis.error_reply(at .. '.kind: text is for tasks generate, extract: ' ..
-        payload.task .. ' reads an image')
+      if given_field(item[k]) then return refuse('.' .. k, MESSAGES.text_input) end
     end
   elseif item.ref ~= nil then
     -- A reference: read by the worker from its own store, so no blob to look up.
-    if item.blob ~= nil then
-      return redis.error_reply(at .. ': has both blob and ref; give exactly one')
-    end
+    if item.blob ~= nil then return refuse('', MESSAGES.blob_and_ref) end
     local ref = item.ref
-    if type(ref) ~= 'table' or (#ref > 0) then
-      return redis.error_reply(at .. '.ref: must be an object {"store", "path"}')
-    end
-    for k in pairs(ref) do
-      if k ~= 'store' and k ~= 'path' then
-        return redis.error_reply(at .. '.ref: unknown field ' .. tostring(k))
-      end
-    end
-    if type(ref.store) ~= 'string' or #ref.store > 64 or
+    if type(ref) ~= 'table' or (#ref > 0) then return refuse('.ref', MESSAGES.ref_object) end
+    unknown = unknown_fields(ref, ref_fields)
+    if unknown then return refuse('.ref', unknown) end
+    if type(ref.store) ~= 'string' or #ref.store > LIMITS.store_chars or
         not string.match(ref.store, '^[%w_.-]+$') then
-      return redis.error_reply(at .. '.ref.store: must match [A-Za-z0-9_.-]{1,64}')
+      return refuse('.ref.store', MESSAGES.store)
     end
     local problem = ref_path_problem(ref.path)
-    if problem then return redis.error_reply(at .. '.ref.path: ' .. problem) end
-    if not is_sha256(item.sha256) then
-      return redis.error_reply(at .. '.sha256: must be a lowercase hex sha256 (64 characters)')
+    if problem then return refuse('.ref.path', problem) end
+    if item.size == nil then return refuse('.size', MESSAGES.size_missing) end
+    if not is_int(item.size, 1, LIMITS.max_ref_size) then
+      return refuse('.size', MESSAGES.size)
     end
-    if not is_int(item.size, 1, 9007199254740991) then
-      return redis.error_reply(at .. '.size: must be a whole number of bytes, at least 1')
-    end
+    if not is_sha256(item.sha256) then return refuse('.sha256', MESSAGES.sha256) end
   else
     if item.sha256 ~= nil or item.size ~= nil then
-      return redis.error_reply(at .. '.' .. (item.sha256 ~= nil and 'sha256' or 'size') ..
-        ': is only allowed with ref')
+      return refuse('.' .. (item.sha256 ~= nil and 'sha256' or 'size'), MESSAGES.only_with_ref)
     end
-    if not is_sha256(item.blob) then
-      return redis.error_reply(at .. '.blob: must be a lowercase hex sha256 (64 characters)')
-    end
+    if not is_sha256(item.blob) then return refuse('.blob', MESSAGES.sha256) end
     if not blobs[item.blob] then
       blobs[item.blob] = at
       blob_order[#blob_order + 1] = item.blob
     end
   end
-  -- pdf and tiff are paged kinds (constants.PAGED_KINDS): one item per 1-based page.
-  if item.kind == 'pdf' or item.kind == 'tiff' then
-    if not is_int(item.page, 1, 1000000) then
-      return redis.error_reply(at .. '.page: must be an integer from 1 to 1000000 (1-based)')
+  -- Paged kinds (constants.PAGED_KINDS): one item per 1-based page.
+  if one_of(LIMITS.paged_kinds, item.kind) then
+    if not given_field(item.page) then
+      return refuse('.page', string.format(MESSAGES.page_missing, item.kind))
     end
-  elseif item.page ~= nil and item.page ~= cjson.null then
-    return redis.error_reply(at .. '.page: is only allowed on pdf and tiff items')
+    if not is_int(item.page, 1, LIMITS.max_pages) then return refuse('.page', MESSAGES.page) end
+  elseif given_field(item.page) then
+    return refuse('.page', MESSAGES.page_not_paged)
   end
-  if item.source ~= nil and (type(item.source) ~= 'string' or utf8_len(item.source) > 4096) then
-    return redis.error_reply(at .. '.source: must be a string of at most 4096 characters')
+  if item.source ~= nil and not bounded_str(item.source, LIMITS.max_source_chars) then
+    return refuse('.source', MESSAGES.source)
   end
-  if item.custom_id ~= nil and item.custom_id ~= cjson.null and
-      (type(item.custom_id) ~= 'string' or utf8_len(item.custom_id) > 256) then
-    return redis.error_reply(at .. '.custom_id: must be a string of at most 256 characters')
+  if given_field(item.custom_id) and not bounded_str(item.custom_id, LIMITS.max_custom_id_chars) then
+    return refuse('.custom_id', MESSAGES.custom_id)
   end
-  if item.prompt ~= nil and item.prompt ~= cjson.null then
+  if given_field(item.prompt) then
     local problem = check_setting(prompt_row, item.prompt)
-    if problem then return redis.error_reply(at .. '.prompt: ' .. problem) end
-    if item.prompt == '' then
-      return redis.error_reply(at .. ".prompt: must not be empty (leave it out to use " ..
-        "the job's prompt)")
+    if problem then return refuse('.prompt', problem) end
+    if item.prompt == '' then return refuse('.prompt', MESSAGES.prompt_empty) end
+  end
+end
+-- Text items (after every item's own checks, as shared/messages.py): only tasks that take
+-- a prompt run them.
+if not one_of(LIMITS.text_tasks, payload.task) then
+  for i, item in ipairs(items) do
+    if item.kind == LIMITS.text_kind then
+      return redis.error_reply('items[' .. (i - 1) .. '].kind: ' ..
+        string.format(MESSAGES.text_task, payload.task))
     end
   end
 end
@@ -508,9 +641,10 @@ for _, sha in ipairs(blob_order) do
   end
   -- As shared/blobs.py's upload check (BLOB_MAX_BYTES): the worker reads a blob whole.
   local size = redis.call('STRLEN', key)
-  if size > 67108864 then
+  if size > LIMITS.max_blob_bytes then
     return redis.error_reply(at .. '.blob: ' .. key .. ' holds ' .. size ..
-      ' bytes, over the 67108864-byte (64 MiB) limit for a blob')
+      ' bytes, over the ' .. LIMITS.max_blob_bytes .. '-byte (' ..
+      LIMITS.max_blob_bytes / UNITS.mib .. ' MiB) limit for a blob')
   end
 end
 
@@ -562,7 +696,7 @@ local function given(name)
     if s.name == name then return s.default end
   end
 end
-local hold_ms = given('blob_ttl') * 1000
+local hold_ms = given('blob_ttl') * UNITS.ms_per_s
 local keep = string.format('%d', given('keep_inputs'))
 local inputs = KEY.job_inputs(prefix, ARGV[1])
 for sha in pairs(blobs) do
@@ -582,14 +716,17 @@ do
   local y, mo, d, h, mi, sec, frac = string.match(ARGV[8],
     '^(%d+)%-(%d+)%-(%d+)T(%d+):(%d+):(%d+)%.(%d+)Z$')
   y, mo, d = tonumber(y), tonumber(mo), tonumber(d)
-  if mo <= 2 then y = y - 1 end  -- days from the civil date (H. Hinnant's algorithm)
-  local era = math.floor(y / 400)
-  local yoe = y - era * 400
-  local doy = math.floor((153 * ((mo + 9) % 12) + 2) / 5) + d - 1
-  local days = era * 146097 + yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + doy
-    - 719468
-  local us = (((days * 24 + tonumber(h)) * 60 + tonumber(mi)) * 60 + tonumber(sec)) * 1000000
-    + tonumber(frac .. string.rep('0', 6 - #frac))
+  local K = CALENDAR  -- days from the civil date (H. Hinnant's algorithm)
+  if mo <= K.leap_month then y = y - 1 end
+  local era = math.floor(y / K.era_years)
+  local yoe = y - era * K.era_years
+  local doy = math.floor((K.month_days_num * ((mo + K.march_shift) % K.months) +
+    K.month_days_round) / K.month_days_den) + d - 1
+  local days = era * K.era_days + yoe * K.year_days + math.floor(yoe / K.leap_every) -
+    math.floor(yoe / K.century) + doy - K.epoch_shift
+  local us = (((days * UNITS.h_per_day + tonumber(h)) * UNITS.min_per_h + tonumber(mi)) *
+    UNITS.s_per_min + tonumber(sec)) * UNITS.us_per_s +
+    tonumber(frac .. string.rep('0', UNITS.fraction_digits - #frac))
   local score = string.format('%d', us)
   local labels = payload.labels
   if type(labels) ~= 'table' then labels = {} end
@@ -601,7 +738,7 @@ do
   local meta = cjson.encode({task = payload.task, items = #items, queue = ARGV[2],
     labels = labels})
   redis.call('HSET', KEY.jobs_meta(prefix), ARGV[1],
-    string.sub(meta, 1, -2) .. ',"created":' .. score .. '}')
+    string.sub(meta, 1, #meta - 1) .. ',"created":' .. score .. '}')
   redis.call('HSET', KEYS[1], 'vlmq_items', #items)
   -- Running counts (PROTOCOL.md 8b): the job is counted queued in its queue's, each of
   -- its labels' and its batch's counts, so status reads a count, never every job.

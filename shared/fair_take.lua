@@ -20,8 +20,48 @@ local KEY = {}
 function KEY.fair_jobs(prefix, queue, batch_id) return prefix .. ':fair:' .. queue .. ':batch:' .. batch_id end
 function KEY.rq_job(job_id) return 'rq:job:' .. job_id end
 -- END KEYS
--- BEGIN LIMITS: generated from vlmq/shared/constants.py by `python -m vlmq.shared.lua --write`; do not edit by hand.
-local LIMITS = {max_queues = 64, ended_events_s = 60, moved_data = "[\"vlmq.worker.task.run\",null,[],{}]", fair_field = "vlmq_fair", loose_share = "", tenant_label = "tenant", tenant_share = "tenant:", items_field = "vlmq_items", max_items = 10000}
+-- BEGIN LIMITS: generated from vlmq/shared/constants.py, keys.py and messages.py by `python -m vlmq.shared.lua --write`; do not edit by hand.
+local LIMITS = {
+  max_queues = 64,
+  ended_events_s = 60,
+  events_maxlen = 10000,
+  moved_data = "[\"vlmq.worker.task.run\",null,[],{}]",
+  fair_field = "vlmq_fair",
+  loose_share = "",
+  tenant_label = "tenant",
+  tenant_share = "tenant:",
+  items_field = "vlmq_items",
+  max_items = 10000,
+  version = 1,
+  task_func = "vlmq.worker.task.run",
+  tasks = {"ocr", "caption", "generate", "extract"},
+  item_kinds = {"image", "pdf", "tiff", "text"},
+  text_kind = "text",
+  text_tasks = {"generate", "extract"},
+  schema_task = "extract",
+  prompt_task = "generate",
+  paged_kinds = {"pdf", "tiff"},
+  max_pages = 1000000,
+  max_retries = 10,
+  max_description_chars = 16384,
+  max_source_chars = 4096,
+  max_custom_id_chars = 256,
+  max_blob_bytes = 67108864,
+  job_id_chars = 128,
+  job_id_shape = "[A-Za-z0-9_-]{1,128}",
+  queue_chars = 64,
+  queue_shape = "[A-Za-z0-9_.-]{1,64}",
+  sha256_chars = 64,
+  store_chars = 64,
+  max_ref_path_chars = 4096,
+  max_ref_size = 9007199254740991,
+  fair_stale_drops = 16,
+  fair_pops_per_job = 4,
+  fair_pops_floor = 64,
+  rcache_field_overhead = 8,
+  rcache_evict_rounds = 64,
+  rcache_evict_max = 1000,
+}
 -- END LIMITS
 local queue_key, intermediate, ring, clock_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local prefix, queue = ARGV[1], ARGV[2]
@@ -74,7 +114,7 @@ local function awaits_turn(id)
   local batch = listed(id)
   if not batch then return false end
   local list = KEY.fair_jobs(prefix, queue, batch)
-  for _ = 1, 16 do
+  for _ = 1, LIMITS.fair_stale_drops do
     local first = try('LINDEX', list, 0)
     if first == id then return true end
     if not first or listed(first) then return false end
@@ -107,7 +147,7 @@ end
 -- 2. Fair turns.
 local clock = tonumber(redis.call('GET', clock_key)) or 0
 local moved_clock = false
-local pops, max_pops = 0, 4 * want + 64
+local pops, max_pops = 0, LIMITS.fair_pops_per_job * want + LIMITS.fair_pops_floor
 while #out - 1 < want and pops < max_pops do
   local first = redis.call('ZRANGE', ring, 0, 0, 'WITHSCORES')
   if #first == 0 then break end

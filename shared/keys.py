@@ -381,7 +381,7 @@ class Keys:
 
     def job_risk(self, job_id: str) -> str:
         """Hash: item index -> "<worker>|<step>|<unix time>" while that item is in a step
-        that could kill its worker (worker/intake/poison.py); left behind if it did."""
+        that could kill its worker (worker/jobs/poison.py); left behind if it did."""
         return _name("job_risk", self.prefix, job_id=job_id)
 
     def job_kills(self, job_id: str) -> str:

@@ -24,11 +24,59 @@ def utc_now_iso() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def pattern_max_chars(pattern: re.Pattern[str]) -> int:
+    """The longest a whole-string pattern `[...]{N}` or `[...]{1,N}` takes: its N, so a
+    message or a Lua script states the pattern's own bound."""
+    found = re.fullmatch(r"\[[^\]]+\]\{(\d+)(?:,(\d+))?\}", pattern.pattern)
+    if found is None:
+        raise ValueError(f"not a bounded character-class pattern: {pattern.pattern}")
+    return int(found[2] or found[1])
+
+
 # A store name (stores/backends.py): the same pattern in enqueue.lua.
 STORE_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MAX_REF_PATH_CHARS = 4096
 # Sizes are JSON numbers: every other language reads them exactly up to 2**53.
 MAX_REF_SIZE = 2**53 - 1
+# Each payload rule's refusal, worded once: parse_payload raises it and enqueue.lua returns
+# it (its generated MESSAGES block), so every language is refused in the same words. A `%s`
+# takes what the comment names (Python's `%`, Lua's string.format).
+PAYLOAD_MESSAGES: dict[str, str] = {
+    # the value given, as Python's repr writes it
+    "version": f"unsupported protocol version %s; vlmq speaks v{C.PROTOCOL_VERSION}",
+    "task": "must be one of " + ", ".join(C.TASKS),
+    "items": "must be a non-empty list",
+    "max_items": f"has more than {C.MAX_ITEMS_PER_JOB} entries",
+    "prompt_required": f"is required for task {C.PROMPT_TASK}",
+    "not_object": "must be an object",
+    "unknown_fields": "unknown field(s) %s",  # the sorted names, as a Python list
+    "kind": "must be one of " + ", ".join(C.ITEM_KINDS),
+    "text_input": "is not allowed on a text item (it has no input: the prompt is all)",
+    "text_task": "text is for tasks " + ", ".join(C.TEXT_TASKS) + ": %s reads an image",
+    "blob_and_ref": "has both blob and ref; give exactly one",
+    "ref_object": 'must be an object {"store", "path"}',
+    "store": "must match " + STORE_NAME_RE.pattern,
+    "ref_path": f"must be a non-empty string of at most {MAX_REF_PATH_CHARS} characters",
+    "size_missing": "is required with ref (the input's bytes)",
+    "size": f"must be a whole number of bytes from 1 to {MAX_REF_SIZE}",
+    "sha256": f"must be a lowercase hex sha256 ({pattern_max_chars(SHA256_RE)} characters)",
+    "only_with_ref": "is only allowed with ref",
+    "page_missing": "is required for a %s item (1-based)",  # the item's kind
+    "page": f"must be an integer from 1 to {C.MAX_TIFF_PAGES} (1-based)",
+    "page_not_paged": "is only allowed on " + " and ".join(C.PAGED_KINDS) + " items",
+    "source": f"must be a string of at most {C.MAX_SOURCE_CHARS} characters",
+    "custom_id": f"must be a string of at most {C.MAX_CUSTOM_ID_CHARS} characters",
+    "prompt_empty": "must not be empty (leave it out to use the job's prompt)",
+}
+# Why a store path would leave its store, each worded once: the worker refuses by these
+# (stores/backends.py ref_path_problem) and enqueue.lua refuses the same at enqueue.
+REF_PATH_PROBLEMS: dict[str, str] = {
+    "empty": "is empty",
+    "nul": "contains a NUL character",
+    "backslash": "contains a backslash (paths in a store use /)",
+    "absolute": "is absolute (paths in a store are relative to it)",
+    "dotdot": "has a '..' segment (it would leave the store)",
+}
 # A text item's content hash: that of no bytes.
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
@@ -297,17 +345,30 @@ SUMMARY_LEFT_OUT_AT_0 = ("prefix_hits", "prefix_tokens_skipped")
 # --- validation -------------------------------------------------------------------------
 
 
-def _int(value: Any, path: str, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise PayloadError(path, f"must be an integer, got {type(value).__name__}")
-    if not lo <= value <= hi:
-        raise PayloadError(path, f"must be between {lo} and {hi}, got {value}")
+def _whole(value: Any, path: str, hi: int, message: str) -> int:
+    """An integer from 1 to `hi`, refused in PAYLOAD_MESSAGES[message]'s words."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
+        raise PayloadError(path, PAYLOAD_MESSAGES[message])
     return value
+
+
+def _bounded_str(value: Any, path: str, max_len: int, message: str, *,
+                 empty: bool = True) -> str:
+    """A string of at most `max_len` characters (non-empty unless `empty`), refused in
+    PAYLOAD_MESSAGES[message]'s words."""
+    if not isinstance(value, str) or len(value) > max_len or (not empty and not value):
+        raise PayloadError(path, PAYLOAD_MESSAGES[message])
+    return S.check_text(value, path)
+
+
+def unknown_fields(given: Mapping[str, Any], allowed: frozenset[str]) -> str:
+    """The refusal naming the fields of `given` that `allowed` lacks."""
+    return PAYLOAD_MESSAGES["unknown_fields"] % sorted(set(given) - allowed)
 
 
 def _sha256(value: Any, path: str) -> str:
     if not isinstance(value, str) or not SHA256_RE.fullmatch(value):
-        raise PayloadError(path, "must be a lowercase hex sha256 (64 characters)")
+        raise PayloadError(path, PAYLOAD_MESSAGES["sha256"])
     return value
 
 
@@ -316,23 +377,20 @@ def _parse_ref(raw: Mapping[str, Any], path: str) -> tuple[Ref, str, int]:
     check when it reads the item (stores/backends.py), so a bad reference fails that item
     alone, not the job."""
     if "blob" in raw:
-        raise PayloadError(path, "has both blob and ref; give exactly one")
+        raise PayloadError(path, PAYLOAD_MESSAGES["blob_and_ref"])
     ref = raw["ref"]
     if type(ref) is not dict and not isinstance(ref, Mapping):
-        raise PayloadError(f"{path}.ref", f"must be an object, got {type(ref).__name__}")
+        raise PayloadError(f"{path}.ref", PAYLOAD_MESSAGES["ref_object"])
     if not _REF_FIELDS.issuperset(ref):
-        unknown = set(ref) - _REF_FIELDS
-        raise PayloadError(f"{path}.ref", f"unknown field(s) {sorted(unknown)}")
+        raise PayloadError(f"{path}.ref", unknown_fields(ref, _REF_FIELDS))
     store = ref.get("store")
     if not isinstance(store, str) or not STORE_NAME_RE.fullmatch(store):
-        raise PayloadError(f"{path}.ref.store", "must match [A-Za-z0-9_.-]{1,64}")
-    rel = ref.get("path")
-    if not isinstance(rel, str) or not rel:
-        raise PayloadError(f"{path}.ref.path", "must be a non-empty string")
-    rel = S.check_str(rel, f"{path}.ref.path", MAX_REF_PATH_CHARS)
+        raise PayloadError(f"{path}.ref.store", PAYLOAD_MESSAGES["store"])
+    rel = _bounded_str(ref.get("path"), f"{path}.ref.path", MAX_REF_PATH_CHARS, "ref_path",
+                       empty=False)
     if "size" not in raw:
-        raise PayloadError(f"{path}.size", "is required with ref (the input's bytes)")
-    size = _int(raw["size"], f"{path}.size", 1, MAX_REF_SIZE)
+        raise PayloadError(f"{path}.size", PAYLOAD_MESSAGES["size_missing"])
+    size = _whole(raw["size"], f"{path}.size", MAX_REF_SIZE, "size")
     return Ref(store=store, path=rel), _sha256(raw.get("sha256"), f"{path}.sha256"), size
 
 
@@ -346,13 +404,12 @@ _REF_FIELDS = frozenset({"store", "path"})
 
 def _parse_item(raw: Any, path: str) -> Item:
     if type(raw) is not dict and not isinstance(raw, Mapping):
-        raise PayloadError(path, f"must be an object, got {type(raw).__name__}")
+        raise PayloadError(path, PAYLOAD_MESSAGES["not_object"])
     if not _ITEM_FIELDS.issuperset(raw):
-        unknown = set(raw) - _ITEM_FIELDS
-        raise PayloadError(path, f"unknown field(s) {sorted(unknown)}")
+        raise PayloadError(path, unknown_fields(raw, _ITEM_FIELDS))
     kind = raw.get("kind")
     if kind not in C.ITEM_KINDS:
-        raise PayloadError(f"{path}.kind", f"must be one of {list(C.ITEM_KINDS)}, got {kind!r}")
+        raise PayloadError(f"{path}.kind", PAYLOAD_MESSAGES["kind"])
     if kind == C.TEXT_KIND:
         return _text_item(raw, path)
     blob: str | None = None
@@ -365,20 +422,17 @@ def _parse_item(raw: Any, path: str) -> Item:
     else:
         for name in ("sha256", "size"):
             if name in raw:
-                raise PayloadError(f"{path}.{name}", "is only allowed with ref")
+                raise PayloadError(f"{path}.{name}", PAYLOAD_MESSAGES["only_with_ref"])
         blob = _sha256(raw.get("blob"), f"{path}.blob")
         default_source = blob[:12]
-    source = S.check_str(raw.get("source", default_source), f"{path}.source", 4096)
     page: int | None = None
     if kind in C.PAGED_KINDS:
-        if "page" not in raw:
-            raise PayloadError(f"{path}.page", f"is required for a {kind} item (1-based)")
-        page = _int(raw["page"], f"{path}.page", 1, 1_000_000)
+        if raw.get("page") is None:
+            raise PayloadError(f"{path}.page", PAYLOAD_MESSAGES["page_missing"] % kind)
+        page = _whole(raw["page"], f"{path}.page", C.MAX_TIFF_PAGES, "page")
     elif raw.get("page") is not None:
-        raise PayloadError(f"{path}.page", "is only allowed on pdf and tiff items")
-    custom_id = raw.get("custom_id")
-    if custom_id is not None:
-        custom_id = S.check_str(custom_id, f"{path}.custom_id", C.MAX_CUSTOM_ID_CHARS)
+        raise PayloadError(f"{path}.page", PAYLOAD_MESSAGES["page_not_paged"])
+    source, custom_id = _source_and_id(raw, path, default_source)
     return Item(kind=kind, blob=blob, source=source, page=page, custom_id=custom_id,
                 ref=ref, size=size, ref_sha256=sha, prompt=_item_prompt(raw, path))
 
@@ -391,21 +445,28 @@ def _item_prompt(raw: Mapping[str, Any], path: str) -> str | None:
         return None
     prompt: str | None = S.BY_NAME["prompt"].check(value, f"{path}.prompt")
     if not prompt:
-        raise PayloadError(f"{path}.prompt", "must not be empty (leave it out to use the "
-                                             "job's prompt)")
+        raise PayloadError(f"{path}.prompt", PAYLOAD_MESSAGES["prompt_empty"])
     return prompt
+
+
+def _source_and_id(raw: Mapping[str, Any], path: str, default_source: str
+                   ) -> tuple[str, str | None]:
+    """An item's source (`default_source` when it has none) and its custom_id, if any."""
+    source = _bounded_str(raw.get("source", default_source), f"{path}.source",
+                          C.MAX_SOURCE_CHARS, "source")
+    custom_id = raw.get("custom_id")
+    if custom_id is not None:
+        custom_id = _bounded_str(custom_id, f"{path}.custom_id", C.MAX_CUSTOM_ID_CHARS,
+                                 "custom_id")
+    return source, custom_id
 
 
 def _text_item(raw: Mapping[str, Any], path: str) -> Item:
     """A text item: nothing to read, so none of an input's fields."""
     for name in ("blob", "ref", "sha256", "size", "page"):
         if raw.get(name) is not None:
-            raise PayloadError(f"{path}.{name}", "is not allowed on a text item (it has no "
-                                                 "input: the prompt is all)")
-    source = S.check_str(raw.get("source", C.TEXT_KIND), f"{path}.source", 4096)
-    custom_id = raw.get("custom_id")
-    if custom_id is not None:
-        custom_id = S.check_str(custom_id, f"{path}.custom_id", C.MAX_CUSTOM_ID_CHARS)
+            raise PayloadError(f"{path}.{name}", PAYLOAD_MESSAGES["text_input"])
+    source, custom_id = _source_and_id(raw, path, C.TEXT_KIND)
     return Item(kind=C.TEXT_KIND, blob=None, source=source, custom_id=custom_id,
                 prompt=_item_prompt(raw, path))
 
@@ -416,50 +477,46 @@ def _check_text_items(task: str, items: tuple[Item, ...]) -> None:
         return
     for i, item in enumerate(items):
         if item.kind == C.TEXT_KIND:
-            raise PayloadError(f"items[{i}].kind", f"text is for tasks "
-                                                   f"{', '.join(C.TEXT_TASKS)}: {task} "
-                                                   "reads an image")
+            raise PayloadError(f"items[{i}].kind", PAYLOAD_MESSAGES["text_task"] % task)
 
 
 def _check_fields(raw: Mapping[str, Any]) -> None:
     """Unknown fields are refused, not ignored: a misspelt setting must not silently run
     with the default."""
     allowed = S.WIRE_FIELDS
-    unknown = set(raw) - set(allowed)
-    if unknown:
-        raise PayloadError("payload", f"unknown field(s) {sorted(unknown)}")
+    if not allowed.keys() >= raw.keys():
+        raise PayloadError("payload", unknown_fields(raw, frozenset(allowed)))
     for name, inner in allowed.items():
         value = raw.get(name)
         if not inner or value is None:
             continue
         if not isinstance(value, Mapping):
-            raise PayloadError(name, f"must be an object, got {type(value).__name__}")
-        extra = set(value) - inner
-        if extra:
-            raise PayloadError(name, f"unknown field(s) {sorted(extra)}")
+            raise PayloadError(name, PAYLOAD_MESSAGES["not_object"])
+        if not inner >= value.keys():
+            raise PayloadError(name, unknown_fields(value, frozenset(inner)))
 
 
 def parse_payload(raw: Any) -> JobPayload:
     """Turn decoded JSON into a JobPayload, or raise one PayloadError naming the field."""
     if not isinstance(raw, Mapping):
         raise PayloadError("payload", f"must be a JSON object, got {type(raw).__name__}")
-    if raw.get("v") != C.PROTOCOL_VERSION:
-        raise PayloadError("v", f"unsupported protocol version {raw.get('v')!r}; "
-                                f"this worker speaks v{C.PROTOCOL_VERSION}")
+    version = raw.get("v")
+    if version != C.PROTOCOL_VERSION or isinstance(version, bool):
+        raise PayloadError("v", PAYLOAD_MESSAGES["version"] % repr(version))
     _check_fields(raw)
     task = raw.get("task")
     if task not in C.TASKS:
-        raise PayloadError("task", f"must be one of {list(C.TASKS)}, got {task!r}")
+        raise PayloadError("task", PAYLOAD_MESSAGES["task"])
     items_raw = raw.get("items")
     if not isinstance(items_raw, list) or not items_raw:
-        raise PayloadError("items", "must be a non-empty list")
+        raise PayloadError("items", PAYLOAD_MESSAGES["items"])
     if len(items_raw) > C.MAX_ITEMS_PER_JOB:
-        raise PayloadError("items", f"has more than {C.MAX_ITEMS_PER_JOB} entries")
+        raise PayloadError("items", PAYLOAD_MESSAGES["max_items"])
     items = tuple(_parse_item(it, f"items[{i}]") for i, it in enumerate(items_raw))
     settings = S.values_from_wire(raw)
     json_schema.check_task(task, settings.get("schema"))  # extract needs one; others none
-    if task == "generate" and not settings.get("prompt"):
-        raise PayloadError("prompt", "is required for task 'generate'")
+    if task == C.PROMPT_TASK and not settings.get("prompt"):
+        raise PayloadError("prompt", PAYLOAD_MESSAGES["prompt_required"])
     _check_text_items(task, items)
     created_at = S.check_str(raw.get("created_at") or utc_now_iso(), "created_at", 64)
     return JobPayload(task=task, items=items, settings=settings, created_at=created_at)

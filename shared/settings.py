@@ -1,7 +1,7 @@
 """Every job setting, defined once: name, wire path, type, range, default, CLI flag, help.
 
 The CLI flags of every command that takes job settings, `JobOptions`, payload parsing, the
-manifest and schedule fields, the worker's JobSettings (worker/intake/job_settings.py), the
+manifest and schedule fields, the worker's JobSettings (worker/job_settings.py), the
 range checks and defaults in enqueue.lua and PROTOCOL.md's settings table all follow from
 SETTINGS, so a new setting is one row here plus the worker code that uses it. enqueue.lua
 carries a generated copy of the table (`python -m vlmq.shared.lua --write`, which
@@ -365,6 +365,7 @@ def values_to_wire(values: Mapping[str, Any]) -> dict[str, Any]:
 
 LUA_BEGIN = "-- BEGIN SETTINGS"
 LUA_END = "-- END SETTINGS"
+LUA_MARKERS = (LUA_BEGIN, LUA_END)
 
 
 def _lua_literal(value: Any) -> str:

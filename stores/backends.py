@@ -38,7 +38,7 @@ from urllib.parse import unquote, urlsplit
 
 from vlmq.shared import constants as C
 from vlmq.shared.errors import VlmqError
-from vlmq.shared.messages import STORE_NAME_RE, Item, Ref
+from vlmq.shared.messages import REF_PATH_PROBLEMS, STORE_NAME_RE, Item, Ref
 from vlmq.shared.urls import redact_text
 
 log = logging.getLogger("vlmq.stores")
@@ -102,15 +102,15 @@ class StoreMissing(StoreError):
 def ref_path_problem(path: str) -> str | None:
     """Why `path` cannot name a file inside a store, or None when it can."""
     if not path:
-        return "is empty"
+        return REF_PATH_PROBLEMS["empty"]
     if "\0" in path:
-        return "contains a NUL character"
+        return REF_PATH_PROBLEMS["nul"]
     if "\\" in path:
-        return "contains a backslash (paths in a store use /)"
+        return REF_PATH_PROBLEMS["backslash"]
     if path.startswith("/"):
-        return "is absolute (paths in a store are relative to it)"
+        return REF_PATH_PROBLEMS["absolute"]
     if ".." in path.split("/"):
-        return "has a '..' segment (it would leave the store)"
+        return REF_PATH_PROBLEMS["dotdot"]
     return None
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Protocol, cast
 
 from vlmq.worker.engine.batcher import Finished
-from vlmq.worker.engine.item_order import ItemOrder
 from vlmq.worker.events import (
     Answered,
     Event,
@@ -22,7 +21,8 @@ from vlmq.worker.events import (
     PrepFailed,
     PrepRetry,
 )
-from vlmq.worker.intake.running import Running
+from vlmq.worker.item_order import ItemOrder
+from vlmq.worker.jobs.running import Running
 from vlmq.worker.prep.fallback import Fallback, model_failed
 from vlmq.worker.results.writer import ResultWriter
 

@@ -1,6 +1,6 @@
-"""The worker's main loop, by phase: intake -> prep -> engine -> results.
+"""The worker's main loop, by phase: jobs taken -> prep -> engine -> results.
 
-Each turn takes jobs while there is room (worker/intake/job_start.py over worker/intake/taking.py),
+Each turn takes jobs while there is room (worker/job_start.py over worker/jobs/taking.py),
 feeds the prep window (worker/prep/stage.py), collects what came back (worker/collect.py:
 engine answers and the pool threads' events, one typed queue, one dispatch, the text-layer
 fallback beside it in worker/prep/fallback.py), and keeps the clock's duties (worker/upkeep.py).
@@ -9,6 +9,26 @@ Threads: this (main) thread owns Redis and RQ bookkeeping; a small CPU pool fetc
 decodes, renders and tokenizes; the engine's thread owns every MLX call. The main
 thread never touches MLX and the MLX thread never touches Redis. With --metrics-port, an
 HTTP thread (worker/metrics.py) reads counters, and touches neither.
+
+The phases are layers, imported in one direction only, top to bottom
+(tests/worker/test_phase_layers.py holds the table and fails on any import against it):
+  orchestration  loop, collect, upkeep, metrics, job_start, redis_server: they join the
+                 phases, so they may import all of them.
+  results/       the writer and the result cache. Writing a job's last result ends the job
+                 (through jobs/), and a cache key names the preprocessing (prep/).
+  prep/          turns a job's items into engine requests: it reads the job's in-memory
+                 state and poison records (jobs/) and builds requests for the engine.
+  jobs/          the RQ lifecycle, start to end: taking, running, fencing, heartbeats,
+                 queue guard, poison, job_end. It knows RQ and Redis, never how an item is
+                 prepared or answered, so every phase above may hold a Running.
+  common         beside this file: config, options, events, stats, task, default_dirs,
+                 job_settings, item_order. What every phase reads; built on the engine's
+                 types (Finished, EngineState, the repetition guard, the batch floor) and
+                 the model's defaults, and on nothing above.
+  engine/        the MLX thread's batcher and `vlmq model check`: it takes requests and
+                 gives back tokens, knowing nothing of jobs or Redis.
+  model/         the bottom: mlx-vlm calls, the families, BLAS, defaults, the tiny builder,
+                 the reader. It imports no other worker module.
 """
 
 from __future__ import annotations
@@ -37,19 +57,19 @@ from vlmq.shared.urls import redact_url
 from vlmq.worker.collect import Collector
 from vlmq.worker.config import WorkerConfig
 from vlmq.worker.engine.batcher import Engine, EngineError, EngineInfo
-from vlmq.worker.engine.item_order import ItemOrder
-from vlmq.worker.engine.mlx_adapter import (
+from vlmq.worker.events import EventQueue
+from vlmq.worker.item_order import ItemOrder
+from vlmq.worker.job_start import JobStarter
+from vlmq.worker.jobs.poison import RiskLog
+from vlmq.worker.jobs.rq_jobs import BatchWorker, JobLifecycle, Running
+from vlmq.worker.metrics import MetricsError, WorkerMetrics
+from vlmq.worker.model import blas
+from vlmq.worker.model.mlx_adapter import (
     ModelLoadError,
     check_local,
     family_of,
     quiet_library_noise,
 )
-from vlmq.worker.events import EventQueue
-from vlmq.worker.intake.job_start import JobStarter
-from vlmq.worker.intake.poison import RiskLog
-from vlmq.worker.intake.rq_jobs import BatchWorker, JobLifecycle, Running
-from vlmq.worker.metrics import MetricsError, WorkerMetrics
-from vlmq.worker.model import blas
 from vlmq.worker.options import default_name
 from vlmq.worker.prep.fallback import Fallback
 from vlmq.worker.prep.render_pool import RenderPool

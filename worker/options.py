@@ -40,7 +40,7 @@ DEFAULT_RESULT_CACHE_BYTES = 256 * 1024 * 1024
 DEFAULT_POISON_KILLS = 2
 MAX_DEFAULT_PREP_THREADS = 4  # --prep-threads when not given: the cores, at most this
 # --heartbeat-ttl when not given: RQ's job_monitoring_interval (30 s) + 60, what
-# BatchWorker takes then (worker/intake/running.py; a test holds the two together).
+# BatchWorker takes then (worker/jobs/running.py; a test holds the two together).
 DEFAULT_HEARTBEAT_TTL_S = 90
 # worker/model/blas.py's WORKER_THREADS_RULE, which a test holds this to: blas loads
 # ctypes and importlib.metadata, which `vlmq worker --help` need not.

@@ -15,9 +15,37 @@ from redis.typing import EncodableT, FieldT
 from vlmq.shared import fair
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult
-from vlmq.worker.prep import decode as P
 
 log = logging.getLogger("vlmq.worker")
+
+
+class Counters:
+    """Thread-safe work counters, so the worker and tests can prove a cache hit did no work.
+
+    Prep increments them (decode, the render pool and its child) and the stats read them:
+    they live here, below prep, so that reading them never imports a phase.
+    """
+
+    NAMES = ("image_decodes", "pdf_renders", "pdf_opens", "text_extracts")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._n = dict.fromkeys(self.NAMES, 0)
+
+    def incr(self, name: str) -> None:
+        with self._lock:
+            self._n[name] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._n)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._n = dict.fromkeys(self.NAMES, 0)
+
+
+COUNTERS = Counters()
 
 RATE_WINDOW_S = 30.0
 LOG_EVERY_S = 10.0
@@ -118,7 +146,7 @@ class WorkerStats:
         self.shares: list[fair.Share] = []
         self._samples: deque[tuple[float, int, int]] = deque()
         # Preprocessing counters are process-wide; report this worker's share only.
-        self._work_base = P.COUNTERS.snapshot()
+        self._work_base = COUNTERS.snapshot()
         self._next_log = time.monotonic() + LOG_EVERY_S
 
     def count_item(self, result: ItemResult, task: str = "") -> None:
@@ -163,7 +191,7 @@ class WorkerStats:
 
     def work_counts(self) -> dict[str, int]:
         """This worker's preprocessing counters (image decodes, PDF renders, ...)."""
-        return {k: v - self._work_base.get(k, 0) for k, v in P.COUNTERS.snapshot().items()}
+        return {k: v - self._work_base.get(k, 0) for k, v in COUNTERS.snapshot().items()}
 
     def observe_waiting(self, n: int) -> None:
         self.peak_waiting = max(self.peak_waiting, n)

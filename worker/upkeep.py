@@ -15,10 +15,10 @@ from rq.worker import WorkerStatus
 from vlmq.shared import fair, redis_checks
 from vlmq.shared.keys import Keys
 from vlmq.worker.engine.batcher import EngineState
-from vlmq.worker.engine.item_order import ItemOrder
 from vlmq.worker.events import Flight
-from vlmq.worker.intake.poison import RiskLog
-from vlmq.worker.intake.rq_jobs import JobLifecycle, Running
+from vlmq.worker.item_order import ItemOrder
+from vlmq.worker.jobs.poison import RiskLog
+from vlmq.worker.jobs.rq_jobs import JobLifecycle, Running
 from vlmq.worker.prep.vision_cache import VisionCache
 from vlmq.worker.results.writer import ResultWriter
 from vlmq.worker.stats import WorkerStats

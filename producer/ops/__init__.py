@@ -1,1 +1,2 @@
-"""Operating on jobs after enqueue: listing and cleanup, export, schedules, dashboard, metrics."""
+"""Operations on jobs after enqueue that a library caller may run too: export, output
+formats, stored schedules. They stand on the producer, which never imports them back."""

@@ -27,8 +27,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
+from vlmq.producer.export_ledger import MANIFEST_NAME, read_manifest_at
 from vlmq.producer.ops import output_formats as formats
-from vlmq.producer.ops.export_ledger import MANIFEST_NAME, read_manifest_at
 from vlmq.shared.errors import VlmqError
 from vlmq.shared.messages import ItemResult
 

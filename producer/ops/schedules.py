@@ -30,7 +30,6 @@ import logging
 import math
 import os
 import socket
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -65,7 +64,6 @@ from vlmq.stores.backends import Stores
 log = logging.getLogger("vlmq.scheduler")
 
 HISTORY = 50
-TICK_S = 0.5
 # Ends each known-file entry ("size:mtime:sha256:kind:pages:t2"): entries from before a
 # TIFF had pages lack it, and are read again once.
 ENTRY_MARK = "t2"
@@ -356,7 +354,7 @@ class ScheduleStore:
             try:
                 self.finish_pending(name)
                 run = self._fire_if_due(name, time.time() if now is None else now)
-            except RedisError:  # Redis's trouble is every schedule's: run_scheduler waits
+            except RedisError:  # Redis's trouble is every schedule's: the scheduler loop waits
                 raise
             except (VlmqError, OSError) as exc:  # one schedule's trouble stops no other
                 log.warning("schedule %s: %s", name, exc)
@@ -605,36 +603,3 @@ def _add_job_end(run: dict[str, Any], job_id: str, update: dict[str, Any]) -> No
         run["export_error"] = update["export_error"]
     if len(ended) == len(run["jobs"]):
         run["status"] = next((s for s in ended.values() if s != "finished"), "finished")
-
-
-def run_scheduler(redis_url: str, stop: threading.Event, *, tick_s: float = TICK_S,
-                  keys: Keys | None = None, stores: Stores | None = None) -> None:
-    """The scheduler loop (`vlmq scheduler`, or a thread of `vlmq worker --with-scheduler`):
-    Redis trouble is logged and waited out, never fatal. `stores` (default $VLMQ_STORES):
-    this machine's, which decide what its runs enqueue by reference."""
-    with Client(redis_url, stores=stores) as client:
-        if keys is not None:
-            client.keys = keys
-        store = ScheduleStore(client)
-        log.info("scheduler %s running", store.who)
-        while not stop.is_set():
-            try:
-                for run in store.tick():
-                    log.info("schedule run %s: job %s, %d items, %d skipped%s", run["id"],
-                             run.get("job_id"), run.get("items", 0), run.get("skipped", 0),
-                             f", missing {run['missing']}" if run.get("missing") else "")
-            except RedisError as exc:
-                log.warning("scheduler: Redis error (%s); retrying", exc)
-            stop.wait(tick_s)
-
-
-
-def start_scheduler_thread(redis_url: str, stores: Stores | None = None
-                           ) -> tuple[threading.Thread, threading.Event]:
-    """The scheduler loop beside a worker (`vlmq worker --with-scheduler`); set the event
-    to stop it."""
-    stop = threading.Event()
-    thread = threading.Thread(target=run_scheduler, args=(redis_url, stop), daemon=True,
-                              name="vlmq-scheduler", kwargs={"stores": stores})
-    thread.start()
-    return thread, stop

@@ -1,4 +1,4 @@
-"""One input's cost stays its own, through real workers (issue 25 part 2): real Redis, the
+"""One input's cost stays its own, through real workers: real Redis, the
 Python client, the tiny model, render processes.
 
 - a one-image job behind a job of a 20,000-page TIFF's last 2,000 pages finishes between

@@ -22,8 +22,8 @@ from PIL import Image
 
 from tests.support import helpers
 from tests.support.helpers import finish
-from vlmq.worker.engine import mlx_adapter as A
-from vlmq.worker.intake.job_settings import DEFAULT_IMAGE_MAX_SIDE
+from vlmq.worker.job_settings import DEFAULT_IMAGE_MAX_SIDE
+from vlmq.worker.model import mlx_adapter as A
 from vlmq.worker.model.defaults import resolve
 from vlmq.worker.prep import decode as P
 

@@ -23,7 +23,7 @@ from PIL import Image
 from tests.support import helpers
 from tests.support.helpers import finish, wait_for
 from vlmq.producer.client import Client
-from vlmq.worker.engine import mlx_adapter as A
+from vlmq.worker.model import mlx_adapter as A
 from vlmq.worker.model.defaults import resolve
 from vlmq.worker.prep import decode as P
 

@@ -1,4 +1,4 @@
-"""Redis Sentinel URLs, and a failover in the middle of a job (issue 16, §5).
+"""Redis Sentinel URLs, and a failover in the middle of a job.
 
 The end-to-end test runs Debian's real redis-sentinel beside a master and a replica on free
 127.0.0.1 ports; `SENTINEL FAILOVER` promotes the replica while a real worker runs a job.

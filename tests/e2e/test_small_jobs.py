@@ -27,7 +27,7 @@ from tests.support.helpers import (
 from vlmq.producer.client import Client
 from vlmq.shared import results as R
 from vlmq.shared.keys import Keys
-from vlmq.worker.intake.rq_jobs import Refused, Running
+from vlmq.worker.jobs.rq_jobs import Refused, Running
 from vlmq.worker.prep.render_pool import RenderPool
 
 pytestmark = pytest.mark.slow

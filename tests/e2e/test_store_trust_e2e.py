@@ -1,10 +1,10 @@
-"""Issue 29 rows 9, 10 and 14 through a real worker, a folder store and a real S3 API
+"""Hostile references through a real worker, a folder store and a real S3 API
 (moto's standalone server on 127.0.0.1):
 
-9: refs with a wrong sha, a wrong size, a missing file, a symlink out, a directory, sent
+- refs with a wrong sha, a wrong size, a missing file, a symlink out, a directory, sent
 through enqueue.lua, fail with errors that reveal the same about each: nothing.
-10: an AWS_ENDPOINT_URL with credentials in it never reaches a stored item error.
-14: no cache (result, vision) answers for a reference before it is verified.
+- an AWS_ENDPOINT_URL with credentials in it never reaches a stored item error.
+- no cache (result, vision) answers for a reference before it is verified.
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ def test_references_that_leave_the_store_fail_alone_and_open_nothing(world: Worl
         lua_results = _results(client, lua_id)
         raw_results = _results(client, raw_id)
     assert [r.error is None for r in lua_results] == [False, False, False, True]
-    # One answer for a link out, a missing file, a FIFO (issue 29 row 9): no map of the store.
+    # One answer for a link out, a missing file, a FIFO: no map of the store.
     assert "trap-link.pdf: the referenced file is missing or unreadable" \
         in str(lua_results[0].error)
     assert "gone-link.png: the referenced file is missing or unreadable" \

@@ -1,4 +1,4 @@
-"""Connection resets, ridden out (issue 16, §6): `vlmq wait`, and poison risk records.
+"""Connection resets, ridden out: `vlmq wait`, and poison risk records.
 
 A Redis restart (every connection reset, new ones refused for longer than redis-py's own
 retries last) used to end the wait with exit 1, the code for "a job failed". Now the wait
@@ -32,8 +32,8 @@ from tests.support.helpers import (
 from vlmq.cli.results import EXIT_UNREACHABLE
 from vlmq.producer.client import Client
 from vlmq.shared.keys import Keys
-from vlmq.worker.intake.poison import RiskLog
-from vlmq.worker.intake.rq_jobs import Running
+from vlmq.worker.jobs.poison import RiskLog
+from vlmq.worker.jobs.rq_jobs import Running
 from vlmq.worker.redis_server import server_binary
 
 pytestmark = pytest.mark.slow

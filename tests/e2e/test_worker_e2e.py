@@ -403,7 +403,7 @@ def test_readme_demo_command_runs(redis_url: str, tmp_path: Path) -> None:
                           check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert "tiny reader" in out  # issue 33: the demo reads
+    assert "tiny reader" in out  # the demo reads
     rate = re.search(r"character error rate: ([\d.]+)% over 5 pages", out)
     assert rate is not None and float(rate.group(1)) <= 10.0, out
     cold, warm = re.findall(r"(\d+)/(\d+) items ok, (\d+) vision-cache hits", out)

@@ -1,4 +1,4 @@
-"""One media opener (issue 27): the producer's check, the worker's decode (in its render
+"""One media opener: the producer's check, the worker's decode (in its render
 processes) and the dashboard's preview give every input the same verdict, from one set of
 caps defined in one place (media/opener.py).
 
@@ -26,7 +26,7 @@ from vlmq.media.checks import check_content
 from vlmq.media.formats import register_plugins
 from vlmq.producer.files import check_file
 from vlmq.producer.inputs import prepare
-from vlmq.producer.ops.dashboard.render import RenderError, render
+from vlmq.server.dashboard.render import RenderError, render
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import sha256_hex
 from vlmq.shared.errors import InputError

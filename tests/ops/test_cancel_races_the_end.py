@@ -24,9 +24,9 @@ from rq.serializers import JSONSerializer
 
 from tests.producer.test_bounded_lines import request
 from tests.support import openai_api as T
+from vlmq.producer import job_admin
 from vlmq.producer.client import Client
 from vlmq.producer.openai_files import submit_openai_batch
-from vlmq.producer.ops import job_admin
 from vlmq.shared import results as R
 from vlmq.shared.keys import Keys
 

@@ -16,9 +16,9 @@ from redis import Redis
 from tests.support.dashboard_data import CAPTIONS, PAGE_TEXTS, Dataset, dataset, png_size
 from tests.support.helpers import pdf_bytes
 from vlmq.producer import Client
-from vlmq.producer.ops.dashboard import markup
-from vlmq.producer.ops.dashboard.app import Settings, create_app
-from vlmq.producer.ops.dashboard.render import MAX_PX, RenderError, render
+from vlmq.server.dashboard import markup
+from vlmq.server.dashboard.app import Settings, create_app
+from vlmq.server.dashboard.render import MAX_PX, RenderError, render
 from vlmq.shared import constants as C
 from vlmq.shared.keys import Keys
 
@@ -276,7 +276,7 @@ def test_a_giant_page_is_previewed_at_the_size_cap() -> None:
 
 
 def test_a_long_jobs_item_table_is_paged(redis_url: str, redis: Redis, tmp_path: Path) -> None:
-    from vlmq.producer.ops.dashboard.app import ITEMS_PER_PAGE
+    from vlmq.server.dashboard.app import ITEMS_PER_PAGE
 
     pdf = tmp_path / "long.pdf"
     pdf.write_bytes(pdf_bytes(ITEMS_PER_PAGE + 5))

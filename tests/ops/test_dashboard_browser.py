@@ -17,8 +17,8 @@ from PIL import Image
 from tests.support import helpers
 from tests.support.helpers import finish, make_images, make_pdf
 from vlmq.producer import Client, JobOptions
-from vlmq.producer.ops.dashboard import browser
-from vlmq.producer.ops.dashboard.screenshot import running_dashboard
+from vlmq.server.dashboard import browser
+from vlmq.server.dashboard.screenshot import running_dashboard
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(browser.find_chromium() is None,

@@ -19,9 +19,9 @@ from redis import Redis
 from tests.ops.test_dashboard_trust import TOKEN, call, login_env
 from tests.support.dashboard_data import Dataset, dataset
 from vlmq.cli.main import main
-from vlmq.producer.ops.dashboard.app import Settings, create_app
-from vlmq.producer.ops.dashboard.screenshot import running_dashboard
-from vlmq.producer.ops.dashboard.trust import COOKIE, TOKEN_ENV
+from vlmq.server.dashboard.app import Settings, create_app
+from vlmq.server.dashboard.screenshot import running_dashboard
+from vlmq.server.dashboard.trust import COOKIE, TOKEN_ENV
 
 FAILURES = 10  # wrong tokens a client may send within the window before it gets 429
 SECOND_CLIENT = "127.0.0.2"  # another loopback address (Linux answers all of 127/8)

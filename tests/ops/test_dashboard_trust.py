@@ -25,10 +25,10 @@ from tests.support.helpers import wait_for
 from tests.support.lua_calls import write_items
 from vlmq.cli.dashboard import CHANNEL_TIMEOUT_S, CLEANUP_INTERVAL_S
 from vlmq.cli.main import main
-from vlmq.producer.ops.dashboard import browser
-from vlmq.producer.ops.dashboard.app import Settings, create_app
-from vlmq.producer.ops.dashboard.screenshot import running_dashboard
-from vlmq.producer.ops.dashboard.trust import COOKIE, TOKEN_ENV, allow_list
+from vlmq.server.dashboard import browser
+from vlmq.server.dashboard.app import Settings, create_app
+from vlmq.server.dashboard.screenshot import running_dashboard
+from vlmq.server.dashboard.trust import COOKIE, TOKEN_ENV, allow_list
 from vlmq.shared.keys import Keys
 
 TOKEN = "s3cret-dashboard-token-0123456789"

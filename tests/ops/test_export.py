@@ -12,8 +12,8 @@ from redis import Redis
 
 from tests.support import helpers
 from tests.support.helpers import VLMQ, finish, make_pdf, page_image
+from vlmq.producer.export_ledger import MANIFEST_NAME
 from vlmq.producer.ops.export import UnsafeSource, export_results, target_path
-from vlmq.producer.ops.export_ledger import MANIFEST_NAME
 from vlmq.producer.ops.output_formats import plain
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.enqueue import enqueue

@@ -26,7 +26,7 @@ from vlmq.cli.main import main
 from vlmq.producer import Client, JobOptions
 from vlmq.producer.files import check_file
 from vlmq.producer.inputs import Prepared
-from vlmq.producer.ops.dashboard.app import Settings, create_app
+from vlmq.server.dashboard.app import Settings, create_app
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult
 

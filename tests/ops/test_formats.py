@@ -15,8 +15,8 @@ from redis import Redis
 
 from tests.support.dashboard_data import CAPTIONS, Dataset, dataset
 from vlmq.cli.main import main
-from vlmq.producer.ops.dashboard.app import Settings, create_app
 from vlmq.producer.ops.output_formats import FORMATS
+from vlmq.server.dashboard.app import Settings, create_app
 
 
 @pytest.fixture

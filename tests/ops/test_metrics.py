@@ -30,13 +30,13 @@ from tests.support.factories import images, payload
 from tests.support.pdf_craft import drawing_bomb_pdf
 from vlmq.cli.common import EXIT_CONFIG
 from vlmq.producer.client import Client
-from vlmq.producer.ops.metrics_exporter import FleetCollector, serve
+from vlmq.server.metrics_exporter import FleetCollector, serve
 from vlmq.shared import constants as C
 from vlmq.shared import fair, job_index
 from vlmq.shared.blobs import sha256_hex
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult
-from vlmq.worker.intake.rq_jobs import Refused
+from vlmq.worker.jobs.rq_jobs import Refused
 from vlmq.worker.metrics import FINISH_REASONS, PHASES, TOKEN_BUCKETS, WorkerMetrics
 from vlmq.worker.prep.decode import PreprocessError
 from vlmq.worker.prep.render_pool import RenderPool

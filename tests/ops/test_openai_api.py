@@ -21,7 +21,7 @@ from werkzeug.test import TestResponse
 from tests.support import openai_api as T
 from vlmq.producer.client import Client
 from vlmq.producer.openai_files import submit_openai_batch
-from vlmq.producer.ops.openai_api.access import KEYS_ENV, KeyRing, digest, load_keys
+from vlmq.server.openai_api.access import KEYS_ENV, KeyRing, digest, load_keys
 
 
 @pytest.fixture

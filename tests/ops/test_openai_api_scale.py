@@ -14,7 +14,7 @@ from redis import Redis
 
 from tests.support import openai_api as T
 from vlmq.producer.client import Client
-from vlmq.producer.ops.openai_api.app import ApiSettings, create_app
+from vlmq.server.openai_api.app import ApiSettings, create_app
 
 LINES = 10_000
 DISTINCT = 500  # images; every line's data: URI is decoded and checked all the same

@@ -34,8 +34,8 @@ from tests.support import helpers
 from tests.support import openai_api as T
 from vlmq.producer.client import Client
 from vlmq.producer.openai_files import submit_openai_batch
-from vlmq.producer.ops.openai_api.access import KEYS_ENV, load_keys
-from vlmq.producer.ops.openai_api.app import ApiSettings, create_app
+from vlmq.server.openai_api.access import KEYS_ENV, load_keys
+from vlmq.server.openai_api.app import ApiSettings, create_app
 
 # Keys enough that a test whose figures count per key (files kept, uploads at once, what
 # a key sees) has its own.
@@ -536,7 +536,7 @@ def test_models_are_shown_by_name_not_by_local_path(api: Served) -> None:
 
 
 def test_the_limits_table_is_the_documented_one() -> None:
-    from vlmq.producer.ops.openai_api.limits import doc_table
+    from vlmq.server.openai_api.limits import doc_table
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "openai-api.md").read_text()
     assert doc_table() in page, "docs/openai-api.md's limits table differs from LIMITS"

@@ -23,9 +23,9 @@ from tests.producer.test_bounded_lines import HOSTILE, request
 from tests.support import openai_api as T
 from vlmq.producer.client import Client
 from vlmq.producer.openai_files import MAX_REQUESTS
-from vlmq.producer.ops.openai_api import batches as batches_module
-from vlmq.producer.ops.openai_api.batches import Batches
-from vlmq.producer.ops.openai_api.files import FileStore
+from vlmq.server.openai_api import batches as batches_module
+from vlmq.server.openai_api.batches import Batches
+from vlmq.server.openai_api.files import FileStore
 from vlmq.stores.backends import Stores
 
 

@@ -105,15 +105,17 @@ def test_wheel_installs_the_vlmq_packages_only_and_runs_without_mlx(
     tops = {n.split("/")[0] for n in names}
     assert tops == {"vlmq", next(t for t in tops if t.endswith(".dist-info"))}, tops
     for needed in ("vlmq/cli/main.py", "vlmq/cli/demo.py", "vlmq/cli/jobs.py",
-                   "vlmq/worker/loop.py", "vlmq/worker/engine/families/qwen2_vl.py",
+                   "vlmq/worker/loop.py", "vlmq/worker/model/families/qwen2_vl.py",
                    "vlmq/shared/enqueue.lua", "vlmq/shared/messages.py",
                    "vlmq/media/opener.py", "vlmq/media/py.typed", "vlmq/stores/backends.py",
                    "vlmq/producer/samples/document.pdf", "vlmq/producer/samples/reader.pdf",
                    "vlmq/producer/samples/reader.json", "vlmq/worker/model/reader/train.py",
                    "vlmq/worker/model/reader/weights/model.safetensors",
                    "vlmq/worker/model/reader/weights/tokenizer.json",
-                   "vlmq/producer/ops/dashboard/templates/job.html",
-                   "vlmq/producer/ops/dashboard/static/style.css",
+                   "vlmq/server/dashboard/templates/job.html",
+                   "vlmq/server/dashboard/static/style.css",
+                   "vlmq/server/scheduler.py", "vlmq/server/metrics_exporter.py",
+                   "vlmq/server/openai_api/app.py", "vlmq/producer/fleet.py",
                    "vlmq/docs/jobs.md", "vlmq/docs/install.md", "vlmq/shared/PROTOCOL.md"):
         assert needed in names
 
@@ -156,7 +158,7 @@ def test_wheel_installs_the_vlmq_packages_only_and_runs_without_mlx(
     # With the dashboard extra (still no MLX) the dashboard serves its packaged templates.
     subprocess.run([str(py), "-m", "pip", "install", "-q", f"{wheel}[dashboard]"], check=True,
                    capture_output=True)
-    probe = ("import sys; from vlmq.producer.ops.dashboard.app import Settings, create_app; "
+    probe = ("import sys; from vlmq.server.dashboard.app import Settings, create_app; "
              "r = create_app(Settings('redis://127.0.0.1:1/0')).test_client().get('/'); "
              "assert r.status_code == 503 and b'Redis unreachable' in r.data, r.data; "
              "assert not any(m.startswith('mlx') for m in sys.modules); print('ok')")

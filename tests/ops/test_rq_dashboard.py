@@ -64,7 +64,7 @@ def start(redis_url: str, tmp: Path, *, with_config: bool) -> tuple[subprocess.P
         run = run.replace("-c vlmq_rq_dashboard", "")
     mount = tmp / "etc-vlmq"
     mount.mkdir(exist_ok=True)
-    shutil.copy(ROOT / "producer/ops/dashboard/rq_dashboard_config.py",
+    shutil.copy(ROOT / "server/dashboard/rq_dashboard_config.py",
                 mount / "vlmq_rq_dashboard.py")
     env = {**os.environ, "PYTHONPATH": str(mount), "PATH": f"{BIN}:{os.environ['PATH']}"}
     proc = subprocess.Popen(["sh", "-c", run], env=env, stdout=subprocess.PIPE,

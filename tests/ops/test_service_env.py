@@ -22,7 +22,7 @@ from tests.ops.test_service import SYSTEMD_ANALYZE, VLMQ, mode, service, setting
 from vlmq.cli import common
 from vlmq.cli.units import CARRY_NAMES, CARRY_PREFIXES, NO_RESTART
 from vlmq.worker import loop
-from vlmq.worker.engine.mlx_adapter import ModelLoadError
+from vlmq.worker.model.mlx_adapter import ModelLoadError
 from vlmq.worker.redis_server import free_port
 
 S3_ENV = {

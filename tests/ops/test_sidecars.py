@@ -23,8 +23,8 @@ from PIL import Image
 
 from tests.support import helpers
 from vlmq.producer.expand import expand_inputs, expand_sources
+from vlmq.producer.export_ledger import MANIFEST_NAME
 from vlmq.producer.ops.export import export_results
-from vlmq.producer.ops.export_ledger import MANIFEST_NAME
 from vlmq.shared.messages import ItemResult
 from vlmq.stores.backends import S3Store, Stores
 from vlmq.worker.redis_server import free_port

@@ -16,8 +16,8 @@ from tests.support.helpers import finish, make_images
 from tests.support.pdf_craft import build_pdf
 from vlmq.producer.client import Client, Job
 from vlmq.producer.inputs import prepare
+from vlmq.producer.job_admin import CannotCancel
 from vlmq.producer.job_sets import JOB_ITEMS, Batch, split_items
-from vlmq.producer.ops.job_admin import CannotCancel
 from vlmq.producer.ops.schedules import Schedule, ScheduleStore
 from vlmq.shared import constants as C
 from vlmq.shared import lua

@@ -31,10 +31,10 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from tests.support.helpers import VLMQ
+from vlmq.producer import job_admin as manage
 from vlmq.producer import upload
 from vlmq.producer.client import Client
 from vlmq.producer.inputs import prepare
-from vlmq.producer.ops import job_admin as manage
 from vlmq.producer.options import JobOptions
 from vlmq.producer.upload import MB
 from vlmq.shared.blobs import UPLOAD_TTL_S

@@ -211,10 +211,22 @@ def test_wait_wakes_when_the_job_finishes(client: Client, redis: Redis, keys: Ke
             write_items(redis, keys, job.id, item_result(i, "doc.pdf", i + 1, "x"))
         finish(redis, job.id, {"items": 2})
 
+    seen: list[tuple[str, int, int, bool]] = []
+
+    class Recorded:
+        def __init__(self, total: int, label: str) -> None:
+            self.total, self.label = total, label
+
+        def update(self, done: int, *, final: bool = False) -> None:
+            seen.append((self.label, self.total, done, final))
+
     t = threading.Thread(target=work)
     t.start()
-    assert wait_all([job], timeout=300, progress=True) == {job.id: "finished"}
+    assert wait_all([job], timeout=300, progress=lambda _stack, total, label:
+                    Recorded(total, label)) == {job.id: "finished"}
     t.join()
+    # The library only reports: the counts reach the caller's progress, last one final.
+    assert seen[-1] == ("items", 2, 2, True) and not any(final for *_, final in seen[:-1])
     assert job.wait(timeout=60, check=True) == "finished"
 
 

@@ -29,8 +29,8 @@ from vlmq.media import formats as image_formats
 from vlmq.media.formats import UNKNOWN, Plugins, describe
 from vlmq.producer.client import Client
 from vlmq.producer.files import check_file
-from vlmq.producer.ops.dashboard.render import RenderError, render
 from vlmq.producer.ops.output_formats import plain
+from vlmq.server.dashboard.render import RenderError, render
 from vlmq.shared.errors import InputError
 from vlmq.shared.messages import ItemResult
 from vlmq.worker.prep.decode import PreprocessError, decode_image

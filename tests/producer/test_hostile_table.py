@@ -39,6 +39,7 @@ from vlmq.shared.blobs import BlobStore, sha256_hex
 from vlmq.shared.enqueue import check_job_id, check_queue_name, lua_script
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import QUEUE_NAME_RE, Keys
+from vlmq.shared.messages import PAYLOAD_MESSAGES
 
 pytestmark = pytest.mark.slow
 RENDER_MB = 256
@@ -194,9 +195,9 @@ PAYLOAD_CASES = [
          _payload(items=_img(blob=SHA + "\n"))),
     Case("payload: pdf item without page", "job", "is required for a pdf item",
          _payload(items=_img(kind="pdf"))),
-    Case("payload: page 0", "job", "items[0].page: must be between 1",
+    Case("payload: page 0", "job", "items[0].page: " + PAYLOAD_MESSAGES["page"],
          _payload(items=_img(kind="pdf", page=0))),
-    Case("payload: page as a string", "job", "items[0].page: must be an integer",
+    Case("payload: page as a string", "job", "items[0].page: " + PAYLOAD_MESSAGES["page"],
          _payload(items=_img(kind="pdf", page="1"))),
     Case("payload: page on an image", "job", "is only allowed on pdf and tiff items",
          _payload(items=_img(page=1))),
@@ -230,7 +231,7 @@ PAYLOAD_CASES = [
     Case("payload: max_side 1", "job", "max_side: must be between 28", _payload(max_side=1)),
     Case("payload: another model", "job", "job asks for model 'other/model'",
          _payload(model="other/model")),
-    Case("payload: generate without a prompt", "job", "prompt: is required for task 'generate'",
+    Case("payload: generate without a prompt", "job", "prompt: is required for task generate",
          _payload(task="generate")),
 ]
 

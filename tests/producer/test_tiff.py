@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,17 +29,17 @@ from vlmq.producer.expand import FoundFile
 from vlmq.producer.files import check_file, check_stored
 from vlmq.producer.inputs import Prepared, prepare
 from vlmq.producer.manifest import read_manifest
-from vlmq.producer.ops.dashboard.render import RenderError, render
 from vlmq.producer.ops.export import export_results
 from vlmq.producer.ops.schedules import ENTRY_MARK, _checked
 from vlmq.producer.options import JobOptions
 from vlmq.producer.page_specs import PagesWithoutPdf
+from vlmq.server.dashboard.render import RenderError, render
 from vlmq.shared import constants as C
 from vlmq.shared.errors import InputError, PayloadError
 from vlmq.shared.keys import Keys
-from vlmq.shared.messages import parse_payload
+from vlmq.shared.messages import PAYLOAD_MESSAGES, parse_payload
 from vlmq.stores.backends import FolderStore
-from vlmq.worker.intake.job_settings import (
+from vlmq.worker.job_settings import (
     DEFAULT_IMAGE_MAX_SIDE,
     DEFAULT_PDF_MAX_SIDE,
     JobSettings,
@@ -187,7 +188,8 @@ def test_payload_takes_tiff_with_a_page_and_refuses_it_without() -> None:
 
 def test_enqueue_lua_takes_tiff_with_a_page_and_refuses_it_without(redis: Redis) -> None:
     store_blob(redis)
-    with pytest.raises(ResponseError, match=r"items\[0\]\.page: must be an integer"):
+    missing = "items[0].page: " + PAYLOAD_MESSAGES["page_missing"] % "tiff"
+    with pytest.raises(ResponseError, match=re.escape(missing)):
         call(redis, data=payload(item("tiff")))
     with pytest.raises(ResponseError, match=r"items\[0\]\.kind: must be one of image, pdf, tiff"):
         call(redis, data=payload(item("tif", page=1)))

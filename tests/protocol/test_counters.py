@@ -22,16 +22,16 @@ from tests.support.helpers import (
     wait_for,
     worker_lifecycle,
 )
+from vlmq.producer import job_admin as manage
 from vlmq.producer.client import Client
 from vlmq.producer.job_sets import Batch
-from vlmq.producer.ops import job_admin as manage
 from vlmq.shared import job_index, lua
 from vlmq.shared import results as R
 from vlmq.shared.enqueue import enqueue, enqueue_lua
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult
 from vlmq.shared.redis_text import as_str
-from vlmq.worker.intake.rq_jobs import Running
+from vlmq.worker.jobs.rq_jobs import Running
 
 KEYS = Keys()
 

@@ -14,9 +14,9 @@ import pytest
 from vlmq.shared import docs_tables as D
 from vlmq.shared import settings as S
 from vlmq.shared.keys import KEY_TABLE
-from vlmq.worker.engine import families
-from vlmq.worker.engine.mlx_adapter import REFUSED
+from vlmq.worker.model import families
 from vlmq.worker.model.defaults import preset_for
+from vlmq.worker.model.mlx_adapter import REFUSED
 
 CHECKED = re.compile(r"<!-- checked: ([a-z-]+) -->\n(.*?)<!-- /checked -->", re.DOTALL)
 REQUIRED_CHECKED = {"checkpoints"}

@@ -13,6 +13,7 @@ from tests.support.factories import OTHER_SHA, SHA, with_path
 from tests.support.lua_calls import PREFIX, call, good_payload, refused, store_blob
 from vlmq.shared import constants as C
 from vlmq.shared.keys import RQ_QUEUES, Keys
+from vlmq.shared.messages import PAYLOAD_MESSAGES
 
 
 @pytest.fixture
@@ -30,8 +31,8 @@ def mutated(path: str, value: Any) -> dict[str, Any]:
 
 
 PAYLOAD_CASES = [
-    ("version", mutated("v", 2), "v: must be 1"),
-    ("no version", mutated("v", ...), "v: must be 1"),
+    ("version", mutated("v", 2), "v: unsupported protocol version 2"),
+    ("no version", mutated("v", ...), "v: unsupported protocol version None"),
     ("task", mutated("task", "translate"), "task: must be one of ocr, caption, generate"),
     ("generate without prompt", mutated("task", "generate"),
      "prompt: is required for task generate"),
@@ -43,14 +44,16 @@ PAYLOAD_CASES = [
     ("item kind", mutated("items.1.kind", "video"),
      "items[1].kind: must be one of image, pdf, tiff"),
     ("item sha format", mutated("items.0.blob", "AB" * 32), "items[0].blob: must be a lowercase"),
-    ("pdf without page", mutated("items.0.page", ...), "items[0].page: must be an integer"),
-    ("page 0", mutated("items.0.page", 0), "items[0].page: must be an integer from 1"),
-    ("page fractional", mutated("items.0.page", 1.5), "items[0].page: must be an integer"),
+    ("pdf without page", mutated("items.0.page", ...),
+     "items[0].page: " + PAYLOAD_MESSAGES["page_missing"] % "pdf"),
+    ("page 0", mutated("items.0.page", 0), "items[0].page: " + PAYLOAD_MESSAGES["page"]),
+    ("page fractional", mutated("items.0.page", 1.5), "items[0].page: " + PAYLOAD_MESSAGES["page"]),
     ("page on an image", mutated("items.1.page", 3), "items[1].page: is only allowed on pdf"),
     ("custom_id too long", mutated("items.1.custom_id", "x" * 257),
      "items[1].custom_id: must be a string of at most 256"),
-    ("unknown item field", mutated("items.0.dpi", 300), "items[0]: unknown field dpi"),
-    ("unknown top-level field", mutated("priority", 5), "payload: unknown field priority"),
+    ("unknown item field", mutated("items.0.dpi", 300), "items[0]: unknown field(s) ['dpi']"),
+    ("unknown top-level field", mutated("priority", 5),
+     "payload: unknown field(s) ['priority']"),
     ("result_cache", mutated("result_cache", "yes"), 'result_cache: must be true, false or'),
     ("missing blob", mutated("items.1.blob", OTHER_SHA),
      f"items[1].blob: no blob {PREFIX}:blob:{OTHER_SHA}"),

@@ -20,7 +20,7 @@ from vlmq.shared import constants as C
 from vlmq.shared import results as R
 from vlmq.shared.enqueue import enqueue, fetch_job, payload_of
 from vlmq.shared.keys import Keys
-from vlmq.worker.intake.rq_jobs import Running
+from vlmq.worker.jobs.rq_jobs import Running
 
 SUMMARY = {"items": 1, "ok": 1, "failed": 0, "prompt_tokens": 3, "completion_tokens": 2,
            "wall_s": 0.5, "cache_hits": 0, "labels": {}, "result_cache_hits": 0,

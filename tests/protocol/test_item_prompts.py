@@ -16,7 +16,7 @@ from vlmq.shared import constants as C
 from vlmq.shared import settings as S
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.messages import Item, parse_payload
-from vlmq.worker.intake.job_settings import resolve_job
+from vlmq.worker.job_settings import resolve_job
 
 
 def payload(*items: dict[str, Any]) -> dict[str, Any]:

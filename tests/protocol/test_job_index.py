@@ -19,12 +19,12 @@ from tests.support.helpers import (
     worker_lifecycle,
 )
 from tests.support.lua_calls import write_items
-from vlmq.producer.ops import job_admin as manage
+from vlmq.producer import job_admin as manage
 from vlmq.shared import job_index, lua
 from vlmq.shared.enqueue import enqueue, enqueue_lua, fetch_job
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import Item, ItemResult, JobPayload
-from vlmq.worker.intake.rq_jobs import Running
+from vlmq.worker.jobs.rq_jobs import Running
 
 KEYS = Keys()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import re
 import threading
 import zlib
 from pathlib import Path
@@ -29,8 +30,8 @@ from vlmq.shared.enqueue import (
 )
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import RQ_QUEUES, Keys
-from vlmq.shared.messages import Item, JobPayload, parse_payload
-from vlmq.worker.intake.rq_jobs import Refused, Running
+from vlmq.shared.messages import PAYLOAD_MESSAGES, Item, JobPayload, parse_payload
+from vlmq.worker.jobs.rq_jobs import Refused, Running
 
 
 def good_payload() -> dict[str, Any]:
@@ -62,7 +63,7 @@ MALFORMED = [
     ("bad sha", mutate("items.0.blob", "ABC"), "items[0].blob", "sha256"),
     ("uppercase sha", mutate("items.1.blob", "AB" * 32), "items[1].blob", "sha256"),
     ("pdf item without page", mutate("items.0.page", ...), "items[0].page", "required"),
-    ("page 0", mutate("items.0.page", 0), "items[0].page", "between 1 and"),
+    ("page 0", mutate("items.0.page", 0), "items[0].page", PAYLOAD_MESSAGES["page"]),
     ("page on an image", mutate("items.1.page", 3), "items[1].page", "only allowed on pdf"),
     ("unknown item kind", mutate("items.1.kind", "video"), "items[1].kind", "must be one of"),
     ("bad temperature", mutate("generation.temperature", "hot"), "generation.temperature",
@@ -101,7 +102,8 @@ def test_good_payload_round_trips() -> None:
 
 def test_malformed_payload_written_raw_fails_reading_with_the_field(redis: Redis) -> None:
     job_id = raw_enqueue(redis, mutate("items.0.page", 0), queue="ocr")
-    with pytest.raises(PayloadError, match=r"^items\[0\]\.page: must be between 1 and"):
+    refusal = "items[0].page: " + PAYLOAD_MESSAGES["page"]
+    with pytest.raises(PayloadError, match="^" + re.escape(refusal)):
         payload_of(fetch_job(redis, job_id))
 
 

@@ -22,7 +22,8 @@ from tests.support import helpers
 from tests.support.factories import image_bytes
 from tests.support.lua_calls import call, refused, store_blob
 from vlmq.producer.client import Client
-from vlmq.producer.ops.metrics_exporter import OTHER_QUEUES, FleetCollector
+from vlmq.producer.fleet import OTHER_QUEUES
+from vlmq.server.metrics_exporter import FleetCollector
 from vlmq.shared import constants as C
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import RQ_QUEUES, Keys
@@ -133,7 +134,7 @@ def test_names_without_keys_cost_no_command_each(redis: Redis,
     and the queues with jobs are still the ones shown."""
     from redis.client import Pipeline
 
-    from vlmq.producer.ops.metrics_exporter import read_fleet
+    from vlmq.producer.fleet import read_fleet
 
     def sent_by(n: int) -> tuple[int, list[str]]:
         redis.delete(RQ_QUEUES)

@@ -15,10 +15,11 @@ from redis import Redis
 from redis.exceptions import ResponseError
 
 from tests.support.helpers import make_images
+from vlmq.cli.options import job_options
 from vlmq.producer.client import Client
 from vlmq.producer.manifest import FIELDS as MANIFEST_FIELDS
 from vlmq.producer.ops.schedules import Schedule
-from vlmq.producer.options import JOB_FIELDS, JobOptions, job_options
+from vlmq.producer.options import JOB_FIELDS, JobOptions
 from vlmq.shared import constants as C
 from vlmq.shared import settings as S
 from vlmq.shared.enqueue import enqueue_lua, lua_script

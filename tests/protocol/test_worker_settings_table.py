@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import MISSING, fields
 
 from vlmq.shared import settings as S
-from vlmq.worker.intake.job_settings import NOT_DECIDING_TEXT, JobSettings
+from vlmq.worker.job_settings import NOT_DECIDING_TEXT, JobSettings
 from vlmq.worker.model.defaults import Resolved
 
 

@@ -18,7 +18,7 @@ from tests.support.lua_calls import write_items
 from vlmq.producer import Client, JobOptions
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult
-from vlmq.worker.intake.rq_jobs import JobLifecycle, Running
+from vlmq.worker.jobs.rq_jobs import JobLifecycle, Running
 
 # Page texts as a model might write them; page 3's is hostile.
 PAGE_TEXTS = ["# Invoice 4711\n\nTotal: **42.00 EUR**",

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.factories import random_image
-from vlmq.worker.engine import mlx_adapter as A
 from vlmq.worker.engine.batcher import Engine, Finished, Request
 from vlmq.worker.engine.constraints import Structured
+from vlmq.worker.model import mlx_adapter as A
 
 PROMPT = "Extract the fields of this document as JSON."
 MAX_TOKENS = 220

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from vlmq.producer.client import Client
     from vlmq.shared.keys import Keys
     from vlmq.shared.messages import ItemResult
-    from vlmq.worker.intake.rq_jobs import JobLifecycle
+    from vlmq.worker.jobs.rq_jobs import JobLifecycle
 
 VLMQ = str(Path(sys.executable).parent / "vlmq")
 Spawn = Callable[..., subprocess.Popen[str]]
@@ -129,7 +129,7 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
 def worker_lifecycle(redis: Redis, queues: list[str]) -> Iterator[JobLifecycle]:
     """The real vlmq worker's job lifecycle (no model): take, succeed and fail jobs exactly
     as a worker does, so producer tests read what a worker really leaves in Redis."""
-    from vlmq.worker.intake.rq_jobs import BatchWorker, JobLifecycle
+    from vlmq.worker.jobs.rq_jobs import BatchWorker, JobLifecycle
 
     worker = BatchWorker(queues, connection=redis, name=f"test-{uuid.uuid4().hex[:8]}")
     life = JobLifecycle(worker)
@@ -144,7 +144,7 @@ def lifecycle_with_ttl(redis: Redis, keys: Keys, ttl: int, queues: Sequence[str]
                        ) -> JobLifecycle:
     """A worker's job lifecycle with its own heartbeat TTL and no stop: a worker that dies
     (its executions expire after `ttl`) and one that rescues its jobs."""
-    from vlmq.worker.intake.rq_jobs import BatchWorker, JobLifecycle
+    from vlmq.worker.jobs.rq_jobs import BatchWorker, JobLifecycle
 
     worker = BatchWorker(list(queues), connection=redis,
                          name=f"w-{uuid.uuid4().hex[:8]}", heartbeat_ttl=ttl)

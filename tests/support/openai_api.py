@@ -76,7 +76,7 @@ def start_api(redis_url: str, files_dir: Path, port: int, *args: str,
 def in_process_app(redis_url: str, files_dir: Path) -> Iterator[Flask]:
     """The API's Flask app in this process (no server), over the suite's keys."""
     from vlmq.producer.client import Client
-    from vlmq.producer.ops.openai_api.app import ApiSettings, create_app
+    from vlmq.server.openai_api.app import ApiSettings, create_app
 
     client = Client(redis_url)
     try:

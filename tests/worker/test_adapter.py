@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 
 from tests.support.factories import random_image
-from vlmq.worker.engine import families
-from vlmq.worker.engine import mlx_adapter as A
+from vlmq.worker.model import families
+from vlmq.worker.model import mlx_adapter as A
 from vlmq.worker.model.tiny import build_tiny_model
 
 PROMPT = "Read this page."

@@ -25,6 +25,7 @@ from tests.support.tiff_craft import many_pages, page_value
 from vlmq.shared.blobs import sha256_hex
 from vlmq.worker.prep import decode as P
 from vlmq.worker.prep.render_pool import RenderPool
+from vlmq.worker.stats import COUNTERS
 
 
 def _encoded(im: Image.Image, fmt: str, **kw: object) -> bytes:
@@ -58,12 +59,12 @@ def test_images_decode_out_of_process_to_the_same_pixels(pool: RenderPool, fmt: 
     pillow_heif.register_heif_opener()
     data = _encoded(_noise(90, 60), fmt)
     want = P.decode_image(data, 64)
-    P.COUNTERS.reset()
+    COUNTERS.reset()
     got = pool.decode_image(data, 64, key=sha256_hex(data))
     assert (got.mode, got.size) == ("RGB", want.size)
     assert np.array_equal(np.asarray(got), np.asarray(want))
     # Counted here, as renders are: a test proves a cache hit did no work by these.
-    assert P.COUNTERS.snapshot()["image_decodes"] == 1
+    assert COUNTERS.snapshot()["image_decodes"] == 1
 
 
 def test_an_unreadable_image_fails_with_the_in_process_message(pool: RenderPool) -> None:

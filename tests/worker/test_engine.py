@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from tests.support.factories import random_image
-from vlmq.worker.engine import mlx_adapter as A
 from vlmq.worker.engine.batcher import Engine, EngineError, Finished, Request
+from vlmq.worker.model import mlx_adapter as A
 
 PROMPT = "Read this page."
 # (job, seed, size, max_tokens): 9 items, 3 jobs, mixed sizes and budgets.

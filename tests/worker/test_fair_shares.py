@@ -19,7 +19,7 @@ from vlmq.shared import fair
 from vlmq.shared.enqueue import enqueue, enqueue_lua
 from vlmq.shared.keys import Keys
 from vlmq.shared.redis_text import as_str
-from vlmq.worker.intake.rq_jobs import Running
+from vlmq.worker.jobs.rq_jobs import Running
 
 Q = "fq"
 

@@ -1,6 +1,6 @@
 """Every family end to end: Redis, a real worker, parity with sequential generate.
 
-The families are the modules of vlmq.worker.engine.families, discovered; the tests below
+The families are the modules of vlmq.worker.model.families, discovered; the tests below
 check that discovery misses none, then run each one. Per family, one worker serves a
 caption job (4 images in 2 sizes) and an OCR job (2 PDF pages) at max batch 4. Each
 item's text must equal sequential `mlx_vlm.stream_generate` on the same pixels with
@@ -24,9 +24,9 @@ from tests.support import helpers
 from tests.support.helpers import finish, make_images, make_pdf
 from vlmq.producer.client import Client
 from vlmq.shared.keys import Keys
-from vlmq.worker.engine import families
-from vlmq.worker.engine import mlx_adapter as A
-from vlmq.worker.model.check import check_model
+from vlmq.worker.engine.check import check_model
+from vlmq.worker.model import families
+from vlmq.worker.model import mlx_adapter as A
 from vlmq.worker.model.defaults import resolve
 from vlmq.worker.model.tiny import build_tiny_model
 from vlmq.worker.prep import decode as P
@@ -72,7 +72,7 @@ def test_every_module_of_the_package_is_a_registered_family() -> None:
     assert list(families.names()) == modules  # named after their model types, so unique
     for name in modules:
         family = families.get(name)
-        assert sys.modules[f"vlmq.worker.engine.families.{name}"].FAMILY is family
+        assert sys.modules[f"vlmq.worker.model.families.{name}"].FAMILY is family
         assert family.tiny.config["model_type"] == family.model_type
     assert families.get("QWEN2_VL") is families.FAMILIES["qwen2_vl"]
     with pytest.raises(ValueError, match="not one of vlmq's families"):
@@ -95,7 +95,7 @@ def family_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 def test_a_new_family_is_one_file(family_package: Path) -> None:
     (family_package / "newfam.py").write_text(
         "from dataclasses import replace\n"
-        "from vlmq.worker.engine.families.qwen2_vl import FAMILY as QWEN\n"
+        "from vlmq.worker.model.families.qwen2_vl import FAMILY as QWEN\n"
         "FAMILY = replace(QWEN, model_type='newfam')\n")
     found = families.discover(family_package.name)
     assert list(found) == ["newfam"] and found["newfam"].spec.cacheable
@@ -103,7 +103,7 @@ def test_a_new_family_is_one_file(family_package: Path) -> None:
 
 @pytest.mark.parametrize(("source", "error"), [
     ("FAMILY = None\n", "defines no FAMILY"),
-    ("from vlmq.worker.engine.families.gemma3 import FAMILY\n", "a family module is named after"),
+    ("from vlmq.worker.model.families.gemma3 import FAMILY\n", "a family module is named after"),
 ])
 def test_discovery_refuses_a_half_made_family(family_package: Path, source: str,
                                                error: str) -> None:

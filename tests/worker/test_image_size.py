@@ -33,7 +33,7 @@ from vlmq.worker.model import blas
 
 blas.select()
 
-from vlmq.worker.engine import mlx_adapter as A  # noqa: E402
+from vlmq.worker.model import mlx_adapter as A  # noqa: E402
 from vlmq.worker.prep.decode import decode_image  # noqa: E402
 
 NOISE = "Kwargs passed to `processor.__call__` have to be in"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 
 from tests.support.factories import job_payload
-from vlmq.worker.engine.item_order import ItemOrder, JobState
+from vlmq.worker.item_order import ItemOrder, JobState
 
 
 def _state(job_id: str, n: int) -> JobState:

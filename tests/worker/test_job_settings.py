@@ -10,8 +10,8 @@ from redis import Redis
 from tests.support.lua_calls import write_items
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import Item, ItemResult, JobPayload
-from vlmq.worker.engine.item_order import JobState
-from vlmq.worker.intake.job_settings import (
+from vlmq.worker.item_order import JobState
+from vlmq.worker.job_settings import (
     DEFAULT_IMAGE_MAX_SIDE,
     DEFAULT_PDF_MAX_SIDE,
     NOT_DECIDING_TEXT,

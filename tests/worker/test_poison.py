@@ -16,8 +16,8 @@ from tests.support.helpers import abandoned, wait_for
 from vlmq.shared import constants as C
 from vlmq.shared.enqueue import enqueue, fetch_job
 from vlmq.shared.keys import Keys
-from vlmq.worker.intake.poison import RiskLog
-from vlmq.worker.intake.rq_jobs import BatchWorker, JobLifecycle, Running
+from vlmq.worker.jobs.poison import RiskLog
+from vlmq.worker.jobs.rq_jobs import BatchWorker, JobLifecycle, Running
 
 _NEVER_EXITED: list[AbstractContextManager[None]] = []
 

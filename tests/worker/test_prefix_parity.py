@@ -12,10 +12,10 @@ import pytest
 
 from tests.support import engine_rig
 from tests.support.factories import random_image
-from vlmq.worker.engine import mlx_adapter as A
 from vlmq.worker.engine import prefix_cache
 from vlmq.worker.engine.batcher import Engine, Finished, Request
 from vlmq.worker.engine.constraints import Structured
+from vlmq.worker.model import mlx_adapter as A
 
 CAPTION = "Describe this image."
 OTHER = "Read all the text in this image, line by line."

@@ -21,13 +21,13 @@ from vlmq.shared.errors import BlobError, VlmqError
 from vlmq.shared.keys import Keys
 from vlmq.worker.prep import decode as P
 from vlmq.worker.prep.decode import (
-    COUNTERS,
     PreprocessError,
     clear_pdf_cache,
     decode_image,
     fetch_blob,
     render_pdf_page,
 )
+from vlmq.worker.stats import COUNTERS
 
 
 @pytest.fixture(autouse=True)

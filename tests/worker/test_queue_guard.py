@@ -20,9 +20,9 @@ from vlmq.shared.enqueue import enqueue_lua, raw_exc_info
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import parse_payload
-from vlmq.worker.intake import queue_guard
-from vlmq.worker.intake.queue_guard import scrub_intermediate
-from vlmq.worker.intake.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
+from vlmq.worker.jobs import queue_guard
+from vlmq.worker.jobs.queue_guard import scrub_intermediate
+from vlmq.worker.jobs.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
 
 
 def _enqueue(redis: Redis, payload: dict[str, object], **kw: str) -> str:

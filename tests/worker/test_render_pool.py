@@ -14,6 +14,7 @@ from tests.support.pdf_craft import drawing_bomb_pdf, encrypted_pdf, zero_page_p
 from vlmq.shared.blobs import sha256_hex
 from vlmq.worker.prep import decode as P
 from vlmq.worker.prep.render_pool import RenderPool
+from vlmq.worker.stats import COUNTERS
 
 
 @pytest.fixture
@@ -33,13 +34,13 @@ def test_pages_match_in_process_render_and_open_once(pool: RenderPool) -> None:
         return data
 
     wants = [P.render_pdf_page(data, page, 300) for page in (1, 2, 3)]
-    P.COUNTERS.reset()
+    COUNTERS.reset()
     for page, want in zip((1, 2, 3), wants, strict=True):
         got = pool.render(fetch, page, 300, doc_key=key)
         assert got.size == want.size and got.mode == "RGB"
         assert np.array_equal(np.asarray(got), np.asarray(want))
     assert len(fetches) == 1  # the child kept the document: bytes sent once
-    assert P.COUNTERS.snapshot() == {"pdf_opens": 1, "pdf_renders": 3, "image_decodes": 0,
+    assert COUNTERS.snapshot() == {"pdf_opens": 1, "pdf_renders": 3, "image_decodes": 0,
                                      "text_extracts": 0}
 
 

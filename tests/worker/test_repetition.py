@@ -11,9 +11,9 @@ import pytest
 from PIL import Image
 
 from vlmq.producer.options import JobOptions
-from vlmq.worker.engine import mlx_adapter as A
 from vlmq.worker.engine.batcher import Engine, Finished, Request
 from vlmq.worker.engine.repetition import RepetitionGuard
+from vlmq.worker.model import mlx_adapter as A
 from vlmq.worker.model.tiny import build_tiny_model
 
 # Small enough that the tiny random gemma3 (which loops readily) trips it in 64 tokens;

@@ -25,8 +25,8 @@ from vlmq.producer.options import JobOptions
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult, JobPayload, parse_payload
-from vlmq.worker.engine.item_order import JobState
-from vlmq.worker.intake.job_settings import resolve_job
+from vlmq.worker.item_order import JobState
+from vlmq.worker.job_settings import resolve_job
 from vlmq.worker.results.cache import (
     ResultCache,
     cached_results,

@@ -19,8 +19,8 @@ from vlmq.shared import results as R
 from vlmq.shared.enqueue import enqueue, fetch_job
 from vlmq.shared.keys import Keys
 from vlmq.worker.engine.batcher import Finished
-from vlmq.worker.engine.item_order import ItemOrder
-from vlmq.worker.intake.rq_jobs import INCOMPLETE, BatchWorker, JobLifecycle, Running
+from vlmq.worker.item_order import ItemOrder
+from vlmq.worker.jobs.rq_jobs import INCOMPLETE, BatchWorker, JobLifecycle, Running
 from vlmq.worker.results.writer import ResultWriter
 from vlmq.worker.stats import WorkerStats
 

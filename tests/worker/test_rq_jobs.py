@@ -24,7 +24,7 @@ from vlmq.shared import results as R
 from vlmq.shared.enqueue import enqueue, fetch_job
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import JobPayload
-from vlmq.worker.intake.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
+from vlmq.worker.jobs.rq_jobs import BatchWorker, JobLifecycle, Refused, Running
 
 QUEUES = ("high", "low")
 
@@ -124,7 +124,7 @@ def test_a_crashing_validator_fails_the_job_not_the_worker(redis, life, monkeypa
     def broken(job: Job) -> JobPayload:
         raise RuntimeError("validator bug")
 
-    monkeypatch.setattr("vlmq.worker.intake.taking.payload_of", broken)
+    monkeypatch.setattr("vlmq.worker.jobs.taking.payload_of", broken)
     job_id = enqueue(redis, job_payload(2), queue="low")
     refused = take_refused(life)
     assert "validator bug" in refused.reason

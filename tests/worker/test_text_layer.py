@@ -326,7 +326,7 @@ def test_stored_json_leaves_the_defaults_out() -> None:
 
 
 def test_outputs_say_which_pages_came_from_the_layer(run: Run, module_redis_url: str) -> None:
-    from vlmq.producer.ops.dashboard.app import Settings, create_app
+    from vlmq.server.dashboard.app import Settings, create_app
 
     md = helpers.invoke_cli(module_redis_url, "result", run.wide_fallback.id, "--format", "md")
     assert md.exit_code == 0, md.output

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from tests.support.factories import random_image
-from vlmq.worker.engine import families
+from vlmq.worker.model import families
 from vlmq.worker.model.tiny import SIZES, build_tiny_model
 
 

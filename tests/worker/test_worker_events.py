@@ -24,7 +24,6 @@ from vlmq.shared.keys import Keys
 from vlmq.shared.messages import TEXT_FROM_LAYER, TEXT_FROM_MODEL, Item, JobPayload
 from vlmq.worker.collect import Collector
 from vlmq.worker.engine.batcher import EngineState, Finished
-from vlmq.worker.engine.item_order import ItemOrder
 from vlmq.worker.events import (
     Answered,
     EventQueue,
@@ -34,8 +33,9 @@ from vlmq.worker.events import (
     PrepRetry,
     Stage,
 )
-from vlmq.worker.intake.job_settings import resolve_job
-from vlmq.worker.intake.rq_jobs import BatchWorker, JobLifecycle, Running
+from vlmq.worker.item_order import ItemOrder
+from vlmq.worker.job_settings import resolve_job
+from vlmq.worker.jobs.rq_jobs import BatchWorker, JobLifecycle, Running
 from vlmq.worker.prep import decode as P
 from vlmq.worker.prep.fallback import Fallback, Layers
 from vlmq.worker.results.writer import ResultWriter

@@ -14,7 +14,7 @@ from vlmq.cli.worker import worker_cmd
 from vlmq.shared import constants as C
 from vlmq.worker import options as WO
 from vlmq.worker.engine.batch_size import DEFAULT_CAP, FLOOR
-from vlmq.worker.intake.running import BatchWorker
+from vlmq.worker.jobs.running import BatchWorker
 from vlmq.worker.model import blas
 
 ROOT = Path(__file__).resolve().parents[2]

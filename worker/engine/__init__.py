@@ -1,1 +1,1 @@
-"""The continuous batch on the MLX thread: rows, sizing, order, constraints, model families."""
+"""The continuous batch on the MLX thread: rows, sizing, constraints, `vlmq model check`."""

@@ -28,13 +28,13 @@ import numpy as np
 
 from vlmq.worker.engine import constraints as structured
 from vlmq.worker.engine import faults, kv_budget, prefix_cache
-from vlmq.worker.engine import mlx_adapter as adapter
 from vlmq.worker.engine.batch_size import FLOOR, BatchSizer, Shape
 from vlmq.worker.engine.constraints import RowConstraint
 from vlmq.worker.engine.match_budget import MatchBudget
-from vlmq.worker.engine.mlx_adapter import LoadedModel, Prepared
 from vlmq.worker.engine.repetition import RepetitionGuard
 from vlmq.worker.model import blas
+from vlmq.worker.model import mlx_adapter as adapter
+from vlmq.worker.model.mlx_adapter import LoadedModel, Prepared
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class Request:
     # Called on the MLX thread after a tower run, so the caller can cache the features.
     on_features: Callable[[np.ndarray, str], None] | None = None
     # Wraps this request's own steps (tower, embedding) on the MLX thread, so that a crash
-    # there is charged to it (worker/intake/poison.py). Called with the step's name.
+    # there is charged to it (worker/jobs/poison.py). Called with the step's name.
     risky: Callable[[str], AbstractContextManager[None]] | None = None
     # Lower is admitted first when rows free up, FIFO among equals. The worker passes its
     # job's items left, then its batch's items out (ItemOrder.priority), so a small job's

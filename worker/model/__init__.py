@@ -1,1 +1,1 @@
-"""The model itself: BLAS set-up, load defaults, the offline tiny model, `vlmq model check`."""
+"""The model itself: mlx-vlm calls, families, BLAS set-up, load defaults, tiny model, reader."""

@@ -4,7 +4,7 @@ OCR checkpoints are trained on one exact instruction and drift (or ramble past
 the page) with anything else, so the prompt, stop strings and budget a job
 gets when it names none depend on the model family, and on the checkpoint
 when a preset knows it. The rows themselves live in each family's file
-(vlmq.worker.engine.families); this module only picks and merges.
+(vlmq.worker.model.families); this module only picks and merges.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vlmq.shared import constants as C
-from vlmq.worker.engine import families
-from vlmq.worker.engine.families import EXTRA_STOP, Preset, TaskDefaults
+from vlmq.worker.model import families
+from vlmq.worker.model.families import EXTRA_STOP, Preset, TaskDefaults
 
 __all__ = ["EXTRA_STOP", "TASKS", "Preset", "Resolved", "TaskDefaults", "defaults_for",
            "preset_for", "resolve"]

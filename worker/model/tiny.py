@@ -5,7 +5,7 @@ Tests need a *real* mlx-vlm model (real architecture, real processor, real
 exact on-disk format mlx-vlm reads: MLX safetensors, config.json, a byte-level
 BPE tokenizer trained on built-in text, the family's chat template and
 preprocessor config. What differs per family is its file's `TinyBuild`
-(vlmq.worker.engine.families); this module is the one builder. Same arch + seed gives
+(vlmq.worker.model.families); this module is the one builder. Same arch + seed gives
 byte-identical files.
 """
 
@@ -17,9 +17,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from vlmq.worker.engine import families
-from vlmq.worker.engine.families import TinyBuild
-from vlmq.worker.model import blas
+from vlmq.worker.model import blas, families
+from vlmq.worker.model.families import TinyBuild
 
 # The Qwen2 pre-tokenizer regex; transformers' Qwen2Tokenizer rebuilds the
 # pipeline from it, so ours must be identical or encodings drift.

@@ -24,6 +24,7 @@ from vlmq.media.pdfium import PDFIUM_LOCK
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.errors import VlmqError
 from vlmq.worker.prep import text_layer as TL
+from vlmq.worker.stats import COUNTERS
 
 T = TypeVar("T")
 
@@ -47,31 +48,6 @@ _ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
 
 class PreprocessError(VlmqError):
     """An input cannot be turned into an image; the message says why."""
-
-
-class Counters:
-    """Thread-safe work counters, so the worker and tests can prove a cache hit did no work."""
-
-    NAMES = ("image_decodes", "pdf_renders", "pdf_opens", "text_extracts")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._n = dict.fromkeys(self.NAMES, 0)
-
-    def incr(self, name: str) -> None:
-        with self._lock:
-            self._n[name] += 1
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._n)
-
-    def reset(self) -> None:
-        with self._lock:
-            self._n = dict.fromkeys(self.NAMES, 0)
-
-
-COUNTERS = Counters()
 
 
 def fetch_blob(blob_store: BlobStore, sha: str) -> bytes:

@@ -17,8 +17,8 @@ from typing import Protocol
 
 from vlmq.shared.messages import Item
 from vlmq.worker.engine.batcher import Finished
-from vlmq.worker.engine.item_order import JobState
 from vlmq.worker.events import EventQueue, Failure, FellBack, Stage
+from vlmq.worker.item_order import JobState
 
 log = logging.getLogger("vlmq.worker")
 

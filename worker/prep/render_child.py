@@ -32,6 +32,7 @@ from PIL import Image
 from vlmq.media import opener
 from vlmq.worker.prep import decode as P
 from vlmq.worker.prep.render_wire import EXIT_OVER_MEMORY, WireError, read_msg, recv_fd, write_msg
+from vlmq.worker.stats import COUNTERS
 
 _WATCH_S = 0.05
 
@@ -133,7 +134,7 @@ def _answer(header: dict[str, Any], src: P.Source | None) -> Reply | None:
         return {"error": f"unknown request {op!r} (worker and render process differ?)"}, b""
     if src is None and (op not in DOCUMENT_OPS or not P.has_document(str(header["key"]))):
         return None
-    opens = P.COUNTERS.snapshot()["pdf_opens"]
+    opens = COUNTERS.snapshot()["pdf_opens"]
     try:
         # Alone on this thread, so Pillow's bomb warning can be a refusal, as it is at
         # enqueue and in the preview, rather than a line on the worker's stderr.
@@ -141,7 +142,7 @@ def _answer(header: dict[str, Any], src: P.Source | None) -> Reply | None:
             reply, pixels = OPS[op](header, src if src is not None else _no_data)
     except P.PreprocessError as exc:
         return {"error": str(exc)}, b""
-    reply["opened"] = P.COUNTERS.snapshot()["pdf_opens"] > opens
+    reply["opened"] = COUNTERS.snapshot()["pdf_opens"] > opens
     return reply, pixels
 
 

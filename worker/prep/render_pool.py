@@ -42,6 +42,7 @@ from vlmq.worker.prep.render_wire import (
     send_fd,
     write_msg,
 )
+from vlmq.worker.stats import COUNTERS
 
 DEFAULT_MEM_MB = options.DEFAULT_RENDER_MEM_MB  # the table of worker options owns them
 DEFAULT_TIMEOUT_S = options.DEFAULT_RENDER_TIMEOUT_S
@@ -313,14 +314,14 @@ class RenderPool:
              verb: str) -> tuple[dict[str, Any], bytes]:
         """One request about `header["key"]`, on the child that best fits it; counted here
         as `counter` (and a document opened, as pdf_opens), as the work it stands for."""
-        P.COUNTERS.incr(counter)
+        COUNTERS.incr(counter)
         slot = self._acquire(str(header["key"]))
         try:
             reply, body = slot.request(data, header, self.timeout_s, failing, verb)
         finally:
             self._release(slot)
         if reply.get("opened"):
-            P.COUNTERS.incr("pdf_opens")
+            COUNTERS.incr("pdf_opens")
         return reply, body
 
     def _acquire(self, doc_key: str) -> _Slot:

@@ -38,12 +38,12 @@ from vlmq.shared.keys import Keys
 from vlmq.shared.messages import Item, JobPayload
 from vlmq.shared.urls import redact_text
 from vlmq.stores.backends import RefUnreadable, StoreError, Stores
-from vlmq.worker.engine import mlx_adapter as A
 from vlmq.worker.engine.batcher import Engine, EngineInfo, Request
 from vlmq.worker.engine.constraints import Structured
-from vlmq.worker.engine.item_order import JobState
-from vlmq.worker.intake.job_settings import JobSettings, resolve_job
-from vlmq.worker.intake.poison import RiskLog
+from vlmq.worker.item_order import JobState
+from vlmq.worker.job_settings import JobSettings, resolve_job
+from vlmq.worker.jobs.poison import RiskLog
+from vlmq.worker.model import mlx_adapter as A
 from vlmq.worker.prep import decode as P
 from vlmq.worker.prep import text_layer as TL
 from vlmq.worker.prep.render_pool import DEFAULT_MEM_MB, RenderPool
@@ -146,7 +146,7 @@ class Preparer:
         self.engine = engine
         self.renderer = renderer
         self.ref_limit = (renderer.mem_mb if renderer is not None else DEFAULT_MEM_MB) << 20
-        self.risk = risk  # marks the steps a crash would be charged for (worker/intake/poison.py)
+        self.risk = risk  # marks the steps a crash would be charged for (worker/jobs/poison.py)
         self.info = info
         self.cache = cache
         self.keys = keys
@@ -382,7 +382,7 @@ class Preparer:
 
     def _risky(self, job_id: str, idx: int, item: Item) -> AbstractContextManager[None]:
         """A decode in this process is at the job's risk (a crash in it is charged to the
-        job, worker/intake/poison.py); in a render process it cannot crash the worker."""
+        job, worker/jobs/poison.py); in a render process it cannot crash the worker."""
         if self.risk is None or self.renderer is not None or item.kind == "pdf":
             return nullcontext()
         return self.risk.step(job_id, idx, "image decode")

@@ -18,9 +18,9 @@ from redis.exceptions import RedisError
 
 from vlmq.shared.connection import transient
 from vlmq.worker.engine.batcher import Engine, EngineError
-from vlmq.worker.engine.item_order import ItemOrder
 from vlmq.worker.events import EventQueue, LayerAnswered, PrepFailed, PrepRetry, Stage
-from vlmq.worker.intake.running import Running
+from vlmq.worker.item_order import ItemOrder
+from vlmq.worker.jobs.running import Running
 from vlmq.worker.prep.requests import FromLayer, Prepared, Preparer, PrepError
 
 log = logging.getLogger("vlmq.worker")

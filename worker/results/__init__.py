@@ -1,1 +1,1 @@
-"""Writing results: per-item results, the result cache, and each job's end."""
+"""Writing results: per-item results (ending jobs through worker/jobs), the result cache."""

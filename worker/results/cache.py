@@ -40,8 +40,8 @@ from vlmq.shared import lua
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import TEXT_FROM_MODEL, Item, ItemResult
 from vlmq.worker import options
-from vlmq.worker.engine.item_order import JobState
-from vlmq.worker.intake.job_settings import JobSettings
+from vlmq.worker.item_order import JobState
+from vlmq.worker.job_settings import JobSettings
 from vlmq.worker.prep.requests import PREPROCESS_VERSION, Readable
 
 log = logging.getLogger("vlmq.worker")

@@ -7,7 +7,7 @@ unreachable, and are written when it is back.
 
 Fencing: every write here is applied only while this worker's execution still owns the
 job (Keys.job_owner), checked atomically with the write: item results by one Lua script
-(shared/write_items.lua), the job's end by worker/results/job_end.py's WATCH transaction. A worker
+(shared/write_items.lua), the job's end by worker/jobs/job_end.py's WATCH transaction. A worker
 that stalled past its heartbeat TTL, and whose job another worker took meanwhile, writes
 nothing more for it.
 """
@@ -29,8 +29,8 @@ from vlmq.shared.connection import transient
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import TEXT_FROM_LAYER, ItemResult, JobSummary
 from vlmq.worker.engine.batcher import Finished
-from vlmq.worker.engine.item_order import ItemOrder, Tally
-from vlmq.worker.intake.rq_jobs import INCOMPLETE, JobLifecycle, Running
+from vlmq.worker.item_order import ItemOrder, Tally
+from vlmq.worker.jobs.rq_jobs import INCOMPLETE, JobLifecycle, Running
 from vlmq.worker.stats import WorkerStats
 
 log = logging.getLogger("vlmq.worker")

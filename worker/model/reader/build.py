@@ -14,8 +14,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from vlmq.worker.engine.families import qwen2_vl
 from vlmq.worker.model import blas, tiny
+from vlmq.worker.model.families import qwen2_vl
 
 TEXT: dict[str, Any] = {
     "hidden_size": 256,

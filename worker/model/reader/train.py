@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from vlmq.worker.engine.families.qwen2_vl import FAMILY
 from vlmq.worker.model import blas
+from vlmq.worker.model.families.qwen2_vl import FAMILY
 from vlmq.worker.model.reader import build, data
 
 SEED = 0
@@ -54,7 +54,7 @@ def batch(processor: Any, config: Any, pages: list[data.Page]) -> dict[str, Any]
     """Inputs, targets and the answer mask for one batch, through the worker's preparation."""
     import mlx.core as mx
 
-    from vlmq.worker.engine import mlx_adapter as A
+    from vlmq.worker.model import mlx_adapter as A
 
     end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
@@ -187,7 +187,7 @@ def read(model: Any, processor: Any, image: Any, max_tokens: int = 96) -> str:
     import mlx.core as mx
     from mlx_vlm.generate.ar import generate_step
 
-    from vlmq.worker.engine import mlx_adapter as A
+    from vlmq.worker.model import mlx_adapter as A
 
     prep = A.prepare(processor, model.config, image, ocr_prompt())
     assert prep.input_ids is not None and prep.pixel_values is not None

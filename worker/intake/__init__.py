@@ -1,1 +1,0 @@
-"""Taking jobs: claiming them from RQ, fencing, heartbeats, guards, poison records, job settings."""

@@ -1,0 +1,1 @@
+"""The RQ job lifecycle, whole: taking, running, fencing, heartbeats, guards, poison, ends."""
