@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from mlx_vlm.generate import BatchGenerator
 
     from vlmq.worker.engine.batcher import Engine, Request
-    from vlmq.worker.model import mlx_adapter as A
+    from vlmq.worker.model import mlx_adapter
     from vlmq.worker.model.defaults import resolve
 
     print(f"0. float32 (b x 512) @ (512 x 1408), GFLOP/s, OpenBLAS threads 1 vs {blas.cores()}:")
@@ -75,16 +75,16 @@ def main(argv: list[str] | None = None) -> int:
 
     model_path = C.resolve_model(args.model)
     print(f"machine: {C.machine()}\nBLAS: {chosen.describe()}\nmodel: {model_path}")
-    loaded = A.load_model(model_path)
+    loaded = mlx_adapter.load_model(model_path)
     model, processor, config = loaded.model, loaded.processor, loaded.model.config
     prompt = resolve(loaded.model_type, "ocr", None, args.max_tokens, 0.0, ()).prompt
     images = [R._photo(500 + i, R.PHOTO_SIZES[0]) for i in range(args.items)]
-    prepared = [A.prepare(processor, config, im, prompt) for im in images]
+    prepared = [mlx_adapter.prepare(processor, config, im, prompt) for im in images]
     n = len(prepared)
 
     # 1. vision tower
     def per_image() -> list[Any]:
-        return [A.vision_features(model, pr) for pr in prepared]
+        return [mlx_adapter.vision_features(model, pr) for pr in prepared]
 
     def one_call() -> Any:
         dtype = model.vision_tower.patch_embed.proj.weight.dtype
@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     # 2. per-step overhead: bare BatchGenerator vs the Engine, same inserted rows
     def bare() -> int:
         # Tower and embeddings included, as in the engine (one image at a time).
-        kwargs = [A.build_prompt_kwargs(model, processor, pr, A.vision_features(model, pr))
+        kwargs = [mlx_adapter.build_prompt_kwargs(model, processor, pr,
+                                                  mlx_adapter.vision_features(model, pr))
                   for pr in prepared]
         gen = BatchGenerator(model.language_model, processor, completion_batch_size=2 * n,
                              prefill_batch_size=n, compute_logprobs=False)
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     t_bare = timed(bare, args.repeat)
     engine = Engine(model_path, max_batch=n)
     engine.wait_ready(timeout=300)
-    eng_prepared = [A.prepare(engine.processor, engine.model_config, im, prompt)
+    eng_prepared = [mlx_adapter.prepare(engine.processor, engine.model_config, im, prompt)
                     for im in images]
 
     def through_engine() -> None:
@@ -152,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     for threads in (1, 2, 4):
         def prep(threads: int = threads) -> None:
             with ThreadPoolExecutor(threads) as pool:
-                list(pool.map(lambda im: A.prepare(processor, config, im, prompt), images))
+                list(pool.map(lambda im: mlx_adapter.prepare(processor, config, im, prompt),
+                              images))
         print(f"   {threads} threads: {1000 * timed(prep, args.repeat) / n:.1f} ms/item")
     return 0
 

@@ -172,7 +172,7 @@ def make_inputs(folder: Path, items: int, side: int) -> list[Path]:
 
 def item_images(paths: Sequence[Path], side: int) -> list[Image.Image]:
     """Every item as the exact pixels the worker would hand its processor."""
-    from vlmq.worker.prep import decode as P
+    from vlmq.worker.prep import decode
 
     images: list[Image.Image] = []
     for path in paths:
@@ -183,9 +183,9 @@ def item_images(paths: Sequence[Path], side: int) -> list[Image.Image]:
             doc = pdfium.PdfDocument(data)
             n = len(doc)
             doc.close()
-            images.extend(P.render_pdf_page(data, page, side) for page in range(1, n + 1))
+            images.extend(decode.render_pdf_page(data, page, side) for page in range(1, n + 1))
         else:
-            images.append(P.decode_image(data, side))
+            images.append(decode.decode_image(data, side))
     return images
 
 

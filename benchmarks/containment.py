@@ -52,19 +52,20 @@ def main(argv: list[str] | None = None) -> int:
     blas.select()
     from mlx_vlm import load
 
-    from vlmq.worker.engine import constraints as S
+    from vlmq.worker.engine import constraints
     from vlmq.worker.engine.batcher import Engine, Request
-    from vlmq.worker.model import mlx_adapter as A
+    from vlmq.worker.model import mlx_adapter
 
     model_path = C.resolve_model(args.model)
     print(f"machine: {C.machine()}\nmodel: {model_path}; {args.rows} innocent rows, "
           f"{args.attackers} attackers ({HOSTILE['pattern']}) at {args.side} px")
     model, processor = load(model_path)
     rng = np.random.default_rng(0)
-    preps = [A.prepare(processor, model.config,
-                       Image.fromarray(rng.integers(0, 256, (args.side, args.side, 3),
-                                                    dtype=np.uint8)),
-                       "Extract the receipt as JSON.") for _ in range(args.rows + args.attackers)]
+    def noise() -> Image.Image:
+        return Image.fromarray(rng.integers(0, 256, (args.side, args.side, 3), dtype=np.uint8))
+
+    preps = [mlx_adapter.prepare(processor, model.config, noise(), "Extract the receipt as JSON.")
+             for _ in range(args.rows + args.attackers)]
     engine = Engine(model_path, max_batch=args.rows + args.attackers)
     engine.wait_ready(timeout=300)
 
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in range(args.attackers):
             try:
                 row = structured.row(schema)
-            except S.ConstraintError as exc:
+            except constraints.ConstraintError as exc:
                 fates.append(f"refused at build: {str(exc)[:48]}...")
                 continue
             row.step_budget_s = step_budget_s
@@ -92,15 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     def beside(budgeted: bool, schema: dict[str, str] = HOSTILE
                ) -> tuple[float, dict[Any, Any], list[str]]:
         names = ("BUILD_BUDGET_S", "INITIAL_LEXER_FUEL", "STEP_LEXER_FUEL", "MAX_LEXER_STATES")
-        saved = {n: getattr(S, n) for n in names}
+        saved = {n: getattr(constraints, n) for n in names}
         if not budgeted:  # no time budget, and llguidance's own default limits
             for n, v in zip(names, (1e9, 1_000_000, 200_000, 250_000), strict=True):
-                setattr(S, n, v)
+                setattr(constraints, n, v)
         try:
-            structured = S.Structured(processor.tokenizer, A.eos_token_ids(processor))
+            structured = constraints.Structured(processor.tokenizer,
+                                                mlx_adapter.eos_token_ids(processor))
             fates: list[str] = []
             builder = threading.Thread(target=lambda: fates.extend(
-                attack(structured, S.STEP_BUDGET_S if budgeted else 1e9, schema)))
+                attack(structured, constraints.STEP_BUDGET_S if budgeted else 1e9, schema)))
             builder.start()
             wall, got = run_batch(engine, innocents(structured))
             builder.join()
@@ -113,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
             return wall, got, fates
         finally:
             for n, v in saved.items():
-                setattr(S, n, v)
+                setattr(constraints, n, v)
 
-    warm = S.Structured(processor.tokenizer, A.eos_token_ids(processor))
+    warm = constraints.Structured(processor.tokenizer, mlx_adapter.eos_token_ids(processor))
     run_batch(engine, innocents(warm))
     alone_s, alone = run_batch(engine, innocents(warm))
     on_s, on, on_fates = beside(budgeted=True)

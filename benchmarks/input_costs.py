@@ -43,18 +43,18 @@ from tests.support.tiff_craft import LZW, best_time, encoded_strip, many_pages
 def tiff_pages(pages: int, side: int) -> dict[str, float]:
     """Part 1: in-process decode of page 1 and page N, and the producer's check."""
     from vlmq.producer.files import check_file
-    from vlmq.worker.prep import decode as P
+    from vlmq.worker.prep import decode
 
     last = encoded_strip(Image.new("L", (8, 8), 99), "tiff_lzw")
     data = many_pages(pages, strips=[(last, LZW)])
     out: dict[str, float] = {}
     for page in (1, pages):
-        out[f"fresh_p{page}_s"] = best_time(lambda p=page: P.decode_tiff_page(data, p, side),
-                                              repeat=3)
+        out[f"fresh_p{page}_s"] = best_time(lambda p=page: decode.decode_tiff_page(data, p, side),
+                                            repeat=3)
         key = f"bench-{pages}"
-        P.decode_tiff_page(lambda: data, 1, side, doc_key=key)  # the document kept
+        decode.decode_tiff_page(lambda: data, 1, side, doc_key=key)  # the document kept
         out[f"kept_p{page}_s"] = best_time(
-            lambda p=page, k=key: P.decode_tiff_page(lambda: data, p, side, doc_key=k),
+            lambda p=page, k=key: decode.decode_tiff_page(lambda: data, p, side, doc_key=k),
             repeat=3)
     with tempfile.TemporaryDirectory() as tmp:
         for n in (pages // 10, pages):
@@ -193,10 +193,9 @@ def main() -> None:
                         help="which figures: 1 TIFF pages, 2 the wait, 3 the RSS")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args()
+    from vlmq.worker.prep import decode
 
-    import vlmq.worker.prep.decode as P
-
-    print(f"vlmq from {Path(P.__file__).parent.parent}")
+    print(f"vlmq from {Path(decode.__file__).parent.parent}")
     parts = {int(p) for p in args.parts.split(",")}
     figures: dict[str, float] = {}
     if 1 in parts:

@@ -81,16 +81,17 @@ class Run:
 
     def requests(self, imgs: list[Any], prompt: str, max_tokens: int, tag: str) -> list[Any]:
         from vlmq.worker.engine.batcher import Request
-        from vlmq.worker.model import mlx_adapter as A
+        from vlmq.worker.model import mlx_adapter
 
         out = []
         for i, img in enumerate(imgs):
             hit = self.features.get(i)
             if hit is not None:
-                prep = A.prepare_from_grid(self.processor, self.model.config, hit[2], prompt)
+                prep = mlx_adapter.prepare_from_grid(self.processor, self.model.config, hit[2],
+                                                     prompt)
                 cached: tuple[Any, str] | None = (hit[0], hit[1])
             else:
-                prep = A.prepare(self.processor, self.model.config, img, prompt)
+                prep = mlx_adapter.prepare(self.processor, self.model.config, img, prompt)
                 cached = None
             grid = prep.image_grid_thw
 

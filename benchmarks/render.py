@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.support.pdf_craft import build_pdf
 from vlmq.shared.blobs import sha256_hex
-from vlmq.worker.prep import decode as P
+from vlmq.worker.prep import decode
 from vlmq.worker.prep.render_pool import RenderPool
 
 SIDE = 1288
@@ -81,7 +81,7 @@ def main() -> None:
           f"{os.cpu_count()} cores, {args.runs} runs (medians)")
 
     def in_process(data: bytes, page: int, key: str) -> object:
-        return P.render_pdf_page(data, page, SIDE, doc_key=key)
+        return decode.render_pdf_page(data, page, SIDE, doc_key=key)
 
     pool = RenderPool(args.threads, mem_mb=1024, timeout_s=600)
     try:
@@ -96,7 +96,7 @@ def main() -> None:
                 (f"two {half}-page PDFs, in-process lock", in_process, halves),
                 (f"two {half}-page PDFs, render processes", pool_render, halves),
             ):
-                P.clear_pdf_cache()
+                decode.clear_pdf_cache()
                 rows.setdefault(name, []).append(run(fn, docs, args.threads))
     finally:
         pool.close()

@@ -324,14 +324,14 @@ def run_c(model_path: str, prompt: str, stop: tuple[str, ...], jobs: Sequence[Jo
           guard: RepetitionGuard | None) -> SystemRun:
     """The vlmq Engine in-process, fed at the arrival times, prep on a thread pool."""
     from vlmq.worker.engine.batcher import Engine, Request
-    from vlmq.worker.model import mlx_adapter as A
+    from vlmq.worker.model import mlx_adapter
 
     engine = Engine(model_path, max_batch=max_batch, repetition=guard)
     engine.wait_ready(timeout=300)
     processor, config = engine.processor, engine.model_config
 
     def submit(key: tuple[int, int], img: Image.Image, priority: int = 0) -> None:
-        prepared = A.prepare(processor, config, img, prompt)
+        prepared = mlx_adapter.prepare(processor, config, img, prompt)
         engine.submit(Request(key=key, prepared=prepared, cached_features=None,
                               max_tokens=max_tokens, temperature=0.0, stop=stop,
                               priority=priority))
@@ -579,7 +579,7 @@ def run(args: argparse.Namespace) -> int:
     if (systems & {"D", "D_ref"} or not args.no_enqueue_bench) and not args.no_flush:
         C.connect(args.redis_url).close()
 
-    from vlmq.worker.model import mlx_adapter as A
+    from vlmq.worker.model import mlx_adapter
     from vlmq.worker.model.defaults import resolve
 
     t_start = time.perf_counter()
@@ -599,10 +599,10 @@ def run(args: argparse.Namespace) -> int:
               + ("; E has none (its HTTP API takes no custom stopping rule)"
                  if "E" in systems else ""), flush=True)
         runs: dict[str, SystemRun] = {}
-        loaded = A.load_model(model_path)
+        loaded = mlx_adapter.load_model(model_path)
         spec = resolve(loaded.model_type, "ocr", None, max_tokens, 0.0, ())
-        prompt_text = A.format_prompt(loaded.processor, loaded.model.config, spec.prompt,
-                                      num_images=1)
+        prompt_text = mlx_adapter.format_prompt(loaded.processor, loaded.model.config, spec.prompt,
+                                                num_images=1)
         if systems & {"A", "B"}:
             from mlx_vlm import generate
 
@@ -680,7 +680,7 @@ def run(args: argparse.Namespace) -> int:
         "D_over_E": ratio("D", "E"),
         "D_over_D_ref": ratio("D", "D_ref"),
         "D_over_best_fixed": (round(runs["D"].tok_s / max(r.tok_s for k, r in runs.items()
-                                                           if k.startswith("D@")), 3)
+                                                          if k.startswith("D@")), 3)
                               if "D" in runs and any(k.startswith("D@") for k in runs)
                               else None),
         "defaults": args.defaults,

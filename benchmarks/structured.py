@@ -62,7 +62,7 @@ def portable_mask_s(vocab: int, reps: int = 200) -> float:
 
     logits = mx.random.normal((1, vocab))
     bitmask = np.random.default_rng(0).integers(-2**31, 2**31 - 1, (1, (vocab + 31) // 32),
-                                                 dtype=np.int32)
+                                                dtype=np.int32)
     mx.eval(apply_portable(logits, bitmask))
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -126,16 +126,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from vlmq.worker.engine.batcher import Engine, Request
     from vlmq.worker.engine.constraints import Structured
-    from vlmq.worker.model import mlx_adapter as A
+    from vlmq.worker.model import mlx_adapter
 
     model_path = C.resolve_model(args.model)
     print(f"machine: {C.machine()}\nmodel: {model_path}; {args.rows} rows at {args.side} px")
     model, processor = load(model_path)
-    structured = Structured(processor.tokenizer, A.eos_token_ids(processor))
+    structured = Structured(processor.tokenizer, mlx_adapter.eos_token_ids(processor))
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 256, (args.side, args.side, 3), dtype=np.uint8))
               for _ in range(args.rows)]
-    preps = [A.prepare(processor, model.config, im, "Extract the receipt as JSON.")
+    preps = [mlx_adapter.prepare(processor, model.config, im, "Extract the receipt as JSON.")
              for im in images]
     engine = Engine(model_path, max_batch=args.rows)
     engine.wait_ready(timeout=300)

@@ -6,7 +6,7 @@ whenever that happens, at its start or in the middle of a wait, so 1 always mean
 (or an id) and never the connection.
 
 Every command imports this module before it runs: it imports nothing heavy (no redis,
-no Pillow), so `vlmq X --help` stays fast (issue 28).
+no Pillow), so `vlmq X --help` stays fast.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ EXIT_CONFIG = 78
 EXIT_TIMEOUT = 124
 
 # Each code, the name a --json error carries as "kind", and what it means. docs/jobs.md's
-# table is checked against it (tests/ops/test_cli_habits.py).
+# table is checked against it (tests/cli/test_conventions.py).
 EXIT_CODES: dict[int, tuple[str, str]] = {
     EXIT_OK: ("ok", "done: every job asked about finished, or the command did its work"),
     EXIT_FAILED: ("failed", "a job failed, was canceled or is not found; an item failed or "
@@ -106,7 +106,7 @@ def fail(message: str, code: int) -> NoReturn:
 class IdType(click.ParamType[str, Any]):
     """A command argument that is an id by its shape (shared/keys.py's IdShape): a
     malformed one is a usage error (exit 2, naming it and the shape) before any command
-    reaches Redis, where `b-x:jobs` would name another key (issue 29)."""
+    reaches Redis, where `b-x:jobs` would name another key."""
 
     def __init__(self, shape: IdShape) -> None:
         self.shape = shape
@@ -134,7 +134,7 @@ def parse_labels(_ctx: click.Context, _param: click.Parameter,
         raise click.BadParameter(str(exc)) from exc
 
 
-def one_line(text: str) -> str:
+def collapse_whitespace(text: str) -> str:
     return " ".join(text.split())
 
 

@@ -36,7 +36,7 @@ from vlmq.shared import settings as S
 from vlmq.shared.errors import InputError, PayloadError
 
 # The client and what it uses (redis, RQ, Pillow, PDFium) are imported by the command
-# bodies that need them: `vlmq jobs --help` imports none of it (issue 28's start time).
+# bodies that need them: `vlmq jobs --help` imports none of it.
 if TYPE_CHECKING:
     from vlmq.producer.client import Client, Job, QueueInfo, WorkerInfo
     from vlmq.producer.job_sets import Batch

@@ -19,11 +19,11 @@ from vlmq.cli.common import (
     EXIT_FAILED,
     EXIT_UNREACHABLE,
     JSON_META,
+    collapse_whitespace,
     error_json,
     fail,
     json_wanted,
     no_color,
-    one_line,
 )
 from vlmq.shared import constants as C
 
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 # one-line help. A command's module is imported only when that command runs, and
 # `vlmq --help` lists these lines without importing any: so `vlmq jobs` never imports the
 # worker's, the dashboard's or the metrics' modules, and each listing command starts with
-# only what it uses (issue 28). tests/ops/test_cli_start.py keeps each line equal to the
+# only what it uses. tests/cli/test_start_imports.py keeps each line equal to the
 # command's own help.
 COMMANDS: dict[str, tuple[str, str]] = {
     "enqueue": ("vlmq.cli.jobs", "Validate inputs, upload them once, and enqueue: a task "
@@ -50,10 +50,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                 "depths, workers (full worker stats with --json) and "
                                 "Redis's health."),
     "wait": ("vlmq.cli.results", "Wait for jobs with progress (a bar on a terminal, else a line "
-                              "every 10 % or 10 s); a batch id waits for the batch's end and "
+             "every 10 % or 10 s); a batch id waits for the batch's end and "
                               "prints one line for it."),
     "result": ("vlmq.cli.results", "Print jobs' results in item order (partial while they run); "
-                                "a batch id prints its jobs' in batch order."),
+               "a batch id prints its jobs' in batch order."),
     "cancel": ("vlmq.cli.jobs", "Cancel jobs (a batch id: every job of it not yet ended): a "
                                 "queued job never runs; a running one is dropped by its worker "
                                 "within seconds."),
@@ -204,7 +204,7 @@ def server_message(exc: ResponseError) -> str:
         number, _, command = head[len(_PIPELINE_HEAD):].partition(" (")
         name = command.split(" ", 1)[0]
         text = f"{reason} (in {name if name.isalpha() else 'a'} command {number} of a pipeline)"
-    text = one_line(text).encode("ascii", "backslashreplace").decode("ascii")
+    text = collapse_whitespace(text).encode("ascii", "backslashreplace").decode("ascii")
     text = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
     return text if len(text) <= _MESSAGE_MAX else text[:_MESSAGE_MAX] + "…"
 
@@ -269,9 +269,9 @@ def _start_scheduler(redis_url: str, stores: Stores | None = None
 @click.pass_context
 def demo_cmd(ctx: click.Context, model: str | None, max_batch: int) -> None:
     """Enqueue the bundled sample, run a burst worker on it, and show results and stats."""
-    from vlmq.cli import worker as worker_cli
+    from vlmq.cli import worker
 
-    worker_cli.require_worker_extra()
+    worker.require_worker_extra()
     from vlmq.cli.demo import run_demo
 
     ctx.exit(run_demo(redis_url=ctx.obj["redis_url"], model=model, max_batch=max_batch))

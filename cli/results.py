@@ -28,7 +28,7 @@ from vlmq.cli.common import (
 )
 from vlmq.cli.progress import display
 from vlmq.producer.errors import JobNotFound
-from vlmq.producer.ops import output_formats as formats
+from vlmq.producer.ops import output_formats
 from vlmq.producer.ops.output_formats import FORMATS, JobResults, last_line
 
 # The client (redis, RQ) is imported by the command bodies: `--help` never needs it.
@@ -163,8 +163,8 @@ def wait_cmd(ctx: click.Context, job_ids: tuple[str, ...], timeout: float | None
 
 def _write(path: str | None, text: str) -> None:
     if path is None:
-        # A terminal runs control sequences a text carries: shown escaped there (issue 29).
-        click.echo(formats.for_terminal(text) if sys.stdout.isatty() else text, nl=False)
+        # A terminal runs control sequences a text carries: shown escaped there.
+        click.echo(output_formats.for_terminal(text) if sys.stdout.isatty() else text, nl=False)
         return
     try:
         # newline="": the text's own line ends (csv's CRLF) are written as they are.
@@ -185,7 +185,7 @@ def _read(job: Job) -> JobResults:
     return JobResults.read(job)
 
 
-def _notes(view: JobResults, fmt: formats.Format) -> list[str]:
+def _notes(view: JobResults, fmt: output_formats.Format) -> list[str]:
     """What stderr says about a job: failed, or still running; and the items the format
     leaves out, so that nothing is dropped silently."""
     job, done = view.job, len(view.results)
@@ -243,7 +243,7 @@ def result_cmd(ctx: click.Context, job_ids: tuple[str, ...], fmt: str, output: s
     _write(output, text)
     for view in views:
         for note in _notes(view, form):
-            click.echo(formats.for_terminal(note), err=True)  # names from any producer
+            click.echo(output_formats.for_terminal(note), err=True)  # names from any producer
     if any(v.error is not None for v in views):
         sys.exit(EXIT_FAILED)
 
@@ -256,7 +256,8 @@ def _split_formats() -> str:
     return " or ".join(f.name for f in FORMATS.values() if f.split is not None)
 
 
-def _render(form: formats.Format, views: Sequence[JobResults], errors_path: str | None) -> str:
+def _render(form: output_formats.Format, views: Sequence[JobResults],
+            errors_path: str | None) -> str:
     """The text for -o/stdout. With --errors (a format that splits), the failed items go to
     that file now and the text holds the successes."""
     if errors_path is None or form.split is None:

@@ -25,7 +25,7 @@ codes into a logged exit 0, which KeepAlive's SuccessfulExit=false leaves stoppe
 out of reach (69) and other failures are restarted after RESTART_S.
 
 Trust: whatever reaches a unit comes from a command line or a shell's environment that may
-be hostile (issue 29). A value that could end a line or name another setting is refused,
+be hostile. A value that could end a line or name another setting is refused,
 naming where it came from: control characters anywhere; a --run-as that is not a user
 name; a VLMQ_* variable whose name is not a variable name (sh would run the env file's
 `;cmd;`). What remains is quoted for its reader: systemd's rules (% doubled, quotes and
@@ -59,11 +59,11 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from vlmq.cli import worker as worker_cli
+from vlmq.cli import worker
 from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_CONFIG, fail
 from vlmq.shared import constants as C
 from vlmq.shared.urls import MASK, redact_url
-from vlmq.worker import options as WO
+from vlmq.worker import options
 from vlmq.worker.default_dirs import default_cache_dir
 
 # Seconds past --grace before the init system sends SIGKILL: after the grace the worker
@@ -353,11 +353,11 @@ def _worker_params(args: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     worker's own parser and the table's conversions check the arguments now, not in a
     restart loop later."""
     try:
-        with worker_cli.worker_cmd.make_context("vlmq worker", list(args)) as wctx:
+        with worker.worker_cmd.make_context("vlmq worker", list(args)) as wctx:
             params = dict(wctx.params)  # in the order given, then the rest
             given = [name for name in params
                      if wctx.get_parameter_source(name) is ParameterSource.COMMANDLINE]
-        worker_cli.config_values(params)
+        worker.config_values(params)
     except click.ClickException as exc:
         raise click.UsageError(f"worker arguments: {exc.format_message()}") from exc
     return params, given
@@ -374,7 +374,7 @@ def build_spec(ctx: click.Context, kind: str, name: str, system: bool, env_opts:
     if system and run_as is None:
         run_as = _default_user()
     spec = Spec(kind=kind, name=name, system=system,
-                program=[vlmq_executable(), "worker", *WO.unit_args(params, given)], env=env,
+                program=[vlmq_executable(), "worker", *options.unit_args(params, given)], env=env,
                 grace=float(params["grace"]), cache_dir=cache_dir, env_file=env_file,
                 run_as=run_as, system_cache=system_cache, left_out=left_out)
     _check_spec(spec)
@@ -426,17 +426,17 @@ def _check_unit_options(kind: str, name: str, system: bool, run_as: str | None) 
         check_user(run_as, "--run-as")
 
 
-def _relative(row: WO.WorkerOption, value: Any) -> bool:
+def _relative(row: options.WorkerOption, value: Any) -> bool:
     if value is None:
         return False
     path = Path(value)
-    return not path.is_absolute() and (row.local_path == WO.PATH or path.exists())
+    return not path.is_absolute() and (row.local_path == options.PATH or path.exists())
 
 
 def _check_absolute_paths(params: dict[str, Any]) -> None:
     """The service runs in its cache directory, so a relative local path would name another
     file there."""
-    rows = WO.local_paths()
+    rows = options.local_paths()
     if any(_relative(row, params[row.name]) for row in rows):
         flags = " and ".join(row.cli_flag for row in rows)
         raise click.UsageError(f"worker arguments: give {flags} as absolute paths; the "

@@ -20,7 +20,7 @@ import click
 
 from vlmq.cli.common import EXIT_CONFIG, EXIT_FAILED, fail, store_option
 from vlmq.shared import constants as C
-from vlmq.worker import options as WO
+from vlmq.worker import options
 from vlmq.worker.default_dirs import default_cache_dir
 from vlmq.worker.model import families
 
@@ -55,7 +55,7 @@ def _whole(bound: float | None) -> int | None:
     return None if bound is None else int(bound)
 
 
-def _click_type(row: WO.WorkerOption) -> Any:
+def _click_type(row: options.WorkerOption) -> Any:
     if row.kind == "int":
         return click.IntRange(_whole(row.lo), _whole(row.hi))
     if row.kind == "float":
@@ -67,7 +67,7 @@ def _click_type(row: WO.WorkerOption) -> Any:
     return None
 
 
-def click_option(row: WO.WorkerOption) -> Callable[[F], F]:
+def click_option(row: options.WorkerOption) -> Callable[[F], F]:
     """The click option of one table row."""
     if row.kind == "stores":  # the --store every command shares
         return store_option
@@ -83,7 +83,7 @@ def click_option(row: WO.WorkerOption) -> Callable[[F], F]:
     return click.option(row.cli_flag, row.name, **kw)
 
 
-def worker_options(rows: Sequence[WO.WorkerOption] = WO.OPTIONS) -> Callable[[F], F]:
+def worker_options(rows: Sequence[options.WorkerOption] = options.OPTIONS) -> Callable[[F], F]:
     """A click option per table row, in the table's order; the command gets each value
     under the row's name."""
     def decorate(func: F) -> F:
@@ -98,8 +98,8 @@ def config_values(values: Mapping[str, Any]) -> dict[str, Any]:
     """WorkerConfig's arguments from the options' values; a value the table's conversion
     refuses (a queue name) is a usage error naming its option, before any model loads."""
     try:
-        return WO.config_values(values)
-    except WO.OptionError as exc:
+        return options.config_values(values)
+    except options.OptionError as exc:
         raise click.BadParameter(exc.message, param_hint=exc.flag) from None
 
 

@@ -24,8 +24,8 @@ import zlib
 from typing import IO, Final
 
 from vlmq.media import opener
-from vlmq.media import tiff as TIFF
 from vlmq.media.pdfium import PDFIUM_LOCK
+from vlmq.media.tiff import MARKS
 from vlmq.shared.errors import InputError
 
 PDF_MAGIC: Final = b"%PDF-"
@@ -39,7 +39,7 @@ _PNG_DEPTHS: Final = {0: (1, 2, 4, 8, 16), 2: (8, 16), 3: (1, 2, 4, 8), 4: (8, 1
 
 def is_tiff(head: bytes) -> bool:
     """A TIFF or BigTIFF, by its first four bytes (every byte-order mark Pillow accepts)."""
-    return head[:4] in TIFF.MARKS
+    return head[:4] in MARKS
 
 
 def check_content(data: bytes | IO[bytes], head: bytes, source: str, *,

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Final
 
 from vlmq.media import formats
-from vlmq.media import tiff as TIFF
 from vlmq.media.pdfium import open_problem
+from vlmq.media.tiff import Document, Index, TiffError
 from vlmq.shared import constants as C
 from vlmq.shared.errors import VlmqError
 
@@ -190,7 +190,7 @@ def open_image(data: bytes | IO[bytes], *, page: int | None = None,
     """Pillow's lazy open (the header only, nothing decoded), checked against CAPS.
 
     The frame it returns is the item (see the module's note on frames). `tiff`: read it
-    as a TIFF only (a page from TIFF.Document.page). Close it (`with`); a file passed in
+    as a TIFF only (a page from Document.page). Close it (`with`); a file passed in
     stays the caller's. MediaError for every refusal.
     """
     from PIL import Image, UnidentifiedImageError
@@ -256,24 +256,24 @@ def reduce_for(im: Image.Image, max_side: int | None) -> None:
 # -- TIFF pages --------------------------------------------------------------------------
 
 
-def open_tiff(data: bytes | IO[bytes]) -> TIFF.Document:
+def open_tiff(data: bytes | IO[bytes]) -> Document:
     """A TIFF's page index (media/tiff.py); MediaError when not even page 1 is reachable.
     A chain broken later is the index's `problem`: see unreachable()."""
     try:
-        return TIFF.Document(data)
-    except TIFF.TiffError as exc:
+        return Document(data)
+    except TiffError as exc:
         raise MediaError(Problem.DOCUMENT, f"not a readable TIFF: the file {exc}",
                          at_enqueue=tiff_problem(exc), page=exc.page) from exc
 
 
-def tiff_problem(exc: TIFF.TiffError) -> str:
+def tiff_problem(exc: TiffError) -> str:
     """A broken page chain, phrased for the producer's refusal of the file."""
     if exc.page is None:
         return exc.problem
     return f"page {exc.page}: is a corrupt or truncated TIFF page ({exc.problem})"
 
 
-def unreachable(index: TIFF.Index, page: int) -> MediaError:
+def unreachable(index: Index, page: int) -> MediaError:
     """Page `page` (past the index's last) cannot be had: out of range, or past a break."""
     if index.problem is not None:
         return MediaError(Problem.PAGE, f"page {page} cannot be reached: the TIFF's page "
@@ -284,7 +284,7 @@ def unreachable(index: TIFF.Index, page: int) -> MediaError:
 
 
 @contextmanager
-def tiff_page(doc: TIFF.Document, page: int) -> Iterator[Image.Image]:
+def tiff_page(doc: Document, page: int) -> Iterator[Image.Image]:
     """Page `page` (1-based) of an indexed TIFF, opened as open_image opens an image
     (CAPS checked on that page's own header: a bomb on another page is not its problem).
     Decode it inside the block: its bytes are patched for this page only meanwhile."""

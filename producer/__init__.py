@@ -19,7 +19,7 @@ __all__ = ["Client", "Job", "JobFailed", "JobNotFound", "JobOptions", "WaitTimeo
 
 # The names above, imported on first use (PEP 562): every `vlmq.producer.X` import runs
 # this file first, and the client pulls in Pillow, PDFium and RQ, which `vlmq --help` or
-# a listing command never needs (issue 28's CLI start time).
+# a listing command never needs.
 _LAZY = {"Client": "client", "Job": "client", "JobFailed": "client",
          "JobNotFound": "client", "WaitTimeout": "client", "JobOptions": "options"}
 

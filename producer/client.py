@@ -20,15 +20,15 @@ from rq.job import Job as RQJob
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from vlmq.producer import job_admin as manage
+from vlmq.producer import job_admin
 from vlmq.producer.defaults import DEFAULT_MAX_PENDING_MB, JOB_ITEMS
 from vlmq.producer.errors import JobNotFound, NotAJob
+from vlmq.producer.fleet import read_fleet
 from vlmq.producer.options import JOB_FIELDS, JobOptions
 from vlmq.producer.progress import Progress, ShowProgress, StatusLines
 from vlmq.producer.upload import Uploader
 from vlmq.shared import constants as C
-from vlmq.shared import extract_schema as json_schema
-from vlmq.shared import redis_checks
+from vlmq.shared import extract_schema, redis_checks
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.connection import check_url, connect, transient
 from vlmq.shared.constants import DEFAULT_REDIS_URL
@@ -55,9 +55,9 @@ from vlmq.shared.urls import redact_url
 
 # The enqueue side (file checks, Pillow and PDFium through them, sets, stores) is
 # imported by the methods that enqueue: a listing through the client pays for none of it
-# (issue 28's start time; tests/ops/test_cli_start.py).
+#.
 if TYPE_CHECKING:
-    from vlmq.producer import job_sets as batches
+    from vlmq.producer import job_sets
     from vlmq.producer.inputs import Prepared
     from vlmq.producer.page_specs import PageSpec
     from vlmq.stores.backends import Stores
@@ -215,7 +215,7 @@ class Client:
         Each item's result carries the object as `json` (its text as `text`). A bad schema
         raises PayloadError naming the problem, before anything is uploaded.
         """
-        opts = _options(options, values).with_(schema=json_schema.as_schema(schema))
+        opts = _options(options, values).with_(schema=extract_schema.as_schema(schema))
         return self.submit("extract", paths, opts, pages=pages, recursive=recursive,
                            skip_bad=skip_bad)
 
@@ -263,17 +263,16 @@ class Client:
                    options: JobOptions | None = None, *, pages: PageSpec = None,
                    recursive: bool = False, skip_bad: bool = False,
                    job_size: int = JOB_ITEMS,
-                   progress: ShowProgress | None = None) -> Job | batches.Batch:
+                   progress: ShowProgress | None = None) -> Job | job_sets.Batch:
         """A set of any size: one job when it fits in `job_size` items, else a Batch of
         jobs of at most `job_size` (producer/job_sets.py says why 500 by default).
         `progress`: opens the "files hashed" progress while a big folder is checked."""
-        from vlmq.producer import job_sets as batches
-        from vlmq.producer import stream_sets
+        from vlmq.producer import job_sets, stream_sets
         from vlmq.producer.inputs import Prepared
 
         if task not in C.TASKS:
             raise PayloadError("task", f"must be one of {list(C.TASKS)}, got {task!r}")
-        batches.check_job_size(job_size)
+        job_sets.check_job_size(job_size)
         self._refuse_new_queue((options or JobOptions()).queue_for(task))
         with ExitStack() as stack:
             shown: dict[str, Progress] = {}
@@ -293,8 +292,8 @@ class Client:
                     self, task, _as_list(inputs), options or JobOptions(), pages=pages,
                     recursive=recursive, skip_bad=skip_bad, job_size=job_size,
                     stores=self.stores, on_file=on_file if progress is not None else None)
-        return batches.submit_set(self, task, inputs, options or JobOptions(),
-                                  job_size=job_size)
+        return job_sets.submit_set(self, task, inputs, options or JobOptions(),
+                                   job_size=job_size)
 
     def check_redis(self) -> None:
         """Before the first upload: raise EvictionRefused on an evicting Redis unless
@@ -322,11 +321,11 @@ class Client:
                                         f"most {C.MAX_QUEUES} queues (rq:queues holds "
                                         f"{count}): use an existing queue")
 
-    def batch(self, batch_id: str) -> batches.Batch:
+    def batch(self, batch_id: str) -> job_sets.Batch:
         """Handle for an existing batch; raises BatchNotFound (a JobNotFound)."""
-        from vlmq.producer import job_sets as batches
+        from vlmq.producer import job_sets
 
-        return batches.Batch.load(self, _checked(JOB_ID_SHAPE, batch_id, "batch_id"))
+        return job_sets.Batch.load(self, _checked(JOB_ID_SHAPE, batch_id, "batch_id"))
 
     def serving(self, queue: str) -> int:
         """How many live RQ workers listen on `queue` (0: a job there waits for one)."""
@@ -373,21 +372,21 @@ class Client:
 
     def jobs(self, *, queue: str | None = None, status: str | None = None,
              labels: Mapping[str, str] | None = None,
-             limit: int | None = None) -> list[manage.JobRow]:
+             limit: int | None = None) -> list[job_admin.JobRow]:
         """Jobs newest first, with items done/failed/total; filters combine (AND)."""
         if queue is not None:
             _checked(QUEUE_SHAPE, queue, "queue")
         _checked_labels(labels or {})
-        return manage.list_jobs(self.redis, self.keys, queue=queue, status=status,
-                                labels=labels, limit=limit)
+        return job_admin.list_jobs(self.redis, self.keys, queue=queue, status=status,
+                                   labels=labels, limit=limit)
 
     def group_status(self, labels: Mapping[str, str]) -> dict[str, Any]:
         """Every job carrying all of `labels`, summed: jobs by state, items done/failed."""
-        return manage.group_status(self.redis, self.keys, _checked_labels(labels))
+        return job_admin.group_status(self.redis, self.keys, _checked_labels(labels))
 
     def cancel(self, job_id: str) -> None:
         """Cancel a queued or running job (terminal `canceled` event included)."""
-        manage.cancel(self.redis, self.keys, _checked(JOB_ID_SHAPE, job_id, "job_id"))
+        job_admin.cancel(self.redis, self.keys, _checked(JOB_ID_SHAPE, job_id, "job_id"))
 
     def delete(self, job_ids: Iterable[str], *, purge_blobs: bool = False) -> int:
         """Remove jobs with their results and events; returns blobs purged.
@@ -401,17 +400,14 @@ class Client:
                 raise JobNotFound(job_id)
         used: set[str] = set()
         for job_id in ids:
-            used |= manage.delete(self.redis, self.keys, job_id)
-        return manage.purge_blobs(self.redis, self.keys, used) if purge_blobs else 0
+            used |= job_admin.delete(self.redis, self.keys, job_id)
+        return job_admin.purge_blobs(self.redis, self.keys, used) if purge_blobs else 0
 
     def queues(self, shown: int = C.MAX_SHOWN_QUEUES) -> dict[str, QueueInfo]:
         """The queues RQ knows of, with their depth (jobs and their items) and registry
         counts: at most `shown` rows, those with workers and the most jobs, the rest summed
         in one row named OTHER_QUEUES (its `queues` says how many), so the answer stays
-        bounded whatever names Redis holds (issue 29)."""
-        # Here, not at the top: it imports prometheus_client, which `vlmq jobs` never needs.
-        from vlmq.producer.fleet import read_fleet
-
+        bounded whatever names Redis holds."""
         fleet = read_fleet(self.redis, self.keys, items=True, shown=shown, defaults=False,
                            ages=False)
         return {q.name: QueueInfo(name=q.name, queued=q.jobs["queued"],
@@ -423,7 +419,7 @@ class Client:
     def workers(self) -> list[WorkerInfo]:
         """RQ workers merged by name with vlmq's published stats hashes."""
         rq_workers = {w.name: w for w in Worker.all(connection=self.redis,
-                                                     serializer=JSONSerializer)}
+                                                    serializer=JSONSerializer)}
         names = set(rq_workers)
         names.update(as_str(n) for n in self.redis.smembers(self.keys.workers))
         out: list[WorkerInfo] = []
@@ -624,7 +620,7 @@ def wait_all(jobs: Sequence[Job], *, timeout: float | None = None,
                 _ride_out(client, exc, deadline, timeout, poll_s)
 
 
-def follow_batch(batch: batches.Batch, *, timeout: float | None = None,
+def follow_batch(batch: job_sets.Batch, *, timeout: float | None = None,
                  progress: ShowProgress | None = None, poll_s: float = POLL_S) -> str:
     """Wait for a batch's end by its running counts and its terminal event (Batch.wait):
     per poll one round trip of three commands and one blocking read of its events stream,
@@ -693,7 +689,7 @@ def _follow_events(client: Client, cursors: dict[Any, Any], wait_s: float) -> No
 
 def _checked(shape: IdShape, value: str, field: str) -> str:
     """`value` when it has `shape`'s form, else PayloadError naming it and the form: an
-    id that holds ':' or a newline would name another key (issue 29), so none is sent."""
+    id that holds ':' or a newline would name another key, so none is sent."""
     problem = shape.problem(value)
     if problem is not None:
         raise PayloadError(field, problem)

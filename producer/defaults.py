@@ -2,7 +2,7 @@
 
 The commands' help is generated from these same values, and reading them must not import
 the client (Pillow, PDFium, RQ): a listing command starts in well under 0.15 s only if its
-module's imports stay this cheap (issue 28). Their users import them from here.
+module's imports stay this cheap. Their users import them from here.
 """
 
 from __future__ import annotations

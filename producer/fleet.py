@@ -55,7 +55,7 @@ def read_fleet(redis: Redis, keys: Keys, *, items: bool = False,
     """The fleet's figures in four pipelined round trips, O(queues + workers) commands.
 
     Queue names are whoever enqueued's choice and an old Redis may hold thousands
-    (issue 29): at most `shown` rows come back, those with workers first, then (with
+   : at most `shown` rows come back, those with workers first, then (with
     `defaults`, which also adds them when absent) the default queues, then the most jobs;
     the rest are summed into `other`, so what a reader prints or exports is bounded.
     Without `ages` the head jobs are not read (every head_age_s is 0): `vlmq status`

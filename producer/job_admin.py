@@ -24,8 +24,7 @@ from rq.serializers import JSONSerializer
 
 from vlmq.producer.errors import JobNotFound
 from vlmq.shared import constants as C
-from vlmq.shared import job_index
-from vlmq.shared import results as R
+from vlmq.shared import job_index, results
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.enqueue import UNREADABLE_HASH_ERRORS
 from vlmq.shared.errors import PayloadError, VlmqError
@@ -129,7 +128,7 @@ def _datas(redis: Redis, keys: Keys, ids: list[str]) -> list[Any]:
     pipe = redis.pipeline(transaction=False)
     for job_id in ids:
         pipe.hget(Keys.rq_job(job_id), "data")
-    return [R.stored_data(redis, keys, job_id, data)  # a finished job's moved payload
+    return [results.stored_data(redis, keys, job_id, data)  # a finished job's moved payload
             for job_id, data in zip(ids, pipe.execute(), strict=True)]
 
 
@@ -325,7 +324,7 @@ def delete(redis: Redis, keys: Keys, job_id: str) -> frozenset[str]:
         raise JobNotFound(job_id)
     meta = job_index.read_meta(redis, keys, [job_id])[0]
     row = _row(job_id, fields, meta)
-    data = R.stored_data(redis, keys, job_id, fields[3])  # a finished job's moved payload
+    data = results.stored_data(redis, keys, job_id, fields[3])  # a finished job's moved payload
     try:
         job = RQJob.fetch(job_id, connection=redis, serializer=JSONSerializer)
     except UNREADABLE_HASH_ERRORS:
@@ -357,10 +356,10 @@ def _end_now(redis: Redis, keys: Keys, pipe: Pipeline, job_id: str, status: str,
     """Queue the end of a job about to be deleted: one that has not ended becomes
     `canceled` first. Its end then goes through end_job.lua like any other (a no-op for a
     job whose end was written), so its batch counts it and waiters hear of it."""
-    if status not in R.TERMINAL_EVENTS:
+    if status not in results.TERMINAL_EVENTS:
         pipe.hset(Keys.rq_job(job_id), "status", "canceled")
         status = "canceled"
-    end_job_event(redis, keys, job_id, status, queue=queue or None, ttl_s=R.ENDED_MIN_TTL_S,
+    end_job_event(redis, keys, job_id, status, queue=queue or None, ttl_s=results.ENDED_MIN_TTL_S,
                   pipeline=pipe)
 
 

@@ -18,7 +18,7 @@ job_batch) is written in one transaction before the first job is enqueued, with 
 job id the batch will have, so the batch cannot end until its last job has been enqueued
 and has ended. end_job.lua counts each job's end once and writes the batch's terminal
 event; a job that never got enqueued (the producer stopped) stays pending until the batch
-is canceled or deleted, which counts it out (manage.abandon).
+is canceled or deleted, which counts it out (job_admin.abandon).
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vlmq.producer import defaults
-from vlmq.producer import job_admin as manage
+from vlmq.producer import defaults, job_admin
 from vlmq.producer.errors import JobNotFound
 from vlmq.producer.options import JobOptions
 from vlmq.shared import constants as C
@@ -65,7 +64,7 @@ class Part:
     options: JobOptions
 
 
-def new_batch_id() -> str:
+def new_set_id() -> str:
     return BATCH_ID_PREFIX + uuid.uuid4().hex
 
 
@@ -197,7 +196,7 @@ def submit_parts(client: Client, parts: Sequence[Part], *,
         job.rejected = list(rejected)
         return job
     _check_parts(parts)
-    batch_id = new_batch_id()
+    batch_id = new_set_id()
     job_ids = [uuid.uuid4().hex for _ in parts]
     shown = labels if labels is not None else parts[0].options.labels
     _record(client, batch_id, parts, job_ids, shown,
@@ -233,7 +232,7 @@ def _count_out(client: Client, pending: str, job_ids: Sequence[str],
     for job_id in job_ids:
         if job_id not in enqueued and client.redis.sismember(pending, job_id) \
                 and not client.redis.exists(Keys.rq_job(job_id)):
-            manage.abandon(client.redis, client.keys, job_id)
+            job_admin.abandon(client.redis, client.keys, job_id)
 
 
 def submit_set(client: Client, task: str, prepared: Prepared, options: JobOptions, *,
@@ -298,12 +297,12 @@ class Batch:
     def job_ids(self) -> list[str]:
         """Every job id the batch was made with, in order (enqueued or not)."""
         return [as_str(j) for j in self.client.redis.lrange(self.keys.batch_jobs(self.id),
-                                                             0, -1)]
+                                                            0, -1)]
 
     def jobs(self) -> list[Job]:
         """The batch's jobs still in Redis, in order."""
         ids = self.job_ids()
-        present = {r.id for r in manage.read_rows(self.client.redis, self.keys, ids)}
+        present = {r.id for r in job_admin.read_rows(self.client.redis, self.keys, ids)}
         known = {j.id: j for j in self._jobs or ()}  # handles made at enqueue
         return [known.get(j) or self.client.job(j) for j in ids if j in present]
 
@@ -312,7 +311,7 @@ class Batch:
         open; cancel or delete the batch to count them out."""
         pending = {as_str(m) for m in self.client.redis.smembers(
             self.keys.batch_pending(self.id))}
-        present = {r.id for r in manage.read_rows(self.client.redis, self.keys, sorted(pending))}
+        present = {r.id for r in job_admin.read_rows(self.client.redis, self.keys, sorted(pending))}
         return [j for j in self.job_ids() if j in pending and j not in present]
 
     def ended(self) -> dict[str, str] | None:
@@ -363,15 +362,15 @@ class Batch:
         """Cancel every job that has not ended, and count out jobs never enqueued; returns
         how many were canceled."""
         canceled = 0
-        for row in manage.read_rows(self.client.redis, self.keys, self.job_ids()):
-            if row.status not in manage.ENDED:
+        for row in job_admin.read_rows(self.client.redis, self.keys, self.job_ids()):
+            if row.status not in job_admin.ENDED:
                 try:
-                    manage.cancel(self.client.redis, self.keys, row.id)
+                    job_admin.cancel(self.client.redis, self.keys, row.id)
                     canceled += 1
-                except manage.CannotCancel:
+                except job_admin.CannotCancel:
                     continue  # it ended meanwhile
         for job_id in self.missing():
-            manage.abandon(self.client.redis, self.keys, job_id)
+            job_admin.abandon(self.client.redis, self.keys, job_id)
         return canceled
 
     def retry(self, *, failed_only: bool = False) -> Job | Batch:
@@ -396,7 +395,7 @@ class Batch:
         """Delete every job and the batch record; returns blobs purged."""
         ids = [j.id for j in self.jobs()]
         for job_id in self.missing():
-            manage.abandon(self.client.redis, self.keys, job_id)
+            job_admin.abandon(self.client.redis, self.keys, job_id)
         purged = self.client.delete(ids, purge_blobs=purge_blobs)
         self.client.redis.delete(self.keys.batch(self.id), self.keys.batch_jobs(self.id),
                                  self.keys.batch_pending(self.id),

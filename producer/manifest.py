@@ -31,7 +31,7 @@ from vlmq.producer.job_sets import JOB_ITEMS, split_prepared
 from vlmq.producer.options import JobOptions, read_schema_file
 from vlmq.producer.page_specs import parse_pages
 from vlmq.shared import constants as C
-from vlmq.shared import extract_schema as json_schema
+from vlmq.shared import extract_schema
 from vlmq.shared import settings as S
 from vlmq.shared.errors import InputError, PayloadError
 from vlmq.shared.messages import Item
@@ -47,7 +47,7 @@ MAX_LINE_BYTES = 1024 * 1024
 # digits) and a float overflows to inf.
 MAX_NUMBER_CHARS = 100
 # A line nests at most this deep: an extract schema's levels under the line's own few.
-MAX_LINE_DEPTH = json_schema.MAX_SCHEMA_DEPTH + 8
+MAX_LINE_DEPTH = extract_schema.MAX_SCHEMA_DEPTH + 8
 # Per-item prompts a job carries, in bytes of JSON: a quarter of what a worker reads of a
 # job's data (C.MAX_FIELD_BYTES), so the rest of the payload always fits beside them.
 MAX_JOB_PROMPT_BYTES = C.MAX_FIELD_BYTES // 4
@@ -262,7 +262,7 @@ def parse_line(number: int, text: str, base: Path,
     settings = {s.name: s.check(raw[s.name]) for s in S.rows("manifest") if s.name in raw}
     if raw.get("prompt") is not None and not settings.get("prompt"):
         raise PayloadError("prompt", "must not be empty")
-    json_schema.check_task(task, settings.get("schema"))
+    extract_schema.check_task(task, settings.get("schema"))
     if task == "generate" and not settings.get("prompt"):
         raise PayloadError("prompt", "is required for task generate")
     path = Path(file).expanduser()
@@ -453,4 +453,4 @@ def _shared_prompt(task: str, options: JobOptions, prepared: Prepared,
         return Group(task, options, prepared)
     items = [replace(i, prompt=None) if i.prompt == common else i for i in prepared.items]
     return Group(task, options.with_(prompt=common), Prepared(items=items,
-                                                               blobs=prepared.blobs))
+                                                              blobs=prepared.blobs))

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmq.shared import constants as C
-from vlmq.shared import extract_schema as json_schema
+from vlmq.shared import extract_schema
 from vlmq.shared import settings as S
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.messages import Item, JobPayload, parse_payload
@@ -96,7 +96,7 @@ class JobOptions:
 
 def _frozen(value: Any, kind: str) -> Any:
     if kind == "schema":  # nested, and its key order is the order the model writes
-        return json_schema.schema_text(value)
+        return extract_schema.schema_text(value)
     if isinstance(value, Mapping):
         return tuple(sorted(value.items()))
     return tuple(value) if isinstance(value, list) else value
@@ -126,4 +126,4 @@ def read_schema_file(path: str | Path) -> dict[str, Any]:
                            ) from None
     except (ValueError, RecursionError) as exc:
         raise PayloadError(where, f"is not JSON: {exc}") from None
-    return json_schema.check_schema(value, where)
+    return extract_schema.check_schema(value, where)

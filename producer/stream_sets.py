@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from redis.client import Pipeline
 
-from vlmq.producer import job_sets as batches
+from vlmq.producer import job_sets
 from vlmq.producer.expand import iter_inputs
 from vlmq.producer.files import LocalStores
 from vlmq.producer.inputs import InputErrors, Prepared, checked_pages, finished
@@ -76,7 +76,7 @@ class _Stream:
     client: Client
     task: str
     options: JobOptions
-    batch_id: str = field(default_factory=batches.new_batch_id)
+    batch_id: str = field(default_factory=job_sets.new_set_id)
     jobs: list[Job] = field(default_factory=list)
     reserved: list[str] = field(default_factory=list)  # ids in the record, in order
     items: int = 0
@@ -129,8 +129,8 @@ class _Stream:
 
     def close(self) -> None:
         """Count out the reserved ids never enqueued (an error, Ctrl-C, a stop)."""
-        batches._count_out(self.client, self.client.keys.batch_pending(self.batch_id),
-                           self.reserved, {j.id for j in self.jobs})
+        job_sets._count_out(self.client, self.client.keys.batch_pending(self.batch_id),
+                            self.reserved, {j.id for j in self.jobs})
 
 
 @dataclass
@@ -149,7 +149,7 @@ class _Held:
 def submit_paths(client: Client, task: str, paths: Iterable[str | os.PathLike[str]],
                  options: JobOptions, *, pages: PageSpec, recursive: bool, skip_bad: bool,
                  job_size: int, stores: Stores,
-                 on_file: Callable[[int, int], None] | None = None) -> Job | batches.Batch:
+                 on_file: Callable[[int, int], None] | None = None) -> Job | job_sets.Batch:
     """Check and enqueue a set of files, folders and globs (module docstring: when jobs go
     before the whole set is checked). `on_file(done, 0)`: a file was checked (the total is
     not known while a set is walked)."""
@@ -170,7 +170,7 @@ def submit_paths(client: Client, task: str, paths: Iterable[str | os.PathLike[st
                 held.bytes = 0
         if stream is None:
             prepared = finished(held.prepared, held.errors, skip_bad=skip_bad, pages=pages)
-            return batches.submit_set(client, task, prepared, options, job_size=job_size)
+            return job_sets.submit_set(client, task, prepared, options, job_size=job_size)
         return _finish(stream, held, job_size, skip_bad=skip_bad)
     finally:
         if stream is not None:
@@ -225,7 +225,7 @@ def _flush(stream: _Stream, held: _Held, job_size: int, *, skip_bad: bool) -> No
         return
     if len(held.prepared.items) < job_size and held.bytes <= stream.client.uploads.job_bytes:
         return
-    parts = batches.split_for(stream.client, held.prepared, job_size)
+    parts = job_sets.split_for(stream.client, held.prepared, job_size)
     held.prepared = parts.pop()  # the last may fill further
     held.bytes = sum(b.size for b in held.prepared.blobs.values())
     for part in parts:
@@ -245,17 +245,17 @@ def _send_ready(stream: _Stream, held: _Held, part: Prepared | None) -> None:
 
 
 def _finish(stream: _Stream, held: _Held, job_size: int, *, skip_bad: bool
-            ) -> batches.Batch:
+            ) -> job_sets.Batch:
     """The rest of the set once it has all been walked, and the batch handle."""
     if held.errors and not skip_bad:
         stream.stopped = True
     if not stream.stopped:
         if held.prepared.items:
-            for part in batches.split_for(stream.client, held.prepared, job_size):
+            for part in job_sets.split_for(stream.client, held.prepared, job_size):
                 _send_ready(stream, held, part)
         _send_ready(stream, held, None)  # the last job: nothing after it to reserve
     if held.errors and not skip_bad:
         raise StreamedInputErrors(held.errors, stream.batch_id, len(stream.jobs), stream.items)
-    return batches.Batch(stream.client, stream.batch_id, jobs=stream.jobs,
-                         rejected=[(e.path, e.problem) for e in held.errors],
-                         blobs=stream.blobs)
+    return job_sets.Batch(stream.client, stream.batch_id, jobs=stream.jobs,
+                          rejected=[(e.path, e.problem) for e in held.errors],
+                          blobs=stream.blobs)

@@ -30,7 +30,7 @@ drains); while a worker serves one, the default waits as long as it takes. The f
 says which queues have no worker.
 
 Nothing is ever half-written: a blob is uploaded with a short TTL (blobs.UPLOAD_TTL_S) and
-lives longer only once a job holding it is enqueued, in one MULTI (shared/jobs.enqueue). A
+lives longer only once a job holding it is enqueued, in one MULTI (shared/enqueue.enqueue). A
 Ctrl-C, a crash or Redis running out of memory leaves the jobs enqueued so far whole and the
 other uploads expiring within minutes. Running the same command again resumes: the workers'
 result cache answers the pages already done (README, "Big sets and Redis memory").

@@ -6,7 +6,7 @@ keys with LLEN, ZCARD, SCARD, LINDEX and one HGET per queue, pipelined: a scrape
 fixed number of round trips and O(queues + workers) commands, the same at 100 k jobs as
 at 10. (`--queued-items` adds one HGET of the running counts per queue.)
 
-Series stay bounded whatever queue names Redis holds (issue 29: 20,000 one-job queues made
+Series stay bounded whatever queue names Redis holds (20,000 one-job queues made
 200,084 series): at most C.MAX_SHOWN_QUEUES queues are exported, the rest summed under
 queue="(other)" with their number in vlmq_queues_folded.
 

@@ -18,7 +18,7 @@ PAGED_KINDS = ("pdf", "tiff")
 # The RQ function every vlmq job names; the worker dispatches on it.
 TASK_FUNC = "vlmq.worker.task.run"
 # What a finished job's hash holds as RQ's `data` once end_job.lua has moved the payload to
-# `<prefix>:job:<id>:end` (so every value of the hash is <= 64 B: issue 28): a call RQ can
+# `<prefix>:job:<id>:end` (so every value of the hash is <= 64 B): a call RQ can
 # still load (no arguments), never run because the job has ended.
 MOVED_DATA = '["' + TASK_FUNC + '",null,[],{}]'
 
@@ -107,13 +107,13 @@ MAX_JSON_NUMBER_CHARS = 100
 # The dead-letter list (<prefix>:dead) keeps this many newest entries.
 DEAD_LETTER_MAX = 10_000
 # Queue names are chosen by whoever enqueues, and every one lives on in rq:queues and in
-# each per-queue listing (issue 29): a new queue is refused once rq:queues holds this many
+# each per-queue listing: a new queue is refused once rq:queues holds this many
 # (enqueue.lua for every language, the Python client before it uploads); a queue already
 # there is always taken. enqueue.lua gets the number in its generated LIMITS block.
 MAX_QUEUES = 64
 # A job's events stream outlives its end by this long, so a follower blocked on it (or
 # between two reads) sees the terminal event; the end itself stays in the job hash
-# (PROTOCOL.md section 5), so nothing per job is kept as a stream (issue 28).
+# (PROTOCOL.md section 5), so nothing per job is kept as a stream.
 ENDED_EVENTS_S = 60
 # A job's events stream is capped near this many entries (XADD MAXLEN ~).
 EVENTS_MAXLEN = 10_000

@@ -4,7 +4,7 @@ PROTOCOL.md (and any README or docs/ page) marks each such table as a block,
 `<!-- generated: NAME -->` ... `<!-- /generated -->`; `python -m vlmq.shared.docs_tables
 --write` rewrites every block from KEY_TABLE (shared/keys.py), SETTINGS
 (shared/settings.py) and the item result's stored defaults (shared/messages.py), and
-tests/protocol/test_doc_tables.py fails while a document's block differs from what the
+tests/shared/test_doc_tables.py fails while a document's block differs from what the
 tables give, so a changed key or default cannot leave the document behind. The numbers
 the prose quotes come from the constants that set them.
 """

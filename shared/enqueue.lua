@@ -176,7 +176,7 @@ function TALLY.state(status)
 end
 -- The states with an index (KEY.jobs_state_index): those RQ keeps no list or registry
 -- of (job_index.STATE_INDEXED), so a listing by any state reads O(page); the others'
--- members would repeat RQ's queue lists and registries at ~140 B a job (issue 28).
+-- members would repeat RQ's queue lists and registries at ~140 B a job.
 TALLY.INDEXED = {stopped = true, other = true}
 
 local function tally_index(prefix, state, score, job_id)

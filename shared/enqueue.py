@@ -21,10 +21,8 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.utils import current_timestamp, now, utcformat
 
-from vlmq.shared import bounded_reads as bounded
+from vlmq.shared import bounded_reads, fair, job_index, lua, results
 from vlmq.shared import constants as C
-from vlmq.shared import fair, job_index, lua
-from vlmq.shared import results as R
 from vlmq.shared import settings as S
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.errors import PayloadError
@@ -57,7 +55,7 @@ def timeout_problem(raw: bytes | str | None) -> str | None:
 
 
 # At most this many UTF-8 bytes: Redis keeps a hash compact only while every value is
-# <= 64 B (hash-max-listpack-value), and a finished job's hash is otherwise (issue 28).
+# <= 64 B (hash-max-listpack-value), and a finished job's hash is otherwise.
 DESCRIPTION_BYTES = 64
 
 
@@ -209,13 +207,13 @@ def fetch_job(redis: Redis, job_id: str, keys: Keys | None = None) -> Job:
     problem = timeout_problem(timeout)
     if problem:
         raise PayloadError("timeout", problem)
-    moved = (R.moved_data(redis, keys, job_id)
+    moved = (results.moved_data(redis, keys, job_id)
              if keys is not None and data == C.MOVED_DATA.encode() else None)
     payload = moved if moved is not None else data
     if isinstance(payload, bytes):
         try:  # RQ inflates `data` unbounded inside Job.fetch: check the bound first
-            payload = bounded.inflate(payload, what="job data")
-        except bounded.BoundError as exc:
+            payload = bounded_reads.inflate(payload, what="job data")
+        except bounded_reads.BoundError as exc:
             raise PayloadError("data", str(exc)) from exc
     try:
         job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
@@ -241,8 +239,8 @@ def raw_exc_info(redis: Redis, job_id: str) -> str | None:
     if isinstance(raw, str):  # a connection made with decode_responses=True
         return raw
     try:  # vlmq's worker writes it uncompressed; RQ compresses it
-        raw = bounded.inflate(raw, what="exc_info")
-    except bounded.BoundError as exc:
+        raw = bounded_reads.inflate(raw, what="exc_info")
+    except bounded_reads.BoundError as exc:
         return f"(unreadable failure text: {exc})"
     return raw.decode("utf-8", "replace")
 
@@ -268,7 +266,7 @@ def fail_job(pipe: Pipeline, keys: Keys, job: Job | str, queue: str, message: st
         pipe.expire(Keys.rq_job(job_id), ttl)
         pipe.zadd(Keys.rq_registry("failed", queue), {job_id: current_timestamp() + ttl})
     else:
-        job_id, ttl = str(job.id), R.ended_ttl(job.failure_ttl, C.FAILURE_TTL_S)
+        job_id, ttl = str(job.id), results.ended_ttl(job.failure_ttl, C.FAILURE_TTL_S)
         job.ended_at = ended
         job.set_status(JobStatus.FAILED, pipeline=pipe)
         job.failed_job_registry.add(job, ttl=job.failure_ttl, exc_string=message,
@@ -278,8 +276,8 @@ def fail_job(pipe: Pipeline, keys: Keys, job: Job | str, queue: str, message: st
                               execution_id=execution.id if execution else None,
                               execution_started_at=execution.created_at if execution else None,
                               execution_ended_at=ended)
-    R.end_job_event(pipe, keys, job_id, "failed", queue=queue, ttl_s=ttl,
-                    fields={"error": message}, pipeline=pipe)
+    results.end_job_event(pipe, keys, job_id, "failed", queue=queue, ttl_s=ttl,
+                          fields={"error": message}, pipeline=pipe)
 
 
 def data_problem(raw: bytes) -> str | None:
@@ -289,13 +287,13 @@ def data_problem(raw: bytes) -> str | None:
     shared/bounded_reads.py; pickle is never deserialized.
     """
     try:
-        bounded.loads(bounded.inflate(raw, what="job data"), what="job data")
+        bounded_reads.loads(bounded_reads.inflate(raw, what="job data"), what="job data")
     except (UnicodeDecodeError, json.JSONDecodeError):
         return ("job data is not JSON (a pickled job?): vlmq never unpickles; enqueue "
                 "with RQ's JSONSerializer")
     except RecursionError:
         return "job data is JSON nested too deeply to read"
-    except bounded.BoundError as exc:
+    except bounded_reads.BoundError as exc:
         return str(exc)
     return None
 

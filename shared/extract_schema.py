@@ -73,7 +73,7 @@ def _problem(text: str) -> str | None:
     """Why the worker could not follow this schema text (None: it can). Cached by text: a
     manifest of 80,000 lines with one schema checks it once, not at 1-2 ms a line."""
     # Imported here: they cost about 100 ms, and every vlmq command imports this module
-    # (the settings table) while only a schema check needs them (issue 28's CLI start).
+    # (the settings table) while only a schema check needs them.
     from jsonschema.exceptions import SchemaError
     from jsonschema.validators import validator_for
     from llguidance import LLMatcher, grammar_from
@@ -120,8 +120,8 @@ def _types(schema: Mapping[str, Any]) -> frozenset[str] | None:
 
 
 class _Satisfiable:
-    """Whether some JSON value satisfies a schema, for what can make none (issue 29 row
-    13: `{"$ref": "#"}` was accepted, and every item then failed): a `$ref` loop with no
+    """Whether some JSON value satisfies a schema, for what can make none (a schema
+    such as `{"$ref": "#"}` would make every item fail): a `$ref` loop with no
     base case (the schema is only itself, or an object must hold itself), `false`, an
     empty `enum`, `allOf` members whose types do not meet, a required property or a
     non-empty array of such a schema. Local `$ref`s only ("#", "#/..."); others are

@@ -42,9 +42,8 @@ from redis import Redis
 from redis.client import Pipeline
 from redis.exceptions import ResponseError
 
-from vlmq.shared import bounded_reads as bounded
+from vlmq.shared import bounded_reads, lua
 from vlmq.shared import constants as C
-from vlmq.shared import lua
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import JobPayload
 from vlmq.shared.redis_text import as_str
@@ -202,8 +201,8 @@ def parse_shares(raw: str | None) -> list[Share]:
     if not raw or len(raw) > SHARES_FIELD_BYTES:
         return []
     try:
-        rows = bounded.loads(raw, what="worker shares")
-    except (ValueError, bounded.BoundError):
+        rows = bounded_reads.loads(raw, what="worker shares")
+    except (ValueError, bounded_reads.BoundError):
         return []
     if not isinstance(rows, list):
         return []

@@ -8,7 +8,7 @@ time or label, so every job also has (shared/keys.py; PROTOCOL.md "Job indexes")
   never inflates a payload, and so an entry whose job hash RQ's TTL deleted can be
   removed from every index (the summary names them all).
 
-They are written with the job: in the MULTI of shared/jobs.enqueue, and by enqueue.lua.
+They are written with the job: in the MULTI of shared/enqueue.enqueue, and by enqueue.lua.
 RQ deletes expired job hashes without telling anyone, so readers prune the stale entries
 they meet and `sweep` walks the rest. This is the only module that reads or writes them.
 
@@ -33,10 +33,8 @@ from typing import Any
 from redis import Redis, WatchError
 from redis.client import Pipeline
 
-from vlmq.shared import bounded_reads as bounded
+from vlmq.shared import bounded_reads, lua, results
 from vlmq.shared import constants as C
-from vlmq.shared import lua
-from vlmq.shared import results as R
 from vlmq.shared.keys import RQ_QUEUES, RQ_REGISTRIES, Keys
 from vlmq.shared.messages import JobPayload
 from vlmq.shared.redis_text import as_str
@@ -310,7 +308,7 @@ def _reindex(redis: Redis, keys: Keys, ids: list[str]) -> int:
     known = redis.hmget(keys.jobs_meta, ids)
     pipe = redis.pipeline(transaction=False)
     for job_id, (origin, created, data), meta in zip(ids, rows, known, strict=True):
-        data = R.stored_data(redis, keys, job_id, data)  # a finished job's moved payload
+        data = results.stored_data(redis, keys, job_id, data)  # a finished job's moved payload
         meta_new = meta_of(loose_payload(data), as_str(origin or b""),
                            us_of_rq_time(as_str(created or b"")) or 0)
         if meta is None:
@@ -331,8 +329,8 @@ def loose_payload(data: bytes | str | None) -> Mapping[str, Any]:
         return {}
     raw = data.encode() if isinstance(data, str) else data
     try:
-        decoded = bounded.loads(bounded.inflate(raw, what="job data"), what="job data")
-    except (bounded.BoundError, UnicodeDecodeError, json.JSONDecodeError):
+        decoded = bounded_reads.loads(bounded_reads.inflate(raw, what="job data"), what="job data")
+    except (bounded_reads.BoundError, UnicodeDecodeError, json.JSONDecodeError):
         return {}
     if isinstance(decoded, list) and len(decoded) >= 3 and isinstance(decoded[2], list) \
             and decoded[2] and isinstance(decoded[2][0], Mapping):

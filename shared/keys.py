@@ -36,7 +36,7 @@ SCHEDULE_NAME_RE = QUEUE_NAME_RE
 class IdShape:
     """What one kind of caller-given id looks like, checked before it names any key: an id
     with ':' or a newline would name another key (`b-x:jobs` is a batch's list), so
-    commands and Client methods refuse it by shape instead of sending it (issue 29)."""
+    commands and Client methods refuse it by shape instead of sending it."""
 
     kind: str  # as messages name it: "job or batch id"
     pattern: re.Pattern[str]
@@ -317,8 +317,8 @@ KEY_TABLE: tuple[KeyName, ...] = (
 
 KEY: Mapping[str, KeyName] = {k.name: k for k in KEY_TABLE}
 
-# RQ's names, from the table. They mirror rq 3.0 (tests/protocol/test_keys.py checks them
-# against RQ's own classes; tests/protocol/test_protocol.py pins the wire names).
+# RQ's names, from the table. They mirror rq 3.0 (tests/shared/test_keys.py checks them
+# against RQ's own classes; tests/shared/test_payload.py pins the wire names).
 RQ_QUEUES = KEY["rq_queues"].pattern
 RQ_WORKERS = KEY["rq_workers"].pattern
 # A queue's registries by the name vlmq shows each under: kind -> pattern with {queue}.
@@ -488,7 +488,7 @@ class Keys:
 
     def job_end(self, job_id: str) -> str:
         """Hash: a finished job's terminal event and its payload, so that its job hash
-        holds only values of at most 64 B (Redis's compact encoding, issue 28)."""
+        holds only values of at most 64 B (Redis's compact encoding)."""
         return _name("job_end", self.prefix, job_id=job_id)
 
     def batch(self, batch_id: str) -> str:

@@ -10,11 +10,11 @@ generated blocks, the key names it uses (from shared/keys.py's KEY_TABLE), the l
 lists (LIMITS, from the Python constant that owns each), UNITS and CALENDAR, and in
 enqueue.lua the settings table (shared/settings.py) and the payload rules' wording
 (shared/messages.py); libraries (tally_lib.lua, blob_release_lib.lua) are copied in whole
-(tests/protocol/test_lua_literals.py keeps numbers out of the rest). The blocks live
+(tests/shared/test_lua_literals.py keeps numbers out of the rest). The blocks live
 in the files themselves, not only in what Python loads, because other languages'
 producers read the files from disk.
 `python -m vlmq.shared.lua --write` regenerates them; `--check` (and
-tests/protocol/test_key_table.py) fails while a file differs from what the tables give.
+tests/shared/test_key_table.py) fails while a file differs from what the tables give.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from redis import Redis
 from redis.commands.core import Script
 
 from vlmq.shared import constants as C
-from vlmq.shared import extract_schema as json_schema
-from vlmq.shared import messages as M
+from vlmq.shared import extract_schema, messages
 from vlmq.shared import settings as S
 from vlmq.shared.keys import JOB_ID_RE, KEY, QUEUE_NAME_RE, SHA256_RE, KeyName
 
@@ -67,7 +66,7 @@ KEY_MARKERS = ("-- BEGIN KEYS", "-- END KEYS")
 # The limits block: every protocol limit, list and name a script uses that is no payload
 # setting (those are the SETTINGS block), each from the Python constant that owns it, so
 # Lua and Python refuse at one number. No script spells any of them by hand
-# (tests/protocol/test_lua_literals.py).
+# (tests/shared/test_lua_literals.py).
 LIMITS_MARKERS = ("-- BEGIN LIMITS", "-- END LIMITS")
 LIMITS: dict[str, object] = {
     "max_queues": C.MAX_QUEUES, "ended_events_s": C.ENDED_EVENTS_S,
@@ -77,17 +76,17 @@ LIMITS: dict[str, object] = {
     "items_field": C.ITEMS_FIELD, "max_items": C.MAX_ITEMS_PER_JOB,
     "version": C.PROTOCOL_VERSION, "task_func": C.TASK_FUNC, "tasks": list(C.TASKS),
     "item_kinds": list(C.ITEM_KINDS), "text_kind": C.TEXT_KIND,
-    "text_tasks": list(C.TEXT_TASKS), "schema_task": json_schema.EXTRACT,
+    "text_tasks": list(C.TEXT_TASKS), "schema_task": extract_schema.EXTRACT,
     "prompt_task": C.PROMPT_TASK, "paged_kinds": list(C.PAGED_KINDS),
     "max_pages": C.MAX_TIFF_PAGES, "max_retries": C.MAX_CRASH_RETRIES,
     "max_description_chars": C.MAX_DESCRIPTION_CHARS,
     "max_source_chars": C.MAX_SOURCE_CHARS, "max_custom_id_chars": C.MAX_CUSTOM_ID_CHARS,
     "max_blob_bytes": C.BLOB_MAX_BYTES,
-    "job_id_chars": M.pattern_max_chars(JOB_ID_RE), "job_id_shape": JOB_ID_RE.pattern,
-    "queue_chars": M.pattern_max_chars(QUEUE_NAME_RE), "queue_shape": QUEUE_NAME_RE.pattern,
-    "sha256_chars": M.pattern_max_chars(SHA256_RE),
-    "store_chars": M.pattern_max_chars(M.STORE_NAME_RE),
-    "max_ref_path_chars": M.MAX_REF_PATH_CHARS, "max_ref_size": M.MAX_REF_SIZE,
+    "job_id_chars": messages.pattern_max_chars(JOB_ID_RE), "job_id_shape": JOB_ID_RE.pattern,
+    "queue_chars": messages.pattern_max_chars(QUEUE_NAME_RE), "queue_shape": QUEUE_NAME_RE.pattern,
+    "sha256_chars": messages.pattern_max_chars(SHA256_RE),
+    "store_chars": messages.pattern_max_chars(messages.STORE_NAME_RE),
+    "max_ref_path_chars": messages.MAX_REF_PATH_CHARS, "max_ref_size": messages.MAX_REF_SIZE,
     "fair_stale_drops": C.FAIR_STALE_DROPS, "fair_pops_per_job": C.FAIR_POPS_PER_JOB,
     "fair_pops_floor": C.FAIR_POPS_FLOOR,
     "rcache_field_overhead": C.RCACHE_FIELD_OVERHEAD_BYTES,
@@ -231,7 +230,8 @@ def calendar_block() -> str:
 def messages_table() -> dict[str, object]:
     """Each payload rule's refusal as shared/messages.py words it; a store path's by
     `path_`."""
-    return {**M.PAYLOAD_MESSAGES, **{f"path_{k}": v for k, v in M.REF_PATH_PROBLEMS.items()}}
+    return {**messages.PAYLOAD_MESSAGES, **{f"path_{k}": v for k,
+                                            v in messages.REF_PATH_PROBLEMS.items()}}
 
 
 def messages_block() -> str:
@@ -244,7 +244,7 @@ MESSAGES_MARKERS = ("-- BEGIN MESSAGES", "-- END MESSAGES")
 # Each generated table block, by its markers, in the order a script lays them out.
 TABLE_BLOCKS = ((LIMITS_MARKERS, limits_block), (UNITS_MARKERS, units_block),
                 (CALENDAR_MARKERS, calendar_block), (MESSAGES_MARKERS, messages_block))
-# Every generated block's markers (tests/protocol/test_lua_literals.py scans outside them).
+# Every generated block's markers (tests/shared/test_lua_literals.py scans outside them).
 ALL_MARKERS = (KEY_MARKERS, S.LUA_MARKERS,
                *(markers for markers, _ in LIBRARIES),
                *(markers for markers, _ in TABLE_BLOCKS))

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from vlmq.shared import constants as C
-from vlmq.shared import extract_schema as json_schema
+from vlmq.shared import extract_schema
 from vlmq.shared import settings as S
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import SHA256_RE
@@ -246,7 +246,7 @@ class ItemResult:
         """The stored form's keys (PROTOCOL.md section 4): to_dict less every key that
         holds its default (STORED_DEFAULTS), timings to the ms and none that is 0. An item
         result is kept once per item for the job's whole result_ttl, so each default
-        spelled out would cost every item its bytes (issue 28)."""
+        spelled out would cost every item its bytes."""
         out = self.to_dict()
         for name, default in STORED_DEFAULTS:
             value = out.get(name, default)
@@ -514,7 +514,7 @@ def parse_payload(raw: Any) -> JobPayload:
         raise PayloadError("items", PAYLOAD_MESSAGES["max_items"])
     items = tuple(_parse_item(it, f"items[{i}]") for i, it in enumerate(items_raw))
     settings = S.values_from_wire(raw)
-    json_schema.check_task(task, settings.get("schema"))  # extract needs one; others none
+    extract_schema.check_task(task, settings.get("schema"))  # extract needs one; others none
     if task == C.PROMPT_TASK and not settings.get("prompt"):
         raise PayloadError("prompt", PAYLOAD_MESSAGES["prompt_required"])
     _check_text_items(task, items)

@@ -23,13 +23,12 @@ from vlmq.shared import lua
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import ItemResult
 
-EVENTS_MAXLEN = 10_000
 # Field of the RQ job hash that end_job.lua sets: this run of the job has its terminal
 # event, kept there as JSON (its type, stream id and fields; for `finished` the summary).
 END_FIELD = "vlmq_end"
 # A finished job's end is not there but in its end hash (keys.job_end), field END_EVENT
 # beside MOVED_DATA_FIELD (RQ's payload; the job hash keeps C.MOVED_DATA): revision 3,
-# so a finished job hash holds only values of at most 64 B (compact in Redis: issue 28).
+# so a finished job hash holds only values of at most 64 B (compact in Redis).
 END_EVENT = "event"
 MOVED_DATA_FIELD = "data"
 TERMINAL_EVENTS = ("finished", "failed", "canceled")
@@ -71,8 +70,8 @@ def end_job_event(redis: Redis, keys: Keys, job_id: str, status: str, *, queue: 
                              keys.done_queue_channel(queue) if queue else ""]
     for k, v in event_fields(fields or {}).items():
         args += [k, v]
-    lua.script(redis, lua.END_JOB)(keys=[Keys.rq_job(job_id), keys.job_events(job_id),
-                            keys.job_items(job_id)], args=args, client=pipeline or redis)
+    job_keys = [Keys.rq_job(job_id), keys.job_events(job_id), keys.job_items(job_id)]
+    lua.script(redis, lua.END_JOB)(keys=job_keys, args=args, client=pipeline or redis)
 
 
 def ended_event(raw: bytes | str | None) -> dict[str, Any] | None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmq.shared import constants as C
-from vlmq.shared import extract_schema as json_schema
+from vlmq.shared import extract_schema
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import JOB_ID_RE, QUEUE_NAME_RE
 
@@ -198,7 +198,7 @@ def _check_choice(s: Setting, value: Any, where: str) -> str:
 
 def _check_schema(s: Setting, value: Any, where: str) -> dict[str, Any]:
     del s  # the cap is C.MAX_SCHEMA_BYTES, the row's max_len only copies it for Lua
-    return json_schema.check_schema(value, where)
+    return extract_schema.check_schema(value, where)
 
 
 _CHECKS = {"int": _check_int, "float": _check_float, "str": _check_str, "strs": _check_strs,

@@ -47,7 +47,7 @@ STORES_ENV = C.STORES_ENV
 CHUNK = 1 << 20  # bytes per read while hashing: memory stays bounded whatever the size
 _ZEROS = bytes(CHUNK)
 # The producer's bound on a referenced input (it hashes it at enqueue). A worker reads one
-# only up to its own, smaller limit, which follows its decode memory (worker/prep/requests.py).
+# only up to its own, smaller limit, which follows its decode memory (worker/prep/preparer.py).
 MAX_REF_BYTES = 4 << 30
 # Symlinks (and swaps seen mid-walk) a folder store follows for one path, as the kernel's
 # own limit: a loop of links, or a tree changed faster than it is walked, ends refused.

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from vlmq.shared import constants as C
-from vlmq.shared import extract_schema as json_schema
+from vlmq.shared import extract_schema
 from vlmq.shared import settings as S
 from vlmq.shared.messages import Item, JobPayload
 from vlmq.worker.model.defaults import Resolved, resolve
@@ -81,8 +81,8 @@ def resolve_job(payload: JobPayload, model_type: str, model_id: str | None) -> J
     schema = payload.get("schema")
     prompt = payload.get("prompt")
     if payload.task == "extract" and not prompt and schema is not None:
-        prompt = json_schema.default_prompt(schema)
+        prompt = extract_schema.default_prompt(schema)
     res = resolve(model_type, payload.task, prompt, payload.get("max_tokens"),
                   payload.get("temperature"), payload.get("stop"), model_id=model_id)
     return JobSettings(**asdict(res), **{name: payload.get(name) for name in _AS_GIVEN},
-                       schema=None if schema is None else json_schema.schema_text(schema))
+                       schema=None if schema is None else extract_schema.schema_text(schema))

@@ -24,7 +24,7 @@ from vlmq.shared.messages import ItemResult
 from vlmq.shared.redis_text import as_str
 from vlmq.worker.item_order import ItemOrder
 from vlmq.worker.jobs.rq_jobs import JobLifecycle, Refused, Running
-from vlmq.worker.prep.requests import Preparer
+from vlmq.worker.prep.preparer import Preparer
 from vlmq.worker.results.cache import ResultCache, cached_results_many
 from vlmq.worker.results.writer import ResultWriter
 from vlmq.worker.stats import WorkerStats

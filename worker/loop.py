@@ -72,8 +72,8 @@ from vlmq.worker.model.mlx_adapter import (
 )
 from vlmq.worker.options import default_name
 from vlmq.worker.prep.fallback import Fallback
+from vlmq.worker.prep.preparer import Preparer
 from vlmq.worker.prep.render_pool import RenderPool
-from vlmq.worker.prep.requests import Preparer
 from vlmq.worker.prep.stage import PrepStage
 from vlmq.worker.prep.vision_cache import VisionCache
 from vlmq.worker.results.cache import ResultCache, store_results_many

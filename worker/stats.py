@@ -57,7 +57,7 @@ JOB_EVENTS = ("taken", "refused", "finished", "failed", "requeued")
 
 
 class _EngineView(Protocol):
-    """What the stats read of the engine's shared state (worker/engine.EngineState)."""
+    """What the stats read of the engine's shared state (worker/engine/batcher.EngineState)."""
 
     @property
     def active(self) -> int: ...
@@ -98,7 +98,7 @@ class _CacheView(Protocol):
 
 
 class _RenderView(Protocol):
-    """What the stats read of the PDF render pool (worker/render_pool.RenderPool)."""
+    """What the stats read of the PDF render pool (worker/prep/render_pool.RenderPool)."""
 
     @property
     def pids(self) -> list[int]: ...

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from vlmq.producer.export_ledger import MANIFEST_NAME, read_manifest_at
-from vlmq.producer.ops import output_formats as formats
+from vlmq.producer.ops import output_formats
 from vlmq.shared.errors import VlmqError
 from vlmq.shared.messages import ItemResult
 
-# The formats that say how one source's results become a file (formats.Format.file).
-FORMATS = tuple(name for name, f in formats.FORMATS.items() if f.file is not None)
+# The formats that say how one source's results become a file (output_formats.Format.file).
+FORMATS = tuple(name for name, f in output_formats.FORMATS.items() if f.file is not None)
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
@@ -184,7 +184,7 @@ def export_results(results: Iterable[ItemResult], root: Path, fmt: str = "md",
     output is left alone and reported in `kept`, unless `overwrite`.
 
     `extract` (the results are an extract job's): every source becomes `<source>.json`
-    holding its objects (formats.extract_file), whatever fmt; an object is the output
+    holding its objects (output_formats.extract_file), whatever fmt; an object is the output
     there, and a .md or .txt of it would only be its JSON text again.
     """
     render, image_suffix, doc_suffix = _file_form(fmt, extract)
@@ -206,14 +206,14 @@ def export_results(results: Iterable[ItemResult], root: Path, fmt: str = "md",
     return report
 
 
-def _file_form(fmt: str, extract: bool) -> tuple[formats.RenderFile, str, str]:
+def _file_form(fmt: str, extract: bool) -> tuple[output_formats.RenderFile, str, str]:
     """(what renders a file, an image's suffix, a paged document's suffix) for a format; an
     extract job's files are its objects, `.json`, whatever the format."""
-    render = formats.FORMATS[fmt].file if fmt in formats.FORMATS else None
+    render = output_formats.FORMATS[fmt].file if fmt in output_formats.FORMATS else None
     if render is None:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
     if extract:
-        render = formats.extract_file
+        render = output_formats.extract_file
     image_suffix = ".json" if fmt == "json" or extract else ".txt"
     doc_suffix = ".json" if extract else f".{fmt}"
     return render, image_suffix, doc_suffix

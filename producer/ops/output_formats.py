@@ -113,7 +113,7 @@ def _format(name: str, mimetype: str, *, several_jobs: bool, omits_failed: bool 
 _BREAKS = re.compile("[\x00-\x1f\x7f\x85\u2028\u2029]")
 
 
-def one_line(text: str) -> str:
+def escape_line_breaks(text: str) -> str:
     """text with its control characters written as escapes (\\n, \\x00): a name from a
     payload (a file name, a custom_id) stays on its heading's line and shows what it is."""
     return _BREAKS.sub(_escaped, text)
@@ -123,7 +123,7 @@ def _escaped(m: re.Match[str]) -> str:
     return m.group().encode("unicode_escape").decode("ascii")
 
 
-# Terminal control in text that a PDF's layer or a model's answer carries (issue 29 row 6):
+# Terminal control in text that a PDF's layer or a model's answer carries:
 # whole escape sequences first (ECMA-48: ESC [ or C1 CSI ... final byte; ESC ] P X ^ _ or
 # their C1 forms ... BEL or ST, never past a line end; ESC and one more), then any C0
 # control but tab, LF and CR, DEL and the C1 controls. Left in a txt, md or csv file, `cat`
@@ -135,7 +135,7 @@ _SEQUENCES = re.compile(
 _CONTROLS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
-def plain(text: str) -> str:
+def strip_controls(text: str) -> str:
     """text without terminal control: escape sequences and control characters removed
     (tab, LF and CR stay). What txt, md and csv hold; jsonl and json keep every
     character, which JSON writes escaped."""
@@ -158,7 +158,7 @@ def last_line(text: str) -> str:
 
 
 def _text(r: ItemResult) -> str:
-    return plain(r.text or "").rstrip("\n") + "\n"
+    return strip_controls(r.text or "").rstrip("\n") + "\n"
 
 
 def _pages(pages: Sequence[ItemResult], marker: Callable[[int | None], str]) -> str:
@@ -166,8 +166,8 @@ def _pages(pages: Sequence[ItemResult], marker: Callable[[int | None], str]) -> 
     error in place, so the document keeps its page order."""
     parts: list[str] = []
     for r in sorted(pages, key=lambda r: (r.page or 0, r.index)):
-        body = plain(r.text).rstrip("\n") if r.ok and r.text else (
-            f"[error: {plain(r.error)}]" if r.error else "")
+        body = strip_controls(r.text).rstrip("\n") if r.ok and r.text else (
+            f"[error: {strip_controls(r.error)}]" if r.error else "")
         parts.append(f"{marker(r.page)}\n\n{body}\n")
     return "\n".join(parts)
 
@@ -264,17 +264,17 @@ def render_markdown(view: JobResults) -> str:
     by_index = {r.index: r for r in view.results}
     parts: list[str] = []
     if error is not None:
-        error = plain(error)
+        error = strip_controls(error)
         parts.append(f"> **This job failed:** {last_line(error)}\n")
         if len(error.strip().splitlines()) > 1:
             parts.append("```text\n" + error.strip() + "\n```\n")
     parts.append(f"<!-- vlmq job {job.id}: {state}, {len(view.results)}/{job.items} "
                  "items -->\n")
     for index, item in enumerate(job.payload().items):
-        source = one_line(item.source)
+        source = escape_line_breaks(item.source)
         heading = source if item.page is None else f"{source} — page {item.page}"
         if item.custom_id is not None:
-            heading += f" ({one_line(item.custom_id)})"
+            heading += f" ({escape_line_breaks(item.custom_id)})"
         parts.append(f"## {heading}\n")
         parts.append(_md_section(by_index.get(index), state, error))
     return "\n".join(parts)
@@ -286,7 +286,7 @@ def _md_section(r: ItemResult | None, state: str, error: str | None) -> str:
     if r is None:
         return f"> _not done yet (job {state})_\n"
     if r.error is not None:
-        return f"> **Error:** {plain(r.error)}\n"
+        return f"> **Error:** {strip_controls(r.error)}\n"
     if not r.text:
         return "_(no text)_\n"
     if r.text_source == TEXT_FROM_LAYER:
@@ -297,7 +297,7 @@ def _md_section(r: ItemResult | None, state: str, error: str | None) -> str:
 def layer_note(r: ItemResult) -> str:
     """Says that an item's text is its page's text layer, and why the model's is not."""
     if r.model_error is not None:
-        return f"from the PDF's text layer; the model failed: {one_line(r.model_error)}"
+        return f"from the PDF's text layer; the model failed: {escape_line_breaks(r.model_error)}"
     if r.model_text is not None:
         return f"from the PDF's text layer; the model's text was cut ({r.finish_reason})"
     return "from the PDF's text layer"
@@ -320,7 +320,7 @@ def render_txt(view: JobResults) -> str:
 # full-width forms, which spreadsheets read as the ASCII ones): such a cell gets a leading '
 # and stays text. Spreadsheets skip leading whitespace and zero-width or format characters
 # (U+200B..U+200F, U+2060, U+FEFF: Unicode's Cf) before reading one, so those do not hide
-# a formula either (issue 29 row 18). A JSON number is written as JSON writes it ("-3.5"),
+# a formula either. A JSON number is written as JSON writes it ("-3.5"),
 # never a formula, so it keeps its sign unguarded.
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r", "\uff1d", "\uff0b", "\uff0d", "\uff20")
 _HIDES_START = re.compile(r"[\s\u00ad\u061c\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2064"
@@ -331,7 +331,7 @@ _FIXED = ("source", "page", "custom_id")
 def _guard(text: str) -> str:
     """text as a cell: without terminal control (NUL included, which some readers take for
     the end of the file) and with a leading ' when a spreadsheet would run it."""
-    text = plain(text)
+    text = strip_controls(text)
     if text.startswith(_FORMULA_START):  # tab and CR are whitespace: checked as they are
         return "'" + text
     rest = text[_HIDES_START.match(text).end():]  # type: ignore[union-attr]

@@ -43,7 +43,7 @@ from redis.exceptions import LockError, RedisError
 from redis.typing import EncodableT, FieldT
 
 from vlmq.media.opener import DECODE_ERRORS
-from vlmq.producer import job_sets as batches
+from vlmq.producer import job_sets
 from vlmq.producer.client import TERMINAL, Client, Job
 from vlmq.producer.errors import JobNotFound
 from vlmq.producer.expand import S3_SCHEME, FoundFile, expand_inputs
@@ -52,8 +52,7 @@ from vlmq.producer.inputs import Prepared
 from vlmq.producer.ops.export import ExportReport, export_results
 from vlmq.producer.options import JobOptions
 from vlmq.shared import constants as C
-from vlmq.shared import extract_schema as json_schema
-from vlmq.shared import lua
+from vlmq.shared import extract_schema, lua
 from vlmq.shared import settings as S
 from vlmq.shared.errors import InputError, PayloadError, VlmqError
 from vlmq.shared.keys import Keys
@@ -110,7 +109,7 @@ class Schedule:
             raise ScheduleError("give at least one path")
         self.options()  # refuses bad job options now, not at 3 a.m.
         try:
-            json_schema.check_task(self.task, self.settings.get("schema"))
+            extract_schema.check_task(self.task, self.settings.get("schema"))
         except PayloadError as exc:  # named as the flag that gives it
             raise ScheduleError(f"--schema {exc.problem}") from None
 
@@ -183,7 +182,7 @@ class Schedule:
 def _hashed(setting: S.Setting, value: Any) -> Any:
     """A setting's value as the settings hash takes it: a schema as its text, since its
     key order (the order the model writes fields in) changes the items' text."""
-    return json_schema.schema_text(value) if setting.kind == "schema" else value
+    return extract_schema.schema_text(value) if setting.kind == "schema" else value
 
 
 def _ms(t: float) -> str:
@@ -360,7 +359,7 @@ class ScheduleStore:
                 log.warning("schedule %s: %s", name, exc)
                 continue
             except Exception:
-                # A bug met by one schedule (issue 29 row 1: a decoder's RuntimeError) is
+                # A bug met by one schedule (a decoder's RuntimeError) is
                 # logged with its traceback; the scheduler, and every other schedule, go on.
                 log.exception("schedule %s: unexpected error; the others go on", name)
                 continue
@@ -432,7 +431,7 @@ class ScheduleStore:
                 bad.append([f.source, exc.problem])
                 continue
             except DECODE_ERRORS as exc:  # a decoder's own error the check let out: that
-                # file is bad, the run goes on (issue 29 row 1)
+                # file is bad, the run goes on
                 bad.append([f.source, f"cannot be checked: {type(exc).__name__}: {exc}"])
                 continue
             read += entry != known.get(f.path)
@@ -488,7 +487,7 @@ class ScheduleStore:
                 units: list[tuple[str, str]]) -> dict[str, Any]:
         """Everything due goes now: a set over one job's size is one batch for this run.
         Each job's pending entry holds its items' (unit, root), in item order."""
-        made = batches.submit_set(self.client, sched.task, prepared, sched.options())
+        made = job_sets.submit_set(self.client, sched.task, prepared, sched.options())
         jobs = [made] if isinstance(made, Job) else made.jobs()
         at = 0
         for job in jobs:

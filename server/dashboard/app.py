@@ -26,7 +26,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from werkzeug.exceptions import HTTPException, TooManyRequests
 from werkzeug.wrappers import Response as BaseResponse
 
-from vlmq.producer import job_admin as manage
+from vlmq.producer import job_admin
 from vlmq.producer.client import Client, Job
 from vlmq.producer.errors import JobNotFound, NotAJob
 from vlmq.producer.labels import split_labels
@@ -140,8 +140,8 @@ def create_app(settings: Settings, *, history: data.History | None = None,
         except ValueError as exc:
             abort(400, str(exc))
         # prune=False: the dashboard only reads (workers sweep the index of expired jobs)
-        rows = manage.list_jobs(client.redis, client.keys, queue=queue, status=state,
-                                labels=labels, limit=JOBS_LIMIT, prune=False)
+        rows = job_admin.list_jobs(client.redis, client.keys, queue=queue, status=state,
+                                   labels=labels, limit=JOBS_LIMIT, prune=False)
         return render_template("jobs.html", rows=rows, queue=queue or "", state=state or "",
                                label=" ".join(raw_labels), labels=raw_labels,
                                limit=JOBS_LIMIT, refresh=REFRESH_S)
@@ -170,7 +170,7 @@ def create_app(settings: Settings, *, history: data.History | None = None,
         if payload.task == EXTRACT and result.get("json") is not None:
             rendered = markup.json_block(result["json"])
         elif isinstance(text, str) and text:
-            rendered = markup.markdown(text) if payload.task == "ocr" else markup.plain(text)
+            rendered = markup.markdown(text) if payload.task == "ocr" else markup.paragraph(text)
         first = i // ITEMS_PER_PAGE * ITEMS_PER_PAGE
         rows = range(first, min(first + ITEMS_PER_PAGE, len(payload.items)))
         return render_template(
@@ -179,7 +179,7 @@ def create_app(settings: Settings, *, history: data.History | None = None,
             error=job.error() if state == "failed" else None, item=item, index=i,
             result=result, text=rendered, blob_live=_input_live(client, item),
             summary=_summary(payload, results),
-            refresh=None if state in manage.ENDED else REFRESH_S)
+            refresh=None if state in job_admin.ENDED else REFRESH_S)
 
     @app.get("/jobs/<job_id>/items/<int:index>.png")
     def preview(job_id: str, index: int) -> Response:
@@ -248,7 +248,7 @@ def create_app(settings: Settings, *, history: data.History | None = None,
         job = _job(client, job_id)
         try:
             job.cancel()
-        except (manage.CannotCancel, PayloadError) as exc:
+        except (job_admin.CannotCancel, PayloadError) as exc:
             abort(409, str(exc))
         return redirect(url_for("job_page", job_id=job.id), code=303)
 

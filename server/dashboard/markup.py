@@ -61,7 +61,7 @@ def markdown(text: str) -> Markup:
     return Markup(_MD.render(text))
 
 
-def plain(text: str) -> Markup:
+def paragraph(text: str) -> Markup:
     return Markup("<p class=plain>") + escape(text) + Markup("</p>")
 
 

@@ -9,7 +9,7 @@ by rq-dashboard's `-c` at start-up, makes its worker listing pass JSONSerializer
 Standalone on purpose (only rq and rq-dashboard are imported): docker-compose.yml mounts
 this one file into the rq-dashboard container, where vlmq is not installed. Installed
 with vlmq it is importable as `vlmq.server.dashboard.rq_dashboard_config`.
-tests/ops/test_rq_dashboard.py pins both the upstream fault and this fix.
+tests/server/dashboard/test_rq_dashboard_config.py pins both the upstream fault and this fix.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def batch_error(code: str, message: str, *, param: str | None = None,
     return {"code": code, "message": message, "param": param, "line": line}
 
 
-def new_batch_id() -> str:
+def new_api_batch_id() -> str:
     return "batch_" + secrets.token_hex(12)
 
 
@@ -141,7 +141,7 @@ class Batches:
         if stored.purpose != "batch":
             raise ApiError(400, f"file {file_id} has purpose {stored.purpose!r}, not "
                                 "'batch'", param="input_file_id")
-        batch_id = new_batch_id()
+        batch_id = new_api_batch_id()
         now = self.clock()
         record = {"owner": owner, "input_file_id": file_id, "completion_window": window,
                   "metadata": json.dumps(metadata), "status": "validating",

@@ -145,7 +145,7 @@ def test_a_one_image_job_behind_a_deep_tiff_job_finishes_at_once(served: Served,
                          "the TIFF job's first page")
         _finished(client.caption([photos[1]], **FAST))
         # It went in between the TIFF job's pages, not after them. (What a deep page costs
-        # is compared in tests/producer/test_tiff_index.py and benchmarks/input_costs.py.)
+        # is compared in tests/media/test_tiff_index.py and benchmarks/input_costs.py.)
         assert tiff_job.status() != "finished"
         _finished(tiff_job, timeout=600)
         pages = sorted(tiff_job.results(), key=lambda r: r.index)

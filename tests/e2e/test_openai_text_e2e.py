@@ -23,9 +23,9 @@ from PIL import Image
 from tests.support import helpers
 from tests.support.helpers import finish
 from vlmq.worker.job_settings import DEFAULT_IMAGE_MAX_SIDE
-from vlmq.worker.model import mlx_adapter as A
+from vlmq.worker.model import mlx_adapter
 from vlmq.worker.model.defaults import resolve
-from vlmq.worker.prep import decode as P
+from vlmq.worker.prep import decode
 
 pytestmark = pytest.mark.slow
 
@@ -71,19 +71,19 @@ def _reference(model_dir: Path, requests: list[tuple[str, str | None, int]]) -> 
     from mlx_vlm import load, stream_generate
 
     model, processor = load(str(model_dir))
-    eos = A.eos_token_ids(processor)
+    eos = mlx_adapter.eos_token_ids(processor)
     texts = []
     for prompt, path, max_tokens in requests:
         image = (None if path is None
-                 else P.decode_image(Path(path).read_bytes(), DEFAULT_IMAGE_MAX_SIDE))
-        prep = A.prepare(processor, model.config, image, prompt)
+                 else decode.decode_image(Path(path).read_bytes(), DEFAULT_IMAGE_MAX_SIDE))
+        prep = mlx_adapter.prepare(processor, model.config, image, prompt)
         *_, last = stream_generate(model, processor, prep.text,
                                    image=None if image is None else [image],
                                    max_tokens=max_tokens, temperature=0.0)
         tokens = list(last.token_ids)
         if tokens and tokens[-1] in eos:
             tokens = tokens[:-1]
-        text = A.decode(processor, tokens)
+        text = mlx_adapter.decode(processor, tokens)
         stops = resolve(str(model.config.model_type), "generate", prompt, None, 0.0,
                         None).stop
         cuts = [i for i in (text.find(s) for s in stops) if i >= 0]

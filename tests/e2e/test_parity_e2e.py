@@ -23,9 +23,9 @@ from PIL import Image
 from tests.support import helpers
 from tests.support.helpers import finish, wait_for
 from vlmq.producer.client import Client
-from vlmq.worker.model import mlx_adapter as A
+from vlmq.worker.model import mlx_adapter
 from vlmq.worker.model.defaults import resolve
-from vlmq.worker.prep import decode as P
+from vlmq.worker.prep import decode
 
 pytestmark = pytest.mark.slow
 
@@ -54,18 +54,18 @@ def _reference(model_dir: Path, paths: list[Path], budgets: list[int]) -> list[s
     from mlx_vlm import load, stream_generate
 
     model, processor = load(str(model_dir))
-    eos = A.eos_token_ids(processor)
+    eos = mlx_adapter.eos_token_ids(processor)
     stops = resolve(str(model.config.model_type), "generate", PROMPT, None, 0.0, None).stop
     texts = []
     for path, max_tokens in zip(paths, budgets, strict=True):
-        image = P.decode_image(path.read_bytes(), MAX_SIDE)  # the worker's own preprocessing
-        prep = A.prepare(processor, model.config, image, PROMPT)
+        image = decode.decode_image(path.read_bytes(), MAX_SIDE)  # the worker's own preprocessing
+        prep = mlx_adapter.prepare(processor, model.config, image, PROMPT)
         *_, last = stream_generate(model, processor, prep.text, image=[image],
                                    max_tokens=max_tokens, temperature=0.0)
         tokens = list(last.token_ids)
         if tokens and tokens[-1] in eos:
             tokens = tokens[:-1]
-        text = A.decode(processor, tokens)
+        text = mlx_adapter.decode(processor, tokens)
         cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
         texts.append(text[:min(cuts)] if cuts else text)
     return texts

@@ -27,7 +27,7 @@ from redis import Redis
 from tests.support import helpers
 from vlmq.producer.client import Client
 from vlmq.producer.options import JobOptions
-from vlmq.shared import bounded_reads as bounded
+from vlmq.shared import bounded_reads
 from vlmq.shared import constants as C
 from vlmq.shared import settings as S
 from vlmq.shared.blobs import BlobStore
@@ -172,7 +172,7 @@ def is_refused(data: str) -> bool:
     """Whether vlmq refuses this job data: over a bound, or not a valid payload. Only such
     payloads count as hostile (a mutation can leave a valid job)."""
     try:
-        wire = bounded.loads(data)
+        wire = bounded_reads.loads(data)
         parse_payload(wire[2][0])
     except Exception:  # noqa: BLE001  # any refusal or crash: hostile either way
         return True
@@ -271,7 +271,7 @@ def make_hostile(redis: Redis, rng: random.Random, n: int, blob: str) -> Hostile
         # The field may be harmless alone: the payload is refused in any case, after RQ,
         # the guard and the job's end have read the field.
         fields = hash_fields(wire_data([bad_payload(rng, blob)]).encode("utf-8",
-                                                                         "surrogatepass"))
+                                                                        "surrogatepass"))
         name = rng.choice(HASH_FIELDS)
         fields[name] = hostile_bytes(rng)
         if name == "status" and fields[name] in (b"null", b""):
@@ -292,7 +292,7 @@ def make_hostile(redis: Redis, rng: random.Random, n: int, blob: str) -> Hostile
         kind = f"key {spec.name} a {found}"
     elif kind == "missing":
         fields = hash_fields(wire_data([bad_payload(rng, blob)]).encode("utf-8",
-                                                                         "surrogatepass"))
+                                                                        "surrogatepass"))
         gone = rng.sample(sorted(fields), rng.randint(1, 4))
         for name in gone:
             del fields[name]
@@ -388,7 +388,7 @@ def outcome(redis: Redis, h: Hostile, dead: dict[str, list[str]]) -> str | None:
 
 
 def test_hostile_raw_jobs_beside_valid_ones(redis_url: str, redis: Redis, tiny_model: Path,
-                                           tmp_path: Path, start_worker: helpers.Spawn) -> None:
+                                            tmp_path: Path, start_worker: helpers.Spawn) -> None:
     images = helpers.make_images(tmp_path / "valid", N_VALID)
     rng = random.Random(SEED)
     with Client(redis_url) as client:

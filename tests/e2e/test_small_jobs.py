@@ -25,7 +25,7 @@ from tests.support.helpers import (
     worker_lifecycle,
 )
 from vlmq.producer.client import Client
-from vlmq.shared import results as R
+from vlmq.shared import results
 from vlmq.shared.keys import Keys
 from vlmq.worker.jobs.rq_jobs import Refused, Running
 from vlmq.worker.prep.render_pool import RenderPool
@@ -42,7 +42,7 @@ def terminal(redis: Redis, keys: Keys, job_id: str) -> list[str]:
     """The terminal events of the job's stream; once the stream has expired (a minute after
     the end, on a loaded machine before the test reads it) the one its hash keeps."""
     if not redis.exists(keys.job_events(job_id)):
-        end = R.read_end(redis, keys, job_id)
+        end = results.read_end(redis, keys, job_id)
         return [] if end is None else [end["type"]]
     return [e["type"] for e in events(redis, keys, job_id) if e["type"] != "item"]
 
@@ -147,7 +147,7 @@ def test_take_many_keeps_queue_priority_and_starts_each_job_once(
 
 
 def test_succeed_many_ends_only_the_jobs_still_ours(redis: Redis, keys: Keys,
-                                                   tmp_path: Path, redis_url: str) -> None:
+                                                    tmp_path: Path, redis_url: str) -> None:
     client = Client(redis_url)
     images = make_images(tmp_path / "imgs", 1)
     ids = [client.caption(images, queue="q").id for _ in range(3)]

@@ -14,7 +14,7 @@ from redis import Redis
 
 from tests.support import helpers
 from tests.support.helpers import make_images, wait_for
-from vlmq.shared import results as R
+from vlmq.shared import results
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.enqueue import enqueue
 from vlmq.shared.keys import Keys
@@ -33,8 +33,8 @@ def _finished(redis: Redis, ids: list[str]) -> int:
 
 
 def test_soak_300_jobs_two_workers_one_kill(redis_url: str, redis: Redis, tiny_model: Path,
-                                           tmp_path: Path,
-                                           procs: list[subprocess.Popen[str]]) -> None:
+                                            tmp_path: Path,
+                                            procs: list[subprocess.Popen[str]]) -> None:
     blobs = BlobStore(redis, KEYS)
     shas = [blobs.put(p.read_bytes())[0] for p in make_images(tmp_path / "imgs", 4)]
     ids = []
@@ -63,7 +63,7 @@ def test_soak_300_jobs_two_workers_one_kill(redis_url: str, redis: Redis, tiny_m
             pipe.hlen(KEYS.job_items(job_id))
             pipe.xrange(KEYS.job_events(job_id))
         replies = pipe.execute()
-    ends = [R.read_end(redis, KEYS, j) for j in ids]
+    ends = [results.read_end(redis, KEYS, j) for j in ids]
     for job_id, n_items, events, end in zip(ids, replies[::2], replies[1::2], ends,
                                             strict=True):
         kinds = Counter(f[b"type"] for _, f in events)

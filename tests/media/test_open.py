@@ -30,7 +30,7 @@ from vlmq.server.dashboard.render import RenderError, render
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import sha256_hex
 from vlmq.shared.errors import InputError
-from vlmq.worker.prep import decode as P
+from vlmq.worker.prep import decode
 from vlmq.worker.prep.render_pool import RenderPool
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,7 +106,7 @@ def worker(pool: RenderPool, data: bytes, kind: str, page: int | None) -> Verdic
             im = pool.decode_tiff_page(data, page, SIDE, doc_key=key)
         else:
             im = pool.decode_image(data, SIDE, key=key)
-    except P.PreprocessError as exc:
+    except decode.PreprocessError as exc:
         return Verdict(False, str(exc))
     return Verdict(True, "", _centre(im))
 
@@ -171,8 +171,8 @@ def test_the_refusals_are_one_error_phrased_twice(tmp_path: Path) -> None:
 
 
 def worker_text(data: bytes) -> str:
-    with pytest.raises(P.PreprocessError) as info:
-        P.decode_image(data, SIDE)
+    with pytest.raises(decode.PreprocessError) as info:
+        decode.decode_image(data, SIDE)
     return str(info.value)
 
 

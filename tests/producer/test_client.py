@@ -19,8 +19,7 @@ from rq.serializers import JSONSerializer
 
 from tests.support.helpers import following_events, pdf_bytes, wait_for, worker_lifecycle
 from tests.support.lua_calls import write_items
-from vlmq.producer import Client, JobFailed, JobNotFound, WaitTimeout, sample_files
-from vlmq.producer import inputs as inputs_module
+from vlmq.producer import Client, JobFailed, JobNotFound, WaitTimeout, inputs, sample_files
 from vlmq.producer.client import wait_all
 from vlmq.producer.page_specs import PagesWithoutPdf
 from vlmq.shared import constants as C
@@ -156,7 +155,7 @@ def test_generate_needs_a_prompt_and_uses_its_queue(client: Client, tmp_path: Pa
         client.generate([img], "")
     job = client.generate(str(img), "Count the circles.")  # a bare str is one path
     assert (job.queue, job.items, job.payload().get("prompt")) == ("generate", 1,
-                                                           "Count the circles.")
+                                                                   "Count the circles.")
 
 
 def test_bundled_samples_enqueue(client: Client) -> None:
@@ -253,7 +252,7 @@ def test_queues_and_workers(client: Client, redis: Redis, keys: Keys, doc: Path)
     worker.register_birth()
     redis.sadd(keys.workers, "w1", "gone")
     redis.hset(keys.worker_stats("w1"), mapping={"model": "tiny", "in_flight": "3",
-                                                   "tokens_per_s": "41.5"})
+                                                 "tokens_per_s": "41.5"})
     infos = client.workers()
     assert [w.name for w in infos] == ["w1"]  # "gone" has no stats and no RQ worker
     assert infos[0].queues == ("ocr",)
@@ -281,7 +280,7 @@ def test_file_changed_after_validation_enqueues_nothing(client: Client, redis: R
     first, second = tmp_path / "a.png", tmp_path / "b.png"
     first.write_bytes(png_bytes((1, 2, 3)))
     second.write_bytes(png_bytes((4, 5, 6)))
-    real_prepare = inputs_module.prepare
+    real_prepare = inputs.prepare
 
     def prepare_then_edit(*args: Any, **kwargs: Any) -> Any:
         prepared = real_prepare(*args, **kwargs)
@@ -291,7 +290,7 @@ def test_file_changed_after_validation_enqueues_nothing(client: Client, redis: R
                            else data[:-1] + bytes([data[-1] ^ 0xFF]))
         return prepared
 
-    monkeypatch.setattr(inputs_module, "prepare", prepare_then_edit)
+    monkeypatch.setattr(inputs, "prepare", prepare_then_edit)
     with pytest.raises(InputError, match=r"b\.png: changed since it was validated"):
         client.caption([first, second])
     assert list(redis.scan_iter(match="rq:*")) == []  # no job, no queue

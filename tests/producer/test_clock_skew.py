@@ -1,4 +1,4 @@
-"""Clock skew (issue 16, §4): expiry and takeover follow Redis's clock, not a worker's.
+"""Clock skew: expiry and takeover follow Redis's clock, not a worker's.
 
 A worker whose clock runs 300 s ahead (libfaketime) beside a normal one: before the fix its
 registry maintenance saw the normal worker's live job as expired and requeued it ("dropped

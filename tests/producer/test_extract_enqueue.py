@@ -1,4 +1,4 @@
-"""Getting an extract job into Redis (issue 19): the schema is checked where it enters
+"""Getting an extract job into Redis: the schema is checked where it enters
 (CLI, client, manifest, schedule, enqueue.lua), a bad one is refused with the problem named
 and Redis unchanged, and a good one reaches the payload exactly as given."""
 
@@ -19,9 +19,8 @@ from tests.support.lua_calls import call, refused, store_blob
 from vlmq.producer import Client
 from vlmq.producer.ops.schedules import ScheduleStore
 from vlmq.producer.options import JobOptions
-from vlmq.shared import bounded_reads as bounded
+from vlmq.shared import bounded_reads, extract_schema
 from vlmq.shared import constants as C
-from vlmq.shared import extract_schema as J
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.messages import Item, parse_payload
 
@@ -65,13 +64,13 @@ def _payload_of(redis_url: str, job_id: str) -> dict[str, Any]:
 
 def test_a_good_schema_comes_back_as_a_plain_copy_in_its_own_key_order() -> None:
     given = {"type": "object", "properties": {"z": {"type": "string"}, "a": {"type": "integer"}}}
-    got = J.check_schema(given)
+    got = extract_schema.check_schema(given)
     assert got == given and got is not given
     assert list(got["properties"]) == ["z", "a"]
-    assert J.schema_text(got) == '{"type":"object","properties":{"z":{"type":"string"},' \
-                                 '"a":{"type":"integer"}}}'
+    assert extract_schema.schema_text(got) == ('{"type":"object","properties":'
+                                               '{"z":{"type":"string"},"a":{"type":"integer"}}}')
     draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", **RECEIPT}
-    assert J.check_schema(draft7) == draft7
+    assert extract_schema.check_schema(draft7) == draft7
 
 
 BAD_SCHEMAS = [
@@ -99,10 +98,10 @@ BAD_SCHEMAS = [
                          ids=[name for name, _, _ in BAD_SCHEMAS])
 def test_a_bad_schema_is_refused_naming_where_and_why(value: Any, needle: str | None) -> None:
     if needle is None:  # too deep: one level past the limit
-        value = _nested(J.MAX_SCHEMA_DEPTH + 1)
-        needle = f"nests deeper than {J.MAX_SCHEMA_DEPTH} levels"
+        value = _nested(extract_schema.MAX_SCHEMA_DEPTH + 1)
+        needle = f"nests deeper than {extract_schema.MAX_SCHEMA_DEPTH} levels"
     with pytest.raises(PayloadError) as info:
-        J.check_schema(value, where="in.json")
+        extract_schema.check_schema(value, where="in.json")
     assert info.value.field == "in.json"
     assert needle in info.value.problem, info.value.problem
 
@@ -115,12 +114,12 @@ def _nested(depth: int) -> dict[str, Any]:
 
 
 def test_the_deepest_schema_allowed_fits_in_job_data_the_worker_reads() -> None:
-    schema = J.check_schema(_nested(J.MAX_SCHEMA_DEPTH))
+    schema = extract_schema.check_schema(_nested(extract_schema.MAX_SCHEMA_DEPTH))
     data = [C.TASK_FUNC, None, [_lua_payload(schema=schema)], {}]
-    assert bounded.loads(json.dumps(data))[2][0]["schema"] == schema
-    with pytest.raises(bounded.BoundError):
-        bounded.loads(json.dumps([C.TASK_FUNC, None, [_lua_payload(
-            schema=_nested(J.MAX_SCHEMA_DEPTH + 1))], {}]))
+    assert bounded_reads.loads(json.dumps(data))[2][0]["schema"] == schema
+    with pytest.raises(bounded_reads.BoundError):
+        bounded_reads.loads(json.dumps([C.TASK_FUNC, None, [_lua_payload(
+            schema=_nested(extract_schema.MAX_SCHEMA_DEPTH + 1))], {}]))
 
 
 def test_a_pydantic_model_schema_is_accepted() -> None:
@@ -136,24 +135,25 @@ def test_a_pydantic_model_schema_is_accepted() -> None:
         lines: list[Line]
         note: str | None = None
 
-    schema = J.check_schema(J.as_schema(Receipt))
+    schema = extract_schema.check_schema(extract_schema.as_schema(Receipt))
     assert schema == Receipt.model_json_schema()
-    assert J.as_schema(Receipt(vendor="v", total=1.0, lines=[])) == schema
+    assert extract_schema.as_schema(Receipt(vendor="v", total=1.0, lines=[])) == schema
 
 
 def test_as_schema_takes_json_text_and_refuses_text_that_is_not() -> None:
-    assert J.as_schema(json.dumps(RECEIPT)) == RECEIPT
-    assert J.as_schema(RECEIPT) is RECEIPT
+    assert extract_schema.as_schema(json.dumps(RECEIPT)) == RECEIPT
+    assert extract_schema.as_schema(RECEIPT) is RECEIPT
     with pytest.raises(PayloadError, match="schema: is a string but not JSON"):
-        J.as_schema("receipt.json")
+        extract_schema.as_schema("receipt.json")
 
 
 def test_the_default_prompt_lists_the_fields_and_quotes_the_schema() -> None:
-    prompt = J.default_prompt(RECEIPT)
+    prompt = extract_schema.default_prompt(RECEIPT)
     assert "one JSON object only" in prompt
     assert "- vendor: Who sold it\n- total\n- lines\n- kind\n- code\n" in prompt
-    assert prompt.endswith(J.schema_text(RECEIPT))
-    assert "one JSON value" in J.default_prompt({"type": "array", "items": {"type": "string"}})
+    assert prompt.endswith(extract_schema.schema_text(RECEIPT))
+    assert "one JSON value" in extract_schema.default_prompt({"type": "array",
+                                                              "items": {"type": "string"}})
 
 
 def test_extract_needs_a_schema_and_other_tasks_take_none() -> None:
@@ -402,7 +402,7 @@ def test_manifest_lines_with_bad_or_misplaced_schemas_are_named(
         {"custom_id": "3", "task": "extract", "file": image, "schema": "missing.json"},
         {"custom_id": "4", "task": "extract", "file": image, "schema": "bad.json"},
         {"custom_id": "5", "task": "extract", "file": image, "schema": {"type": "object",
-                                                                       "not": {}}},
+                                                                        "not": {}}},
         {"custom_id": "6", "task": "extract", "file": image, "schema": ["a"]},
     ])
     before = _snapshot(redis)

@@ -25,11 +25,11 @@ import pytest
 from PIL import Image
 
 from tests.support import helpers
-from vlmq.media import formats as image_formats
+from vlmq.media import formats
 from vlmq.media.formats import UNKNOWN, Plugins, describe
 from vlmq.producer.client import Client
 from vlmq.producer.files import check_file
-from vlmq.producer.ops.output_formats import plain
+from vlmq.producer.ops.output_formats import strip_controls
 from vlmq.server.dashboard.render import RenderError, render
 from vlmq.shared.errors import InputError
 from vlmq.shared.messages import ItemResult
@@ -49,7 +49,7 @@ def _sideways() -> Image.Image:
 
 
 def _encoded(img: Image.Image, fmt: str, orientation: int | None = None) -> bytes:
-    image_formats.register_plugins()  # Pillow writes HEIF only with pillow-heif registered
+    formats.register_plugins()  # Pillow writes HEIF only with pillow-heif registered
     extra = {}
     if orientation is not None:
         exif = Image.Exif()
@@ -281,9 +281,9 @@ def test_messages_follow_what_this_process_has_installed() -> None:
 
 
 def test_registration_is_idempotent_and_explicit() -> None:
-    first = image_formats.register_plugins()
+    first = formats.register_plugins()
     assert first.heif_error is None and first.avif  # both are dependencies here
-    assert image_formats.register_plugins() is first
+    assert formats.register_plugins() is first
     assert "HEIF" in Image.OPEN
 
 
@@ -380,7 +380,7 @@ def test_export_writes_heic_results(world: World) -> None:
                           "--dir", str(out)], capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stderr
     for r in got:
-        assert r.text and (out / f"{r.source}.txt").read_text().rstrip() == plain(
+        assert r.text and (out / f"{r.source}.txt").read_text().rstrip() == strip_controls(
             r.text).rstrip()  # files hold no control characters (the tiny model writes some)
 
 

@@ -1,4 +1,4 @@
-"""Hostile inputs the attack on the landed service found (issue 16, section 6): each is
+"""Hostile inputs the attack on the landed service found: each is
 refused or escaped where it enters, naming what is wrong, on a real Redis."""
 
 from __future__ import annotations

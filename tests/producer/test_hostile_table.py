@@ -32,7 +32,7 @@ from tests.support.pdf_craft import (
     one_page_pdf,
     zero_page_pdf,
 )
-from vlmq.cli.main import main as vlmq_cli
+from vlmq.cli.main import main
 from vlmq.producer.client import Client, WaitTimeout
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import BlobStore, sha256_hex
@@ -145,7 +145,7 @@ INPUT_CASES = [
     Case("image: PNG header claiming 9000x9000 (81 Mpx)", "item", "over the limit",
          _item_job("image", _png_claiming(9000, 9000))),
     Case("image: 1x1 pixel", "item", "", _item_job("image", _png((1, 1)))),
-    # Refused on its own ratio, whatever max_side would shrink it to (issue 16).
+    # Refused on its own ratio, whatever max_side would shrink it to.
     Case("image: 4000x1 sliver", "item", "an aspect ratio of 4000.0",
          _item_job("image", _png((4000, 1)))),
     Case("image: 150x1 sliver", "item", "", _item_job("image", _png((150, 1)))),
@@ -324,8 +324,8 @@ def _raises(fn: Callable[[], object], exc: type[BaseException]) -> Callable[[Red
 def _cli(*args: str) -> Callable[[Redis], str]:
     def make(redis: Redis) -> str:
         url = redis.connection_pool.connection_kwargs
-        res = CliRunner().invoke(vlmq_cli, ["--redis-url",
-                                            f"redis://{url['host']}:{url['port']}/{url['db']}",
+        res = CliRunner().invoke(main, ["--redis-url",
+                                        f"redis://{url['host']}:{url['port']}/{url['db']}",
                                             *args])
         return f"exit {res.exit_code}: {res.output}"
     return make

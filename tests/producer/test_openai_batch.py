@@ -33,7 +33,7 @@ from vlmq.producer.openai_files import (
 )
 from vlmq.producer.ops.output_formats import JobResults, openai_output
 from vlmq.producer.options import JobOptions
-from vlmq.shared import extract_schema as json_schema
+from vlmq.shared import extract_schema
 from vlmq.shared.errors import PayloadError
 
 URL = "/v1/chat/completions"
@@ -103,7 +103,7 @@ def test_good_lines_of_each_kind_become_grouped_items(tmp_path: Path) -> None:
     # Same task and settings: one job; max_tokens or max_completion_tokens alike.
     assert [i.custom_id for i in g.prepared.items] == ["inline", "relative", "absolute"]
     assert (g.task, g.options.prompt, g.options.max_tokens) == ("generate",
-                                                                 "Describe the image.", 8)
+                                                                "Describe the image.", 8)
     assert by_id["inline"][1].source == "data-line1.png"
     assert by_id["relative"][1].source == str(tmp_path / "imgs" / "img0.png")
     g, item = by_id["system+pdf"]
@@ -114,7 +114,7 @@ def test_good_lines_of_each_kind_become_grouped_items(tmp_path: Path) -> None:
         None, 0.5, ("END",))
     g, _ = by_id["extract"]
     assert (g.task, g.options.prompt, g.options.max_tokens) == ("extract", None, 64)
-    assert g.options.schema == json_schema.check_schema(SCHEMA)
+    assert g.options.schema == extract_schema.check_schema(SCHEMA)
     g, _ = by_id["any-object"]
     assert (g.task, g.options.schema) == ("extract", {"type": "object"})
 
@@ -190,7 +190,7 @@ def test_skipped_lines_keep_their_custom_id_and_field(tmp_path: Path) -> None:
 def _bad_schema_problem() -> str:
     where = "body.response_format.json_schema.schema"
     with pytest.raises(PayloadError) as info:
-        json_schema.check_schema({"type": "object", "properties": 3}, where)
+        extract_schema.check_schema({"type": "object", "properties": 3}, where)
     return f"field '{where}' {info.value.problem}"
 
 
@@ -204,7 +204,7 @@ def _refusals(tmp: Path) -> list[tuple[list[Any], str]]:
         "response_format": {"type": "json_object"}}}
     two = line("a", good)
     two["body"]["messages"][0]["content"].append({"type": "image_url",
-                                                   "image_url": {"url": good}})
+                                                  "image_url": {"url": good}})
     chat = line("a", good)
     chat["body"]["messages"].append({"role": "assistant", "content": "earlier"})
     return [
@@ -338,7 +338,7 @@ def test_a_batch_file_through_a_real_worker_and_back(served: tuple[str, Path, Pa
         assert body.model == str(model)  # the worker's own id, from its live stats
         choice = body.choices[0]
         assert choice.message.role == "assistant" and choice.finish_reason in ("stop",
-                                                                              "length")
+                                                                               "length")
         assert body.usage is not None and body.usage.total_tokens == (
             body.usage.prompt_tokens + body.usage.completion_tokens) > 0
         if entry["custom_id"] == "ext-0":

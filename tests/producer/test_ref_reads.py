@@ -1,4 +1,4 @@
-"""A referenced input is read at a bounded memory cost (issue 25 part 2): streamed through
+"""A referenced input is read at a bounded memory cost: streamed through
 the hash into a private copy that keeps a sparse file's holes, so what is decoded is
 exactly what was verified; refused past the reader's limit before a byte is read.
 """

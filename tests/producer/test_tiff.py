@@ -1,4 +1,4 @@
-"""Multi-page TIFF as a page set (issue 18 part 2): a TIFF is a document like a PDF, one
+"""Multi-page TIFF as a page set: a TIFF is a document like a PDF, one
 item per page (frame), every page checked at enqueue, decoded one at a time on the worker.
 
 The fax is five pages in mixed compression (CCITT Group 4 for the 1-bit pages, LZW for the
@@ -44,7 +44,7 @@ from vlmq.worker.job_settings import (
     DEFAULT_PDF_MAX_SIDE,
     JobSettings,
 )
-from vlmq.worker.prep import decode as P
+from vlmq.worker.prep import decode
 
 FAST = {"max_tokens": 4, "result_cache": "off"}
 
@@ -205,19 +205,20 @@ def test_enqueue_lua_takes_tiff_with_a_page_and_refuses_it_without(redis: Redis)
 
 def test_decode_tiff_page_decodes_that_page_only() -> None:
     data = fax_bytes()
-    pages = [P.decode_tiff_page(data, n, 100) for n in range(1, 6)]
+    pages = [decode.decode_tiff_page(data, n, 100) for n in range(1, 6)]
     assert all(p.mode == "RGB" and max(p.size) == 100 for p in pages)
     assert len({p.tobytes() for p in pages}) == 5  # five different pages, not page 1 five times
-    with pytest.raises(P.PreprocessError, match=r"page 6 is out of range: the TIFF has 5 page"):
-        P.decode_tiff_page(data, 6, 100)
+    with pytest.raises(decode.PreprocessError,
+                       match=r"page 6 is out of range: the TIFF has 5 page"):
+        decode.decode_tiff_page(data, 6, 100)
 
 
 def test_decode_tiff_page_guards_only_the_page_asked_for() -> None:
     big = Image.new("1", (9000, 8000), 1)
     data = tiff_bytes([(fax_page(0, "1"), "group4"), (big, "group4")])
-    assert P.decode_tiff_page(data, 1, 64).size[1] == 64
-    with pytest.raises(P.PreprocessError, match=r"page 2 is 9000x8000 .*decompression bomb"):
-        P.decode_tiff_page(data, 2, 64)
+    assert decode.decode_tiff_page(data, 1, 64).size[1] == 64
+    with pytest.raises(decode.PreprocessError, match=r"page 2 is 9000x8000 .*decompression bomb"):
+        decode.decode_tiff_page(data, 2, 64)
 
 
 def test_a_tiff_page_is_sized_as_a_document_page() -> None:
@@ -282,7 +283,7 @@ def test_ocr_over_a_tiff_gives_its_pages_in_order(worker: str, tmp_path: Path) -
 
 @pytest.mark.slow
 def test_a_tiff_page_out_of_range_fails_that_item_on_the_worker(worker: str,
-                                                                 fax: Path) -> None:
+                                                                fax: Path) -> None:
     """Items made past the producer's page check (as by a client in another language)
     ask for page 9 of 5: that item fails naming the page count, the other is read."""
     prepared = Prepared()
@@ -303,7 +304,7 @@ def test_the_pages_of_one_tiff_fetch_its_bytes_once() -> None:
         return data
 
     key = "f" * 64
-    sizes = [P.decode_tiff_page(fetch, page, 300, doc_key=key).size for page in (1, 3, 5, 2)]
+    sizes = [decode.decode_tiff_page(fetch, page, 300, doc_key=key).size for page in (1, 3, 5, 2)]
     assert len(fetched) == 1 and len(set(sizes)) >= 1
-    with pytest.raises(P.PreprocessError, match="out of range: the TIFF has 5 page"):
-        P.decode_tiff_page(fetch, 6, 300, doc_key=key)
+    with pytest.raises(decode.PreprocessError, match="out of range: the TIFF has 5 page"):
+        decode.decode_tiff_page(fetch, 6, 300, doc_key=key)

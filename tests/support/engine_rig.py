@@ -10,7 +10,7 @@ from typing import Any
 from tests.support.factories import random_image
 from vlmq.worker.engine.batcher import Engine, Finished, Request
 from vlmq.worker.engine.constraints import Structured
-from vlmq.worker.model import mlx_adapter as A
+from vlmq.worker.model import mlx_adapter
 
 PROMPT = "Extract the fields of this document as JSON."
 MAX_TOKENS = 220
@@ -39,11 +39,12 @@ class Rig:
         self.engine.wait_ready(timeout=120)
         self.model, self.processor = load(str(model))
         self.structured = Structured(self.processor.tokenizer,
-                                     A.eos_token_ids(self.processor))
+                                     mlx_adapter.eos_token_ids(self.processor))
 
     def request(self, key: object, seed: int, schema: dict[str, Any] | None,
                 max_tokens: int = MAX_TOKENS, size: tuple[int, int] = (112, 112)) -> Request:
-        prep = A.prepare(self.processor, self.model.config, random_image(seed, size), PROMPT)
+        prep = mlx_adapter.prepare(self.processor, self.model.config, random_image(seed, size),
+                                   PROMPT)
         return Request(key=key, prepared=prep, cached_features=None, max_tokens=max_tokens,
                        temperature=0.0, stop=(),
                        constraint=None if schema is None else self.structured.row(schema))

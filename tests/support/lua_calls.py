@@ -14,7 +14,6 @@ from redis.exceptions import ResponseError
 from tests.support.factories import SHA, item, payload
 from vlmq.shared import constants as C
 from vlmq.shared import lua
-from vlmq.shared import results as R
 from vlmq.shared.enqueue import lua_script
 from vlmq.shared.keys import RQ_QUEUES, Keys
 from vlmq.shared.messages import ItemResult
@@ -72,7 +71,7 @@ def write_items(redis: Redis, keys: Keys, job_id: str, *results: ItemResult,
     status = redis.hget(rq_key, "status")
     held, held_ms = redis.get(owner), redis.pttl(owner)
     token = f"test-writer-{job_id}"
-    args: list[str | int] = [token, ttl_s, R.EVENTS_MAXLEN]
+    args: list[str | int] = [token, ttl_s, C.EVENTS_MAXLEN]
     for res in results:
         args += [res.index, res.to_json(), int(res.ok)]
     pipe = redis.pipeline(transaction=True)

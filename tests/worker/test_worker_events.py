@@ -18,7 +18,7 @@ from PIL import Image
 from redis import Redis
 
 from tests.support.factories import SHA  # no blob is read: the items' outcomes are given
-from vlmq.shared import results as R
+from vlmq.shared import results
 from vlmq.shared.enqueue import enqueue, fetch_job
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import TEXT_FROM_LAYER, TEXT_FROM_MODEL, Item, JobPayload
@@ -36,7 +36,7 @@ from vlmq.worker.events import (
 from vlmq.worker.item_order import ItemOrder
 from vlmq.worker.job_settings import resolve_job
 from vlmq.worker.jobs.rq_jobs import BatchWorker, JobLifecycle, Running
-from vlmq.worker.prep import decode as P
+from vlmq.worker.prep import decode
 from vlmq.worker.prep.fallback import Fallback, Layers
 from vlmq.worker.results.writer import ResultWriter
 from vlmq.worker.stats import WorkerStats
@@ -210,7 +210,7 @@ def test_each_kind_of_outcome_reaches_redis_through_one_dispatch(redis: Redis,
     rig.collector.collect(timeout=0)
 
     assert rig.prep.back == [(job_id, 0), (job_id, 1)]  # engine answers only
-    stored = {r.index: r for r in R.read_items(redis, rig.keys, job_id)}
+    stored = {r.index: r for r in results.read_items(redis, rig.keys, job_id)}
     assert stored[0].text == "a caption" and stored[0].ok
     assert stored[0].timings["preprocess_s"] == 0.25
     # An image has no text layer: the model's cut-off answer is recorded as it is.
@@ -236,7 +236,7 @@ def test_outcomes_of_a_job_no_longer_here_write_nothing(redis: Redis, rig: Rig) 
     rig.collector.dispatch(PrepFailed(running.job_id, 1, "bad"))
     rig.collector.collect(timeout=0)
     assert rig.writer.holding == 0
-    assert R.read_items(redis, rig.keys, running.job_id) == []
+    assert results.read_items(redis, rig.keys, running.job_id) == []
 
 
 def test_something_that_is_not_an_event_is_refused(rig: Rig) -> None:
@@ -283,7 +283,7 @@ class PdfLayers:
     def fallback_text(self, item: Item) -> str | None:
         assert item.page is not None and self.gate.wait(WAIT_S)
         self.reads.append(item.page)
-        layer = P.pdf_text_layer(self.data, item.page)
+        layer = decode.pdf_text_layer(self.data, item.page)
         return layer.text if layer.usable("fallback") else None
 
 
@@ -331,13 +331,13 @@ def test_failed_pages_fall_back_to_their_layer_read_on_the_pool(
 
     # Three reads out on the pool: a stopping worker waits for them, the job is not done.
     assert rig.events.flight.total(EngineState()) == 3
-    assert R.read_items(redis, rig.keys, job_id)[0].index == 3
+    assert results.read_items(redis, rig.keys, job_id)[0].index == 3
     assert fetch_job(redis, job_id).get_status() == "started"
     layers.gate.set()
     settle(rig)
 
     assert sorted(layers.reads) == [1, 2, 3]  # the answered page was never read
-    stored = {r.index: r for r in R.read_items(redis, rig.keys, job_id)}
+    stored = {r.index: r for r in results.read_items(redis, rig.keys, job_id)}
     cut = stored[0]
     assert words(cut.text) == PAGE_TEXT.format(n=1) and cut.ok
     assert (cut.text_source, cut.finish_reason, cut.model_text) == (
@@ -363,7 +363,7 @@ def test_no_layer_is_read_for_a_job_that_does_not_take_one(
     assert rig.events.flight.total(EngineState()) == 0  # decided at once, nothing out
     rig.collector.collect(timeout=0)
     assert layers.reads == []
-    [stored] = R.read_items(redis, rig.keys, running.job_id)
+    [stored] = results.read_items(redis, rig.keys, running.job_id)
     assert stored.error == "render failed" and stored.text_source == "model"
 
 
@@ -377,7 +377,7 @@ def test_a_layer_the_prefer_check_read_is_used_without_a_second_read(
                           finished(running.job_id, 1, "fine")]
     rig.collector.collect(timeout=0)
     assert layers.reads == [] and layers.known == {}  # both forgotten once asked
-    stored = {r.index: r for r in R.read_items(redis, rig.keys, running.job_id)}
+    stored = {r.index: r for r in results.read_items(redis, rig.keys, running.job_id)}
     assert stored[0].text == "read by the prefer check"
     assert stored[0].text_source == TEXT_FROM_LAYER
     assert stored[1].text == "fine"
@@ -392,5 +392,5 @@ def test_a_pool_shut_down_records_the_failure_as_it_is(
     assert rig.events.flight.total(EngineState()) == 0
     rig.collector.collect(timeout=0)
     assert layers.reads == []
-    [stored] = R.read_items(redis, rig.keys, running.job_id)
+    [stored] = results.read_items(redis, rig.keys, running.job_id)
     assert stored.error == "render failed"

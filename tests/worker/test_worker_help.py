@@ -12,7 +12,7 @@ from redis import Redis
 
 from vlmq.cli.worker import worker_cmd
 from vlmq.shared import constants as C
-from vlmq.worker import options as WO
+from vlmq.worker import options
 from vlmq.worker.engine.batch_size import DEFAULT_CAP, FLOOR
 from vlmq.worker.jobs.running import BatchWorker
 from vlmq.worker.model import blas
@@ -28,26 +28,26 @@ def worker_help() -> str:
 def test_help_lists_every_default_queue() -> None:
     text = worker_help()
     assert f"default: {','.join(C.DEFAULT_QUEUE[t] for t in C.TASKS)})" in text
-    assert "extract" in WO.DEFAULT_QUEUES
+    assert "extract" in options.DEFAULT_QUEUES
 
 
 def test_help_figures_come_from_the_code() -> None:
     text = worker_help()
     assert f"starts at {FLOOR} and grows" in text and f"[default: {DEFAULT_CAP};" in text
-    assert f"at most {WO.MAX_DEFAULT_PREP_THREADS})" in text
-    assert WO.config_default("prep_threads") == min(WO.MAX_DEFAULT_PREP_THREADS,
-                                                    os.cpu_count() or 2)
-    assert f"(default {WO.DEFAULT_HEARTBEAT_TTL_S})" in text
-    assert f"OpenBLAS threads: {WO.WORKER_THREADS_RULE}." in text
+    assert f"at most {options.MAX_DEFAULT_PREP_THREADS})" in text
+    assert options.config_default("prep_threads") == min(options.MAX_DEFAULT_PREP_THREADS,
+                                                         os.cpu_count() or 2)
+    assert f"(default {options.DEFAULT_HEARTBEAT_TTL_S})" in text
+    assert f"OpenBLAS threads: {options.WORKER_THREADS_RULE}." in text
 
 
 def test_heartbeat_default_is_the_workers(redis: Redis) -> None:
     worker = BatchWorker(["q"], connection=redis, name="help-check")
-    assert worker.heartbeat_ttl == WO.DEFAULT_HEARTBEAT_TTL_S
+    assert worker.heartbeat_ttl == options.DEFAULT_HEARTBEAT_TTL_S
 
 
 def test_blas_rule_is_what_the_worker_does_and_what_docs_say() -> None:
-    assert WO.WORKER_THREADS_RULE == blas.WORKER_THREADS_RULE
+    assert options.WORKER_THREADS_RULE == blas.WORKER_THREADS_RULE
     assert blas.worker_threads(1) == max(1, blas.cores() - 1)
     assert blas.worker_threads(blas.cores() + 5) == 1
     install = re.sub(r"\s+", " ", (ROOT / "docs" / "install.md").read_text())

@@ -20,14 +20,14 @@ from click.testing import CliRunner
 
 from vlmq.cli.worker import worker_cmd, worker_options
 from vlmq.stores.backends import STORES_ENV, Stores
-from vlmq.worker import options as WO
+from vlmq.worker import options
 from vlmq.worker.config import WorkerConfig
 
 REQUIRED = ["--model", "m"]
 
 
-def command(rows: Sequence[WO.WorkerOption] = WO.OPTIONS) -> click.Command:
-    """A `vlmq worker` made from `rows` (the real one is made from WO.OPTIONS)."""
+def command(rows: Sequence[options.WorkerOption] = options.OPTIONS) -> click.Command:
+    """A `vlmq worker` made from `rows` (the real one is made from options.OPTIONS)."""
     @click.command("worker")
     @worker_options(rows)
     def cmd(**_values: Any) -> None:
@@ -37,7 +37,7 @@ def command(rows: Sequence[WO.WorkerOption] = WO.OPTIONS) -> click.Command:
 
 
 def parse(args: Sequence[str], cmd: click.Command = worker_cmd) -> tuple[dict[str, Any],
-                                                                      list[str]]:
+                                                                         list[str]]:
     """(values by name, the names given on the command line, in order), as units.py reads
     them."""
     with cmd.make_context("vlmq worker", list(args)) as ctx:
@@ -49,7 +49,7 @@ def parse(args: Sequence[str], cmd: click.Command = worker_cmd) -> tuple[dict[st
 def comparable(value: Any) -> Any:
     """Stores compare by identity: by their NAME=URL specs here."""
     if isinstance(value, Stores):
-        return sorted(WO.store_spec(s) for s in value)
+        return sorted(options.store_spec(s) for s in value)
     return value
 
 
@@ -57,7 +57,7 @@ def config_dict(cfg: WorkerConfig) -> dict[str, Any]:
     return {f.name: comparable(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
 
 
-def sample(row: WO.WorkerOption) -> Any:
+def sample(row: options.WorkerOption) -> Any:
     """A value for `row` other than its default, within its range: any new row gets one."""
     if row.kind == "flag":
         return True
@@ -78,7 +78,7 @@ def sample(row: WO.WorkerOption) -> Any:
     return "a value, with $ and 100%"
 
 
-def samples(rows: Sequence[WO.WorkerOption] = WO.OPTIONS) -> dict[str, Any]:
+def samples(rows: Sequence[options.WorkerOption] = options.OPTIONS) -> dict[str, Any]:
     return {row.name: sample(row) for row in rows}
 
 
@@ -86,11 +86,11 @@ def samples(rows: Sequence[WO.WorkerOption] = WO.OPTIONS) -> dict[str, Any]:
 
 
 def test_rows_are_well_formed() -> None:
-    flags = [row.cli_flag for row in WO.OPTIONS]
-    assert len(set(flags)) == len(flags) and len(WO.BY_NAME) == len(WO.OPTIONS)
-    for row in WO.OPTIONS:
-        assert row.kind in WO.KINDS and row.help.strip(), row
-        assert row.local_path in ("", WO.PATH, WO.PATH_OR_ID), row
+    flags = [row.cli_flag for row in options.OPTIONS]
+    assert len(set(flags)) == len(flags) and len(options.BY_NAME) == len(options.OPTIONS)
+    for row in options.OPTIONS:
+        assert row.kind in options.KINDS and row.help.strip(), row
+        assert row.local_path in ("", options.PATH, options.PATH_OR_ID), row
         assert (row.kind == "choice") == bool(row.choices), row
         if row.kind == "choice":
             assert row.default in row.choices, row
@@ -102,10 +102,10 @@ def test_rows_are_well_formed() -> None:
 
 def test_fields_made_by_several_rows_have_a_builder() -> None:
     by_field: dict[str, list[str]] = {}
-    for row in WO.OPTIONS:
+    for row in options.OPTIONS:
         if row.config_field is not None:
             by_field.setdefault(row.config_field, []).append(row.name)
-    assert set(WO.COMPOSITES) == {name for name, rows in by_field.items() if len(rows) > 1}
+    assert set(options.COMPOSITES) == {name for name, rows in by_field.items() if len(rows) > 1}
     assert by_field["repetition"] == ["on_repetition", "repetition_repeats",
                                       "repetition_min_span", "repetition_period"]
 
@@ -115,8 +115,8 @@ def test_fields_made_by_several_rows_have_a_builder() -> None:
 
 def test_every_row_is_a_click_option_in_table_order() -> None:
     params = {p.name: p for p in worker_cmd.params}
-    assert [p.name for p in worker_cmd.params] == [row.name for row in WO.OPTIONS]
-    for row in WO.OPTIONS:
+    assert [p.name for p in worker_cmd.params] == [row.name for row in options.OPTIONS]
+    for row in options.OPTIONS:
         param = params[row.name]
         assert isinstance(param, click.Option)
         assert (param.opts, param.envvar, param.metavar) == (
@@ -131,15 +131,15 @@ def test_every_row_is_a_click_option_in_table_order() -> None:
 def test_a_worker_given_nothing_gets_the_table_defaults() -> None:
     values, given = parse(REQUIRED)
     assert given == ["model"]
-    for row in WO.OPTIONS:
+    for row in options.OPTIONS:
         if row.name != "model":
-            assert comparable(values[row.name]) == comparable(WO.stores(row.default)
-                                                             if row.kind == "stores"
-                                                             else row.default), row.name
+            assert comparable(values[row.name]) == comparable(options.stores(row.default)
+                                                              if row.kind == "stores"
+                                                              else row.default), row.name
 
 
 def test_ranges_and_choices_come_from_the_rows() -> None:
-    for row in WO.OPTIONS:
+    for row in options.OPTIONS:
         bad: list[str] = []
         if row.kind in ("int", "float") and row.lo is not None:
             bad = [row.cli_flag, str(row.lo - 1)]
@@ -154,8 +154,8 @@ def test_a_refused_queue_name_names_its_option() -> None:
     res = CliRunner().invoke(worker_cmd, ["--model", "/nonexistent", "--queues", "ocr:x"])
     assert res.exit_code == 2
     assert "Invalid value for --queues: 'ocr:x' is not a queue name" in res.output
-    with pytest.raises(WO.OptionError) as err:
-        WO.config_values({**WO.defaults(), "queues": ("ocr", "a b:c")})
+    with pytest.raises(options.OptionError) as err:
+        options.config_values({**options.defaults(), "queues": ("ocr", "a b:c")})
     assert err.value.flag == "--queues"
 
 
@@ -164,13 +164,13 @@ def test_a_refused_queue_name_names_its_option() -> None:
 
 def test_worker_config_fields_are_the_rows_fields() -> None:
     fields = [f.name for f in dataclasses.fields(WorkerConfig)]
-    from_rows = list(dict.fromkeys(row.config_field for row in WO.OPTIONS
+    from_rows = list(dict.fromkeys(row.config_field for row in options.OPTIONS
                                    if row.config_field is not None))
-    assert sorted(fields) == sorted([*from_rows, *WO.CONFIG_ONLY])
+    assert sorted(fields) == sorted([*from_rows, *options.CONFIG_ONLY])
     assert [f for f in fields if f in from_rows] == from_rows  # declared in table order
     required = {f.name for f in dataclasses.fields(WorkerConfig)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-    assert required == {"redis_url", *(row.name for row in WO.OPTIONS if row.required)}
+    assert required == {"redis_url", *(row.name for row in options.OPTIONS if row.required)}
 
 
 def _matches(value: Any, hint: Any) -> bool:
@@ -192,19 +192,19 @@ def test_worker_config_defaults_are_the_tables() -> None:
     cfg = WorkerConfig(redis_url="redis://x", model="m")
     hints = typing.get_type_hints(WorkerConfig)
     for field in dataclasses.fields(cfg):
-        if field.name in (*WO.CONFIG_ONLY, "model"):
+        if field.name in (*options.CONFIG_ONLY, "model"):
             continue
         value = getattr(cfg, field.name)
-        assert comparable(value) == comparable(WO.config_default(field.name)), field.name
+        assert comparable(value) == comparable(options.config_default(field.name)), field.name
         assert _matches(value, hints[field.name]), (field.name, value, hints[field.name])
         # and what a sample value of its rows becomes fits the annotation too
-        made = WO.config_values({**WO.defaults(), **samples()})[field.name]
+        made = options.config_values({**options.defaults(), **samples()})[field.name]
         assert _matches(made, hints[field.name]), (field.name, made)
 
 
 def test_the_cli_with_defaults_makes_the_default_config() -> None:
     values, _ = parse(REQUIRED)
-    from_cli = WorkerConfig(redis_url="redis://x", **WO.config_values(values))
+    from_cli = WorkerConfig(redis_url="redis://x", **options.config_values(values))
     assert config_dict(from_cli) == config_dict(WorkerConfig(redis_url="redis://x", model="m"))
 
 
@@ -212,14 +212,14 @@ def test_units_and_derived_values() -> None:
     values, _ = parse([*REQUIRED, "--cache-mem-mb", "3", "--cache-disk-gb", "0.5",
                        "--result-cache-mb", "1.5", "--fixed-batch", "--repetition-repeats",
                        "0", "--queues", "a,b", "--queues", "b,c"])
-    cfg = WO.config_values(values)
+    cfg = options.config_values(values)
     assert (cfg["cache_mem_bytes"], cfg["cache_disk_bytes"], cfg["result_cache_bytes"]) == (
         3 << 20, 1 << 29, 3 << 19)
     assert (cfg["auto_batch"], cfg["repetition"], cfg["queues"]) == (False, None,
                                                                       ["a", "b", "c"])
     assert cfg["allow_eviction"] is None and "with_scheduler" not in cfg
     values, _ = parse([*REQUIRED, "--repetition-repeats", "1", "--repetition-period", "9"])
-    guard = WO.config_values(values)["repetition"]
+    guard = options.config_values(values)["repetition"]
     assert (guard.min_repeats, guard.max_period) == (2, 9)  # a loop is 2 repeats at least
 
 
@@ -230,13 +230,13 @@ def test_every_row_round_trips_through_the_unit_arguments() -> None:
     """Values -> the unit's words -> the worker's parser gives the same values and the
     same config, for a non-default value of every row (a new row is covered as it is)."""
     values = samples()
-    args = WO.unit_args(values, list(values))
+    args = options.unit_args(values, list(values))
     parsed, given = parse(args)
     assert given == list(values)
     assert {k: comparable(v) for k, v in parsed.items()} == {
         k: comparable(v) for k, v in values.items()}
-    assert config_dict(WorkerConfig(redis_url="r", **WO.config_values(parsed))) == (
-        config_dict(WorkerConfig(redis_url="r", **WO.config_values(values))))
+    assert config_dict(WorkerConfig(redis_url="r", **options.config_values(parsed))) == (
+        config_dict(WorkerConfig(redis_url="r", **options.config_values(values))))
 
 
 def test_unit_arguments_keep_the_given_order_and_leave_out_the_rest() -> None:
@@ -244,20 +244,20 @@ def test_unit_arguments_keep_the_given_order_and_leave_out_the_rest() -> None:
             "--burst", "--render-timeout", "2"]
     values, given = parse(args)
     assert given == ["queues", "grace", "model", "burst", "render_timeout"]
-    assert WO.unit_args(values, given) == [
+    assert options.unit_args(values, given) == [
         "--queues", "ocr", "--queues", "caption", "--grace", "45.5", "--model", "/m",
         "--burst", "--render-timeout", "2"]
 
 
 def test_store_specs_read_back_as_the_same_stores() -> None:
-    stores = sample(WO.BY_NAME["stores"])
-    specs = [WO.store_spec(s) for s in stores]
+    stores = sample(options.BY_NAME["stores"])
+    specs = [options.store_spec(s) for s in stores]
     assert specs == ["docs=file:///srv/my%20docs", "raw=s3://bucket/a%25b%20c"]
     assert [(s.name, s.url) for s in Stores.parse(specs)] == [(s.name, s.url) for s in stores]
 
 
 def test_float_words_are_short_and_exact() -> None:
-    row = WO.BY_NAME["grace"]
+    row = options.BY_NAME["grace"]
     for value in (50.0, 0.1, 45.5, 1e-7, math.inf):
         (_, word) = row.words(value)
         assert float(word) == value
@@ -267,9 +267,9 @@ def test_float_words_are_short_and_exact() -> None:
 # --- a change to the table changes all three ---------------------------------------------
 
 
-def changed(name: str, **changes: Any) -> tuple[WO.WorkerOption, ...]:
+def changed(name: str, **changes: Any) -> tuple[options.WorkerOption, ...]:
     return tuple(dataclasses.replace(row, **changes) if row.name == name else row
-                 for row in WO.OPTIONS)
+                 for row in options.OPTIONS)
 
 
 def test_a_changed_default_reaches_click_config_and_unit() -> None:
@@ -277,46 +277,46 @@ def test_a_changed_default_reaches_click_config_and_unit() -> None:
     cmd = command(rows)
     values, given = parse(REQUIRED, cmd)
     assert values["poison_kills"] == 7
-    assert WO.config_values(values, rows)["poison_kills"] == 7
+    assert options.config_values(values, rows)["poison_kills"] == 7
     made = dataclasses.make_dataclass("Config", [(
-        "poison_kills", int, dataclasses.field(default_factory=WO.from_table("poison_kills",
-                                                                            rows)))])
+        "poison_kills", int, dataclasses.field(default_factory=options.from_table("poison_kills",
+                                                                                  rows)))])
     assert made().poison_kills == 7  # type: ignore[attr-defined]
     # A unit leaves a default out, so its worker gets the table's default.
-    assert WO.unit_args(values, given, rows) == REQUIRED
-    assert parse(WO.unit_args(values, given, rows), cmd)[0]["poison_kills"] == 7
+    assert options.unit_args(values, given, rows) == REQUIRED
+    assert parse(options.unit_args(values, given, rows), cmd)[0]["poison_kills"] == 7
     # The real table is untouched.
-    assert parse(REQUIRED)[0]["poison_kills"] == WO.DEFAULT_POISON_KILLS != 7
+    assert parse(REQUIRED)[0]["poison_kills"] == options.DEFAULT_POISON_KILLS != 7
 
 
 def test_a_changed_flag_or_field_reaches_click_config_and_unit() -> None:
     rows = changed("poison_kills", flag="--deaths", field="deaths")
     cmd = command(rows)
     values, given = parse([*REQUIRED, "--deaths", "5"], cmd)
-    assert WO.unit_args(values, given, rows) == [*REQUIRED, "--deaths", "5"]
-    made = WO.config_values(values, rows)
+    assert options.unit_args(values, given, rows) == [*REQUIRED, "--deaths", "5"]
+    made = options.config_values(values, rows)
     assert made["deaths"] == 5 and "poison_kills" not in made
     # Two rows filling one field need a builder: said, not guessed.
     with pytest.raises(TypeError, match="COMPOSITES"):
-        WO.config_values(values, changed("poison_kills", field="max_kv_tokens"))
+        options.config_values(values, changed("poison_kills", field="max_kv_tokens"))
     with pytest.raises(click.NoSuchOption):
         parse([*REQUIRED, "--poison-kills", "5"], cmd)
 
 
 def test_a_new_row_is_an_option_a_config_value_and_unit_words() -> None:
-    new = WO.WorkerOption("idle_exit", "float", "Exit after this many idle seconds.",
-                          default=0.0, lo=0)
-    rows = (*WO.OPTIONS, new)
+    new = options.WorkerOption("idle_exit", "float", "Exit after this many idle seconds.",
+                               default=0.0, lo=0)
+    rows = (*options.OPTIONS, new)
     values, given = parse([*REQUIRED, "--idle-exit", "2.5"], command(rows))
-    assert WO.config_values(values, rows)["idle_exit"] == 2.5
-    assert WO.unit_args(values, given, rows) == [*REQUIRED, "--idle-exit", "2.5"]
-    assert WO.from_table("idle_exit", rows)() == 0.0
+    assert options.config_values(values, rows)["idle_exit"] == 2.5
+    assert options.unit_args(values, given, rows) == [*REQUIRED, "--idle-exit", "2.5"]
+    assert options.from_table("idle_exit", rows)() == 0.0
 
 
 def test_the_store_option_is_the_rows(tmp_path: Path) -> None:
     """--store is cli.common.store_option (shared by every command), so the row and it are
     held together here: flag, envvar, metavar, and the value a Stores."""
-    row = WO.BY_NAME["stores"]
+    row = options.BY_NAME["stores"]
     assert (row.cli_flag, row.envvar, row.metavar) == ("--store", STORES_ENV, "NAME=URL")
     values, _ = parse([*REQUIRED, "--store", f"d={tmp_path}"])
     assert isinstance(values["stores"], Stores)
@@ -324,13 +324,13 @@ def test_the_store_option_is_the_rows(tmp_path: Path) -> None:
 
 
 def test_local_path_rows() -> None:
-    assert [(r.name, r.local_path) for r in WO.local_paths()] == [
-        ("model", WO.PATH_OR_ID), ("cache_dir", WO.PATH)]
+    assert [(r.name, r.local_path) for r in options.local_paths()] == [
+        ("model", options.PATH_OR_ID), ("cache_dir", options.PATH)]
 
 
 def test_defaults_give_every_config_field_an_option_fills() -> None:
-    assert set(WO.config_values(WO.defaults())) == {
-        row.config_field for row in WO.OPTIONS if row.config_field is not None}
+    assert set(options.config_values(options.defaults())) == {
+        row.config_field for row in options.OPTIONS if row.config_field is not None}
 
 
 def test_the_table_loads_nothing_heavy() -> None:

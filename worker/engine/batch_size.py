@@ -12,7 +12,7 @@ cap; the KV admission budget still bounds memory on its own.
 It never goes below `floor` (8, or the cap when lower): measurements at
 a limit the work cannot fill say nothing, and a noisy reading must not shrink a batch
 that a fixed setting would have kept. Pure logic on an injected clock, so the rule is
-tested without a model (tests/worker/test_batch_size.py).
+tested without a model (tests/worker/engine/test_batch_size.py).
 """
 
 from __future__ import annotations

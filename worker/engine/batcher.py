@@ -26,14 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from vlmq.worker.engine import constraints as structured
-from vlmq.worker.engine import faults, kv_budget, prefix_cache
+from vlmq.worker.engine import constraints, faults, kv_budget, prefix_cache
 from vlmq.worker.engine.batch_size import FLOOR, BatchSizer, Shape
 from vlmq.worker.engine.constraints import RowConstraint
 from vlmq.worker.engine.match_budget import MatchBudget
 from vlmq.worker.engine.repetition import RepetitionGuard
-from vlmq.worker.model import blas
-from vlmq.worker.model import mlx_adapter as adapter
+from vlmq.worker.model import blas, mlx_adapter
+from vlmq.worker.model.families import FamilySpec
 from vlmq.worker.model.mlx_adapter import LoadedModel, Prepared
 
 log = logging.getLogger(__name__)
@@ -64,7 +63,7 @@ class Request:
     # An extract item's schema matcher (worker/engine/constraints.py): masks each step's logits,
     # and decides at the end whether the output is a whole JSON value.
     constraint: RowConstraint | None = None
-    # The content key of the row's image (the vision cache's, worker/prep/requests.py):
+    # The content key of the row's image (the vision cache's, worker/prep/preparer.py):
     # rows with the same key and prompt prefix share its prefilled K/V (prefix_cache.py).
     prefix_key: str | None = None
 
@@ -146,7 +145,7 @@ class EngineState:
         default_factory=queue.SimpleQueue)
     # A Queue, not a SimpleQueue: the main thread waits on it with a timeout, and on
     # CPython 3.11 a signal (SIGTERM) landing in SimpleQueue.get(timeout=...) can leave
-    # that call blocked for good, so the worker never stops (tests/worker/test_engine.py).
+    # that call blocked for good, so the worker never stops (tests/worker/engine/test_batcher.py).
     outbox: queue.Queue[Finished] = field(default_factory=queue.Queue)
     closing: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -288,12 +287,12 @@ class Engine:
 
     @property
     def processor(self) -> Any:
-        """For CPU-side preparation (adapter.prepare); treat as read-only."""
+        """For CPU-side preparation (mlx_adapter.prepare); treat as read-only."""
         return self._require_loaded().processor
 
     @property
     def model_config(self) -> Any:
-        """For CPU-side preparation (adapter.prepare); treat as read-only."""
+        """For CPU-side preparation (mlx_adapter.prepare); treat as read-only."""
         return self._require_loaded().model.config
 
     def submit(self, req: Request) -> None:
@@ -358,13 +357,13 @@ class Engine:
         try:
             self._serve()
         finally:
-            adapter.release_thread_streams()
+            mlx_adapter.release_thread_streams()
 
     def _serve(self) -> None:
         try:
-            self._loaded = adapter.load_model(self.model_path)
+            self._loaded = mlx_adapter.load_model(self.model_path)
         except Exception as exc:  # reported to wait_ready, not lost
-            if isinstance(exc, adapter.ModelLoadError):
+            if isinstance(exc, mlx_adapter.ModelLoadError):
                 log.debug("engine: model load failed: %s", exc)
             else:
                 log.exception("engine: model load failed")
@@ -381,7 +380,7 @@ class Engine:
               prefix_cache_bytes=self.prefix_cache_bytes,
               prefix_given=self.prefix_given).run()
 
-    def _apply_family_limits(self, family: adapter.FamilySpec) -> None:
+    def _apply_family_limits(self, family: FamilySpec) -> None:
         """Prefill one prompt at a time where mlx-vlm cannot prefill this family's prompts
         together exactly (every verified family decodes batched).
 
@@ -435,7 +434,7 @@ class _Loop:
         self.max_batch = max_batch
         self.prefill_batch = prefill_batch
         self.repetition = repetition
-        self.eos = adapter.eos_token_ids(loaded.processor)
+        self.eos = mlx_adapter.eos_token_ids(loaded.processor)
         self.pending: deque[tuple[Request, float]] = deque()
         self.live: dict[int, _Live] = {}
         self.steps = 0
@@ -541,7 +540,7 @@ class _Loop:
                  "over the matching budget of %.1f ms (%s)", len(rows),
                  1000 * sum(c.cost_s for _, c in self._constrained()),
                  1000 * (self.matching.budget_s or 0.0), ", ".join(repr(lv.req.key)
-                                                                    for lv in rows))
+                                                                   for lv in rows))
         mx.synchronize()  # Metal: settle in-flight work before the batch is filtered
         for lv in rows:
             self.gen.remove(lv.uid)
@@ -668,18 +667,18 @@ class _Loop:
             features = None
             prepared = req.prepared
             if m.cacheable and req.cached_features is not None:
-                features = adapter.features_from_numpy(*req.cached_features)
+                features = mlx_adapter.features_from_numpy(*req.cached_features)
                 hit = True
             elif m.cacheable and prepared.pixel_values is not None:
                 tv = time.perf_counter()
-                features = adapter.vision_features(m.model, prepared)
+                features = mlx_adapter.vision_features(m.model, prepared)
                 st.tower_calls += 1
                 timings["vision_s"] = time.perf_counter() - tv
                 self._report_features(req, features)
             elif prepared.pixel_values is not None or prepared.deferred_image is not None:
                 st.tower_calls += 1  # runs inside get_input_embeddings
             te = time.perf_counter()
-            ids, kwargs = adapter.build_prompt_kwargs(m.model, m.processor, prepared, features)
+            ids, kwargs = mlx_adapter.build_prompt_kwargs(m.model, m.processor, prepared, features)
             timings["embed_s"] = time.perf_counter() - te
             prompt_tokens = len(ids)
             max_tokens = self._check_budget(req, prompt_tokens)
@@ -744,7 +743,7 @@ class _Loop:
         if req.on_features is None:
             return
         try:
-            req.on_features(*adapter.features_to_numpy(features))
+            req.on_features(*mlx_adapter.features_to_numpy(features))
         except Exception:  # a failing cache write must not fail the item
             log.exception("engine: on_features callback failed for %r", req.key)
 
@@ -881,10 +880,10 @@ class _Loop:
 
     def _stop_cut(self, lv: _Live) -> int | None:
         """Index in the full text where the earliest stop string starts, if one has appeared."""
-        tail = adapter.decode(self.m.processor, lv.tokens[-lv.stop_window :])
+        tail = mlx_adapter.decode(self.m.processor, lv.tokens[-lv.stop_window :])
         if not any(s in tail for s in lv.req.stop):
             return None
-        return _earliest(adapter.decode(self.m.processor, lv.tokens), lv.req.stop)
+        return _earliest(mlx_adapter.decode(self.m.processor, lv.tokens), lv.req.stop)
 
     def _finish(
         self, lv: _Live, reason: str, *, cut: int | None = None, error: str | None = None,
@@ -931,7 +930,7 @@ class _Loop:
         body = lv.tokens if keep is None else lv.tokens[:keep]
         if reason == "stop" and cut is None and body and body[-1] in self.eos:
             body = body[:-1]
-        text = adapter.decode(self.m.processor, body)
+        text = mlx_adapter.decode(self.m.processor, body)
         if cut is None and lv.req.stop:
             cut = _earliest(text, lv.req.stop)  # a stop string completed by the last token
         if cut is not None:
@@ -984,7 +983,7 @@ def _json_outcome(constraint: RowConstraint, tokens: list[int], reason: str,
         return None, ("output cut at max_tokens before the JSON was complete: raise "
                       "--max-tokens")
     try:
-        return structured.parse(text), None
+        return constraints.parse(text), None
     except ValueError as exc:
         return None, f"output is not a complete JSON value (a stop string cut it?): {exc}"
 

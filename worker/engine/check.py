@@ -19,8 +19,9 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from vlmq.worker.engine.batcher import Engine, Finished, Request
-from vlmq.worker.model import mlx_adapter as A
+from vlmq.worker.model import mlx_adapter
 from vlmq.worker.model.defaults import preset_for, resolve
+from vlmq.worker.model.families import FamilySpec
 
 CHECK_PROMPT = "Describe this image."
 # Two sizes, so rows of one batch have different prompt lengths (the hard case).
@@ -31,7 +32,7 @@ _SIZES = ((448, 320), (448, 448), (320, 448), (384, 384))
 class CheckReport:
     model: str
     model_type: str
-    family: A.FamilySpec
+    family: FamilySpec
     preset: str
     parity: bool
     mismatches: list[str] = field(default_factory=list)
@@ -102,14 +103,14 @@ def reference_tokens(model_path: str, images: list[Image.Image],
 
     vlm: Any = importlib.import_module("mlx_vlm")  # untyped entry points
     model, processor = vlm.load(model_path)
-    eos = A.eos_token_ids(processor)
+    eos = mlx_adapter.eos_token_ids(processor)
     model_type = str(model.config.model_type)
     out, n_tokens, elapsed = [], 0, 0.0
     for image in images:
-        text = A.format_prompt(processor, model.config, CHECK_PROMPT, num_images=1)
+        text = mlx_adapter.format_prompt(processor, model.config, CHECK_PROMPT, num_images=1)
         t0 = time.perf_counter()
         *_, last = vlm.stream_generate(model, processor, text, image=[image],
-                                   max_tokens=max_tokens, temperature=0.0)
+                                       max_tokens=max_tokens, temperature=0.0)
         elapsed += time.perf_counter() - t0
         tokens = list(last.token_ids)
         n_tokens += len(tokens)
@@ -124,7 +125,7 @@ def _run(engine: Engine, images: list[Image.Image], max_tokens: int,
          together: bool) -> tuple[list[Finished], float]:
     """Items through the engine, all at once or one after another; results, tokens/s."""
     def submit(i: int, image: Image.Image) -> None:
-        prep = A.prepare(engine.processor, engine.model_config, image, CHECK_PROMPT)
+        prep = mlx_adapter.prepare(engine.processor, engine.model_config, image, CHECK_PROMPT)
         engine.submit(Request(key=i, prepared=prep, cached_features=None,
                               max_tokens=max_tokens, temperature=0.0, stop=()))
 
@@ -155,12 +156,12 @@ def _run(engine: Engine, images: list[Image.Image], max_tokens: int,
 def check_model(model_path: str, *, max_tokens: int = 32, max_batch: int = 4) -> CheckReport:
     """Load, compare batched with sequential output on 2 images, measure speed."""
     images = sample_images(max(2, max_batch))
-    folder = A.model_folder(model_path)  # refuses unverified families before any load
+    folder = mlx_adapter.model_folder(model_path)  # refuses unverified families before any load
     expected, seq_tok_s, model_type = reference_tokens(str(folder), images, max_tokens)
     engine = Engine(model_path, max_batch=max_batch)
     try:
         info = engine.wait_ready()
-        eos = A.eos_token_ids(engine.processor)
+        eos = mlx_adapter.eos_token_ids(engine.processor)
         pair, _ = _run(engine, images[:2], max_tokens, together=True)
         _, tok_b1 = _run(engine, images[:2], max_tokens, together=False)
         full, tok_bn = _run(engine, images, max_tokens, together=True)
@@ -181,7 +182,7 @@ def check_model(model_path: str, *, max_tokens: int = 32, max_batch: int = 4) ->
                    else f"model type {model_type} defaults")
     preset_text += f"; OCR prompt {row.prompt!r}, max_tokens {row.max_tokens}"
     return CheckReport(model=model_path, model_type=info.model_type,
-                       family=A.family_of(info.model_type), preset=preset_text,
+                       family=mlx_adapter.family_of(info.model_type), preset=preset_text,
                        parity=not mismatches, mismatches=mismatches,
                        tok_s={0: seq_tok_s, 1: tok_b1, max_batch: tok_bn})
 

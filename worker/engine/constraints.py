@@ -31,7 +31,7 @@ import llguidance.hf
 import llguidance.numpy
 import numpy as np
 
-from vlmq.shared import extract_schema as json_schema
+from vlmq.shared import extract_schema
 from vlmq.worker.engine.match_budget import ema
 
 T = TypeVar("T")
@@ -211,7 +211,7 @@ class Structured:
     def grammar(self, schema: dict[str, Any] | str) -> str:
         """The schema's grammar (given as an object or as its text), checked against this
         model's tokenizer (ConstraintError)."""
-        text = schema if isinstance(schema, str) else json_schema.schema_text(schema)
+        text = schema if isinstance(schema, str) else extract_schema.schema_text(schema)
         with self._lock:
             hit = self._grammars.get(text)
             if hit is not None:
@@ -233,7 +233,7 @@ class Structured:
     def row(self, schema: dict[str, Any] | str) -> RowConstraint:
         """A row's matcher, built here (a prep thread) within the build budget; a schema
         over it raises ConstraintError, and its next rows raise at once."""
-        text = schema if isinstance(schema, str) else json_schema.schema_text(schema)
+        text = schema if isinstance(schema, str) else extract_schema.schema_text(schema)
         with self._lock:
             template = self._templates.get(text)
         if template is None:

@@ -26,7 +26,7 @@ What mlx-vlm's automatic prefix caching (mlx_vlm/apc.py) gives and what vlmq add
   memory); mlx-vlm's own headroom reserve is 0 so the budget alone decides. No disk tier.
 
 Families are opted in by parity: greedy output with a cached prefix equals output without
-it, token for token, in batched runs (tests/worker/test_prefix_parity.py). Where that is
+it, token for token, in batched runs (tests/worker/engine/test_prefix_parity.py). Where that is
 not verified, or cannot hold, reuse is off and OFF says why. A verified family whose
 template puts the prompt first (qwen2_vl) is off unless --prefix-cache-mb is given
 (DEFAULT_OFF): storing each new image's prefix means prefilling it alone, apart from

@@ -31,14 +31,12 @@ from rq.worker import WorkerStatus
 from rq.worker_registration import clean_worker_registry
 
 from vlmq.shared import constants as C
-from vlmq.shared import job_index
-from vlmq.shared import results as R
+from vlmq.shared import job_index, results
 from vlmq.shared.connection import RedisClock
 from vlmq.shared.enqueue import UNREADABLE_HASH_ERRORS
 from vlmq.shared.keys import Keys
 from vlmq.shared.redis_text import as_str
-from vlmq.worker.jobs import poison
-from vlmq.worker.jobs import queue_guard as guard
+from vlmq.worker.jobs import poison, queue_guard
 from vlmq.worker.jobs.fencing import Fence, Whys
 from vlmq.worker.jobs.running import BatchWorker, Running
 
@@ -150,7 +148,7 @@ class Heartbeats:
         at = self.clock.measure()  # "expired" means by Redis's clock, for every worker alike
         expired = {q.name: q.started_job_registry.get_expired_job_ids(at) for q in self.queues}
         for queue in self.queues:
-            guard.scrub_intermediate(self.connection, self.keys, queue, self.worker.name)
+            queue_guard.scrub_intermediate(self.connection, self.keys, queue, self.worker.name)
             # Dead workers' jobs: charge the one in risky work, spare the others' retries.
             poison.reclaim(self.connection, self.keys, queue, poison_kills=self.poison_kills,
                            at=at)
@@ -200,9 +198,9 @@ class Heartbeats:
                                                     ["status", "failure_ttl"])
                 if status is None or as_str(status) != JobStatus.FAILED.value:
                     continue
-                R.end_job_event(
+                results.end_job_event(
                     self.connection, self.keys, job_id, "failed", queue=queue,
-                    ttl_s=R.ended_ttl(_int_or_none(ttl), C.FAILURE_TTL_S),
+                    ttl_s=results.ended_ttl(_int_or_none(ttl), C.FAILURE_TTL_S),
                     fields={"error": "the worker running this job stopped (no heartbeat) "
                                      "and the job's retries are spent (AbandonedJobError)"})
 

@@ -2,7 +2,7 @@
 
 Each end is one fenced transaction (worker/jobs/fencing.py) holding what RQ's own handlers would
 write, the owner key's release, and the job's terminal event (end_job.lua through
-shared/results.end_job_event, or shared/jobs.fail_job), so an end lands whole or not at
+shared/results.end_job_event, or shared/enqueue.fail_job), so an end lands whole or not at
 all, and only while this execution still owns the job.
 """
 
@@ -21,8 +21,7 @@ from rq.utils import now
 from rq.worker import WorkerStatus
 
 from vlmq.shared import constants as C
-from vlmq.shared import job_index
-from vlmq.shared import results as R
+from vlmq.shared import job_index, results
 from vlmq.shared.connection import RedisClock
 from vlmq.shared.enqueue import fail_job
 from vlmq.shared.keys import Keys
@@ -116,7 +115,7 @@ class JobEnd:
         job.set_status(JobStatus.FINISHED, pipeline=pipe)
         job.save(pipeline=pipe, include_meta=False, include_result=False)
         # What a finished job no longer needs (RQ writes them empty or for a run that
-        # ended): each hash field costs ~60 B for the job's whole result_ttl (issue 28).
+        # ended): each hash field costs ~60 B for the job's whole result_ttl.
         pipe.hdel(job.key, *FINISHED_DROPS)
         if result_ttl != 0:
             # No RQ Result: its stream would cost ~4.7 kB a job (Redis 7.0 preallocates a
@@ -128,10 +127,10 @@ class JobEnd:
                           {str(job.id): self.clock.now() + result_ttl}, xx=True)
         job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
         self._close(pipe, running.job, running.execution)
-        R.end_job_event(self.connection, self.keys, running.job_id, "finished",
-                        queue=running.queue.name,
-                        ttl_s=R.ended_ttl(result_ttl, C.RESULT_TTL_S),
-                        fields={**value, "summary": value}, pipeline=pipe)
+        results.end_job_event(self.connection, self.keys, running.job_id, "finished",
+                              queue=running.queue.name,
+                              ttl_s=results.ended_ttl(result_ttl, C.RESULT_TTL_S),
+                              fields={**value, "summary": value}, pipeline=pipe)
         worker.increment_successful_job_count(pipeline=pipe)
 
     # --- failed, requeued ----------------------------------------------------------------
@@ -219,9 +218,9 @@ class JobEnd:
                                               execution=running.execution)
                 pipe.execute()
         if why == JobStatus.CANCELED.value:
-            R.end_job_event(self.connection, self.keys, running.job_id, "canceled",
-                            queue=running.queue.name,
-                            ttl_s=R.ended_ttl(running.job.result_ttl, C.RESULT_TTL_S))
+            results.end_job_event(self.connection, self.keys, running.job_id, "canceled",
+                                  queue=running.queue.name,
+                                  ttl_s=results.ended_ttl(running.job.result_ttl, C.RESULT_TTL_S))
         self._after_end()
 
     # --- shared by every end -------------------------------------------------------------

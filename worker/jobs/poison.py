@@ -33,7 +33,6 @@ from vlmq.shared import constants as C
 from vlmq.shared.enqueue import fail_job
 from vlmq.shared.keys import Keys
 from vlmq.shared.redis_text import as_str
-from vlmq.worker.options import DEFAULT_POISON_KILLS as DEFAULT_POISON_KILLS
 
 log = logging.getLogger(__name__)
 

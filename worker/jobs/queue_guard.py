@@ -30,7 +30,7 @@ from redis.exceptions import ResponseError
 from rq.queue import Queue
 from rq.utils import now, utcformat
 
-from vlmq.shared import bounded_reads as bounded
+from vlmq.shared import bounded_reads
 from vlmq.shared import constants as C
 from vlmq.shared.enqueue import fail_job, timeout_problem
 from vlmq.shared.keys import JOB_ID_RE, KEY_TABLE, KeyName, Keys
@@ -244,7 +244,7 @@ def check_fields(job_id: str, fields: Mapping[bytes, bytes]) -> Verdict:
         _check_data(fields.get(b"data", b""))
         problem = next(filter(None, (_json_problem(name, fields.get(name.encode()))
                                      for name in (*_LENIENT, *_JSON_SHAPES))), None)
-    except bounded.BoundError as exc:
+    except bounded_reads.BoundError as exc:
         return Verdict(job_id, f"refused: {exc}", True)
     return Verdict(job_id, problem, True)
 
@@ -262,7 +262,7 @@ def _check_data(raw: bytes) -> None:
     """Raises BoundError for data over a bound; data that is not JSON is refused with a
     clear reason later, by payload_of, with the job failed by RQ."""
     with contextlib.suppress(UnicodeDecodeError, json.JSONDecodeError):
-        bounded.loads(bounded.inflate(raw, what="job data"), what="job data")
+        bounded_reads.loads(bounded_reads.inflate(raw, what="job data"), what="job data")
 
 
 def _json_problem(name: str, raw: bytes | None) -> str | None:
@@ -270,7 +270,7 @@ def _json_problem(name: str, raw: bytes | None) -> str | None:
     if not raw:
         return None
     try:
-        value = bounded.loads(raw, what=f"job {name}")
+        value = bounded_reads.loads(raw, what=f"job {name}")
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None if name in _LENIENT or name == "meta" else f"job {name} is not JSON"
     if name not in _JSON_SHAPES:

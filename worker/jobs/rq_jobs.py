@@ -25,12 +25,12 @@ from rq.serializers import JSONSerializer
 
 from vlmq.shared.connection import RedisClock
 from vlmq.shared.keys import Keys
-from vlmq.worker.jobs import poison
 from vlmq.worker.jobs.fencing import ORPHANED, Fence
 from vlmq.worker.jobs.heartbeat import CLOCK_WARN_S, Heartbeats
 from vlmq.worker.jobs.job_end import INCOMPLETE, JobEnd
 from vlmq.worker.jobs.running import BatchWorker, Refused, Running
 from vlmq.worker.jobs.taking import Intake, Taken
+from vlmq.worker.options import DEFAULT_POISON_KILLS
 
 __all__ = ["CLOCK_WARN_S", "INCOMPLETE", "ORPHANED", "BatchWorker", "JobLifecycle", "Refused",
            "Running"]
@@ -46,7 +46,7 @@ class JobLifecycle:
 
     def __init__(self, worker: BatchWorker, queues: Sequence[Queue] | None = None,
                  keys: Keys | None = None, *,
-                 poison_kills: int = poison.DEFAULT_POISON_KILLS) -> None:
+                 poison_kills: int = DEFAULT_POISON_KILLS) -> None:
         if poison_kills < 1:
             raise ValueError(f"poison_kills must be at least 1, got {poison_kills}")
         self.worker = worker

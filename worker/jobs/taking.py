@@ -21,14 +21,13 @@ from rq.serializers import JSONSerializer
 from rq.worker import WorkerStatus
 
 from vlmq.shared import constants as C
-from vlmq.shared import fair, job_index
-from vlmq.shared import results as R
+from vlmq.shared import fair, job_index, results
 from vlmq.shared.connection import RedisClock
 from vlmq.shared.enqueue import payload_of
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import Keys
 from vlmq.shared.redis_text import as_str
-from vlmq.worker.jobs import queue_guard as guard
+from vlmq.worker.jobs import queue_guard
 from vlmq.worker.jobs.fencing import Fence
 from vlmq.worker.jobs.heartbeat import score_execution
 from vlmq.worker.jobs.job_end import JobEnd
@@ -98,7 +97,7 @@ class Intake:
         out: list[Taken] = []
         jobs: list[Job] = []
         first: dict[str, float | None] = {}  # each job's first start on any worker, if any
-        checked = guard.inspect_many(self.connection, self.keys, raws)
+        checked = queue_guard.inspect_many(self.connection, self.keys, raws)
         for raw, (verdict, fields) in zip(raws, checked, strict=True):
             loaded = self._load(verdict, fields)
             if isinstance(loaded, Job):
@@ -108,15 +107,15 @@ class Intake:
             elif loaded.reason is None:  # deleted since it was pushed: nothing to run or fail
                 self.connection.lrem(queue.intermediate_queue_key, 1, raw)  # type: ignore[arg-type]
             else:
-                guard.refuse(self.connection, self.keys, queue, raw, loaded, self.worker.name)
+                queue_guard.refuse(self.connection, self.keys, queue, raw, loaded, self.worker.name)
                 out.append(Refused(loaded.label, queue.name, loaded.reason))
         for job, execution, at in self._mark_started(jobs, queue):
             out.append(self._start(job, queue, execution, first.get(str(job.id)) or at))
         self._ensure_indexed([r for r in out if isinstance(r, Running)])
         return out
 
-    def _load(self, verdict: guard.Verdict, fields: dict[bytes, bytes] | None
-              ) -> Job | guard.Verdict:
+    def _load(self, verdict: queue_guard.Verdict, fields: dict[bytes, bytes] | None
+              ) -> Job | queue_guard.Verdict:
         """The job RQ builds from the hash the guard read, or the verdict to act on."""
         if verdict.reason is not None or fields is None:
             return verdict
@@ -129,8 +128,8 @@ class Intake:
             # cannot write (dependency_ids of 1e999) must fail here, not in the end's MULTI.
             job.to_dict()
         except Exception as exc:  # noqa: BLE001  # whatever RQ raises on a hash it cannot load
-            return guard.Verdict(verdict.job_id, f"RQ cannot read its hash "
-                                 f"({type(exc).__name__}: {exc})", hash_exists=True)
+            return queue_guard.Verdict(verdict.job_id, f"RQ cannot read its hash "
+                                       f"({type(exc).__name__}: {exc})", hash_exists=True)
         return job
 
     def _ensure_indexed(self, started: Sequence[Running]) -> None:
@@ -197,7 +196,7 @@ class Intake:
                 pipe.reset()
                 return self._one_by_one(jobs, queue)
             except ResponseError as exc:  # a job's key replaced by another type meanwhile
-                guard.wrong_type(exc)  # any other refusal is the server's own: raised
+                queue_guard.wrong_type(exc)  # any other refusal is the server's own: raised
                 pipe.reset()
                 return self._retyped(jobs, queue)
         for job, why in stale:
@@ -225,7 +224,7 @@ class Intake:
         if len(jobs) > 1:
             return [s for job in jobs for s in self._mark_started([job], queue)]
         job_id = str(jobs[0].id)
-        guard.refuse(self.connection, self.keys, queue, job_id, guard.Verdict(
+        queue_guard.refuse(self.connection, self.keys, queue, job_id, queue_guard.Verdict(
             job_id, "one of its keys became another Redis type as it was taken (written by "
                     "hand?): no command on it can succeed"), self.worker.name)
         return []
@@ -244,8 +243,9 @@ class Intake:
         pipe.hsetnx(job.key, C.FIRST_STARTED_FIELD, f"{at:.3f}")
         pipe.hdel(job.key, C.FAIR_FIELD)  # taken, whichever way: no turn may take it again
         self.fence.claim(pipe, str(job.id), execution)
-        pipe.hdel(job.key, R.END_FIELD)  # a new run gets its own terminal event
-        pipe.hdel(self.keys.job_end(str(job.id)), R.END_EVENT)  # (a payload moved there stays)
+        pipe.hdel(job.key, results.END_FIELD)  # a new run gets its own terminal event
+        pipe.hdel(self.keys.job_end(str(job.id)),
+                  results.END_EVENT)  # (a payload moved there stays)
         pipe.persist(job.key)  # a job enqueued with ttl= must not vanish mid-run
         pipe.lrem(queue.intermediate_queue_key, 1, job.id)
         return execution

@@ -4,7 +4,7 @@ mlx-vlm's API has moved between minor versions, and some of what vlmq needs
 (numpy-only preprocessing, rebuilding prompt ids from a cached grid, feeding
 cached vision features back in) is a use of it that upstream does not
 advertise. Keeping all of it here means a version bump is checked against one
-module and its tests (tests/worker/test_adapter.py), not the whole worker.
+module and its tests (tests/worker/model/test_mlx_adapter.py), not the whole worker.
 
 Two kinds of function live here, and the split matters:
 - CPU side (`format_prompt`, `prepare`, `prepare_from_grid`): numpy and PIL
@@ -30,7 +30,7 @@ import numpy as np
 from PIL import Image
 
 from vlmq.worker.model import families
-from vlmq.worker.model.families import FamilySpec as FamilySpec  # engine, check
+from vlmq.worker.model.families import FamilySpec
 
 # Families a worker refuses at start, and why (the missing piece and where it lives).
 # Not family files: vlmq cannot build a tiny one, so it cannot verify them.
@@ -88,7 +88,7 @@ _NO_TORCH = _Drop(("PyTorch was not found.",))
 # apply_chat_template takes **kwargs (all do), not when the template reads it; transformers
 # then warns that a kwarg the template lacks belongs in processor_kwargs. Rendering with
 # tokenize=False uses no processor kwargs, and a template without the variable renders
-# the same (tests/worker/test_image_size.py). Dropped only inside format_prompt.
+# the same (tests/worker/prep/test_image_size.py). Dropped only inside format_prompt.
 _TEMPLATE_KWARGS = _Drop(("Kwargs passed to `processor.__call__` have to be in",),
                          scoped=True)
 _NOISE = {"transformers": _NO_TORCH, "transformers.processing_utils": _TEMPLATE_KWARGS}

@@ -17,13 +17,12 @@ import numpy as np
 import pypdfium2 as pdfium
 from PIL import Image
 
-from vlmq.media import opener
-from vlmq.media import tiff as TIFF
+from vlmq.media import opener, tiff
 from vlmq.media.opener import MediaError
 from vlmq.media.pdfium import PDFIUM_LOCK
 from vlmq.shared.blobs import BlobStore
 from vlmq.shared.errors import VlmqError
-from vlmq.worker.prep import text_layer as TL
+from vlmq.worker.prep import text_layer
 from vlmq.worker.stats import COUNTERS
 
 T = TypeVar("T")
@@ -162,7 +161,7 @@ def _bound(im: Image.Image, max_side: int | None) -> Image.Image:
 # fetched and indexed once, not once per page; bounded by count and bytes.
 TIFF_DOC_CACHE_SIZE = PDF_DOC_CACHE_SIZE
 TIFF_BYTES_BUDGET = 256 * 1024 * 1024
-_TIFFS: OrderedDict[str, TIFF.Document] = OrderedDict()
+_TIFFS: OrderedDict[str, tiff.Document] = OrderedDict()
 _TIFFS_LOCK = threading.Lock()
 
 
@@ -186,7 +185,7 @@ def decode_tiff_page(data: Data, page: int, max_side: int | None, *,
     return _bound(rgb, max_side)
 
 
-def _tiff_doc(data: Data, doc_key: str | None) -> TIFF.Document:
+def _tiff_doc(data: Data, doc_key: str | None) -> tiff.Document:
     """The open document for `doc_key`, else one opened from `data` (fetched outside the
     lock, so other pages go on meanwhile) and kept."""
     if doc_key is not None:
@@ -236,7 +235,7 @@ def render_pdf_page(data: Data, page: int, max_side: int, *,
     return _with_pdf(data, doc_key, lambda pdf: _render(pdf, page, max_side))
 
 
-def pdf_text_layer(data: Data, page: int, *, doc_key: str | None = None) -> TL.Layer:
+def pdf_text_layer(data: Data, page: int, *, doc_key: str | None = None) -> text_layer.Layer:
     """Page `page`'s text layer, judged (worker/prep/text_layer.py); the same document cache
     and lock as render_pdf_page, so a page rendered and read shares one open document."""
     check_page(page)
@@ -263,10 +262,10 @@ def _with_pdf(data: Data, doc_key: str | None,
                 pdf.close()
 
 
-def _extract(pdf: pdfium.PdfDocument, page: int) -> TL.Layer:
+def _extract(pdf: pdfium.PdfDocument, page: int) -> text_layer.Layer:
     """PDFIUM_LOCK held."""
     try:
-        return TL.extract(pdf, page)
+        return text_layer.extract(pdf, page)
     except IndexError as exc:
         raise PreprocessError(str(exc)) from exc
     except pdfium.PdfiumError as exc:

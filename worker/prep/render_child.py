@@ -30,7 +30,7 @@ from typing import Any, BinaryIO
 from PIL import Image
 
 from vlmq.media import opener
-from vlmq.worker.prep import decode as P
+from vlmq.worker.prep import decode
 from vlmq.worker.prep.render_wire import EXIT_OVER_MEMORY, WireError, read_msg, recv_fd, write_msg
 from vlmq.worker.stats import COUNTERS
 
@@ -90,33 +90,33 @@ def _side(header: dict[str, Any]) -> int:
     return int(header["max_side"])
 
 
-def _render(header: dict[str, Any], data: P.Data) -> Reply:
-    return _pixels(P.render_pdf_page(data, int(header["page"]), _side(header),
-                                     doc_key=str(header["key"])))
+def _render(header: dict[str, Any], data: decode.Data) -> Reply:
+    return _pixels(decode.render_pdf_page(data, int(header["page"]), _side(header),
+                                          doc_key=str(header["key"])))
 
 
-def _text(header: dict[str, Any], data: P.Data) -> Reply:
-    layer = P.pdf_text_layer(data, int(header["page"]), doc_key=str(header["key"]))
+def _text(header: dict[str, Any], data: decode.Data) -> Reply:
+    layer = decode.pdf_text_layer(data, int(header["page"]), doc_key=str(header["key"]))
     return {"layer": layer.to_wire()}, b""
 
 
-def _image(header: dict[str, Any], data: P.Data) -> Reply:
-    return _pixels(P.decode_image(data, _side(header)))
+def _image(header: dict[str, Any], data: decode.Data) -> Reply:
+    return _pixels(decode.decode_image(data, _side(header)))
 
 
-def _tiff(header: dict[str, Any], data: P.Data) -> Reply:
-    return _pixels(P.decode_tiff_page(data, int(header["page"]), _side(header),
-                                      doc_key=str(header["key"])))
+def _tiff(header: dict[str, Any], data: decode.Data) -> Reply:
+    return _pixels(decode.decode_tiff_page(data, int(header["page"]), _side(header),
+                                           doc_key=str(header["key"])))
 
 
 # What each op does; documents (kept open by key) may come without their bytes.
-OPS: dict[str, Callable[[dict[str, Any], P.Data], Reply]] = {
+OPS: dict[str, Callable[[dict[str, Any], decode.Data], Reply]] = {
     "render": _render, "text": _text, "image": _image, "tiff": _tiff}
 DOCUMENT_OPS = ("render", "text", "tiff")
 
 
 def _received(header: dict[str, Any], body: bytes, sock: socket.socket | None
-              ) -> P.Source | None:
+              ) -> decode.Source | None:
     """The input sent with the request: a file whose descriptor came over `sock`, the
     frame's body (`"sent"`, even when empty), or None (the document is already open here,
     the parent thinks)."""
@@ -127,12 +127,12 @@ def _received(header: dict[str, Any], body: bytes, sock: socket.socket | None
     return body if header.get("sent") else None
 
 
-def _answer(header: dict[str, Any], src: P.Source | None) -> Reply | None:
+def _answer(header: dict[str, Any], src: decode.Source | None) -> Reply | None:
     """The reply to one request; None when it needs the input's bytes first."""
     op = str(header.get("op", "render"))
     if op not in OPS:
         return {"error": f"unknown request {op!r} (worker and render process differ?)"}, b""
-    if src is None and (op not in DOCUMENT_OPS or not P.has_document(str(header["key"]))):
+    if src is None and (op not in DOCUMENT_OPS or not decode.has_document(str(header["key"]))):
         return None
     opens = COUNTERS.snapshot()["pdf_opens"]
     try:
@@ -140,7 +140,7 @@ def _answer(header: dict[str, Any], src: P.Source | None) -> Reply | None:
         # enqueue and in the preview, rather than a line on the worker's stderr.
         with opener.strict_warnings():
             reply, pixels = OPS[op](header, src if src is not None else _no_data)
-    except P.PreprocessError as exc:
+    except decode.PreprocessError as exc:
         return {"error": str(exc)}, b""
     reply["opened"] = COUNTERS.snapshot()["pdf_opens"] > opens
     return reply, pixels

@@ -31,8 +31,7 @@ from typing import Any
 from PIL import Image
 
 from vlmq.worker import options
-from vlmq.worker.prep import decode as P
-from vlmq.worker.prep import text_layer as TL
+from vlmq.worker.prep import decode, text_layer
 from vlmq.worker.prep.render_wire import (
     EXIT_OVER_MEMORY,
     PREFIX_SIZE,
@@ -106,7 +105,7 @@ class _Slot:
             raise RuntimeError(f"a render process failed to start: {self._death()}") from exc
         return self.proc
 
-    def request(self, data: P.Data, header: dict[str, Any], timeout_s: float,
+    def request(self, data: decode.Data, header: dict[str, Any], timeout_s: float,
                 failing: str, verb: str) -> tuple[dict[str, Any], bytes]:
         """One answered request (`header["key"]` names the document or image); the child's
         own error, a timeout or its death is that item's PreprocessError, `failing` saying
@@ -125,20 +124,20 @@ class _Slot:
                 reply, pixels = self._send(proc, header, data, timeout_s, verb)
         except TimeoutError:
             self.stop(kill=True)
-            raise P.PreprocessError(f"{failing}: over the {timeout_s:g} s {verb} time limit "
-                                    "(--render-timeout)") from None
+            raise decode.PreprocessError(f"{failing}: over the {timeout_s:g} s {verb} time limit "
+                                         "(--render-timeout)") from None
         except _Died as exc:
-            raise P.PreprocessError(f"{failing}: {exc}") from None
+            raise decode.PreprocessError(f"{failing}: {exc}") from None
         if kept:
             self.docs[key] = None
             self.docs.move_to_end(key)
-            while len(self.docs) > P.PDF_DOC_CACHE_SIZE:
+            while len(self.docs) > decode.PDF_DOC_CACHE_SIZE:
                 self.docs.popitem(last=False)
         if "error" in reply:
-            raise P.PreprocessError(str(reply["error"]))
+            raise decode.PreprocessError(str(reply["error"]))
         return reply, pixels
 
-    def _send(self, proc: subprocess.Popen[bytes], header: dict[str, Any], data: P.Data,
+    def _send(self, proc: subprocess.Popen[bytes], header: dict[str, Any], data: decode.Data,
               timeout_s: float, verb: str) -> tuple[dict[str, Any], bytes]:
         """The request with its input: bytes in the frame, a file as a descriptor (one
         that `data` fetched is closed once the child has its own). The time limit starts
@@ -271,46 +270,46 @@ class RenderPool:
         self._cond = threading.Condition()
         self._closed = False
 
-    def render(self, data: P.Data, page: int, max_side: int, *, doc_key: str) -> Image.Image:
-        """Same contract as preprocess.render_pdf_page, out of process; `data` (or the
+    def render(self, data: decode.Data, page: int, max_side: int, *, doc_key: str) -> Image.Image:
+        """Same contract as decode.render_pdf_page, out of process; `data` (or the
         function that fetches it) is used only when no child has the document open."""
-        P.check_side(max_side)
-        P.check_page(page)
+        decode.check_side(max_side)
+        decode.check_page(page)
         reply, pixels = self._ask(data, {"key": doc_key, "page": page, "max_side": max_side},
                                   "pdf_renders", f"page {page} too complex to render", "render")
         return _rgb(reply, pixels)
 
-    def text_layer(self, data: P.Data, page: int, *, doc_key: str) -> TL.Layer:
-        """Same contract as preprocess.pdf_text_layer, out of process."""
-        P.check_page(page)
+    def text_layer(self, data: decode.Data, page: int, *, doc_key: str) -> text_layer.Layer:
+        """Same contract as decode.pdf_text_layer, out of process."""
+        decode.check_page(page)
         reply, _ = self._ask(data, {"op": "text", "key": doc_key, "page": page},
                              "text_extracts", f"page {page} text layer cannot be read",
                              "render")
         layer = reply.get("layer")
         if not isinstance(layer, dict):
-            raise P.PreprocessError(f"page {page}: its render process sent no text layer")
-        return TL.Layer.from_wire(layer)
+            raise decode.PreprocessError(f"page {page}: its render process sent no text layer")
+        return text_layer.Layer.from_wire(layer)
 
-    def decode_image(self, data: P.Data, max_side: int, *, key: str) -> Image.Image:
-        """Same contract as preprocess.decode_image, out of process; `key` (the image's
+    def decode_image(self, data: decode.Data, max_side: int, *, key: str) -> Image.Image:
+        """Same contract as decode.decode_image, out of process; `key` (the image's
         sha256) names it in the child."""
-        P.check_side(max_side)
+        decode.check_side(max_side)
         reply, pixels = self._ask(data, {"op": "image", "key": key, "max_side": max_side},
                                   "image_decodes", "image too complex to decode", "decode")
         return _rgb(reply, pixels)
 
-    def decode_tiff_page(self, data: P.Data, page: int, max_side: int, *,
+    def decode_tiff_page(self, data: decode.Data, page: int, max_side: int, *,
                          doc_key: str) -> Image.Image:
-        """Same contract as preprocess.decode_tiff_page, out of process; the child keeps
+        """Same contract as decode.decode_tiff_page, out of process; the child keeps
         the document and its page index for the pages that follow."""
-        P.check_side(max_side)
-        P.check_page(page)
+        decode.check_side(max_side)
+        decode.check_page(page)
         reply, pixels = self._ask(
             data, {"op": "tiff", "key": doc_key, "page": page, "max_side": max_side},
             "image_decodes", f"TIFF page {page} too complex to decode", "decode")
         return _rgb(reply, pixels)
 
-    def _ask(self, data: P.Data, header: dict[str, Any], counter: str, failing: str,
+    def _ask(self, data: decode.Data, header: dict[str, Any], counter: str, failing: str,
              verb: str) -> tuple[dict[str, Any], bytes]:
         """One request about `header["key"]`, on the child that best fits it; counted here
         as `counter` (and a document opened, as pdf_opens), as the work it stands for."""

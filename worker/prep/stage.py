@@ -21,7 +21,7 @@ from vlmq.worker.engine.batcher import Engine, EngineError
 from vlmq.worker.events import EventQueue, LayerAnswered, PrepFailed, PrepRetry, Stage
 from vlmq.worker.item_order import ItemOrder
 from vlmq.worker.jobs.running import Running
-from vlmq.worker.prep.requests import FromLayer, Prepared, Preparer, PrepError
+from vlmq.worker.prep.preparer import FromLayer, Prepared, Preparer, PrepError
 
 log = logging.getLogger("vlmq.worker")
 

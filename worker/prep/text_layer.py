@@ -15,7 +15,7 @@ worker. The checks are plain counts over the text, documented in the README:
   OCR layer of unknown quality on it, goes to the model. `fallback` takes such a layer,
   since any reading beats none once the model failed.
 
-Only text a reader can see is a page's text (issue 29 row 7: an invoice's visible "100.00
+Only text a reader can see is a page's text (an invoice's visible "100.00
 EUR" beside an invisible "1,000,000.00 EUR, pay to IBAN ..." made the invisible one the
 result). Each character is judged by what PDFium says of it and of its text object:
 hidden when its render mode draws nothing (3 invisible, 7 clip only), its box's centre is

@@ -42,7 +42,7 @@ from vlmq.shared.messages import TEXT_FROM_MODEL, Item, ItemResult
 from vlmq.worker import options
 from vlmq.worker.item_order import JobState
 from vlmq.worker.job_settings import JobSettings
-from vlmq.worker.prep.requests import PREPROCESS_VERSION, Readable
+from vlmq.worker.prep.preparer import PREPROCESS_VERSION, Readable
 
 log = logging.getLogger("vlmq.worker")
 
@@ -294,7 +294,7 @@ def cached_results_many(cache: ResultCache, jobs: Sequence[tuple[JobState, Seque
 def _verified_hits(jobs: Sequence[tuple[JobState, Sequence[int]]],
                    found: Sequence[tuple[int, int, CachedText]]) -> set[tuple[int, int]]:
     """(job's position, item index) of the hits that may be used: a hit on a referenced
-    item only once its file verified (Readable.confirm, worker/prep/requests.py), so a
+    item only once its file verified (Readable.confirm, worker/prep/preparer.py), so a
     missing or changed reference is never answered for the content it claims. Indexes
     that cannot confirm keep blob hits only."""
     allowed: set[tuple[int, int]] = set()

@@ -24,10 +24,10 @@ from redis.exceptions import RedisError
 
 from vlmq.shared import constants as C
 from vlmq.shared import lua
-from vlmq.shared import results as R
 from vlmq.shared.connection import transient
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import TEXT_FROM_LAYER, ItemResult, JobSummary
+from vlmq.shared.results import read_items
 from vlmq.worker.engine.batcher import Finished
 from vlmq.worker.item_order import ItemOrder, Tally
 from vlmq.worker.jobs.rq_jobs import INCOMPLETE, JobLifecycle, Running
@@ -171,7 +171,7 @@ class ResultWriter:
             return
         with self.redis.pipeline(transaction=False) as pipe:
             for state, results in batch:
-                args: list[str | int] = [state.token, result_ttl(state), R.EVENTS_MAXLEN]
+                args: list[str | int] = [state.token, result_ttl(state), C.EVENTS_MAXLEN]
                 for res in results.values():
                     args += [res.index, res.to_json(), int(res.ok)]
                 self._write_items(keys=[state.job.key, self.keys.job_owner(state.job_id),
@@ -227,7 +227,7 @@ class ResultWriter:
         """End a job whose items all came back: finished, but only once every item has a
         stored result. Items whose results vanished (an evicted or lost items hash) are
         missing, not done: they are scheduled again and the job ends later."""
-        stored = {r.index: r for r in R.read_items(self.redis, self.keys, state.job_id)
+        stored = {r.index: r for r in read_items(self.redis, self.keys, state.job_id)
                   if r.index < state.total}
         missing = [i for i in range(state.total) if i not in stored]
         if missing:

@@ -90,7 +90,7 @@ def task_rows(ocr_prompt: str = MARKDOWN_OCR_PROMPT, ocr_max_tokens: int = 4096,
         "ocr": TaskDefaults(prompt=ocr_prompt, max_tokens=ocr_max_tokens, stop=stops),
         "caption": TaskDefaults(prompt=caption, max_tokens=256, stop=stops),
         "generate": TaskDefaults(prompt=None, max_tokens=1024, stop=stops),
-        # Its prompt is made from the job's schema (shared/json_schema.default_prompt).
+        # Its prompt is made from the job's schema (shared/extract_schema.default_prompt).
         "extract": TaskDefaults(prompt=None, max_tokens=1024, stop=stops),
     }
 

@@ -54,7 +54,7 @@ def batch(processor: Any, config: Any, pages: list[data.Page]) -> dict[str, Any]
     """Inputs, targets and the answer mask for one batch, through the worker's preparation."""
     import mlx.core as mx
 
-    from vlmq.worker.model import mlx_adapter as A
+    from vlmq.worker.model import mlx_adapter
 
     end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
@@ -62,7 +62,7 @@ def batch(processor: Any, config: Any, pages: list[data.Page]) -> dict[str, Any]
     pixels: list[np.ndarray] = []
     grids: list[np.ndarray] = []
     for p in pages:
-        prep = A.prepare(processor, config, p.image, ocr_prompt())
+        prep = mlx_adapter.prepare(processor, config, p.image, ocr_prompt())
         assert prep.input_ids is not None and prep.pixel_values is not None
         assert prep.image_grid_thw is not None
         answer = processor.tokenizer(p.text, add_special_tokens=False)["input_ids"]
@@ -187,12 +187,12 @@ def read(model: Any, processor: Any, image: Any, max_tokens: int = 96) -> str:
     import mlx.core as mx
     from mlx_vlm.generate.ar import generate_step
 
-    from vlmq.worker.model import mlx_adapter as A
+    from vlmq.worker.model import mlx_adapter
 
-    prep = A.prepare(processor, model.config, image, ocr_prompt())
+    prep = mlx_adapter.prepare(processor, model.config, image, ocr_prompt())
     assert prep.input_ids is not None and prep.pixel_values is not None
     assert prep.image_grid_thw is not None
-    stops = A.eos_token_ids(processor)
+    stops = mlx_adapter.eos_token_ids(processor)
     out: list[int] = []
     for token, _ in generate_step(mx.array(prep.input_ids)[None], model,
                                   mx.array(prep.pixel_values), None, max_tokens=max_tokens,
