@@ -202,7 +202,7 @@ class JobRun:
     tokens: int
     wall_s: float  # worker-side: job taken -> last item written
     cache_hits: int
-    last_item_at: float  # epoch seconds (Redis stream id) of the last item event
+    last_item_at: float  # epoch seconds (its end event's stream id) of the last item
     timings: dict[str, float] = field(default_factory=dict)  # per-item timings, summed
 
     @property
@@ -249,6 +249,7 @@ def enqueue_job(redis_url: str, inputs: Sequence[Path], *, queue: str, max_token
 
 def job_run(redis_url: str, job_id: str) -> JobRun:
     from vlmq.producer.client import Client
+    from vlmq.shared.results import read_end
 
     with Client(redis_url) as client:
         job = client.job(job_id)
@@ -259,9 +260,12 @@ def job_run(redis_url: str, job_id: str) -> JobRun:
         for item in job.results():
             for k, v in item.timings.items():
                 timings[k] = timings.get(k, 0.0) + float(v)
-        events = client.redis.xrange(client.keys.job_events(job_id))
-        item_ids = [eid for eid, body in events if body.get(b"type") == b"item"]
-        last_ms = max(int(eid.split(b"-")[0]) for eid in item_ids)
+        # The end event is written with the job's last item (end_job.lua), and kept as
+        # long as the job: its stream id dates the last item whenever this is read.
+        end = read_end(client.redis, client.keys, job_id)
+        if end is None or not isinstance(end.get("id"), str):
+            raise RuntimeError(f"job {job_id} keeps no end event")
+        last_ms = int(end["id"].split("-")[0])
     return JobRun(job_id=job_id, items=int(summary["items"]), ok=int(summary["ok"]),
                   tokens=int(summary["completion_tokens"]), wall_s=float(summary["wall_s"]),
                   cache_hits=int(summary["cache_hits"]), last_item_at=last_ms / 1000,

@@ -553,6 +553,19 @@ def _sweep(args: argparse.Namespace) -> list[int]:
     return [int(x) for x in args.sweep.split(",")] if args.sweep else []
 
 
+def latency_table(runs: dict[str, SystemRun]) -> str:
+    """Each job's latency (arrival to its last item) against its size, a column per system:
+    small jobs first shows as small latencies in the top rows."""
+    if not runs:
+        return ""
+    first = next(iter(runs.values()))
+    order = sorted(range(len(first.sizes)), key=lambda i: (first.sizes[i], i))
+    return "latency of each job, s (arrival order in brackets)\n" + C.table(
+        ["job items", *runs],
+        [[f"{first.sizes[i]} [{i + 1}]", *(r.latencies[i] for r in runs.values())]
+         for i in order])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with C.redis_url_or_private(args.redis_url) as args.redis_url:
@@ -649,6 +662,8 @@ def run(args: argparse.Namespace) -> int:
           r.p(50, True), r.p(95, True), r.extra.get("busy", ""), r.extra.get("peak_rss_mb", ""),
           r.extra.get("guard_cuts", ""), r.extra.get("batch", "")]
          for r in runs.values()]))
+    print()
+    print(latency_table(runs))
     if "D" in runs:
         print(f"D's batch: {runs['D'].extra.get('batch')} rows "
               f"({runs['D'].extra.get('batch_reason')}); E: "

@@ -45,7 +45,7 @@ DEFAULT_HEARTBEAT_TTL_S = 90
 # worker/model/blas.py's WORKER_THREADS_RULE, which a test holds this to: blas loads
 # ctypes and importlib.metadata, which `vlmq worker --help` need not.
 WORKER_THREADS_RULE = ("the cores this process may use minus --prep-threads, at least 1, "
-                       "unless OPENBLAS_NUM_THREADS is set")
+                       "unless MKL_NUM_THREADS (for MKL) or OPENBLAS_NUM_THREADS is set")
 DEFAULT_QUEUES = tuple(C.DEFAULT_QUEUE[task] for task in C.TASKS)
 _GUARD = RepetitionGuard()  # the guard's own defaults are the options'
 
@@ -219,7 +219,8 @@ OPTIONS: tuple[WorkerOption, ...] = (
                  default=False),
     WorkerOption("max_batch", "int", "Most sequences decoded together. The batch starts at "
                  f"{FLOOR} and grows while measured tokens/s keeps rising (the worker logs what it "
-                 "chose and why); --fixed-batch uses exactly this many.", default=DEFAULT_CAP,
+                 "chose and why); --fixed-batch uses exactly this many. A quarter more rows "
+                 "are kept for small jobs (express rows).", default=DEFAULT_CAP,
                  lo=1, hi=256),
     WorkerOption("fixed_batch", "flag", "Decode exactly --max-batch sequences together: no "
                  "measuring.", default=False, field="auto_batch", to_config=_measured),
@@ -281,9 +282,10 @@ OPTIONS: tuple[WorkerOption, ...] = (
     WorkerOption("poison_kills", "int", "A job whose item was being processed when this "
                  "many workers died is failed, naming the item (other jobs of a dead worker "
                  "keep their retries).", default=DEFAULT_POISON_KILLS, lo=1),
-    WorkerOption("blas", "str", "BLAS for MLX's CPU matmuls on Linux: auto (system "
-                 "OpenBLAS, else the wheel copy), reference (the slow one mlx[cpu] links) or "
-                 "a library path (default: $VLMQ_BLAS, else auto). OpenBLAS threads: "
+    WorkerOption("blas", "str", "BLAS for MLX's CPU matmuls on Linux: auto (MKL where "
+                 "the worker extra installs it, else the system OpenBLAS, else the wheel "
+                 "copy), reference (the slow one mlx[cpu] links) or a library path "
+                 "(default: $VLMQ_BLAS, else auto). BLAS threads: "
                  f"{WORKER_THREADS_RULE}.",
                  metavar="auto|reference|PATH"),
     WorkerOption("allow_eviction", "flag", "Run even though Redis's maxmemory-policy may "

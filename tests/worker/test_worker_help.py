@@ -38,7 +38,7 @@ def test_help_figures_come_from_the_code() -> None:
     assert options.config_default("prep_threads") == min(options.MAX_DEFAULT_PREP_THREADS,
                                                          os.cpu_count() or 2)
     assert f"(default {options.DEFAULT_HEARTBEAT_TTL_S})" in text
-    assert f"OpenBLAS threads: {options.WORKER_THREADS_RULE}." in text
+    assert f"BLAS threads: {options.WORKER_THREADS_RULE}." in text
 
 
 def test_heartbeat_default_is_the_workers(redis: Redis) -> None:

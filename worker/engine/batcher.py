@@ -8,7 +8,9 @@ called on one thread only. Everyone else talks to it through two queues:
 `submit()` in, `get_finished()` out.
 
 Requests from different jobs share batches: whatever was submitted is inserted
-at the next step, up to `max_batch` sequences in flight.
+at the next step, up to the row limit (`max_batch`, or what the sizer measured under
+it), the smallest job first; a small job may also take the express rows past the
+limit, so that it starts at the next step whatever fills the batch (admission.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from vlmq.worker.engine import constraints, faults, kv_budget, prefix_cache
+from vlmq.worker.engine import admission, constraints, faults, kv_budget, prefix_cache
 from vlmq.worker.engine.batch_size import FLOOR, BatchSizer, Shape
 from vlmq.worker.engine.constraints import RowConstraint
 from vlmq.worker.engine.match_budget import MatchBudget
@@ -60,6 +62,9 @@ class Request:
     # job's items left, then its batch's items out (ItemOrder.priority), so a small job's
     # items overtake a big job's queued ones, and a batch with few rows another's.
     priority: int = 0
+    # Its job's items left when submitted (0: not known): a job small enough may use the
+    # express rows beyond the batch limit (admission.py).
+    job_left: int = 0
     # An extract item's schema matcher (worker/engine/constraints.py): masks each step's logits,
     # and decides at the end whether the output is a whole JSON value.
     constraint: RowConstraint | None = None
@@ -82,6 +87,10 @@ class Finished:
     repetition: str | None = None  # what the repetition guard did, if anything
     json: Any = None  # a constrained row's value, parsed from `text`
     prefix_tokens: int = 0  # prompt tokens a cached prefix spared this row's prefill
+    # The engine's step count when the row joined the batch (EngineState.steps), and
+    # when the engine first saw it: how many steps it waited for a row.
+    admitted_step: int = 0
+    seen_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,6 +138,8 @@ class _Live:
     stop_window: int = 0  # tokens to re-decode when looking for a stop string
     kv_cost: int = 0  # prompt + max new tokens: the KV cache this row can grow to
     prefix_tokens: int = 0  # of its prompt, those a cached prefix spared (prefix_cache.py)
+    admitted_step: int = 0  # EngineState.steps when it was inserted
+    seen_step: int = 0  # EngineState.steps when the loop took it from the inbox
 
 
 @dataclass(eq=False)
@@ -163,6 +174,7 @@ class EngineState:
     deferrals: int = 0  # constrained rows taken out to keep the matching budget
     busy_s: float = 0.0  # MLX thread time in model work (tower, embed, prefill, decode)
     tokens_generated: int = 0
+    steps: int = 0  # decode steps run
     finished: int = 0
     errors: int = 0
     repetitions: int = 0  # rows cut for looping (each attempt counts)
@@ -432,12 +444,15 @@ class _Loop:
         self.state = state
         self.m = loaded
         self.max_batch = max_batch
+        # The most rows ever live: the limit's cap and the express rows past it.
+        self.capacity = max_batch + admission.express_rows(max_batch)
         self.prefill_batch = prefill_batch
         self.repetition = repetition
         self.eos = mlx_adapter.eos_token_ids(loaded.processor)
         self.pending: deque[tuple[Request, float]] = deque()
         self.live: dict[int, _Live] = {}
         self.steps = 0
+        self.seen: dict[Hashable, int] = {}  # waiting request -> the step it was taken in at
         self.clear_cache_at: int | None = None
         self.retried: dict[Hashable, str] = {}  # key -> what its first attempt did
         self.fault = fault
@@ -480,7 +495,7 @@ class _Loop:
             self.m.processor,
             # The engine caps in-flight rows itself; this headroom makes the
             # generator admit a new prefill as soon as one is inserted.
-            completion_batch_size=self.max_batch + self.prefill_batch,
+            completion_batch_size=self.capacity + self.prefill_batch,
             prefill_batch_size=self.prefill_batch,
             compute_logprobs=False,
             apc_manager=None if self.prefix is None else self.prefix.manager,
@@ -568,30 +583,35 @@ class _Loop:
             while True:
                 if item is not None:
                     self.pending.append(item)
+                    self.seen.setdefault(item[0].key, self.steps)
                 item = inbox.get_nowait()
         except queue.Empty:
             return
 
     def _admit(self) -> int:
-        """Embed and insert pending requests while there are free rows and KV budget.
+        """Embed and insert pending requests while admission.admits them.
 
         The next request is the one with the best priority (its job's items left, then
-        its batch's items out; FIFO among equals). If it does not fit the KV budget it
-        waits (later ones wait behind it, so a long one is never starved); one over the
-        whole budget runs alone, once nothing else is in flight.
+        its batch's items out; FIFO among equals). Up to the batch limit any request
+        joins; past it only a small job's, into the express rows (admission.py). If the
+        next one does not fit, it waits (later ones wait behind it, so a long one is
+        never starved); one over the whole KV budget runs alone, once nothing else is in
+        flight.
         """
         if self._admit_suspects():
             return 1
         admitted = 0
-        while (self.pending and len(self.live) < self.sizer.limit
-               and admitted < self.prefill_batch):
+        while self.pending and admitted < self.prefill_batch:
             pending = self.pending
             first = self._next_pending()
             if first is None:
                 return admitted
             req, submitted_at = pending[first]
             cost = self._kv_cost(req)
-            if self.live and self.state.kv_in_flight + cost > self.kv_budget:
+            if not admission.admits(admission.Waiting(req.job_left, cost), live=len(self.live),
+                                    limit=self.sizer.limit, capacity=self.capacity,
+                                    kv_in_flight=self.state.kv_in_flight,
+                                    kv_budget=self.kv_budget):
                 return admitted
             if cost > self.kv_budget and req.key not in self.warned_over_budget:
                 self.warned_over_budget.add(req.key)
@@ -692,6 +712,7 @@ class _Loop:
             )
         except Exception as exc:  # one bad item fails alone; the engine goes on
             log.exception("engine: request %r failed before generation", req.key)
+            self.seen.pop(req.key, None)
             mx.clear_cache()
             st.emit(_error(req, f"{type(exc).__name__}: {exc}", prompt_tokens, hit, timings),
                     waiting=-1)
@@ -710,6 +731,8 @@ class _Loop:
             stop_window=window + 2 if window else 0,
             kv_cost=cost,
             prefix_tokens=spared,
+            admitted_step=self.steps,
+            seen_step=self.seen.pop(req.key, self.steps),
         )
         st.move(waiting=-1, active=1)
 
@@ -759,6 +782,7 @@ class _Loop:
             self._step_failed(exc)
             return 0
         self.steps += 1
+        self.state.steps = self.steps
         cuts = self._take_tokens(responses)
         cuts.failed.extend((lv, lv.req.constraint.failure) for lv in self.live.values()
                            if lv.req.constraint is not None
@@ -942,7 +966,8 @@ class _Loop:
         return Finished(key=lv.req.key, text=text, finish_reason=reason,
                         prompt_tokens=lv.prompt_tokens, completion_tokens=len(lv.tokens),
                         vision_cache_hit=lv.hit, error=problem, timings=timings,
-                        tokens=list(lv.tokens), json=value, prefix_tokens=lv.prefix_tokens)
+                        tokens=list(lv.tokens), json=value, prefix_tokens=lv.prefix_tokens,
+                        admitted_step=lv.admitted_step, seen_step=lv.seen_step)
 
 
 @dataclass

@@ -8,13 +8,20 @@ loaded with RTLD_GLOBAL before the first `import mlx.core` serves every matmul i
 hence one idempotent `select()`, called by the worker CLI, the engine, the tiny-model
 builder, the benchmarks and the test suite before anything imports MLX.
 
-Order for `auto`: the system OpenBLAS (distribution packages), else the OpenBLAS that
-the opencv-python wheel ships (a dependency of mlx-vlm, named in our worker extra; it
-carries its own libgfortran and exports plain `cblas_*` names), else the reference
-BLAS with one warning line saying how to fix it. Other wheels were weighed and fail:
-scipy-openblas32/64 prefix every symbol (`scipy_cblas_sgemm`), cmeel-openblas and
-ngsolve-openblas need a libgfortran.so.5 that slim images lack. macOS is left alone
-(MLX uses Accelerate and Metal there).
+Order for `auto`: Intel's MKL where the worker extra installs it (the `mkl` wheel, Linux
+x86_64: it dispatches on the CPU it finds, AVX-512 included, and exports plain `cblas_*`
+names; about as fast as numpy's own OpenBLAS, benchmarks/gemm.py), then the system
+OpenBLAS (distribution packages), then the OpenBLAS that the opencv-python wheel ships (a
+dependency of mlx-vlm; it carries its own libgfortran and exports plain names, but at
+0.3.15 it predates this CPU and runs 4-5x slower), else the reference BLAS with one
+warning line saying how to fix it. Other wheels were weighed and fail: scipy-openblas32/64
+prefix every symbol (`scipy_cblas_sgemm`), cmeel-openblas and ngsolve-openblas need a
+libgfortran.so.5 that slim images lack. macOS is left alone (MLX uses Accelerate and
+Metal there).
+
+MKL runs sequential with one thread and on its OpenMP layer with more; its OpenMP threads
+sleep at once after a call (KMP_BLOCKTIME=0) instead of spinning on the cores the prep
+threads need. Any of these set in the environment wins.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ log = logging.getLogger("vlmq.worker")
 
 ENV_CHOICE = "VLMQ_BLAS"
 ENV_THREADS = "OPENBLAS_NUM_THREADS"
+MKL_THREADS = "MKL_NUM_THREADS"
 AUTO = "auto"
 REFERENCE = "reference"
 
@@ -43,6 +51,9 @@ _SYSTEM_NAMES = ("libopenblasp.so.0", "libopenblas.so.0")
 _WHEELS = ("opencv-python", "opencv-python-headless", "opencv-contrib-python",
            "opencv-contrib-python-headless")
 
+# The wheel that installs MKL's single dynamic library (Linux x86_64, the worker extra).
+_MKL_WHEEL = "mkl"
+
 FIX_HINT = ("install OpenBLAS (apt-get install libopenblas0-pthread, or pip install "
             "opencv-python-headless) or pass --blas PATH / VLMQ_BLAS=PATH")
 
@@ -51,10 +62,10 @@ FIX_HINT = ("install OpenBLAS (apt-get install libopenblas0-pthread, or pip inst
 class BlasInfo:
     """What serves MLX's matmuls in this process."""
 
-    kind: str            # "openblas", "reference", "library" (a PATH given) or "platform"
+    kind: str            # "mkl", "openblas", "reference", "library" (a PATH given), "platform"
     path: str | None     # the library loaded; None when MLX keeps what it links
     source: str          # why: "system", "wheel opencv-python", "--blas/VLMQ_BLAS", ...
-    threads: int | None  # OpenBLAS threads, when known
+    threads: int | None  # the BLAS's threads, when known
 
     def describe(self) -> str:
         if self.path is None:
@@ -95,6 +106,16 @@ def wheel_candidates() -> list[tuple[str, Path]]:
     return out
 
 
+def mkl_candidates() -> list[Path]:
+    """MKL's runtime library (libmkl_rt), from the `mkl` wheel's RECORD, if installed."""
+    try:
+        dist = md.distribution(_MKL_WHEEL)
+    except md.PackageNotFoundError:
+        return []
+    return [Path(str(dist.locate_file(f))).resolve() for f in dist.files or ()
+            if f.name.startswith("libmkl_rt.so")]
+
+
 def cores() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -105,7 +126,7 @@ def cores() -> int:
 # How a worker sizes OpenBLAS (worker_threads, _load), as --blas's help and
 # docs/install.md say it (tests/worker/test_worker_help.py holds them to it).
 WORKER_THREADS_RULE = ("the cores this process may use minus --prep-threads, at least 1, "
-                       f"unless {ENV_THREADS} is set")
+                       "unless MKL_NUM_THREADS (for MKL) or OPENBLAS_NUM_THREADS is set")
 
 
 def worker_threads(prep_threads: int) -> int:
@@ -124,27 +145,37 @@ def _mlx_loaded() -> bool:
 
 
 def _load(path: Path, kind: str, source: str, threads: int | None) -> BlasInfo:
-    # An explicit OPENBLAS_NUM_THREADS wins, then the caller's count, then every core.
-    env = os.environ.get(ENV_THREADS, "")
+    # An explicit OPENBLAS_NUM_THREADS (MKL_NUM_THREADS for MKL) wins, then the caller's
+    # count, then every core.
+    mkl = path.name.startswith("libmkl_rt")
+    env = os.environ.get(MKL_THREADS if mkl else ENV_THREADS, "")
     n = (int(env) if env.isdigit() else 0) or threads or cores()
-    # OpenBLAS reads this once, when it loads; set_num_threads below also covers a
+    # Each library reads these once, when it loads; the setters below also cover a
     # library that was already in the process.
-    os.environ[ENV_THREADS] = str(n)
+    if mkl:
+        os.environ[MKL_THREADS] = str(n)
+        os.environ.setdefault("MKL_THREADING_LAYER", "SEQUENTIAL" if n == 1 else "INTEL")
+        os.environ.setdefault("KMP_BLOCKTIME", "0")
+    else:
+        os.environ[ENV_THREADS] = str(n)
     lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     if not hasattr(lib, "cblas_sgemm"):
         raise OSError(f"{path} exports no cblas_sgemm")
     global _set_threads
-    setter = getattr(lib, "openblas_set_num_threads", None)
-    if setter is not None:
-        setter.argtypes = [ctypes.c_int]
-        setter(n)
-        _set_threads = setter
-        kind = "openblas"
-    return BlasInfo(kind, str(path), source, n if setter is not None else None)
+    for name, named in (("MKL_Set_Num_Threads", "mkl"),
+                        ("openblas_set_num_threads", "openblas")):
+        setter = getattr(lib, name, None)
+        if setter is not None:
+            setter.argtypes = [ctypes.c_int]
+            setter.restype = None
+            setter(n)
+            _set_threads = setter
+            return BlasInfo(named, str(path), source, n)
+    return BlasInfo(kind, str(path), source, None)
 
 
 def set_threads(n: int) -> bool:
-    """Change the loaded OpenBLAS's thread count now; False when none was loaded."""
+    """Change the loaded library's thread count now; False when none was loaded."""
     if _set_threads is None:
         return False
     _set_threads(max(1, n))
@@ -153,13 +184,14 @@ def set_threads(n: int) -> bool:
 
 def _auto(threads: int | None) -> BlasInfo:
     tried: list[str] = []
-    found = [("system", p) for p in system_candidates()]
+    found = [(f"wheel {_MKL_WHEEL}", p) for p in mkl_candidates()]
+    found += [("system", p) for p in system_candidates()]
     found += [(f"wheel {dist}", p) for dist, p in wheel_candidates()]
     for source, path in found:
         if not path.exists():
             continue
         try:
-            return _load(path, "openblas", source, threads)
+            return _load(path, "library", source, threads)
         except OSError as exc:
             tried.append(f"{path}: {exc}")
     for line in tried:

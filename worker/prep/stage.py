@@ -51,7 +51,8 @@ class PrepStage:
             flight.enter(Stage.PREP)
             fut = self.preparer.submit(state, idx)
             rank = self.order.priority(state)  # the engine's admission order
-            fut.add_done_callback(partial(self._prepared, state.job_id, idx, rank))
+            fut.add_done_callback(partial(self._prepared, state.job_id, idx, rank,
+                                          state.left))
         return flight.ahead(engine)
 
     def item_back(self, job_id: str, idx: int) -> float:
@@ -60,7 +61,7 @@ class PrepStage:
         self.preparer.item_done(job_id, idx)
         return self._prep_s.pop((job_id, idx), 0.0)
 
-    def _prepared(self, job_id: str, idx: int, rank: int,
+    def _prepared(self, job_id: str, idx: int, rank: int, left: int,
                   fut: Future[tuple[Prepared, float]]) -> None:
         """Pool callback: a request to the engine at once, anything else to the main loop."""
         if fut.cancelled():  # shutting down: the item stays unwritten and is redone on resume
@@ -77,7 +78,8 @@ class PrepStage:
         self._prep_s[(job_id, idx)] = prep_s
         try:
             self.events.flight.hand_over(partial(self.engine.submit,
-                                                 replace(req, priority=rank)))
+                                                 replace(req, priority=rank,
+                                                         job_left=left)))
         except EngineError:
             log.debug("engine closed before job %s item %d was submitted", job_id, idx)
 

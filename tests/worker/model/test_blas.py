@@ -1,4 +1,5 @@
-"""The BLAS a worker runs MLX on: OpenBLAS by default on Linux, the reference on request.
+"""The BLAS a worker runs MLX on: MKL by default where the worker extra installs it (Linux
+x86_64), else OpenBLAS; the reference on request.
 
 Read from the running worker's own /proc/<pid>/maps and its stats hash, not from what
 the code meant to do.
@@ -21,11 +22,12 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(sys.platform != "linux", reason="BLAS choice is Linux only")]
 
 
-def _openblas_files(pid: int) -> set[str]:
-    return {p for p in blas.mapped_libraries(pid) if Path(p).name.startswith("libopenblas")}
+def _fast_files(pid: int) -> set[str]:
+    return {p for p in blas.mapped_libraries(pid)
+            if Path(p).name.startswith(("libopenblas", "libmkl_rt"))}
 
 
-def test_default_worker_runs_openblas_and_reference_does_not(
+def test_default_worker_runs_a_fast_blas_and_reference_does_not(
         redis_url: str, tiny_model: Path, tmp_path: Path, keys: Keys, procs: list) -> None:
     default = helpers.start_worker(redis_url, tiny_model, tmp_path / "a", name="wdef")
     ref = helpers.start_worker(redis_url, tiny_model, tmp_path / "b", "--blas", "reference",
@@ -37,14 +39,16 @@ def test_default_worker_runs_openblas_and_reference_does_not(
                  f"stats of {name}")
     got = redis.hgetall(keys.worker_stats("wdef"))
     library = got["blas_library"]
-    assert got["blas"].startswith("openblas "), got["blas"]
-    assert Path(library).name.startswith("libopenblas") and Path(library).is_file()
-    assert library in _openblas_files(default.pid)
+    mkl = blas.mkl_candidates()
+    kind, prefix = ("mkl", "libmkl_rt") if mkl else ("openblas", "libopenblas")
+    assert got["blas"].startswith(f"{kind} "), got["blas"]
+    assert Path(library).name.startswith(prefix) and Path(library).is_file()
+    assert library in _fast_files(default.pid)
 
     got_ref = redis.hgetall(keys.worker_stats("wref"))
     assert got_ref["blas"].startswith("reference"), got_ref["blas"]
     assert got_ref["blas_library"] == ""
-    assert _openblas_files(ref.pid) == set()
+    assert _fast_files(ref.pid) == set()
     assert any("mlx_cpu.libs/libblas" in p for p in blas.mapped_libraries(ref.pid))
 
     logs = []
@@ -53,8 +57,8 @@ def test_default_worker_runs_openblas_and_reference_does_not(
         rc, out = finish(proc, timeout=300)
         assert rc == 0, out
         logs.append(out)
-    assert f"BLAS: openblas {library} (wheel opencv-python" in logs[0] or \
-        f"BLAS: openblas {library} (system" in logs[0], logs[0]
+    sources = ("(wheel mkl",) if mkl else ("(wheel opencv-python", "(system")
+    assert any(f"BLAS: {kind} {library} {s}" in logs[0] for s in sources), logs[0]
     assert "BLAS: reference (requested)" in logs[1], logs[1]
 
 

@@ -1,0 +1,48 @@
+"""Which waiting row the batch takes next, and when the batch is full for it.
+
+The batch runs at the row limit the sizer measures (batch_size.py: the knee of tokens/s),
+which serves throughput. A row frees only when one finishes, so a small job arriving at
+a full batch would wait for a big job's row to end, which may be a whole max_tokens of
+steps. Rows beyond the limit are therefore kept for small jobs: a waiting row whose job
+has at most `express_rows(limit)` items left (the whole job fits there) is admitted up
+to `limit + express_rows(limit)` rows, so it starts decoding at the next turn, whatever
+is already in the batch. Bigger jobs wait for the limit; the KV budget binds everyone
+(a small job over it waits like any other row), and the generator's own capacity is the
+last bound.
+
+The reserve is a quarter of the limit (at least one row): the batch runs at most 25 %
+over its knee, and only while small jobs are in it, which costs the big jobs a few per
+cent of their rate for that time (the knee is where more rows stop paying, not where
+they start to cost). Which row waits first is the worker's priority (its job's items
+left, then its batch's items out), so the express rows go to the smallest jobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EXPRESS_SHARE = 4  # the express rows are the limit over this, at least one
+
+
+def express_rows(limit: int) -> int:
+    """Rows beyond the limit kept for small jobs."""
+    return max(1, limit // EXPRESS_SHARE)
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """What admission needs to know of the next waiting row."""
+
+    job_left: int  # its job's items left when it was submitted; 0 when not known
+    kv_cost: int   # prompt + max new tokens
+
+
+def admits(row: Waiting, *, live: int, limit: int, capacity: int, kv_in_flight: int,
+           kv_budget: int) -> bool:
+    """Whether `row` joins the batch now (one over the whole KV budget runs alone)."""
+    if live and kv_in_flight + row.kv_cost > kv_budget:
+        return False
+    if live < limit:
+        return True
+    reserve = express_rows(limit)
+    return 0 < row.job_left <= reserve and live < min(limit + reserve, capacity)
