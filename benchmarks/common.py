@@ -287,7 +287,10 @@ def worker_cmd(redis_url: str, model: str, queue: str, *, max_batch: int | None,
 
 
 def worker_env(cache_root: Path) -> dict[str, str]:
-    return {**os.environ, "VLMQ_CACHE": str(cache_root), "PYTHONUNBUFFERED": "1"}
+    from vlmq.worker.model import blas
+
+    # A worker picks its own BLAS threads unless the harness set them for every system.
+    return {**blas.child_env(), "VLMQ_CACHE": str(cache_root), "PYTHONUNBUFFERED": "1"}
 
 
 def read_stats(redis: Redis, name: str) -> dict[str, str]:

@@ -579,7 +579,7 @@ def run(args: argparse.Namespace) -> int:
     # One thread count for all systems (the D workers inherit the environment).
     threads = args.blas_threads or blas.worker_threads(prep_threads)
     if not args.defaults:  # --defaults: each system picks its own
-        os.environ[blas.ENV_THREADS] = str(threads)
+        os.environ[blas.ENV_THREADS] = os.environ[blas.MKL_THREADS] = str(threads)
     chosen = blas.select()  # this process runs A, B and C: before MLX loads
     systems = {s.strip() for s in args.systems.split(",") if s.strip()}
     if args.model != "bench":

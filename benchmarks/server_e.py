@@ -111,6 +111,14 @@ def _get_json(port: int, path: str) -> dict[str, Any] | None:
         conn.close()
 
 
+def _child_env() -> dict[str, str]:
+    """This process's environment without the BLAS settings it made for itself: the server
+    picks its threads as a worker would (every core, as an `mlx_vlm.server` user has)."""
+    from vlmq.worker.model import blas
+
+    return blas.child_env()
+
+
 class Server:
     """`mlx_vlm.server` as a subprocess on a free port, model preloaded; its log goes to
     a file (a pipe nobody reads would fill and stall the server)."""
@@ -130,7 +138,7 @@ class Server:
             cmd += ["--max-num-seqs", str(max_num_seqs)]
         self._log = log_path.open("w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env or dict(os.environ), start_new_session=True)
+                                     env=env or _child_env(), start_new_session=True)
 
     def wait_ready(self, timeout: float = 600) -> dict[str, Any]:
         """Until /health names the preloaded model (it loads on a background thread)."""

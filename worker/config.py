@@ -60,12 +60,14 @@ class WorkerConfig:
     stores: Stores = field(default_factory=from_table("stores"))
     # Not options (options.CONFIG_ONLY).
     keys: Keys = field(default_factory=Keys.from_env)
-    window: int | None = None      # prepared-but-not-batched bound; default 2 x the limit
+    window: int | None = None      # prepared-but-not-batched bound (default: prep_window)
     max_jobs: int | None = None    # jobs in flight; default max(4, the batch limit)
     stats_s: float = 2.0
 
     def prep_window(self, batch_limit: int) -> int:
-        return self.window or 2 * batch_limit
+        """Twice the limit the sizer may try next (the cap bounds it): when the limit
+        doubles, the rows that fill it are prepared already, not rendered from then on."""
+        return self.window or 2 * min(self.max_batch, 2 * batch_limit)
 
     def job_limit(self, batch_limit: int) -> int:
         return self.max_jobs or max(4, batch_limit)

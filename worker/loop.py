@@ -288,7 +288,7 @@ class WorkerLoop:
         log.info("worker %s ready: model %s (%s), queues %s, batch %s, window %s",
                  cfg.name, cfg.model, info.model_type, ",".join(cfg.queues),
                  f"{limit} rows, measured up to {cfg.max_batch}" if limit < cfg.max_batch
-                 else f"{cfg.max_batch} rows", cfg.window or "2 x the batch")
+                 else f"{cfg.max_batch} rows", cfg.window or "2 x the next batch limit")
         try:
             # Reclaim dead workers' jobs (RQ requeues them while retries are left) before
             # the first look at the queues, so even a --burst worker resumes them.

@@ -4,7 +4,11 @@ On these CPUs (and on Metal) the batch keeps paying well past 8 rows on some wor
 on other: OCR pages at 448 px gained x1.28 at 16 rows and x1.37 at 32 over 8. A fixed
 default is wrong for one of them, and a user who does not tune gets it. So the engine
 measures tokens/s while the batch is full at the current limit, doubles the limit while
-that gains more than `gain`, and holds at the knee, the last limit that paid. It measures
+that gains more than `gain`, and holds at the knee, the last limit that paid. It doubles
+only when the rows in the batch and waiting for it could fill the next limit: a limit
+the work cannot fill can never be measured, and while it stands every waiting row goes
+in at once, past the knee, so a small job arriving then shares the step with all of
+them; it is held instead, and looked at again after SHORT_HOLD_S. It measures
 again after `hold_s`, and from the start whenever the shape of the work changes (prompt
 length, new tokens, constrained rows), since the knee moves with it. `--max-batch` is the
 cap; the KV admission budget still bounds memory on its own.
@@ -32,6 +36,8 @@ WINDOW_S = 1.0  # seconds of full-batch steps one reading takes at least
 MIN_STEPS = 8  # ... and at least this many steps
 HOLD_S = 120.0  # at the knee this long, then measured again
 SHAPE_SETTLE = 3  # windows a new shape of work must last before the knee is sought again
+# Held below a doubling that the work in hand could not fill, then looked at again.
+SHORT_HOLD_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -75,11 +81,15 @@ class BatchSizer:
         self._seconds = 0.0
         self._steps = 0
         self._candidate: tuple[Shape, float] | None = None  # a new shape, since when
+        self._work = 0  # rows in the batch and waiting, at the last turn
 
-    def observe(self, rows: int, tokens: int, seconds: float, shape: Shape) -> bool:
+    def observe(self, rows: int, tokens: int, seconds: float, shape: Shape,
+                waiting: int = 0) -> bool:
         """One decoding turn (the engine leaves out turns that prefill: their cost is the
         prompts', whatever the batch's size): `rows` in the batch, `tokens` it produced in
-        `seconds`. True when the limit changed (the engine logs `reason`)."""
+        `seconds`, `waiting` rows submitted and not yet in it. True when the limit changed
+        (the engine logs `reason`)."""
+        self._work = rows + waiting
         if self.limit == self.cap == self.floor:
             return False  # nothing to choose
         if self._shape_changed(shape):
@@ -129,6 +139,12 @@ class BatchSizer:
         if limit >= self.cap:
             return self._hold(limit, f"{tok_s:.0f} tok/s at the cap of {self.cap} rows")
         nxt = min(self.cap, 2 * limit)
+        if self._work < nxt:
+            self.limit = limit
+            self.held_until = self.clock() + SHORT_HOLD_S
+            self.reason = (f"holding at {limit} rows ({tok_s:.0f} tok/s): {self._work} rows "
+                           f"in hand cannot fill {nxt}")
+            return False
         self.limit = nxt
         self.reason = f"{tok_s:.0f} tok/s at {limit} rows: trying {nxt}"
         return True

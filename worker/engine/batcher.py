@@ -571,7 +571,7 @@ class _Loop:
         live = list(self.live.values())
         shape = Shape.of([lv.prompt_tokens for lv in live], [lv.req.max_tokens for lv in live],
                          sum(lv.req.constraint is not None for lv in live))
-        if self.sizer.observe(rows, tokens, seconds, shape):
+        if self.sizer.observe(rows, tokens, seconds, shape, waiting=len(self.pending)):
             log.info("engine: batch limit %d rows: %s", self.sizer.limit, self.sizer.reason)
         self.state.batch_limit, self.state.batch_reason = self.sizer.limit, self.sizer.reason
 

@@ -20,8 +20,11 @@ libgfortran.so.5 that slim images lack. macOS is left alone (MLX uses Accelerate
 Metal there).
 
 MKL runs sequential with one thread and on its OpenMP layer with more; its OpenMP threads
-sleep at once after a call (KMP_BLOCKTIME=0) instead of spinning on the cores the prep
-threads need. Any of these set in the environment wins.
+wait 1 ms after a call before they sleep (KMP_BLOCKTIME=1: the default 200 ms spins on
+the cores the prep threads need, and 0 puts them to sleep between the hundreds of calls
+of one decode step, which ran the bench model at 102 tok/s against 367). Any of these set
+in the environment wins. What vlmq sets there for its own library, a process it starts
+must not inherit as if a user had chosen it (child_env).
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ class BlasInfo:
 
 
 _selected: BlasInfo | None = None
+_own_env: set[str] = set()  # environment variables set here for this process's library
 _set_threads: Any = None  # openblas_set_num_threads of the library loaded, if any
 
 
@@ -152,12 +156,14 @@ def _load(path: Path, kind: str, source: str, threads: int | None) -> BlasInfo:
     n = (int(env) if env.isdigit() else 0) or threads or cores()
     # Each library reads these once, when it loads; the setters below also cover a
     # library that was already in the process.
-    if mkl:
-        os.environ[MKL_THREADS] = str(n)
-        os.environ.setdefault("MKL_THREADING_LAYER", "SEQUENTIAL" if n == 1 else "INTEL")
-        os.environ.setdefault("KMP_BLOCKTIME", "0")
-    else:
-        os.environ[ENV_THREADS] = str(n)
+    settings = {MKL_THREADS: str(n), "MKL_THREADING_LAYER": "SEQUENTIAL" if n == 1 else "INTEL",
+                "KMP_BLOCKTIME": "1"} if mkl else {ENV_THREADS: str(n)}
+    for name, value in settings.items():
+        if name not in os.environ:
+            _own_env.add(name)
+            os.environ[name] = value
+        elif name in (MKL_THREADS, ENV_THREADS):
+            os.environ[name] = value
     lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     if not hasattr(lib, "cblas_sgemm"):
         raise OSError(f"{path} exports no cblas_sgemm")
@@ -172,6 +178,13 @@ def _load(path: Path, kind: str, source: str, threads: int | None) -> BlasInfo:
             _set_threads = setter
             return BlasInfo(named, str(path), source, n)
     return BlasInfo(kind, str(path), source, None)
+
+
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's) without what select() set for this process's own
+    library, so that a process started from here chooses its BLAS and threads itself."""
+    return {k: v for k, v in (os.environ if env is None else env).items()
+            if k not in _own_env}
 
 
 def set_threads(n: int) -> bool:

@@ -37,7 +37,7 @@ def _at_knee() -> BatchSizer:
     for _ in range(10_000):
         n = sizer.limit
         clock.t += n / rate[n]
-        sizer.observe(n, n, n / rate[n], OCR)
+        sizer.observe(n, n, n / rate[n], OCR, waiting=1_000)
         if sizer.held_until is not None and sizer.limit == 16:
             break
     assert sizer.limit == 16 and "knee" in sizer.reason, sizer.reason

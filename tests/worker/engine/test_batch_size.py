@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tests.support.engine_rig import Rig
-from vlmq.worker.engine.batch_size import BatchSizer, Shape
+from vlmq.worker.engine.batch_size import SHORT_HOLD_S, BatchSizer, Shape
 from vlmq.worker.engine.batcher import Engine
 
 OCR = Shape(prompt=9, new_tokens=8, constrained=False)
@@ -25,17 +25,18 @@ class Clock:
 
 
 def _run(sizer: BatchSizer, clock: Clock, tok_s: Callable[[int], float], seconds: float,
-         shape: Shape = OCR, rows: Callable[[int], int] | None = None) -> list[int]:
-    """Steps of a batch kept full (or at `rows(limit)`) for `seconds` of fake time: each
-    row makes one token a step, at the batch's tokens/s for that many rows. Returns the
-    limits it went through."""
+         shape: Shape = OCR, rows: Callable[[int], int] | None = None,
+         waiting: int = 10_000) -> list[int]:
+    """Steps of a batch kept full (or at `rows(limit)`) for `seconds` of fake time, with
+    `waiting` rows behind it: each row makes one token a step, at the batch's tokens/s
+    for that many rows. Returns the limits it went through."""
     seen = [sizer.limit]
     end = clock.t + seconds
     while clock.t < end:
         n = rows(sizer.limit) if rows is not None else sizer.limit
         step_s = n / tok_s(n)
         clock.t += step_s
-        if sizer.observe(n, n, step_s, shape):
+        if sizer.observe(n, n, step_s, shape, waiting=waiting):
             seen.append(sizer.limit)
     return seen
 
@@ -149,3 +150,17 @@ def test_a_small_job_gets_a_row_while_the_batch_sits_at_its_knee(tiny_model: Pat
     assert queued >= 6, queued  # the big job's rows really were waiting
     assert order.index(("small", 0)) <= 8, order  # it took the next free row, not the last
     assert rig.engine.stats()["peak_active"] == 4
+
+
+def test_a_doubling_the_work_in_hand_cannot_fill_waits_for_more_work() -> None:
+    """32 rows in the batch and 24 waiting cannot fill 64: the batch holds at 32 instead
+    of taking every waiting row past its knee, and tries 64 once a backlog is there."""
+    clock = Clock()
+    sizer = _sizer(clock)
+    seen = _run(sizer, clock, lambda n: 40.0 * n, 20, rows=lambda limit: min(limit, 32),
+                waiting=24)
+    assert seen == [8, 16, 32] and sizer.limit == 32, seen
+    assert "cannot fill 64" in sizer.reason and sizer.held_until is not None
+    _run(sizer, clock, lambda n: 40.0 * n, SHORT_HOLD_S / 2, waiting=24)
+    assert sizer.limit == 32  # still held: looked at again only after the short hold
+    assert _run(sizer, clock, lambda n: 40.0 * n, SHORT_HOLD_S * 3)[-1] == 64
