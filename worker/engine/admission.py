@@ -4,11 +4,13 @@ The batch runs at the row limit the sizer measures (batch_size.py: the knee of t
 which serves throughput. A row frees only when one finishes, so a small job arriving at
 a full batch would wait for a big job's row to end, which may be a whole max_tokens of
 steps. Rows beyond the limit are therefore kept for small jobs: a waiting row whose job
-has at most `express_rows(limit)` items left (the whole job fits there) is admitted up
-to `limit + express_rows(limit)` rows, so it starts decoding at the next turn, whatever
-is already in the batch. Bigger jobs wait for the limit; the KV budget binds everyone
-(a small job over it waits like any other row), and the generator's own capacity is the
-last bound.
+has at most `express_rows(limit)` items left (the whole job fits there), fewer than the
+biggest job in the batch, is admitted up to `limit + express_rows(limit)` rows, so it
+starts decoding at the next turn, whatever is already in the batch. A batch of one-item
+jobs (a backlog of them) keeps no express row for one more: it would only make every
+step slower, and the next free row goes to the best priority anyway. Bigger jobs wait
+for the limit; the KV budget binds everyone (a small job over it waits like any other
+row), and the generator's own capacity is the last bound.
 
 The reserve is a quarter of the limit (at least one row): the batch runs at most 25 %
 over its knee, and only while small jobs are in it, which costs the big jobs a few per
@@ -35,6 +37,7 @@ class Waiting:
 
     job_left: int  # its job's items left when it was submitted; 0 when not known
     kv_cost: int   # prompt + max new tokens
+    biggest_live: int = 0  # the most items left of any job with a row in the batch
 
 
 def admits(row: Waiting, *, live: int, limit: int, capacity: int, kv_in_flight: int,
@@ -45,4 +48,5 @@ def admits(row: Waiting, *, live: int, limit: int, capacity: int, kv_in_flight: 
     if live < limit:
         return True
     reserve = express_rows(limit)
-    return 0 < row.job_left <= reserve and live < min(limit + reserve, capacity)
+    return (0 < row.job_left <= reserve and row.job_left < row.biggest_live
+            and live < min(limit + reserve, capacity))

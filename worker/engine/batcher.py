@@ -608,7 +608,9 @@ class _Loop:
                 return admitted
             req, submitted_at = pending[first]
             cost = self._kv_cost(req)
-            if not admission.admits(admission.Waiting(req.job_left, cost), live=len(self.live),
+            biggest = max((lv.req.job_left for lv in self.live.values()), default=0)
+            if not admission.admits(admission.Waiting(req.job_left, cost, biggest),
+                                    live=len(self.live),
                                     limit=self.sizer.limit, capacity=self.capacity,
                                     kv_in_flight=self.state.kv_in_flight,
                                     kv_budget=self.kv_budget):

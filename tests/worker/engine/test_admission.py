@@ -50,18 +50,30 @@ def test_a_small_job_passes_a_full_batch_at_its_knee_and_a_big_one_waits() -> No
     assert reserve == 4
     room = {"limit": limit, "capacity": 64 + express_rows(64), "kv_in_flight": 1_000,
             "kv_budget": 100_000}
-    big, small = Waiting(job_left=40, kv_cost=300), Waiting(job_left=1, kv_cost=300)
+    big = Waiting(job_left=40, kv_cost=300, biggest_live=40)
+    small = Waiting(job_left=1, kv_cost=300, biggest_live=40)
     assert admits(big, live=limit - 1, **room)
     assert not admits(big, live=limit, **room)  # the knee holds for big jobs
     assert admits(small, live=limit, **room)
-    assert admits(Waiting(job_left=reserve, kv_cost=300), live=limit + reserve - 1, **room)
+    assert admits(Waiting(job_left=reserve, kv_cost=300, biggest_live=40),
+                  live=limit + reserve - 1, **room)
     assert not admits(small, live=limit + reserve, **room)  # the express rows are full
-    assert not admits(Waiting(job_left=reserve + 1, kv_cost=300), live=limit, **room)
-    assert not admits(Waiting(job_left=0, kv_cost=300), live=limit, **room)  # not known
+    assert not admits(Waiting(job_left=reserve + 1, kv_cost=300, biggest_live=40),
+                      live=limit, **room)
+    assert not admits(Waiting(job_left=0, kv_cost=300, biggest_live=40), live=limit,
+                      **room)  # not known
+
+
+def test_a_batch_of_one_item_jobs_keeps_no_express_row_for_one_more() -> None:
+    """A backlog of one-item jobs fills the batch: another one-item job takes the next
+    free row (the worker's priority orders them), not a row past the knee."""
+    room = {"limit": 16, "capacity": 80, "kv_in_flight": 1_000, "kv_budget": 100_000}
+    assert not admits(Waiting(job_left=1, kv_cost=300, biggest_live=1), live=16, **room)
+    assert admits(Waiting(job_left=1, kv_cost=300, biggest_live=2), live=16, **room)
 
 
 def test_the_kv_budget_and_the_capacity_bind_the_express_rows_too() -> None:
-    small = Waiting(job_left=1, kv_cost=500)
+    small = Waiting(job_left=1, kv_cost=500, biggest_live=40)
     assert not admits(small, live=16, limit=16, capacity=20, kv_in_flight=99_600,
                       kv_budget=100_000)
     assert not admits(small, live=4, limit=4, capacity=4, kv_in_flight=0, kv_budget=10**6)
