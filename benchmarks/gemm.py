@@ -88,8 +88,11 @@ def candidates(also: list[str]) -> list[tuple[str, str]]:
     found = [str(p) for p in blas.system_candidates() if p.exists()]
     found += [str(p) for _, p in blas.wheel_candidates()]
     found += [str(p) for p in blas.mkl_candidates()]
+    seen: set[Path] = set()
     for path in [*found, *also]:
-        if (Path(path).name, path) not in rows:
+        real = Path(path).resolve()  # distribution links name one library several ways
+        if real not in seen:
+            seen.add(real)
             rows.append((Path(path).name, path))
     return rows
 
