@@ -153,6 +153,16 @@ def lifecycle_with_ttl(redis: Redis, keys: Keys, ttl: int, queues: Sequence[str]
     return life
 
 
+class Clock:
+    """Fake time for rules that take a clock: the test moves `t` by hand."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
 class Tripwire:
     """Put one in a pickled job: unpickling it creates `path`, proof that someone did.
 

@@ -451,7 +451,6 @@ class _Loop:
         self.eos = mlx_adapter.eos_token_ids(loaded.processor)
         self.pending: deque[tuple[Request, float]] = deque()
         self.live: dict[int, _Live] = {}
-        self.steps = 0
         self.seen: dict[Hashable, int] = {}  # waiting request -> the step it was taken in at
         self.clear_cache_at: int | None = None
         self.retried: dict[Hashable, str] = {}  # key -> what its first attempt did
@@ -564,7 +563,7 @@ class _Loop:
             self.pending.appendleft((lv.req, time.perf_counter()))
         self.state.deferrals += len(rows)
         self.state.move(active=-len(rows), waiting=len(rows))
-        self.clear_cache_at = self.steps + _CLEAR_CACHE_DELAY
+        self.clear_cache_at = self.state.steps + _CLEAR_CACHE_DELAY
 
     def _size(self, rows: int, tokens: int, seconds: float) -> None:
         """Tell the sizer what this turn produced; say so when the row limit moves."""
@@ -583,7 +582,7 @@ class _Loop:
             while True:
                 if item is not None:
                     self.pending.append(item)
-                    self.seen.setdefault(item[0].key, self.steps)
+                    self.seen.setdefault(item[0].key, self.state.steps)
                 item = inbox.get_nowait()
         except queue.Empty:
             return
@@ -608,7 +607,8 @@ class _Loop:
                 return admitted
             req, submitted_at = pending[first]
             cost = self._kv_cost(req)
-            biggest = max((lv.req.job_left for lv in self.live.values()), default=0)
+            biggest = (max(lv.req.job_left for lv in self.live.values())
+                       if len(self.live) >= self.sizer.limit else 0)  # read past it only
             if not admission.admits(admission.Waiting(req.job_left, cost, biggest),
                                     live=len(self.live),
                                     limit=self.sizer.limit, capacity=self.capacity,
@@ -733,8 +733,8 @@ class _Loop:
             stop_window=window + 2 if window else 0,
             kv_cost=cost,
             prefix_tokens=spared,
-            admitted_step=self.steps,
-            seen_step=self.seen.pop(req.key, self.steps),
+            admitted_step=self.state.steps,
+            seen_step=self.seen.pop(req.key, self.state.steps),
         )
         st.move(waiting=-1, active=1)
 
@@ -783,15 +783,14 @@ class _Loop:
         except Exception as exc:  # noqa: BLE001  # whose fault is unknown: _step_failed finds it
             self._step_failed(exc)
             return 0
-        self.steps += 1
-        self.state.steps = self.steps
+        self.state.steps += 1
         cuts = self._take_tokens(responses)
         cuts.failed.extend((lv, lv.req.constraint.failure) for lv in self.live.values()
                            if lv.req.constraint is not None
                            and lv.req.constraint.failure is not None)
         if cuts:
             self._cut(cuts)
-        if self.clear_cache_at is not None and self.steps >= self.clear_cache_at:
+        if self.clear_cache_at is not None and self.state.steps >= self.clear_cache_at:
             mx.clear_cache()
             self.clear_cache_at = None
         return len(responses)
@@ -882,7 +881,7 @@ class _Loop:
         for uid, why in failed.items():
             if uid in self.live:
                 self._finish(self.live[uid], "error", error=why)
-        self.clear_cache_at = self.steps + _CLEAR_CACHE_DELAY
+        self.clear_cache_at = self.state.steps + _CLEAR_CACHE_DELAY
 
     def _looped(self, lv: _Live, period: int, keep: int) -> None:
         """A row's tail loops: retry it once, hotter, or end it keeping the first copy."""

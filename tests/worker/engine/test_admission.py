@@ -13,20 +13,13 @@ from pathlib import Path
 import pytest
 
 from tests.support.engine_rig import Rig
+from tests.support.helpers import Clock
 from vlmq.worker.engine.admission import Waiting, admits, express_rows
 from vlmq.worker.engine.batch_size import BatchSizer, Shape
 from vlmq.worker.engine.batcher import Finished, Request
 from vlmq.worker.item_order import SHARE_RANKS
 
 OCR = Shape(prompt=9, new_tokens=8, constrained=False)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _at_knee() -> BatchSizer:

@@ -9,19 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tests.support.engine_rig import Rig
+from tests.support.helpers import Clock
 from vlmq.worker.engine.batch_size import SHORT_HOLD_S, BatchSizer, Shape
 from vlmq.worker.engine.batcher import Engine
 
 OCR = Shape(prompt=9, new_tokens=8, constrained=False)
 CAPTION = Shape(prompt=8, new_tokens=5, constrained=False)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _run(sizer: BatchSizer, clock: Clock, tok_s: Callable[[int], float], seconds: float,
