@@ -469,6 +469,7 @@ def run_d(args: argparse.Namespace, model_path: str, jobs: Sequence[Job], workdi
     wall = max(r.last_item_at for r in runs) - first
     lat = [r.last_item_at - a for r, a in zip(runs, arrivals, strict=True)]
     busy = (float(stats1["mlx_busy_s"]) - float(stats0["mlx_busy_s"])) / wall
+    shares = _time_shares(stats0, stats1)
     blas_line = next((ln.split("BLAS: ", 1)[1] for ln in out.splitlines() if "BLAS: " in ln),
                      stats1.get("blas", "?"))
     name = {"D": "D vlmq worker via Redis", "D_ref": "D_ref same, --blas reference"}.get(
@@ -479,7 +480,21 @@ def run_d(args: argparse.Namespace, model_path: str, jobs: Sequence[Job], workdi
                       "batch": stats1.get("batch_limit", "?"),
                       "batch_reason": stats1.get("batch_reason", ""),
                       "blas": blas_line, "failed": sum(r.items - r.ok for r in runs),
-                      "guard_cuts": cuts})
+                      "guard_cuts": cuts, **shares})
+
+
+def _time_shares(before: dict[str, str], after: dict[str, str]) -> dict[str, float]:
+    """Where the MLX thread's time went during the timed jobs: turns that admit or prefill
+    rows, turns that only decode, and the rows those held on average (a limit the
+    batch seldom fills shows here, not in the sizer's readings)."""
+    def delta(key: str) -> float:
+        return float(after.get(key, 0)) - float(before.get(key, 0))
+
+    prefill = delta("mlx_prefill_turn_s")
+    turns = delta("decode_turns")
+    return {"prefill_turn_s": round(prefill, 2),
+            "decode_turn_s": round(delta("mlx_busy_s") - prefill, 2),
+            "decode_rows_avg": round(delta("decode_turn_rows") / turns, 1) if turns else 0.0}
 
 
 # ---------------------------------------------------------------- E (mlx-vlm's server)
@@ -668,6 +683,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"D's batch: {runs['D'].extra.get('batch')} rows "
               f"({runs['D'].extra.get('batch_reason')}); E: "
               + ("--max-num-seqs " + str(args.max_batch) if args.max_batch else "unbounded"))
+    for key, r in runs.items():
+        if "prefill_turn_s" in r.extra:
+            print(f"{key}'s MLX time: {r.extra['decode_turn_s']} s in turns that only decode "
+                  f"({r.extra['decode_rows_avg']} rows on average), {r.extra['prefill_turn_s']} "
+                  "s in turns that admit or prefill rows")
     fixed = {k: r for k, r in runs.items() if k.startswith("D@")}
     if fixed and "D" in runs:
         best = max(fixed, key=lambda k: fixed[k].tok_s)

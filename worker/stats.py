@@ -70,6 +70,12 @@ class _EngineView(Protocol):
     @property
     def busy_s(self) -> float: ...
     @property
+    def prefill_turn_s(self) -> float: ...
+    @property
+    def decode_turn_rows(self) -> int: ...
+    @property
+    def decode_turns(self) -> int: ...
+    @property
     def repetitions(self) -> int: ...
     @property
     def isolations(self) -> int: ...
@@ -248,6 +254,9 @@ class WorkerStats:
             "prefill_tokens": engine.prefill_tokens,
             "prefix_bytes": engine.prefix_bytes,
             "mlx_busy_s": round(engine.busy_s, 3),
+            "mlx_prefill_turn_s": round(engine.prefill_turn_s, 3),
+            "decode_turn_rows": engine.decode_turn_rows,
+            "decode_turns": engine.decode_turns,
             # PDF render processes running (started before the worker says it is ready).
             "render_procs": len(self.renders.pids) if self.renders is not None else 0,
             # The batches of the jobs in hand, with their jobs and items left.

@@ -173,6 +173,12 @@ class EngineState:
     isolations: int = 0  # failed steps whose rows were rerun apart to find the culprit
     deferrals: int = 0  # constrained rows taken out to keep the matching budget
     busy_s: float = 0.0  # MLX thread time in model work (tower, embed, prefill, decode)
+    # Of busy_s: turns that admit or prefill rows (their decode step included), and the
+    # rows summed over the turns that only decode: where a run's time goes
+    # (benchmarks/run.py prints both).
+    prefill_turn_s: float = 0.0
+    decode_turns: int = 0
+    decode_turn_rows: int = 0
     tokens_generated: int = 0
     steps: int = 0  # decode steps run
     finished: int = 0
@@ -517,7 +523,11 @@ class _Loop:
                     c.last_s = 0.0
                 ts = time.perf_counter()
                 tokens = self._step()
-                if not prefill:
+                if prefill:
+                    st.prefill_turn_s += time.perf_counter() - t0
+                else:
+                    st.decode_turns += 1
+                    st.decode_turn_rows += rows
                     self._size(rows, tokens, time.perf_counter() - t0)
                     self.matching.observe(time.perf_counter() - ts,
                                           sum(c.last_s for c in matchers))
