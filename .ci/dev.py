@@ -223,6 +223,11 @@ def ensure_test_tools() -> None:
                             ("prometheus", "prometheus")):
         if shutil.which(binary) is None:
             apt_install(package, f"for the tests that need {binary}")
+    # The reader's training fonts, and others it never saw (its CER test draws both).
+    for folder, package in (("dejavu", "fonts-dejavu-core fonts-dejavu-extra"),
+                            ("liberation", "fonts-liberation")):
+        if not (Path("/usr/share/fonts/truetype") / folder).is_dir():
+            apt_install(package, "for the reader's font tests")
 
 
 def ensure_test_redis(env: Venv) -> None:

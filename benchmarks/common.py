@@ -98,24 +98,24 @@ def machine() -> str:
 
 
 def ensure_model(model: str | None) -> str:
-    """The given model, or the tiny random-weight one (built once, reused after)."""
-    if model:
-        return model
-    from vlmq.cli.worker import default_cache_dir
-    from vlmq.worker.model.tiny import build_tiny_model
+    """The given model (a name such as `reader` resolved to its folder), or the tiny
+    random-weight one (built once, reused after)."""
+    from vlmq.worker.model import names
 
-    return str(build_tiny_model(default_cache_dir() / "models" / "tiny-qwen2_vl"))
+    return names.resolve(model or names.TINY)
 
 
 def resolve_model(name: str) -> str:
-    """"tiny" or "bench" (built once, reused after), else the model as given."""
+    """"bench" (built once, reused after), else the model as the worker reads it (a name
+    such as `tiny` or `reader` resolved to its folder)."""
     from vlmq.cli.worker import default_cache_dir
+    from vlmq.worker.model import names
     from vlmq.worker.model.tiny import build_tiny_model
 
-    if name in ("tiny", "bench"):
+    if name == "bench":
         folder = default_cache_dir() / "models" / f"{name}-qwen2_vl"
         return str(build_tiny_model(folder, arch="qwen2_vl", seed=0, size=name))
-    return name
+    return names.resolve(name)
 
 
 def connect(redis_url: str, *, flush: bool = True) -> Redis:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import benchmarks.common as BC
 from tests.support import helpers
 from tests.support import openai_api as T
-from vlmq.server.openai_api.app import store_spec
+from vlmq.stores.api_store import store_spec
 
 WORDS = ("describe", "the", "image", "list", "colors", "shapes", "count", "objects",
          "read", "title", "left", "right", "top", "bottom", "corner", "briefly")

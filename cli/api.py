@@ -18,11 +18,14 @@ from typing import Any
 
 import click
 
-from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_UNREACHABLE, fail
+from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_CONFIG, EXIT_UNREACHABLE, fail
+from vlmq.cli.logs import LogSettings, log_options
 from vlmq.server.openai_api.limits import LIMITS
 
 SWEEP_EVERY_S = 10.0  # how often live batches are checked for their end and window
 SERVER_THREADS = 8
+
+log = logging.getLogger("vlmq.api")
 
 
 def _limit_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -37,8 +40,6 @@ def _limit_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @click.command("api")
-@click.option("--redis-url", envvar="REDIS_URL", default=None,
-              help="Redis to serve (default: the root --redis-url / REDIS_URL).")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Interface to listen on; anything else than loopback exposes the API.")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
@@ -46,9 +47,12 @@ def _limit_options(command: Callable[..., Any]) -> Callable[..., Any]:
               default=None, metavar="FILE",
               help="The accepted keys, one a line (else VLMQ_API_KEYS=k1,k2). Each key "
                    "sees only its own files and batches.")
-@click.option("--files-dir", type=click.Path(file_okay=False), required=True, metavar="DIR",
-              help="Where uploads and their decoded images live (never in Redis). Workers "
-                   "read the images as store vlmq-api: give them the --store this prints.")
+@click.option("--files-dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="Where uploads and their decoded images live (never in Redis); default: "
+                   "api/ in $VLMQ_DATA, else in $XDG_DATA_HOME/vlmq, else in "
+                   "~/.local/share/vlmq. Workers read the images as store vlmq-api, by "
+                   "default from there on their own machine; give workers elsewhere the "
+                   "--store this prints, over a shared folder.")
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME[:PORT]",
               help="Also answer requests for this host name (repeatable).")
 @click.option("--model-map", "model_map", multiple=True, metavar="NAME=CHECKPOINT",
@@ -56,33 +60,40 @@ def _limit_options(command: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--strict-model", is_flag=True,
               help="A line's model must be the one its workers serve (as enqueue's).")
 @_limit_options
+@log_options
 @click.pass_context
-def api_cmd(ctx: click.Context, /, redis_url: str | None, host: str, port: int,
-            api_keys: str | None, files_dir: str, allowed_hosts: tuple[str, ...],
-            model_map: tuple[str, ...], strict_model: bool, **limits: float) -> None:
+def api_cmd(ctx: click.Context, /, host: str, port: int,
+            api_keys: str | None, files_dir: str | None, allowed_hosts: tuple[str, ...],
+            model_map: tuple[str, ...], strict_model: bool, log_setup: LogSettings,
+            **limits: float) -> None:
     """Serve OpenAI's Files and Batch API: the official SDKs submit bulk work to vlmq."""
     from redis.exceptions import RedisError
 
-    from vlmq.producer.client import check_redis_url, redact_url
+    from vlmq.producer.client import redact_url
     from vlmq.producer.openai_files import ModelPolicy
     from vlmq.shared.errors import PayloadError
 
     try:
         from vlmq.server.openai_api.access import load_keys
-        from vlmq.server.openai_api.app import ApiSettings, create_app, store_spec
+        from vlmq.server.openai_api.app import ApiSettings, create_app
         from vlmq.server.openai_api.limits import ApiLimits
         from vlmq.server.openai_api.server import make_server
     except ImportError as exc:
         fail(f"error: `vlmq api` needs the dashboard extra ({exc.name} is missing): "
-             "pip install 'vlmq[dashboard]'", EXIT_BAD_INPUT)
+             "pip install 'vlmq[dashboard]'", EXIT_CONFIG)
     try:
-        url = check_redis_url(redis_url) if redis_url else ctx.find_root().obj["redis_url"]
         keys = load_keys(api_keys)
         models = ModelPolicy.parse(model_map, strict=strict_model)
     except (ValueError, OSError, PayloadError) as exc:
         fail(f"error: {exc}", EXIT_BAD_INPUT)
-    folder = Path(files_dir)
-    folder.mkdir(parents=True, exist_ok=True)
+    url = ctx.find_root().obj["redis_url"]  # checked by the root's --redis-url
+    from vlmq.stores.api_store import default_api_files_dir, store_spec
+
+    folder = Path(files_dir) if files_dir else default_api_files_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        fail(f"error: cannot make the files folder {folder}: {exc}", EXIT_BAD_INPUT)
     settings = ApiSettings(redis_url=url, files_dir=folder, keys=tuple(keys), host=host,
                            port=port, allowed_hosts=allowed_hosts, models=models,
                            limits=ApiLimits.from_options(limits))
@@ -95,8 +106,7 @@ def api_cmd(ctx: click.Context, /, redis_url: str | None, host: str, port: int,
         parts["client"].redis.ping()
     except RedisError as exc:
         fail(f"error: cannot reach Redis at {redact_url(url)}: {exc}", EXIT_UNREACHABLE)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
-                                                   "%(message)s")
+    log_setup.configure()
     stop = threading.Event()
     threading.Thread(target=_sweep, args=(parts, stop), name="api-sweeper",
                      daemon=True).start()
@@ -106,8 +116,11 @@ def api_cmd(ctx: click.Context, /, redis_url: str | None, host: str, port: int,
                          port=port, threads=SERVER_THREADS, ident="vlmq",
                          channel_timeout=CHANNEL_TIMEOUT_S * 6,
                          connection_limit=_connection_limit(), asyncore_use_poll=True)
-    click.echo(f"vlmq api on http://{host}:{port}/v1 ({len(keys)} keys); workers need "
-               f"--store {store_spec(folder)}; Ctrl-C stops it", err=True)
+    same = files_dir is None or folder.resolve() == default_api_files_dir().resolve()
+    log.info("vlmq api on http://%s:%d/v1 (%d keys); Ctrl-C stops it. %s--store %s", host,
+             port, len(keys), "Workers run by this user on this machine read its images "
+             "with no flag; workers elsewhere need " if same else "Its workers need ",
+             store_spec(folder))
     try:
         server.run()
     finally:
@@ -129,7 +142,7 @@ def _sweep(parts: dict[str, Any], stop: threading.Event) -> None:
             batches.sweep()
             images.sweep()
         except (RedisError, OSError) as exc:
-            click.echo(f"vlmq api: sweeping batches failed: {exc}", err=True)
+            log.warning("sweeping batches failed: %s", exc)
         if stop.wait(SWEEP_EVERY_S):
             return
 

@@ -11,6 +11,7 @@ no Pillow), so `vlmq X --help` stays fast.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -33,8 +34,9 @@ EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_FAILED_ITEMS = 3
 EXIT_UNREACHABLE = 69  # sysexits EX_UNAVAILABLE
-# `vlmq worker`: a configuration error (model, --blas, cache dir...) that a restart cannot
-# fix (sysexits EX_CONFIG; the units `vlmq service` writes do not restart on it).
+# A configuration error that a restart cannot fix: a missing install extra; the worker's
+# model, --blas, cache dir... (sysexits EX_CONFIG; the units `vlmq service` writes do not
+# restart on it).
 EXIT_CONFIG = 78
 EXIT_TIMEOUT = 124
 
@@ -52,8 +54,9 @@ EXIT_CODES: dict[int, tuple[str, str]] = {
                                         "items failed"),
     EXIT_UNREACHABLE: ("redis_unreachable", "Redis cannot be reached, at the start or "
                                             "until `wait --timeout` passed"),
-    EXIT_CONFIG: ("config", "`vlmq worker`: a configuration no restart can fix (a missing "
-                            "model folder, a bad option); its service is not restarted"),
+    EXIT_CONFIG: ("config", "a configuration no restart can fix: an install extra the "
+                            "command needs is missing; `vlmq worker`: a missing model folder, "
+                            "a bad --store or --blas; its service is not restarted"),
     EXIT_TIMEOUT: ("timeout", "`wait --timeout`, or enqueue's `--wait-timeout`, passed"),
 }
 
@@ -92,15 +95,38 @@ def error_json(message: str, code: int) -> str:
     return json.dumps({"error": {"code": code, "kind": kind, "message": text}})
 
 
+def _say(message: str) -> None:
+    # Red on a terminal; click drops the colour elsewhere, and NO_COLOR drops it
+    # everywhere (the root group sets ctx.color).
+    click.echo(click.style("vlmq:", fg="red", bold=True) + f" {message}", err=True)
+
+
 def fail(message: str, code: int) -> NoReturn:
     """Say why on stderr (one JSON object under --json) and exit with `code`."""
     if _json_errors():
         click.echo(error_json(message, code), err=True)
     else:
-        # Red on a terminal; click drops the colour elsewhere, and NO_COLOR drops it
-        # everywhere (the root group sets ctx.color).
-        click.echo(click.style("vlmq:", fg="red", bold=True) + f" {message}", err=True)
+        _say(message)
     sys.exit(code)
+
+
+class ConfigError(click.ClickException):
+    """A configuration that no restart can fix (a missing install extra, a store that
+    cannot be parsed): exit 78, which the service units vlmq writes do not restart."""
+
+    exit_code = EXIT_CONFIG
+
+
+def show_error(exc: click.ClickException) -> None:
+    """click's report of `exc` (a usage error's usage line and hint first) with the
+    `vlmq: error:` prefix of every other failure in place of click's `Error:`, so one
+    prefix finds them all."""
+    buf = io.StringIO()
+    exc.show(buf)
+    text, line = buf.getvalue(), f"Error: {exc.format_message()}\n"
+    if text.endswith(line) and len(text) > len(line):
+        click.echo(text[:-len(line)], err=True, nl=False)
+    _say(f"error: {exc.format_message()}")
 
 
 class IdType(click.ParamType[str, Any]):
@@ -138,21 +164,42 @@ def collapse_whitespace(text: str) -> str:
     return " ".join(text.split())
 
 
-def _stores_callback(_ctx: click.Context, _param: click.Parameter,
-                     value: tuple[str, ...]) -> Stores:
+def _stores(value: tuple[str, ...], config: bool) -> Stores:
     from vlmq.stores.backends import StoreError, Stores
 
     try:
         return Stores.parse(value)
     except StoreError as exc:
+        if config:
+            raise ConfigError(f"invalid value for --store: {exc}") from None
         raise click.BadParameter(str(exc), param_hint="--store") from None
+
+
+def _stores_callback(_ctx: click.Context, _param: click.Parameter,
+                     value: tuple[str, ...]) -> Stores:
+    return _stores(value, config=False)
+
+
+def _config_stores_callback(_ctx: click.Context, _param: click.Parameter,
+                            value: tuple[str, ...]) -> Stores:
+    return _stores(value, config=True)
 
 
 def store_option(func: F) -> F:
     """`--store NAME=URL` (repeatable; default $VLMQ_STORES): the command gets `stores`."""
+    return _store_option(func, _stores_callback)
+
+
+def config_store_option(func: F) -> F:
+    """store_option for a service (`vlmq worker`): its stores are the machine's
+    configuration (a unit's environment), so one it cannot parse is a ConfigError."""
+    return _store_option(func, _config_stores_callback)
+
+
+def _store_option(func: F, callback: Callable[..., Stores]) -> F:
     return click.option(
         "--store", "stores", multiple=True, envvar=C.STORES_ENV, metavar="NAME=URL",
-        callback=_stores_callback,
+        callback=callback,
         help="A store this machine reads inputs from by reference: NAME=file:///folder or "
              "NAME=s3://bucket/prefix (repeatable; default: $VLMQ_STORES, comma-separated). "
              "Machine configuration: the same NAME may be another path elsewhere.")(func)

@@ -12,7 +12,8 @@ import threading
 
 import click
 
-from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_UNREACHABLE, fail
+from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_CONFIG, EXIT_UNREACHABLE, fail
+from vlmq.cli.logs import LogSettings, log_options
 
 SAMPLE_EVERY_S = 5.0
 SERVER_THREADS = 8
@@ -27,10 +28,10 @@ SPARE_FDS = 64  # files the process needs besides connections (Redis, previews, 
 # the client's address (so wrong tokens are counted per client, not all as the proxy's).
 PROXY_HEADERS = frozenset({"x-forwarded-proto", "x-forwarded-for"})
 
+log = logging.getLogger("vlmq.dashboard")
+
 
 @click.command("dashboard")
-@click.option("--redis-url", envvar="REDIS_URL", default=None,
-              help="Redis to watch (default: the root --redis-url / REDIS_URL).")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Interface to listen on; anything else than loopback exposes job data.")
 @click.option("--port", type=click.IntRange(1, 65535), default=9191, show_default=True)
@@ -48,14 +49,16 @@ PROXY_HEADERS = frozenset({"x-forwarded-proto", "x-forwarded-for"})
               help="A reverse proxy's address (e.g. 127.0.0.1) whose X-Forwarded-Proto and "
                    "X-Forwarded-For are believed: the session cookie is then Secure behind "
                    "TLS, and wrong tokens are counted per real client.")
+@log_options
 @click.pass_context
-def dashboard_cmd(ctx: click.Context, redis_url: str | None, host: str, port: int,
+def dashboard_cmd(ctx: click.Context, host: str, port: int,
                   allow_actions: bool, allowed_hosts: tuple[str, ...],
-                  auth_token: str | None, trusted_proxy: str | None) -> None:
+                  auth_token: str | None, trusted_proxy: str | None,
+                  log_setup: LogSettings) -> None:
     """A web page over queues, workers and jobs: progress, and each page next to its text."""
     from redis.exceptions import RedisError
 
-    from vlmq.producer.client import check_redis_url, redact_url
+    from vlmq.producer.client import redact_url
 
     try:
         import waitress
@@ -65,11 +68,8 @@ def dashboard_cmd(ctx: click.Context, redis_url: str | None, host: str, port: in
         from vlmq.server.dashboard.trust import LOOPBACK, bracket, normalize_name
     except ImportError as exc:
         fail(f"error: `vlmq dashboard` needs the dashboard extra ({exc.name} is missing): "
-             "pip install 'vlmq[dashboard]'", EXIT_BAD_INPUT)
-    try:
-        url = check_redis_url(redis_url) if redis_url else ctx.find_root().obj["redis_url"]
-    except ValueError as exc:
-        fail(f"error: {exc} (from --redis-url)", EXIT_BAD_INPUT)
+             "pip install 'vlmq[dashboard]'", EXIT_CONFIG)
+    url = ctx.find_root().obj["redis_url"]  # checked by the root's --redis-url
     for name in allowed_hosts:
         try:
             normalize_name(name)
@@ -95,22 +95,19 @@ def dashboard_cmd(ctx: click.Context, redis_url: str | None, host: str, port: in
             try:
                 history.sample(workers(client.redis, client.keys))
             except RedisError as exc:
-                click.echo(f"vlmq dashboard: sampling stats failed: {exc}", err=True)
+                log.warning("sampling stats failed: %s", exc)
 
+    # Failed logins (address, never the token) and refused Host names are logged too.
+    log_setup.configure()
     if bracket(host) not in LOOPBACK and not settings.auth_token:
-        click.echo(f"vlmq dashboard: warning: listening on {host} without --auth-token: "
-                   "anyone who can reach this port can read every job's inputs and results",
-                   err=True)
+        log.warning("listening on %s without --auth-token: anyone who can reach this port "
+                    "can read every job's inputs and results", host)
     if host in ("0.0.0.0", "::"):
-        click.echo("vlmq dashboard: only requests for loopback names and --allowed-host "
-                   "names are answered; add the names people use to reach it", err=True)
-    # Failed logins (address, never the token) and refused Host names go to stderr.
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
-                                                   "%(message)s")
+        log.info("only requests for loopback names and --allowed-host names are answered; "
+                 "add the names people use to reach it")
     threading.Thread(target=sample, name="stats-sampler", daemon=True).start()
-    click.echo(f"vlmq dashboard on http://{host}:{port}/ "
-               f"({'actions allowed' if allow_actions else 'read-only'}); Ctrl-C stops it",
-               err=True)
+    log.info("vlmq dashboard on http://%s:%d/ (%s); Ctrl-C stops it", host, port,
+             "actions allowed" if allow_actions else "read-only")
     try:
         waitress.serve(app, host=host, port=port, threads=SERVER_THREADS, ident="vlmq",
                        channel_timeout=CHANNEL_TIMEOUT_S, cleanup_interval=CLEANUP_INTERVAL_S,
@@ -140,7 +137,7 @@ def _connection_limit() -> int:
             resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
             soft = new
         except (ValueError, OSError) as exc:
-            click.echo(f"vlmq dashboard: cannot raise the open-file limit: {exc}", err=True)
+            log.warning("cannot raise the open-file limit: %s", exc)
     if soft == resource.RLIM_INFINITY:
         return MAX_CONNECTIONS
     return max(16, min(MAX_CONNECTIONS, soft - SPARE_FDS))

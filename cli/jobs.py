@@ -109,7 +109,12 @@ def _is_batch(client: Client, job_id: str) -> bool:
 def _job_json(job: Job) -> dict[str, Any]:
     return {"id": job.id, "queue": job.queue, "task": job.task, "items": job.items,
             "blobs": job.blobs, "uploaded": job.uploaded,
-            "rejected": [{"path": p, "reason": r} for p, r in job.rejected]}
+            "rejected": [{"path": p, "reason": r} for p, r in job.rejected],
+            "not_media": _not_media_json(job)}
+
+
+def _not_media_json(what: Job | Batch) -> list[dict[str, str]]:
+    return [{"path": p, "kind": k, "reason": r} for p, k, r in what.not_media]
 
 
 def _warn_unserved(client: Client, queues: Sequence[str]) -> None:
@@ -132,16 +137,19 @@ def _set_json(what: Job | Batch) -> dict[str, Any]:
                 j.queue for j in jobs)), "task": what.task, "items": what.items,
             "blobs": what.blobs, "uploaded": sum(j.uploaded for j in jobs),
             "rejected": [{"path": p, "reason": r} for p, r in what.rejected],
-            "jobs": [_job_json(j) for j in jobs]}
+            "not_media": _not_media_json(what), "jobs": [_job_json(j) for j in jobs]}
 
 
 def _report(client: Client, what: Job | Batch, as_json: bool) -> None:
     """Print the job id, or the batch id when the set became several jobs."""
     from vlmq.producer.client import Job
+    from vlmq.producer.inputs import not_media_summary
 
     if as_json:
         click.echo(json.dumps(_set_json(what)))
     else:
+        if what.not_media:
+            click.echo(f"vlmq: {not_media_summary(what.not_media)}", err=True)
         for path, reason in what.rejected:
             click.echo(f"vlmq: skipped {path}: {reason}", err=True)
         click.echo(what.id)
@@ -149,25 +157,30 @@ def _report(client: Client, what: Job | Batch, as_json: bool) -> None:
     _warn_unserved(client, [j.queue for j in jobs])
 
 
-def _job_size(func: F) -> F:
+def _job_size(func: F, *, head: str = "") -> F:
     return click.option("--job-size", type=click.IntRange(1, C.MAX_ITEMS_PER_JOB),
                         default=JOB_ITEMS, show_default=True, metavar="N",
-                        help="Items per job: a larger set becomes a batch of jobs of at "
-                             "most N items, which many workers share (its id is printed; "
-                             "every job command takes it).")(func)
+                        help=head + "Items per job: a larger set becomes a batch of jobs "
+                             "of at most N items, which many workers share (its id is "
+                             "printed; every job command takes it).")(func)
 
 
-def _max_pending(func: F) -> F:
-    return click.option("--max-pending-mb", type=click.FloatRange(min=0, min_open=True),
-                        metavar="MB",
-                        default=DEFAULT_MAX_PENDING_MB, show_default=True,
-                        help="Redis budget: this producer's uploaded inputs whose jobs have "
-                             "not ended stay under MB; past it, enqueue waits for workers "
-                             "to drain them.")(click.option(
+# The enqueue group's own options are those of --manifest and --openai-batch; a task
+# subcommand has its own of the same names, given after it.
+_FILE_ONLY = "With --manifest or --openai-batch: "
+
+
+def _max_pending(func: F, *, head: str = "") -> F:
+    func = click.option(
         "--wait-timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
-        help="Give up (exit 124) when a wait for room in the budget lasts SECONDS; the "
-             "jobs enqueued so far stay queued. Default: wait while a live worker serves "
-             "the pending jobs' queue, give up after 600 s with none.")(func))
+        help=head + "Give up (exit 124) when a wait for room in the budget lasts SECONDS; "
+             "the jobs enqueued so far stay queued. Default: wait while a live worker serves "
+             "the pending jobs' queue, give up after 600 s with none.")(func)
+    return click.option("--max-pending-mb", type=click.FloatRange(min=0, min_open=True),
+                        metavar="MB", default=DEFAULT_MAX_PENDING_MB, show_default=True,
+                        help=head + "Redis budget: this producer's uploaded inputs whose "
+                             "jobs have not ended stay under MB; past it, enqueue waits for "
+                             "workers to drain them.")(func)
 
 
 # --- enqueue ------------------------------------------------------------------------------
@@ -201,9 +214,9 @@ def _max_pending(func: F) -> F:
 @click.option("--strict-model", is_flag=True,
               help="With --openai-batch: a line's model must be the one its worker serves "
                    "(default: any worker of the queue answers it).")
-@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
-@_job_size
-@_max_pending
+@click.option("--json", "as_json", is_flag=True, help=_FILE_ONLY + JSON_HELP)
+@functools.partial(_job_size, head=_FILE_ONLY)
+@functools.partial(_max_pending, head=_FILE_ONLY)
 @_allow_eviction
 @store_option
 @click.pass_context
@@ -247,12 +260,13 @@ def enqueue(ctx: click.Context, manifest: str | None, openai_batch: str | None,
 def _refuse_file_options(ctx: click.Context, *given: object) -> None:
     """The options of --manifest/--openai-batch given before a task subcommand: refused,
     since the task would not see them (its own go after it)."""
-    stores_given = (ctx.get_parameter_source("stores")
-                    == click.core.ParameterSource.COMMANDLINE)
-    if any(given) or stores_given:
+    typed = {name: ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+             for name in ("stores", "job_size", "max_pending_mb", "wait_timeout")}
+    if any(given) or any(typed.values()):
         raise click.UsageError("--manifest/--openai-batch/--queue/--skip-bad/--label/"
-                               "--json/--store before the task go with --manifest or "
-                               "--openai-batch only; put them after the task")
+                               "--json/--job-size/--max-pending-mb/--wait-timeout/--store "
+                               "before the task go with --manifest or --openai-batch only; "
+                               "put them after the task")
 
 
 def _read_manifest(manifest: str | None, base: JobOptions, *, skip_bad: bool, job_size: int
@@ -298,7 +312,7 @@ def _submit_groups(ctx: click.Context, groups: Sequence[Group],
 
 
 def _set_command(task: str) -> Callable[..., None]:
-    prompt_help = {"generate": "Prompt text (required).",
+    prompt_help = {"generate": "Prompt text.",
                    "extract": "Prompt text (default: one built from the schema, naming its "
                               "fields)."}.get(task, "Prompt text (default: the model's own "
                                                     "for the task).")

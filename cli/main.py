@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from vlmq.cli import config
 from vlmq.cli.common import (
     EXIT_BAD_INPUT,
     EXIT_CODES,
+    EXIT_CONFIG,
     EXIT_FAILED,
     EXIT_UNREACHABLE,
     JSON_META,
@@ -24,6 +26,7 @@ from vlmq.cli.common import (
     fail,
     json_wanted,
     no_color,
+    show_error,
 )
 from vlmq.shared import constants as C
 
@@ -146,15 +149,31 @@ class _Main(click.Group):
             formatter.write_dl(rows)
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        args = config.hoist(args)
         ctx.meta[JSON_META] = json_wanted(args)
         ctx.meta[_HELP_META] = "--help" in args or ctx.resilient_parsing
         if no_color():
             ctx.color = False  # every command's context inherits it
+        self._read_config(ctx, args)
         try:
             return super().parse_args(ctx, args)
         except click.ClickException as exc:
             _usage_json(ctx, exc)
             raise
+
+    def _read_config(self, ctx: click.Context, args: list[str]) -> None:
+        """The config file's values become click's default_map, below flags and the
+        environment; a file that cannot be used stops every command (exit 78)."""
+        path, _named = config.config_path(args)
+        if path is None:
+            return
+        try:
+            table = config.load(path)
+            config.check(ctx, self, table, path)
+        except config.ConfigError as exc:
+            fail(f"error: {exc}", EXIT_CONFIG)
+        ctx.default_map = table
+        ctx.meta[config.CONFIG_META] = path
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -181,10 +200,13 @@ def short_help(group: click.Group, ctx: click.Context, name: str, limit: int = 4
 
 
 def _usage_json(ctx: click.Context, exc: click.ClickException) -> None:
-    """Under --json a usage error is JSON on stderr too (then exits with its code)."""
+    """A usage error or ClickException as every other failure: JSON on stderr under
+    --json, else click's report with the `vlmq: error:` prefix; then exit with its code."""
     if ctx.meta.get(JSON_META):
         click.echo(error_json(exc.format_message(), exc.exit_code), err=True)
-        ctx.exit(exc.exit_code)
+    else:
+        show_error(exc)
+    ctx.exit(exc.exit_code)
 
 
 # redis-py prefixes a pipeline's error with the failed command, arguments and all: a
@@ -238,14 +260,22 @@ _HELP = ("vlmq: a Redis job queue for bulk vision-language work (OCR, captioning
          + "; what each means, --json errors and shell completion: `vlmq help jobs`.")
 
 
-@click.group(cls=_Main, help=_HELP)
-@click.option("--redis-url", envvar="REDIS_URL", default=C.DEFAULT_REDIS_URL,
-              show_default=True, callback=_check_url,
-              help="Redis to use (env REDIS_URL). Key prefix: env VLMQ_PREFIX.")
+@click.group(cls=_Main, help=_HELP,
+             context_settings={"auto_envvar_prefix": config.ENV_PREFIX})
+@click.option("--redis-url", envvar=["VLMQ_REDIS_URL", "REDIS_URL"],
+              default=C.DEFAULT_REDIS_URL, show_default=True, callback=_check_url,
+              help="Redis to use (env VLMQ_REDIS_URL or REDIS_URL); before or after the "
+                   "command. Key prefix: env VLMQ_PREFIX.")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+              metavar="FILE",
+              help="TOML file of option values, below flags and the environment (env "
+                   f"{config.CONFIG_ENV}; default: {config.CONFIG_NAME} in "
+                   "$XDG_CONFIG_HOME/vlmq, ~/.config/vlmq); before or after the command. "
+                   "Every option also reads VLMQ_<COMMAND>_<OPTION>: `vlmq help config`.")
 @click.version_option(package_name="vlmq", prog_name="vlmq",
                       message="%(prog)s %(version)s")
 @click.pass_context
-def main(ctx: click.Context, redis_url: str) -> None:
+def main(ctx: click.Context, redis_url: str, config_file: str | None) -> None:
     """The root: _HELP is its help (the exit codes from cli/common.py's table)."""
     # A plain dict, so that both sides read it without importing each other; the worker's
     # --with-scheduler runs the scheduler loop through it.
@@ -263,18 +293,24 @@ def _start_scheduler(redis_url: str, stores: Stores | None = None
 
 @main.command("demo")
 @click.option("--model", default=None,
-              help="Model to use (default: vlmq's tiny reader, shipped in the package; "
-                   "tiny: the tiny random-weight model).")
+              help="Model to use: a folder, a hub id, or a name, as `vlmq worker --model` "
+                   "(default: reader, vlmq's tiny reader shipped in the package; tiny: "
+                   "random weights built offline). A folder of that name in the current "
+                   "directory wins.")
 @click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True)
+@click.option("--json", "as_json", is_flag=True,
+              help="Print what the demo did as one JSON object on stdout (notes and "
+                   "errors on stderr).")
 @click.pass_context
-def demo_cmd(ctx: click.Context, model: str | None, max_batch: int) -> None:
+def demo_cmd(ctx: click.Context, model: str | None, max_batch: int, as_json: bool) -> None:
     """Enqueue the bundled sample, run a burst worker on it, and show results and stats."""
     from vlmq.cli import worker
 
     worker.require_worker_extra()
     from vlmq.cli.demo import run_demo
 
-    ctx.exit(run_demo(redis_url=ctx.obj["redis_url"], model=model, max_batch=max_batch))
+    ctx.exit(run_demo(redis_url=ctx.obj["redis_url"], model=model, max_batch=max_batch,
+                      as_json=as_json))
 
 
 if __name__ == "__main__":  # python -m vlmq.cli.main (as python -X importtime does)

@@ -9,8 +9,9 @@ import click
 from prometheus_client import CollectorRegistry
 from redis.exceptions import RedisError
 
-from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, fail
-from vlmq.producer.client import check_redis_url, redact_url
+from vlmq.cli.common import EXIT_FAILED, fail
+from vlmq.cli.logs import LogSettings, log_options
+from vlmq.producer.client import redact_url
 from vlmq.server.metrics_exporter import DEFAULT_PORT, FleetCollector, serve
 from vlmq.shared.connection import connect
 from vlmq.shared.keys import Keys
@@ -19,8 +20,6 @@ log = logging.getLogger(__name__)
 
 
 @click.command("metrics")
-@click.option("--redis-url", envvar="REDIS_URL", default=None,
-              help="Redis to watch (default: the root --redis-url / REDIS_URL).")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Interface to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(1, 65535), default=DEFAULT_PORT,
@@ -28,9 +27,10 @@ log = logging.getLogger(__name__)
 @click.option("--queued-items", is_flag=True,
               help="Also count the items of queued jobs (vlmq_queue_items): one SORT per "
                    "queue that reads every queued job hash inside Redis.")
+@log_options
 @click.pass_context
-def metrics_cmd(ctx: click.Context, redis_url: str | None, host: str, port: int,
-                queued_items: bool) -> None:
+def metrics_cmd(ctx: click.Context, host: str, port: int,
+                queued_items: bool, log_setup: LogSettings) -> None:
     """Serve fleet metrics for Prometheus at http://HOST:PORT/metrics.
 
     Queue depth, jobs by state per queue, dead letters, the head job's age per queue and
@@ -38,11 +38,8 @@ def metrics_cmd(ctx: click.Context, redis_url: str | None, host: str, port: int,
     Read-only, and cheap at any number of jobs. While Redis is unreachable a scrape still
     answers 200, with vlmq_up 0 (alert on vlmq_up == 0).
     """
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    try:
-        url = check_redis_url(redis_url) if redis_url else ctx.find_root().obj["redis_url"]
-    except ValueError as exc:
-        fail(f"error: {exc} (from --redis-url)", EXIT_BAD_INPUT)
+    log_setup.configure()
+    url = ctx.find_root().obj["redis_url"]  # checked by the root's --redis-url
     redis = connect(url)
     registry = CollectorRegistry()
     registry.register(FleetCollector(redis, Keys.from_env(), items=queued_items))

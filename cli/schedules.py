@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import threading
@@ -13,6 +12,7 @@ from typing import Any
 import click
 
 from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, SCHEDULE_NAME, fail, store_option
+from vlmq.cli.logs import LogSettings, log_options
 from vlmq.cli.options import job_options
 from vlmq.cli.progress import warn
 from vlmq.producer.client import Client
@@ -160,6 +160,10 @@ def _run_line(run: dict[str, Any]) -> str:
         parts.append("missing: " + ", ".join(run["missing"]))
     if run.get("bad"):
         parts.append(f"{len(run['bad'])} bad file(s)")
+    if run.get("not_media"):
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(run["not_media"].items()))
+        parts.append(f"{sum(run['not_media'].values())} file(s) not PDFs or images left "
+                     f"out ({kinds})")
     if run.get("refused"):
         parts.append(f"{len(run['refused'])} output(s) refused")
     if run.get("kept"):
@@ -182,7 +186,7 @@ def run_cmd(ctx: click.Context, name: str, as_json: bool) -> None:
             fail(f"error: {exc}", EXIT_FAILED)
     summary = {"job_id": run.get("job_id"), "items": run.get("items", 0),
                "skipped": run.get("skipped", 0), "missing": run.get("missing", []),
-               "bad": run.get("bad", [])}
+               "bad": run.get("bad", []), "not_media": run.get("not_media", {})}
     if as_json:
         click.echo(json.dumps(summary))
     else:
@@ -219,11 +223,13 @@ _simple("resume", "Fire a paused schedule again (a missed due time runs once).",
 @click.option("--tick", type=click.FloatRange(0.05), default=TICK_S, show_default=True,
               metavar="S", help="Seconds between looks at the schedules.")
 @store_option
+@log_options
 @click.pass_context
-def scheduler_cmd(ctx: click.Context, tick: float, stores: Stores) -> None:
+def scheduler_cmd(ctx: click.Context, tick: float, stores: Stores,
+                  log_setup: LogSettings) -> None:
     """Fire schedules when due (any number may run: each due time fires once), finish
     their runs (done marks, exports, sidecars). SIGTERM/SIGINT: stop."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    log_setup.configure()
     stop = threading.Event()
 
     def on_signal(_signum: int, _frame: FrameType | None) -> None:

@@ -59,12 +59,12 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from vlmq.cli import worker
+from vlmq.cli import config, worker
 from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_CONFIG, fail
 from vlmq.shared import constants as C
 from vlmq.shared.urls import MASK, redact_url
 from vlmq.worker import options
-from vlmq.worker.default_dirs import default_cache_dir
+from vlmq.worker.model.default_dirs import default_cache_dir
 
 # Seconds past --grace before the init system sends SIGKILL: after the grace the worker
 # still requeues what is left and closes MLX and its render processes.
@@ -348,12 +348,19 @@ def _parse_env(values: Sequence[str]) -> dict[str, str]:
     return env
 
 
-def _worker_params(args: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+def _worker_params(ctx: click.Context, args: Sequence[str]) -> tuple[dict[str, Any],
+                                                                      list[str]]:
     """(the option values, the names given on the command line in their order). The
     worker's own parser and the table's conversions check the arguments now, not in a
-    restart loop later."""
+    restart loop later, with this shell's environment and config file as the unit's
+    worker will see them."""
+    root = ctx.find_root()
     try:
-        with worker.worker_cmd.make_context("vlmq worker", list(args)) as wctx:
+        with worker.worker_cmd.make_context(
+                "vlmq worker", list(args),
+                default_map=(root.default_map or {}).get("worker"),
+                auto_envvar_prefix=f"{root.auto_envvar_prefix}_WORKER"
+                if root.auto_envvar_prefix else None) as wctx:
             params = dict(wctx.params)  # in the order given, then the rest
             given = [name for name in params
                      if wctx.get_parameter_source(name) is ParameterSource.COMMANDLINE]
@@ -366,7 +373,7 @@ def _worker_params(args: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
 def build_spec(ctx: click.Context, kind: str, name: str, system: bool, env_opts: Sequence[str],
                env_file: Path | None, run_as: str | None, worker_args: Sequence[str]) -> Spec:
     _check_unit_options(kind, name, system, run_as)
-    params, given = _worker_params(worker_args)
+    params, given = _worker_params(ctx, worker_args)
     _check_absolute_paths(params)
     env, left_out = _service_env(ctx, env_opts)
     cache_dir, system_cache = _cache_dir(env, system)
@@ -374,11 +381,19 @@ def build_spec(ctx: click.Context, kind: str, name: str, system: bool, env_opts:
     if system and run_as is None:
         run_as = _default_user()
     spec = Spec(kind=kind, name=name, system=system,
-                program=[vlmq_executable(), "worker", *options.unit_args(params, given)], env=env,
+                program=[vlmq_executable(), *_config_args(ctx), "worker",
+                         *options.unit_args(params, given)], env=env,
                 grace=float(params["grace"]), cache_dir=cache_dir, env_file=env_file,
                 run_as=run_as, system_cache=system_cache, left_out=left_out)
     _check_spec(spec)
     return spec
+
+
+def _config_args(ctx: click.Context) -> list[str]:
+    """`--config FILE` when this command read one: the unit's worker reads the same file,
+    so a change to it takes effect at the next restart."""
+    path = ctx.find_root().meta.get(config.CONFIG_META)
+    return [] if path is None else ["--config", str(Path(path).absolute())]
 
 
 def _default_user() -> str:

@@ -18,13 +18,21 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from vlmq.cli.common import EXIT_CONFIG, EXIT_FAILED, fail, store_option
+from vlmq.cli.common import (
+    EXIT_CONFIG,
+    EXIT_FAILED,
+    ConfigError,
+    config_store_option,
+    fail,
+)
+from vlmq.cli.logs import LogSettings
 from vlmq.shared import constants as C
 from vlmq.worker import options
-from vlmq.worker.default_dirs import default_cache_dir
 from vlmq.worker.model import families
+from vlmq.worker.model.default_dirs import default_cache_dir
 
 if TYPE_CHECKING:  # the service loads MLX; the commands import it in their bodies
+    from vlmq.worker.jobs.starting import Starting
     from vlmq.worker.loop import WorkerConfig
 
 __all__ = ["default_cache_dir", "register"]
@@ -38,8 +46,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 def require_worker_extra() -> None:
     """One clear line on a producer-only install instead of an ImportError traceback."""
     missing = [m for m in WORKER_MODULES if importlib.util.find_spec(m) is None]
-    if missing:
-        raise click.ClickException(
+    if missing:  # no restart installs it: exit 78, which the service units do not restart
+        raise ConfigError(
             f"this command needs the worker extra ({', '.join(missing)} not installed): "
             "pip install 'vlmq[worker]'")
 
@@ -69,8 +77,8 @@ def _click_type(row: options.WorkerOption) -> Any:
 
 def click_option(row: options.WorkerOption) -> Callable[[F], F]:
     """The click option of one table row."""
-    if row.kind == "stores":  # the --store every command shares
-        return store_option
+    if row.kind == "stores":  # the --store every command shares, a bad one exiting 78
+        return config_store_option
     kw: dict[str, Any] = {"help": row.help, "metavar": row.metavar, "envvar": row.envvar}
     if row.kind == "flag":
         kw["is_flag"] = True
@@ -113,15 +121,44 @@ def worker_cmd(ctx: click.Context, /, **values: Any) -> None:
     is done. SIGTERM/SIGINT: stop taking jobs, finish in-flight items within --grace,
     requeue the rest (their finished items are kept), exit 0.
     """
+    if values.pop("print_config"):
+        _print_config(ctx)
     require_worker_extra()
-    _quiet()
-    from vlmq.worker.loop import WorkerConfig, run_worker
-
+    LogSettings.from_values(values).configure()
     redis_url = ctx.obj["redis_url"] if ctx.obj else os.environ.get("REDIS_URL")
-    cfg = WorkerConfig(redis_url=redis_url or C.DEFAULT_REDIS_URL, **config_values(values))
-    if not values["with_scheduler"]:
-        ctx.exit(run_worker(cfg))
-    ctx.exit(_run_with_scheduler(ctx, cfg))
+    settings = config_values(values)
+    with _starting(redis_url or C.DEFAULT_REDIS_URL, settings):
+        _quiet()
+        from vlmq.worker.loop import WorkerConfig, run_worker
+
+        cfg = WorkerConfig(redis_url=redis_url or C.DEFAULT_REDIS_URL, **settings)
+        if not values["with_scheduler"]:
+            ctx.exit(run_worker(cfg))
+        ctx.exit(_run_with_scheduler(ctx, cfg))
+
+
+def _starting(redis_url: str, settings: Mapping[str, Any]) -> Starting:
+    """The worker's presence while it imports MLX and loads its model (worker/jobs/
+    starting.py): producers enqueueing meanwhile count it as serving its queues. Its keys
+    are WorkerConfig's default ($VLMQ_PREFIX)."""
+    from vlmq.shared.keys import Keys
+    from vlmq.worker.jobs.starting import Starting
+
+    return Starting(redis_url, Keys.from_env(), settings["name"], settings["queues"])
+
+
+def _print_config(ctx: click.Context) -> None:
+    """--print-config: the values as parsed, before the worker extra or a model is needed."""
+    from vlmq.cli import config
+
+    def shown(name: str, value: Any) -> Any:
+        if name == "stores":
+            return [options.store_spec(store) for store in options.stores(value)]
+        return value
+
+    for line in config.render(ctx, ctx.find_root().meta.get(config.CONFIG_META), shown):
+        click.echo(line)
+    ctx.exit(0)
 
 
 def _run_with_scheduler(ctx: click.Context, cfg: WorkerConfig) -> int:
@@ -174,8 +211,9 @@ def make_tiny_cmd(out_dir: Path, arch: str, seed: int, size: str) -> None:
 def check_cmd(model: str, max_tokens: int, max_batch: int, as_json: bool) -> None:
     """Check a model before serving it: run this first on any new model.
 
-    Loads MODEL (hub id or folder), runs 2 images sequentially with mlx-vlm's own
-    generate and then batched through the worker's engine, and reports the family,
+    Loads MODEL (hub id, folder, or a name: reader, tiny; see `vlmq worker --help`),
+    runs 2 images sequentially with mlx-vlm's own generate and then batched through
+    the worker's engine, and reports the family,
     whether batched output is token-identical (exit 1 if not), whether vision
     features can be cached, the preset jobs get, and tokens/s at batch 1 and batched.
     A model that cannot load exits 78 (1 when the hub is out of reach: try again).

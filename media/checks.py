@@ -23,7 +23,7 @@ import struct
 import zlib
 from typing import IO, Final
 
-from vlmq.media import opener
+from vlmq.media import formats, opener
 from vlmq.media.pdfium import PDFIUM_LOCK
 from vlmq.media.tiff import MARKS
 from vlmq.shared.errors import InputError
@@ -35,6 +35,31 @@ PNG_SIGNATURE: Final = b"\x89PNG\r\n\x1a\n"
 # Bit depths Pillow reads for each PNG colour type (the PNG spec's own table).
 _PNG_DEPTHS: Final = {0: (1, 2, 4, 8, 16), 2: (8, 16), 3: (1, 2, 4, 8), 4: (8, 16),
                       6: (8, 16)}
+
+
+class NotMedia(InputError):
+    """A file that is neither a PDF nor an image, and whose name and first bytes do not
+    claim to be one (formats.claims_media): a sidecar, a note, a video. A folder leaves it
+    out; named on its own it is refused as before, with the same message."""
+
+
+def refusal(source: str, problem: str, head: bytes,
+            data: bytes | IO[bytes] | None = None) -> InputError:
+    """The refusal of a file for its size alone (empty, over the blob limit): NotMedia when
+    nothing says it is media, neither its name, its first bytes, nor (given `data`)
+    Pillow's reading of its header, so a folder's 2 GB video or empty note is left out."""
+    if formats.claims_media(source, head) or (data is not None and _identified(data)):
+        return InputError(source, problem)
+    return NotMedia(source, problem)
+
+
+def _identified(data: bytes | IO[bytes]) -> bool:
+    """Whether Pillow knows the format from the header (its caps may still refuse it)."""
+    try:
+        with opener.open_image(_stream(data)):
+            return True
+    except opener.MediaError as exc:
+        return exc.problem is not opener.Problem.UNREADABLE
 
 
 def is_tiff(head: bytes) -> bool:
@@ -59,6 +84,9 @@ def check_content(data: bytes | IO[bytes], head: bytes, source: str, *,
             _check_header(data)
         return "image", 1
     except opener.MediaError as exc:
+        if exc.problem is opener.Problem.UNREADABLE and exc.page is None \
+                and not formats.claims_media(source, head):
+            raise NotMedia(source, exc.at_enqueue) from exc
         raise InputError(source, exc.at_enqueue) from exc
 
 

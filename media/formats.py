@@ -17,6 +17,8 @@ import threading
 from dataclasses import dataclass
 from typing import Final
 
+from vlmq.media.tiff import MARKS
+
 # Bytes at the start of a file that identification looks at. Enough for the ISO-BMFF brand
 # list, a ZIP's first few member names, or an SVG's XML prologue and comments.
 HEAD_BYTES: Final = 4096
@@ -88,6 +90,60 @@ def unreadable_problem(head: bytes, plugins: Plugins | None = None) -> str:
     return UNKNOWN if clause is None else f"{UNKNOWN}: {clause}"
 
 
+# -- what claims to be media ---------------------------------------------------------------
+
+# Names that say "image" or "PDF": raster formats Pillow reads (with pillow-heif and the JPEG
+# XL plugin), camera RAW, and PDF. A file named so that cannot be read is a damaged or
+# unsupported picture, never a sidecar to leave out of a folder.
+MEDIA_SUFFIXES: Final = frozenset((
+    ".pdf", ".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".apng", ".gif", ".webp", ".bmp",
+    ".dib", ".tif", ".tiff", ".heic", ".heif", ".hif", ".avif", ".avifs", ".jxl", ".jp2",
+    ".j2k", ".jpf", ".jpx", ".j2c", ".ico", ".icns", ".cur", ".tga", ".psd", ".pcx",
+    ".ppm", ".pgm", ".pbm", ".pnm", ".qoi", ".dds", ".sgi", ".xbm", ".mpo",
+    ".dng", ".cr2", ".cr3", ".crw", ".nef", ".nrw", ".arw", ".srf", ".sr2", ".raf", ".orf",
+    ".rw2", ".pef", ".x3f", ".mrw", ".srw", ".3fr", ".erf", ".kdc", ".dcr", ".iiq", ".rwl"))
+NO_SUFFIX: Final = "(no suffix)"
+# First bytes of images and PDFs, for a file whose name says nothing: a cut-off JPEG that
+# Pillow no longer identifies is still a picture.
+_MEDIA_MAGIC: Final = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"8BPS",
+                       b"qoif", b"DDS ", b"\x00\x00\x00\x0cjP  \r\n\x87\n", b"\xff\x4f\xff\x51",
+                       *MARKS)
+
+
+def suffix_kind(name: str) -> str:
+    """How a file is counted among those left out: its suffix in lower case, or
+    NO_SUFFIX."""
+    suffix = _suffix(name)
+    return suffix if suffix else NO_SUFFIX
+
+
+def claims_media(name: str, head: bytes) -> bool:
+    """Whether a file's name or first bytes say it is an image or a PDF.
+
+    What decides whether a file in a folder that cannot be read is left out (a sidecar,
+    a note, a video) or refused (a picture that is damaged or needs a plugin): only the
+    latter claims to be media. Types stay decided by content; this only splits the files
+    that content typing could not read.
+    """
+    if _suffix(name) in MEDIA_SUFFIXES or b"%PDF-" in head[:1024]:
+        return True
+    if head.startswith(_MEDIA_MAGIC) or (head[:2] == b"BM" and head[6:10] == bytes(4)):
+        return True
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return True
+    if head.startswith(b"\xff\x0a") or head.startswith(_JXL_CONTAINER):
+        return True
+    if _brands(head) & (_HEIF_BRANDS | _AVIF_BRANDS | {b"crx "}):
+        return True
+    return _camera_raw(head, _NO_PLUGINS) is not None
+
+
+def _suffix(name: str) -> str:
+    base = name.rstrip("/").rsplit("/", 1)[-1]
+    stem, dot, suffix = base.rpartition(".")
+    return f".{suffix.lower()}" if dot and stem.strip(".") else ""
+
+
 # -- identification by magic bytes -------------------------------------------------------
 
 _HEIF_BRANDS: Final = {b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"hevm",
@@ -107,6 +163,7 @@ _RAW_MAGIC: Final = ((b"FUJIFILMCCD-RAW", "Fujifilm RAF"), (b"IIRO", "Olympus OR
                      (b"\x00MRM", "Minolta MRW"))
 _RAW_FIX: Final = ("camera RAW files need developing: export it to JPEG or TIFF first "
                    "(from the camera's or a photo app, or e.g. darktable-cli)")
+_NO_PLUGINS: Final = Plugins(heif_error=None, jxl=False, avif=False)  # for _camera_raw
 
 
 def _identify(head: bytes, plugins: Plugins) -> str | None:

@@ -195,7 +195,7 @@ class Client:
     def caption(self, paths: Inputs, *, recursive: bool = False, skip_bad: bool = False,
                 options: JobOptions | None = None, **values: Any) -> Job:
         """Caption a set of files, folders or globs (a PDF: every page); with skip_bad
-        see `job.rejected`."""
+        see `job.rejected`, and for what folders held that is not media `job.not_media`."""
         return self.submit("caption", paths, _options(options, values), recursive=recursive,
                            skip_bad=skip_bad)
 
@@ -254,7 +254,8 @@ class Client:
                       result_ttl=opts.result_ttl, wire=wire, keys=self.keys, fresh_id=fresh)
         self.uploads.enqueued(jid, len(payload.items), uploaded_bytes, queue=queue)
         return Job(self, jid, queue=queue, items=len(payload.items),
-                   rejected=list(prepared.rejected), uploaded=uploaded,
+                   rejected=list(prepared.rejected), not_media=prepared.not_media,
+                   uploaded=uploaded,
                    blobs=len({i.blob for i in payload.items if i.blob is not None}),
                    labels=payload.labels,
                    task=task)
@@ -328,9 +329,13 @@ class Client:
         return job_sets.Batch.load(self, _checked(JOB_ID_SHAPE, batch_id, "batch_id"))
 
     def serving(self, queue: str) -> int:
-        """How many live RQ workers listen on `queue` (0: a job there waits for one)."""
-        return int(self.redis.scard(Keys.rq_queue_workers(_checked(QUEUE_SHAPE, queue,
-                                                                   "queue"))))
+        """How many live RQ workers listen on `queue`, counting those still starting
+        (loading their model; PROTOCOL.md): 0 means a job there waits for one."""
+        queue = _checked(QUEUE_SHAPE, queue, "queue")
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.scard(Keys.rq_queue_workers(queue))
+        pipe.scard(self.keys.queue_starting(queue))
+        return sum(int(n) for n in pipe.execute())
 
     def _refuse_taken_id(self, job_id: str) -> None:
         """Refuse a taken id before uploading anything for a job that cannot be enqueued.
@@ -444,13 +449,16 @@ class Job:
     def __init__(self, client: Client, job_id: str, *, queue: str, items: int,
                  rejected: Sequence[tuple[str, str]] = (), uploaded: int = 0,
                  blobs: int = 0, problem: str | None = None,
-                 labels: Mapping[str, str] | None = None, task: str = "?") -> None:
+                 labels: Mapping[str, str] | None = None, task: str = "?",
+                 not_media: Sequence[tuple[str, str, str]] = ()) -> None:
         self.client = client
         self.task = task
         self.id = job_id
         self.queue = queue
         self.items = items
         self.rejected: list[tuple[str, str]] = list(rejected)
+        # Files its folders held that are not media, left out: (path, kind, reason).
+        self.not_media: list[tuple[str, str, str]] = list(not_media)
         # Blobs newly written by this enqueue / distinct blobs the job uses.
         self.uploaded = uploaded
         self.blobs = blobs

@@ -48,14 +48,17 @@ class FoundFile(NamedTuple):
     the folder the source is relative to (the folder given, a glob's fixed part, or the
     file's own). `stamp` is "size:ETag" for an S3 object, from its listing. `real` is a
     local file's resolved path, resolved once here (it keeps the same file named twice
-    once) and reused for its store lookup and its open: one resolution per file. A tuple,
-    not a dataclass: a million-file walk makes one per file."""
+    once) and reused for its store lookup and its open: one resolution per file. `walked`:
+    found by walking a folder or listing a prefix, not named (a folder leaves out what is
+    not media; producer/inputs.py). A tuple, not a dataclass: a million-file walk makes
+    one per file."""
 
     path: str
     source: str
     root: str
     stamp: str | None = None
     real: str | None = None
+    walked: bool = False
 
 
 def expand_inputs(paths: Iterable[str | os.PathLike[str]], stores: Stores, *,
@@ -113,7 +116,8 @@ def _expand_url(url: str, stores: Stores, recursive: bool) -> list[FoundFile]:
         if e.path in owned:
             continue
         full = head + e.path
-        out.append(FoundFile(full, full[len(base) + 1:], base, f"{e.size}:{e.stamp}"))
+        out.append(FoundFile(full, full[len(base) + 1:], base, f"{e.size}:{e.stamp}",
+                             walked=True))
     return out
 
 
@@ -154,9 +158,9 @@ def expand_sources(paths: Iterable[str | os.PathLike[str]], *, recursive: bool =
     given unless that is absolute or climbs out (`..`), then its base name. Export writes
     results under these names, so they never point outside the folder given.
 
-    Folders contribute every non-hidden regular file, so a stray non-image in a folder of
-    scans is reported rather than silently dropped; only vlmq's own sidecars are left out.
-    The same file named twice is kept once.
+    Folders contribute every non-hidden regular file, marked `walked`: the check leaves out
+    those that are not media and reports them (producer/inputs.py); vlmq's own sidecars
+    are left out here. The same file named twice is kept once.
     """
     out: list[FoundFile] = []
     errors: list[InputError] = []
@@ -337,12 +341,12 @@ def _walk(top: str, given: str, walk: Walk, seen: Seen) -> Iterator[FoundFile]:
             if entry.is_symlink():
                 target = os.path.realpath(prefix + name)
                 if seen.first_link(target, rel + name, walk):
-                    yield FoundFile(prefix + name, rel + name, given, None, target)
+                    yield FoundFile(prefix + name, rel + name, given, None, target, True)
                 continue
             target = real + name
             if target in seen.paths or (seen.walks and target in seen):
                 continue
-            yield FoundFile(prefix + name, rel + name, given, None, target)
+            yield FoundFile(prefix + name, rel + name, given, None, target, True)
 
 
 _Folder = tuple[str, str, str, list[os.DirEntry[str]]]

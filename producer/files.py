@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
-from vlmq.media.checks import PDF_HEADER_WINDOW, PDF_MAGIC, check_content, is_tiff
+from vlmq.media.checks import PDF_HEADER_WINDOW, PDF_MAGIC, check_content, is_tiff, refusal
 from vlmq.producer.expand import S3_SCHEME, FoundFile, no_store
 from vlmq.shared import constants as C
 from vlmq.shared.blobs import sha256_hex
@@ -98,12 +98,13 @@ def _read(path: Path, source: str) -> bytes:
         if size > C.BLOB_MAX_BYTES:
             with path.open("rb") as fh:
                 head = fh.read(PDF_HEADER_WINDOW)
-            raise InputError(source, _too_big(size, is_pdf=PDF_MAGIC in head))
+                problem = refusal(source, _too_big(size, is_pdf=PDF_MAGIC in head), head, fh)
+            raise problem
         data = path.read_bytes()
     except OSError as exc:
         raise InputError(source, f"cannot be read: {exc.strerror or exc}") from exc
     if not data:
-        raise InputError(source, "is empty")
+        raise refusal(source, "is empty", b"")
     return data
 
 
@@ -154,7 +155,7 @@ def _check_stream(raw: IO[bytes], shown: str) -> tuple[str, int, str, int]:
     """(kind, pages, sha256, size) of an open referenced file, hashed as a stream."""
     with _hashed(raw) as (fh, sha, size):
         if not size:
-            raise InputError(shown, "is empty")
+            raise refusal(shown, "is empty", b"")
         fh.seek(0)
         head = fh.read(PDF_HEADER_WINDOW)
         fh.seek(0)
@@ -212,7 +213,7 @@ def _check_local_ref(found: FoundFile, real: str, store: FolderStore, rel: str
         # would allocate that much per file); one that grew meanwhile is streamed.
         data = os.read(fd, st.st_size + 1) if st.st_size <= SMALL_REF_BYTES else None
         if data is not None and not data:
-            raise InputError(shown, "is empty")
+            raise refusal(shown, "is empty", b"")
         if data is not None and len(data) <= st.st_size:
             kind, pages = check_content(data, data[:PDF_HEADER_WINDOW], shown,
                                         thorough=False)

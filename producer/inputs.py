@@ -7,9 +7,12 @@ Redis; all bad files are reported together, so the user fixes the set in one go.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
+from vlmq.media.checks import NotMedia
+from vlmq.media.formats import suffix_kind
 from vlmq.producer import files
 from vlmq.producer.expand import FoundFile, check_name, expand_inputs
 from vlmq.producer.files import BlobSource, CheckedFile, LocalStores
@@ -33,14 +36,56 @@ class InputErrors(InputError):
             f"  {e.path}: {e.problem}" for e in self.errors)
 
 
+# A file a folder held that is not media: (path, kind as formats.suffix_kind, reason).
+NotMediaFile = tuple[str, str, str]
+
+
+def not_media(found: FoundFile, exc: InputError) -> NotMediaFile | None:
+    """The one rule for what a set leaves out (and reports) rather than refuses: a file
+    found in a folder (or under a prefix) that the content check found is not media
+    (media/checks.py NotMedia). A file named on its own is never left out: the person
+    asked for that file, so its refusal stands."""
+    if found.walked and isinstance(exc, NotMedia):
+        return found.path, suffix_kind(found.path), exc.problem
+    return None
+
+
+def not_media_summary(left_out: Sequence[NotMediaFile]) -> str:
+    """"skipped 3 files that are not PDFs or images: .txt 1, .xmp 2"."""
+    what = "file that is not a PDF or an image" if len(left_out) == 1 else \
+        "files that are not PDFs or images"
+    return f"skipped {len(left_out)} {what}: {_kind_counts(left_out)}"
+
+
+def _kind_counts(left_out: Sequence[NotMediaFile]) -> str:
+    kinds = Counter(kind for _, kind, _ in left_out)
+    return ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items()))
+
+
+class NoMedia(InputError):
+    """The folders given hold files, and none of them is a PDF or an image."""
+
+    def __init__(self, left_out: Sequence[NotMediaFile]) -> None:
+        path, _, reason = left_out[0]
+        super().__init__(path, reason)
+        self.left_out = list(left_out)
+
+    def __str__(self) -> str:
+        path, _, reason = self.left_out[0]
+        return (f"no PDFs or images to enqueue, only {len(self.left_out)} other file(s): "
+                f"{_kind_counts(self.left_out)}\n  e.g. {path}: {reason}")
+
+
 @dataclass
 class Prepared:
     """Items ready for a payload (uploads and references), the distinct blobs the uploads
-    need, and what was left out."""
+    need, and what was left out: bad files (`rejected`, with skip_bad) and files in
+    folders that are not media (`not_media`)."""
 
     items: list[Item] = field(default_factory=list)
     blobs: dict[str, BlobSource] = field(default_factory=dict)
     rejected: list[tuple[str, str]] = field(default_factory=list)
+    not_media: list[NotMediaFile] = field(default_factory=list)
 
     def add(self, checked: CheckedFile, pages: Iterable[int | None], *,
             custom_id: str | None = None) -> None:
@@ -60,7 +105,7 @@ class Prepared:
         rest stay uploads): for sets checked as uploads first, such as a manifest."""
         if not stores:
             return self
-        out = Prepared(rejected=list(self.rejected))
+        out = Prepared(rejected=list(self.rejected), not_media=list(self.not_media))
         refs: dict[str, tuple[Ref, int]] = {}
         for sha, src in self.blobs.items():
             ref = stores.ref_for_path(src.path)
@@ -103,7 +148,11 @@ def prepare(paths: Iterable[str | os.PathLike[str]], *, pages: PageSpec = None,
         try:
             checked, page_list = checked_pages(f, stores, pages, local)
         except InputError as exc:
-            errors.append(exc)
+            left_out = not_media(f, exc)
+            if left_out is not None:
+                prepared.not_media.append(left_out)
+            else:
+                errors.append(exc)
             continue
         finally:
             if on_file is not None:
@@ -132,7 +181,8 @@ def checked_pages(found: FoundFile, stores: Stores, pages: PageSpec,
 def finished(prepared: Prepared, errors: list[InputError], *, skip_bad: bool,
               pages: PageSpec) -> Prepared:
     """The set once every file was looked at: refused whole for a bad file (unless
-    skip_bad), for nothing to enqueue, or for a page range nothing has."""
+    skip_bad), for nothing to enqueue (NoMedia when its folders held only files that are
+    not media), or for a page range nothing has."""
     if errors and not skip_bad:
         if len(errors) == 1:
             raise errors[0]
@@ -141,6 +191,8 @@ def finished(prepared: Prepared, errors: list[InputError], *, skip_bad: bool,
     if not prepared.items:
         if errors:
             raise InputErrors(errors)
+        if prepared.not_media:
+            raise NoMedia(prepared.not_media)
         raise InputError("(no files)", "nothing to enqueue")
     if pages is not None and not any(i.kind in C.PAGED_KINDS for i in prepared.items):
         # An image is always its one page, so the range would be dropped without a word;

@@ -176,6 +176,7 @@ def _record(client: Client, batch_id: str, parts: Sequence[Part], job_ids: Seque
 
 def submit_parts(client: Client, parts: Sequence[Part], *,
                  rejected: Sequence[tuple[str, str]] = (),
+                 not_media: Sequence[tuple[str, str, str]] = (),
                  labels: Mapping[str, str] | None = None, batch: bool = False,
                  record: RecordFields | None = None) -> Job | Batch:
     """One job as it is, or several under a new batch (each job through Client.submit).
@@ -194,6 +195,7 @@ def submit_parts(client: Client, parts: Sequence[Part], *,
     if len(parts) == 1 and not batch:
         job = client.submit(parts[0].task, parts[0].prepared, parts[0].options)
         job.rejected = list(rejected)
+        job.not_media = list(not_media)
         return job
     _check_parts(parts)
     batch_id = new_set_id()
@@ -212,7 +214,8 @@ def submit_parts(client: Client, parts: Sequence[Part], *,
     finally:
         _count_out(client, pending, job_ids, {j.id for j in jobs})
     blobs = {sha for p in parts for sha in p.prepared.blobs}
-    return Batch(client, batch_id, jobs=jobs, rejected=rejected, blobs=len(blobs))
+    return Batch(client, batch_id, jobs=jobs, rejected=rejected, blobs=len(blobs),
+                 not_media=not_media)
 
 
 def _check_parts(parts: Sequence[Part]) -> None:
@@ -239,7 +242,8 @@ def submit_set(client: Client, task: str, prepared: Prepared, options: JobOption
                job_size: int = JOB_ITEMS) -> Job | Batch:
     """A prepared set as one job, or as a batch of jobs of at most `job_size` items."""
     parts = [Part(task, p, options) for p in split_prepared(prepared, job_size)]
-    return submit_parts(client, parts, rejected=prepared.rejected)
+    return submit_parts(client, parts, rejected=prepared.rejected,
+                        not_media=prepared.not_media)
 
 
 def is_batch(client: Client, some_id: str) -> bool:
@@ -266,10 +270,12 @@ class Batch:
     cancel, retry and delete; every method reads Redis."""
 
     def __init__(self, client: Client, batch_id: str, *, jobs: Sequence[Job] | None = None,
-                 rejected: Sequence[tuple[str, str]] = (), blobs: int = 0) -> None:
+                 rejected: Sequence[tuple[str, str]] = (), blobs: int = 0,
+                 not_media: Sequence[tuple[str, str, str]] = ()) -> None:
         self.client = client
         self.id = batch_id
         self.rejected: list[tuple[str, str]] = list(rejected)
+        self.not_media: list[tuple[str, str, str]] = list(not_media)
         self.blobs = blobs  # distinct uploaded inputs, when this handle made the batch
         self._jobs = list(jobs) if jobs is not None else None
         raw = client.redis.hmget(client.keys.batch(batch_id), _BATCH_FIELDS)
@@ -336,7 +342,7 @@ class Batch:
         summary = counts.summary()
         summary["items"]["total"] = self.items
         return {"batch": self.id, "task": self.task, "labels": self.labels,
-                "created_at": self.created_at, "status": end["type"] if end else "running",
+                "created_at": self.created_at, "status": end["type"] if end else _unended(counts),
                 **summary, "missing": max(0, pending - counts.live), "ended": end}
 
     def wait(self, timeout: float | None = None, progress: ShowProgress | None = None
@@ -402,6 +408,17 @@ class Batch:
                                  self.keys.batch_events(self.id),
                                  self.keys.batch_counts(self.id))
         return purged
+
+
+# Job states that wait for a worker: a batch whose jobs are all in one has not started.
+_WAITING = frozenset({"queued", "deferred", "scheduled"})
+
+
+def _unended(counts: job_index.Counts) -> str:
+    """A batch's state before its end: `queued` until a worker has started one of its jobs
+    (or one ended, or an item is done), then `running`."""
+    started = counts.done > 0 or any(s not in _WAITING for s in counts.by_state)
+    return "running" if started else "queued"
 
 
 def _end_of(entries: Any) -> dict[str, str] | None:

@@ -35,7 +35,14 @@ from redis.client import Pipeline
 from vlmq.producer import job_sets
 from vlmq.producer.expand import iter_inputs
 from vlmq.producer.files import LocalStores
-from vlmq.producer.inputs import InputErrors, Prepared, checked_pages, finished
+from vlmq.producer.inputs import (
+    InputErrors,
+    NotMediaFile,
+    Prepared,
+    checked_pages,
+    finished,
+    not_media,
+)
 from vlmq.producer.options import JobOptions
 from vlmq.producer.page_specs import PageSpec
 from vlmq.shared import constants as C
@@ -141,6 +148,7 @@ class _Held:
 
     prepared: Prepared = field(default_factory=Prepared)
     errors: list[InputError] = field(default_factory=list)
+    not_media: list[NotMediaFile] = field(default_factory=list)  # kept across jobs
     ready: Prepared | None = None
     paged: bool = False  # an item with pages (PDF, TIFF) was seen
     bytes: int = 0  # of the uploads `prepared` holds, kept as they come (not summed per file)
@@ -169,6 +177,7 @@ def submit_paths(client: Client, task: str, paths: Iterable[str | os.PathLike[st
                 held.prepared = Prepared()  # stopped: only the errors are still wanted
                 held.bytes = 0
         if stream is None:
+            held.prepared.not_media = held.not_media
             prepared = finished(held.prepared, held.errors, skip_bad=skip_bad, pages=pages)
             return job_sets.submit_set(client, task, prepared, options, job_size=job_size)
         return _finish(stream, held, job_size, skip_bad=skip_bad)
@@ -188,7 +197,11 @@ def _checked(found: Iterator[object], stores: Stores, pages: PageSpec, local: Lo
         try:
             checked, page_list = checked_pages(f, stores, pages, local)  # type: ignore[arg-type]
         except InputError as exc:
-            held.errors.append(exc)
+            left_out = not_media(f, exc)  # type: ignore[arg-type]
+            if left_out is not None:
+                held.not_media.append(left_out)
+            else:
+                held.errors.append(exc)
             yield False
             continue
         held.paged = held.paged or checked.kind in C.PAGED_KINDS
@@ -258,4 +271,4 @@ def _finish(stream: _Stream, held: _Held, job_size: int, *, skip_bad: bool
         raise StreamedInputErrors(held.errors, stream.batch_id, len(stream.jobs), stream.items)
     return job_sets.Batch(stream.client, stream.batch_id, jobs=stream.jobs,
                           rejected=[(e.path, e.problem) for e in held.errors],
-                          blobs=stream.blobs)
+                          blobs=stream.blobs, not_media=held.not_media)

@@ -260,14 +260,16 @@ class Uploader:
         return "waiting for workers: " + self.describe() + note
 
     def _queues(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """The queues pending jobs are on, and those of them no live RQ worker serves
-        (one SCARD each)."""
+        """The queues pending jobs are on, and those of them no live RQ worker serves and
+        none is starting to (two SCARDs each)."""
         queues = tuple(dict.fromkeys(p.queue for p in self.pending.values() if p.queue))
         pipe = self.redis.pipeline(transaction=False)
         for queue in queues:
             pipe.scard(Keys.rq_queue_workers(queue))
-        served = pipe.execute() if queues else []
-        return queues, tuple(q for q, n in zip(queues, served, strict=True) if not int(n))
+            pipe.scard(self.keys.queue_starting(queue))
+        counts = pipe.execute() if queues else []
+        served = [int(a) + int(b) for a, b in zip(counts[::2], counts[1::2], strict=True)]
+        return queues, tuple(q for q, n in zip(queues, served, strict=True) if not n)
 
     def _give_up(self, queues: Sequence[str], unserved: Sequence[str], waited: float,
                  unserved_for: float | None) -> None:

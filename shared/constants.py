@@ -38,6 +38,11 @@ JOB_ENDS = ("finished", "failed", "canceled")
 JOB_STATES = (*JOB_ENDS, "queued", "started", "stopped", "deferred", "scheduled")
 # Where producers and workers look for Redis when neither --redis-url nor REDIS_URL is set.
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+# A starting worker (loading its model, not yet an RQ worker) names itself in
+# `<prefix>:starting:<queue>` for each queue it will serve, refreshed every third of this;
+# producers count it as serving the queue. A worker that dies while starting leaves the
+# set at most this long after its last refresh.
+WORKER_STARTING_TTL_S = 30
 
 BLOB_TTL_S = 7 * 24 * 3600
 BLOB_MAX_BYTES = 64 * 1024 * 1024

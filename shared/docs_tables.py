@@ -46,7 +46,8 @@ def _quoted() -> dict[str, str]:
             "keep_inputs": str(S.BY_NAME["keep_inputs"].default),
             "failure_ttl_days": str(C.FAILURE_TTL_S // 86400),
             "restart_days": str(redis_checks.RESTART_RECORD_TTL_S // 86400),
-            "dead_max": f"{C.DEAD_LETTER_MAX:,}"}
+            "dead_max": f"{C.DEAD_LETTER_MAX:,}",
+            "starting_ttl": str(C.WORKER_STARTING_TTL_S)}
 
 
 def _fill(text: str) -> str:

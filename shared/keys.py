@@ -243,6 +243,11 @@ KEY_TABLE: tuple[KeyName, ...] = (
             "worker lives"),
     KeyName("workers", "{prefix}:workers", "set", "worker",
             "names of workers that publish stats", "none (a stopped worker removes itself)"),
+    KeyName("queue_starting", "{prefix}:starting:{queue}", "set", "worker",
+            "names of workers starting to serve the queue (loading their model, not yet in "
+            "`rq:workers:<queue>`); `vlmq enqueue` counts them as serving it",
+            "{starting_ttl} s after the last refresh (each starting worker refreshes it); a "
+            "worker leaves it once registered with RQ, or when it exits"),
     KeyName("redis_restart", "{prefix}:redis:restart", "hash", "worker",
             "left in a Redis that restarted empty: `last` (when, old and new run_id) and "
             "`job:<id>` for each job lost with it; `vlmq wait` reads it",
@@ -458,6 +463,10 @@ class Keys:
     def api_live(self) -> str:
         """Set: API batches not ended, swept for their completion window."""
         return _name("api_live", self.prefix)
+
+    def queue_starting(self, queue: str) -> str:
+        """Set: the workers starting to serve `queue`, before they register with RQ."""
+        return _name("queue_starting", self.prefix, queue=queue)
 
     def batch_counts(self, batch_id: str) -> str:
         """Hash: the same running counts for the jobs of one batch."""

@@ -261,7 +261,7 @@ SETTINGS: tuple[Setting, ...] = (
             "skips the model).", wire="text_layer", default="fallback",
             choices=("off", "fallback", "prefer"),
             wire_values=(("off", "off"), ("fallback", "fallback"), ("prefer", "prefer")),
-            metavar="MODE", decides_text=True,
+            decides_text=True,
             doc="what a PDF page's own text layer is used for in an `ocr` job (section 4, "
             "\"Text layers\"); other tasks and items ignore it"),
     Setting("blob_ttl", "int", f"Keep the uploaded inputs S seconds "

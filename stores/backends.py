@@ -99,6 +99,10 @@ class StoreMissing(StoreError):
     """The file or object is not in the store."""
 
 
+class UnknownStore(StoreError):
+    """A reference names a store this machine was not given."""
+
+
 def ref_path_problem(path: str) -> str | None:
     """Why `path` cannot name a file inside a store, or None when it can."""
     if not path:
@@ -561,7 +565,7 @@ class Stores:
     def get(self, name: str) -> Store:
         store = self.by_name.get(name)
         if store is None:
-            raise StoreError(f"unknown store {name!r} (this machine has: "
+            raise UnknownStore(f"unknown store {name!r} (this machine has: "
                              f"{', '.join(self.by_name) or 'none'}; add --store "
                              f"{name}=URL)")
         return store

@@ -7,6 +7,7 @@ import itertools
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,6 +31,13 @@ blas.select()
 # in children, as in a terminal.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# A config file or VLMQ_<COMMAND>_<OPTION> variable of the person running the suite must not
+# change what the commands under test do (cli/config.py).
+os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="vlmq-test-config-")
+for _name in [n for n in os.environ if n.startswith(("VLMQ_WORKER_", "VLMQ_ENQUEUE_"))
+              or n in ("VLMQ_CONFIG", "VLMQ_REDIS_URL")]:
+    del os.environ[_name]
 
 REDIS_BASE = os.environ.get("VLMQ_TEST_REDIS", "redis://127.0.0.1:6379")
 # Tests own these db indexes: a test claims a free one (so two test runs on one Redis

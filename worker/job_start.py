@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 
 from vlmq.shared.connection import transient
 from vlmq.shared.keys import Keys
+from vlmq.shared.logs import job_fields
 from vlmq.shared.messages import ItemResult
 from vlmq.shared.redis_text import as_str
 from vlmq.worker.item_order import ItemOrder
@@ -67,7 +68,7 @@ class JobStarter:
         for running in taken:
             if isinstance(running, Refused):
                 log.warning("job %s (%s) refused: %s", running.job_id, running.queue,
-                            running.reason)
+                            running.reason, extra=job_fields(running.job_id))
                 self.stats.count_job(running.queue, "refused")
             else:
                 started.append(running)
@@ -154,7 +155,8 @@ class JobStarter:
         running.pending = deque(i for i in todo if i not in hits)
         done = running.already_done
         log.info("job %s started: %s, %d items%s", running.job_id, running.payload.task,
-                 running.total, f" ({done} already done, resuming)" if done else "")
+                 running.total, f" ({done} already done, resuming)" if done else "",
+                 extra=job_fields(running.job_id))
         self.order.add(running)
         self.writer.hold(running.job_id, hits.values())
 
@@ -163,10 +165,12 @@ class JobStarter:
         if isinstance(exc, RedisError):
             if transient(exc):
                 raise exc  # the job stays STARTED; RQ reclaims it if we never come back
-            log.error("job %s could not be started", running.job_id, exc_info=exc)
+            log.error("job %s could not be started", running.job_id, exc_info=exc,
+                      extra=job_fields(running.job_id))
             self.writer.fail(running, f"Redis refused a command for this job: {exc}")
             return
-        log.error("job %s could not be started", running.job_id, exc_info=exc)
+        log.error("job %s could not be started", running.job_id, exc_info=exc,
+                  extra=job_fields(running.job_id))
         self.writer.fail(running, f"worker error starting the job: "
                                   f"{type(exc).__name__}: {exc}")
 

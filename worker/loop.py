@@ -52,8 +52,10 @@ from rq.serializers import JSONSerializer
 from vlmq.shared import redis_checks
 from vlmq.shared.connection import connect, transient
 from vlmq.shared.keys import Keys
+from vlmq.shared.logs import job_fields
 from vlmq.shared.messages import ItemResult
 from vlmq.shared.urls import redact_url
+from vlmq.stores.api_store import with_api_store
 from vlmq.worker.collect import Collector
 from vlmq.worker.config import WorkerConfig
 from vlmq.worker.engine.batcher import Engine, EngineError, EngineInfo
@@ -68,7 +70,6 @@ from vlmq.worker.model.mlx_adapter import (
     ModelLoadError,
     check_local,
     family_of,
-    quiet_library_noise,
 )
 from vlmq.worker.options import default_name
 from vlmq.worker.prep.fallback import Fallback
@@ -273,8 +274,11 @@ class WorkerLoop:
         pool = ThreadPoolExecutor(cfg.prep_threads, thread_name_prefix="vlmq-prep")
         renderer = RenderPool(cfg.render_procs or cfg.prep_threads, mem_mb=cfg.render_mem_mb,
                               timeout_s=cfg.render_timeout_s)
+        # Store vlmq-api by default: `vlmq api` on this machine needs no flag (api_store).
+        stores = with_api_store(cfg.stores)
+        log.info("stores: %s", stores.describe())
         preparer = Preparer(engine, info, cache, self.redis, cfg.keys, pool, renderer,
-                            RiskLog(self.redis, cfg.keys, cfg.name), stores=cfg.stores)
+                            RiskLog(self.redis, cfg.keys, cfg.name), stores=stores)
         self.stats.model = cfg.model
         self.stats.model_type = info.model_type
         self.stats.cache = cache
@@ -349,7 +353,8 @@ class WorkerLoop:
                 why = p.lifecycle.requeue(state)
                 if why is None:
                     log.info("job %s requeued with %d/%d items done", state.job_id,
-                             state.already_done + state.finished_here, state.total)
+                             state.already_done + state.finished_here, state.total,
+                             extra=job_fields(state.job_id))
                     self.stats.count_job(state.queue.name, "requeued")
                     self.order.jobs.pop(state.job_id, None)
                 else:
@@ -439,10 +444,10 @@ class WorkerLoop:
 
 
 def run_worker(cfg: WorkerConfig) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    """Serve until stopped. Where lines go and how they look is the caller's choice (the
+    CLI's cli/logs.py), as for any library."""
     # vlmq logs each job's start and finish itself; RQ's per-job lines would repeat them.
     logging.getLogger("rq.worker").setLevel(logging.WARNING)
-    quiet_library_noise()
     service = WorkerLoop(cfg)
     old = {s: signal.signal(s, service.request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:

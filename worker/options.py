@@ -25,11 +25,13 @@ from typing import Any
 from urllib.parse import quote
 
 from vlmq.shared import constants as C
+from vlmq.shared import logs
 from vlmq.shared.keys import QUEUE_NAME_RE
 from vlmq.stores.backends import STORES_ENV, FolderStore, S3Store, Store, StoreError, Stores
-from vlmq.worker.default_dirs import default_cache_dir
 from vlmq.worker.engine.batch_size import DEFAULT_CAP, FLOOR
 from vlmq.worker.engine.repetition import ON_REPETITION, RepetitionGuard
+from vlmq.worker.model import names
+from vlmq.worker.model.default_dirs import default_cache_dir
 
 # Defaults the modules that use them import from here (render_pool, results/cache, poison):
 # those modules load numpy and Redis, which this table must not.
@@ -208,9 +210,18 @@ def store_spec(store: Store) -> str:
     raise TypeError(f"no --store form for {type(store).__name__}")
 
 
+def _log_row(option: logs.LogOption) -> WorkerOption:
+    """A logging option as a row: the command sets logging up with its value, so it fills
+    no WorkerConfig field."""
+    return WorkerOption(option.name, "choice" if option.choices else "flag", option.help,
+                        default=option.default, field=None, choices=option.choices,
+                        flag=option.flag)
+
+
 OPTIONS: tuple[WorkerOption, ...] = (
-    WorkerOption("model", "str", "Local model folder, or a hub id (mlx-community/...).",
-                 required=True, local_path=PATH_OR_ID),
+    WorkerOption("model", "str", "Local model folder, a hub id (mlx-community/...), or a "
+                 "name vlmq has offline. " + names.help_text(), required=True,
+                 local_path=PATH_OR_ID),
     WorkerOption("queues", "strs", "Queues to serve, in priority order, comma-separated: "
                  "--queues ocr,caption (repeatable; default: "
                  f"{','.join(DEFAULT_QUEUES)}).", default=(), to_config=queue_names,
@@ -259,6 +270,9 @@ OPTIONS: tuple[WorkerOption, ...] = (
                  "oldest entries go first. 0 turns it off for the items this worker runs.",
                  default=DEFAULT_RESULT_CACHE_BYTES / _MIB, lo=0, field="result_cache_bytes",
                  to_config=_mib),
+    WorkerOption("print_config", "flag", "Print every option's effective value and where it "
+                 "came from (flag, env, config file, default) as TOML, and exit.",
+                 default=False, field=None),
     WorkerOption("with_scheduler", "flag", "Also fire schedules (vlmq schedule) from this "
                  "process, as `vlmq scheduler` does; any number of schedulers may run.",
                  default=False, field=None),
@@ -295,6 +309,8 @@ OPTIONS: tuple[WorkerOption, ...] = (
                  "http://HOST:PORT/metrics (0: off).", default=0, lo=0, hi=65535),
     WorkerOption("metrics_host", "str", "Interface the metrics endpoint listens on "
                  "(0.0.0.0: every interface).", default="127.0.0.1"),
+    # --log-level, -v, -q, --log-format: every long-running command's (shared/logs.py).
+    *(_log_row(option) for option in logs.OPTIONS),
     # Its click form is cli.common.store_option, which every command with --store shares
     # (the help there says more); click's value is a Stores already.
     WorkerOption("stores", "stores", "A store this machine reads inputs from by reference "

@@ -48,7 +48,7 @@ from vlmq.producer.client import TERMINAL, Client, Job
 from vlmq.producer.errors import JobNotFound
 from vlmq.producer.expand import S3_SCHEME, FoundFile, expand_inputs
 from vlmq.producer.files import CheckedFile, check_found
-from vlmq.producer.inputs import Prepared
+from vlmq.producer.inputs import Prepared, not_media
 from vlmq.producer.ops.export import ExportReport, export_results
 from vlmq.producer.options import JobOptions
 from vlmq.shared import constants as C
@@ -420,6 +420,7 @@ class ScheduleStore:
         current: set[str] = set()
         candidates: list[_Candidate] = []
         bad: list[list[str]] = []
+        left_out: dict[str, int] = {}  # files in its folders that are not media, by kind
         skipped = 0
         known = self._known_files(sched.name)
         seen: dict[FieldT, EncodableT] = {}  # this run's entries, for the next run
@@ -428,7 +429,11 @@ class ScheduleStore:
             try:
                 checked, entry = _checked(f, known.get(f.path), stores)
             except InputError as exc:
-                bad.append([f.source, exc.problem])
+                other = not_media(f, exc)
+                if other is not None:
+                    left_out[other[1]] = left_out.get(other[1], 0) + 1
+                else:
+                    bad.append([f.source, exc.problem])
                 continue
             except DECODE_ERRORS as exc:  # a decoder's own error the check let out: that
                 # file is bad, the run goes on
@@ -447,7 +452,7 @@ class ScheduleStore:
         self._prune_done(done_key, current)
         self._save_readings(sched.name, seen)
         out: dict[str, Any] = {"skipped": skipped, "missing": missing, "bad": bad,
-                               "files": len(found), "read": read}
+                               "not_media": left_out, "files": len(found), "read": read}
         if not todo:
             return {**out, "job_id": None, "items": 0, "status": "nothing new"}
         prepared = Prepared()

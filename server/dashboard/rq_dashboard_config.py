@@ -6,10 +6,11 @@ serializer, so a busy worker's current job is read with pickle and the Workers p
 with DeserializationError. rq-dashboard has no setting for that; this module, imported
 by rq-dashboard's `-c` at start-up, makes its worker listing pass JSONSerializer too.
 
-Standalone on purpose (only rq and rq-dashboard are imported): docker-compose.yml mounts
-this one file into the rq-dashboard container, where vlmq is not installed. Installed
-with vlmq it is importable as `vlmq.server.dashboard.rq_dashboard_config`.
-tests/server/dashboard/test_rq_dashboard_config.py pins both the upstream fault and this fix.
+Standalone on purpose (only rq and rq-dashboard are imported): docker-compose.yml carries
+this file whole (its `configs` entry) into the rq-dashboard container, where vlmq is not
+installed. Installed with vlmq it is importable as `vlmq.server.dashboard.rq_dashboard_config`.
+tests/server/dashboard/test_rq_dashboard_config.py pins the upstream fault, this fix, and
+the compose file's copy being this file.
 """
 
 from __future__ import annotations

@@ -38,11 +38,12 @@ from vlmq.server.openai_api.files import (
 from vlmq.server.openai_api.images import BatchImages
 from vlmq.server.openai_api.limits import FORM_SLACK, MAX_JSON_BYTES, ApiLimits
 from vlmq.shared.redis_text import as_str
+from vlmq.stores.api_store import API_STORE, images_dir, store_spec
 from vlmq.stores.backends import Stores
 
 log = logging.getLogger("vlmq.api")
 
-STORE_NAME = "vlmq-api"  # the store the workers read the API's images from
+STORE_NAME = API_STORE  # the store the workers read the API's images from
 DEFAULT_LIMIT = 20
 MAX_LIMIT = 100
 VALIDATORS = 2  # batch files validated at once, off the request threads
@@ -62,16 +63,6 @@ class ApiSettings:
     models: ModelPolicy = field(default_factory=ModelPolicy)
     prefix: str | None = None
     limits: ApiLimits = field(default_factory=ApiLimits)
-
-
-def images_dir(files_dir: Path) -> Path:
-    """Where data: images are spooled, by content hash: the folder of the store that the
-    jobs reference and the workers read (`--store vlmq-api=file://...`)."""
-    return files_dir / "images"
-
-
-def store_spec(files_dir: Path) -> str:
-    return f"{STORE_NAME}=file://{images_dir(files_dir.resolve())}"
 
 
 def _limit() -> int:
@@ -114,6 +105,7 @@ def create_app(settings: ApiSettings, *, client: Client | None = None) -> Flask:
     client = client or Client(settings.redis_url, prefix=settings.prefix)
     files = FileStore(client.redis, client.keys, settings.files_dir, settings.limits)
     stores = Stores.parse([store_spec(settings.files_dir)])
+    # Where data: images are spooled by content hash: store vlmq-api, the workers' default.
     images = BatchImages(images_dir(settings.files_dir), client.redis, client.keys)
     batches = Batches(client, files, spool=images.root, stores=stores,
                       run=ThreadPoolExecutor(VALIDATORS, thread_name_prefix="validate"),

@@ -4,12 +4,15 @@ ocr's --skip-bad/--recursive, retention options, progress without a TTY, unserve
 from __future__ import annotations
 
 import io
+import re
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
 import pytest
+from click.core import UNSET
 from PIL import Image
 from redis import Redis
 from rq.job import JobStatus
@@ -46,8 +49,66 @@ def test_worker_help_shows_one_queue_form(run_cli) -> None:
 
 def test_generate_help_says_prompt_is_required_without_a_default(run_cli) -> None:
     text = " ".join(run_cli("enqueue", "generate", "--help").stdout.split())
-    assert "--prompt TEXT Prompt text (required). [required]" in text
+    assert "--prompt TEXT Prompt text. [required]" in text
     assert "default: the model's own" not in text.split("--prompt")[1].split("--model")[0]
+
+
+def help_pages() -> Iterator[tuple[list[str], click.Command, str]]:
+    """Every command and subcommand under the root group, with its --help as printed."""
+    from click.testing import CliRunner
+
+    from vlmq.cli.main import main
+
+    def walk(path: list[str], command: click.Command) -> Iterator[tuple[list[str],
+                                                                       click.Command, str]]:
+        res = CliRunner().invoke(main, [*path, "--help"], terminal_width=200)
+        assert res.exit_code == 0, (path, res.output)
+        yield path, command, res.output
+        if isinstance(command, click.Group):
+            with click.Context(command) as ctx:
+                for name in command.list_commands(ctx):
+                    sub = command.get_command(ctx, name)
+                    assert sub is not None, name
+                    yield from walk([*path, name], sub)
+
+    yield from walk([], main)
+
+
+def option_rows(text: str) -> list[list[str]]:
+    """The flags of each row of a help page's Options section (a row starts at column 2;
+    its help's wrapped lines start further in)."""
+    section = text.split("\nOptions:\n", 1)[1].split("\n\n", 1)[0]
+    heads = [re.split(r"\s{2,}", line.strip(), maxsplit=1)[0]
+             for line in section.splitlines() if re.match(r"  -", line)]
+    return [[w for w in re.split(r"[ ,/]+", head) if w.startswith("-")] for head in heads]
+
+
+def test_every_help_page_states_each_option_once_with_its_choices_and_default() -> None:
+    pages = list(help_pages())
+    assert {"enqueue", "enqueue ocr", "worker", "model make-tiny"} <= {
+        " ".join(path) for path, _, _ in pages}
+    for path, command, text in pages:
+        where = " ".join(["vlmq", *path])
+        flat = " ".join(text.split())
+        assert "(required). [required]" not in flat, where
+        flags = [flag for row in option_rows(text) for flag in row]
+        assert len(flags) == len(set(flags)), (where, sorted(f for f in flags
+                                                              if flags.count(f) > 1))
+        for param in command.params:
+            if not isinstance(param, click.Option) or param.hidden:
+                continue
+            assert set(param.opts) <= set(flags), (where, param.opts)
+            if isinstance(param.type, click.Choice):
+                shown = "|".join(map(str, param.type.choices))
+                assert shown in flat, (where, param.opts, "choices not shown")
+            has_default = not param.is_flag and param.default not in (None, (), UNSET)
+            if has_default and not param.show_default:
+                assert "default" in (param.help or "").lower(), (where, param.opts)
+
+
+def test_text_layer_shows_its_choices(run_cli) -> None:
+    text = " ".join(run_cli("enqueue", "ocr", "--help").stdout.split())
+    assert "--text-layer [off|fallback|prefer]" in text
 
 
 def test_caption_help_says_pdfs_are_captioned_page_by_page(run_cli) -> None:

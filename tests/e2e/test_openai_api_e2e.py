@@ -24,7 +24,7 @@ from redis import Redis
 
 from tests.support import helpers
 from tests.support import openai_api as T
-from vlmq.server.openai_api.app import store_spec
+from vlmq.stores.api_store import store_spec
 
 CLIENTS = Path(__file__).resolve().parents[1] / "support" / "clients"
 TERMINAL = ("completed", "failed", "expired", "cancelled")

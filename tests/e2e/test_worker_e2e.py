@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import re
@@ -412,9 +413,35 @@ def test_readme_demo_command_runs(redis_url: str, tmp_path: Path) -> None:
     work = re.findall(r"(\d+) vision-tower calls, (\d+) PDF renders", out)
     assert int(work[0][0]) > 0 and int(work[0][1]) > 0
     assert work[1] == ("0", "0"), "the warm run repeated image work"
+    # Each job's summary is a table (headings, then figures), not a Python dict.
+    assert "summary: {" not in out and "{'" not in proc.stdout
+    table = re.findall(r"^  items +ok +failed +vision-cache hits .*\n  (5 +5 +0 +(\d+)) ",
+                       proc.stdout, re.M)
+    assert [hits for _, hits in table] == ["0", "5"], proc.stdout
     left = Redis.from_url(redis_url).keys("*")
     assert not [k for k in left if k.startswith((b"rq:job:", b"vlmq:job:", b"rq:queue:",
                                                  b"vlmq:blob:", b"rq:results:"))], left
+
+
+def test_demo_json_is_one_object(redis_url: str, tmp_path: Path) -> None:
+    env = {**os.environ, "REDIS_URL": redis_url, "VLMQ_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([VLMQ, "demo", "--json"], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert "tiny reader" in proc.stderr  # notes go to stderr, beside the worker's log
+    assert report["model"] == "reader"
+    cold, warm = report["rounds"]
+    assert (cold["round"], warm["round"]) == ("cold cache", "warm cache, restarted worker")
+    for one in (cold, warm):
+        (job,) = one["jobs"]
+        assert job["status"] == "finished" and one["ok"] == one["items"] == 5
+        assert job["summary"]["items"] == 5 and len(job["results"]) == 5
+        assert job["cer"] is not None and job["cer"] <= 0.10
+        assert {r["source"] for r in job["results"]} >= {"reader.pdf"}
+    assert cold["cache_hits"] == 0 and warm["cache_hits"] == 5
+    assert int(cold["worker_stats"]["tower_calls"]) > 0
+    assert warm["worker_stats"]["tower_calls"] == "0"
 
 
 def test_pickled_job_is_refused_by_the_worker(

@@ -122,7 +122,7 @@ def test_a_12000_page_folder_enqueues_as_a_batch_and_every_command_takes_its_id(
         assert len({i.source for i in payload.items}) == 1
     status = _json(run_cli("status", batch_id, "--json", code=0))
     assert status["by_status"] == {"queued": 24} and status["items"]["total"] == 12000
-    assert status["status"] == "running" and status["missing"] == 0
+    assert status["status"] == "queued" and status["missing"] == 0  # no worker yet
     run_cli("wait", batch_id, "--timeout", "0.2", code=124)
 
     for n, job in enumerate(jobs):
@@ -169,7 +169,8 @@ def test_a_batch_ends_once_whoever_ends_its_last_job(redis_url: str, redis: Redi
         first.cancel()
     second.delete()  # a queued job deleted counts as canceled
     first.delete()  # ended and counted already: not again
-    assert batch.ended() is None and batch.status()["status"] == "running"
+    # Not ended: the job left waits, and no worker has started any (the others are gone).
+    assert batch.ended() is None and batch.status()["status"] == "queued"
     third.cancel()
     rq_job = fetch_job(redis, third.id)  # a second writer of the same end writes nothing
     end_job_event(redis, keys, third.id, "canceled", queue=rq_job.origin, ttl_s=60)

@@ -363,6 +363,10 @@ def test_readme_quickstart_runs_end_to_end(redis_url: str, tmp_path: Path,
             make_pdf(where, 3)
         else:
             make_images(where, 4)
+            # A photo library's sidecars, which are not pictures: left out, said so.
+            (where / "notes.txt").write_text("trip notes\n")
+            (where / "img0.png.xmp").write_text('<x:xmpmeta xmlns:x="adobe:ns:meta/"/>\n')
+            (where / "img1.png.json").write_text('{"title": "img1"}\n')
         made[task] = where
 
     # The suite's Redis stands in for the line that starts one.
@@ -401,5 +405,7 @@ def test_readme_quickstart_runs_end_to_end(redis_url: str, tmp_path: Path,
     assert captions == [f"img{i}.png.txt" for i in range(4)], captions
     assert all((checkout / "captions" / c).read_text() for c in captions)
     assert out.count(": finished") == 2, out  # vlmq wait: both jobs
+    assert "skipped 3 files that are not PDFs or images" in out, out
+    assert "no live worker" not in out, out  # the worker started a moment before counts
     # `kill %1` stops the worker the way SIGTERM does: it drains and exits.
     wait_for(lambda: "stopped" in log.read_text(), 90, "the worker to stop after kill %1")

@@ -78,14 +78,15 @@ def make_images(folder: Path, n: int, sizes: list[tuple[int, int]] | None = None
     return out
 
 
-def start_worker(redis_url: str, model: Path, tmp: Path, *args: str,
-                 name: str = "w1") -> subprocess.Popen[str]:
+def start_worker(redis_url: str, model: Path | str, tmp: Path, *args: str,
+                 name: str = "w1", cwd: str | None = None) -> subprocess.Popen[str]:
+    """`vlmq worker` on `model` (a folder, or a name such as "reader"), run in `cwd`."""
     env = {**os.environ, "REDIS_URL": redis_url, "VLMQ_CACHE": str(tmp / "cache"),
            "PYTHONUNBUFFERED": "1"}
     cmd = [VLMQ, "worker", "--model", str(model), "--name", name,
            "--cache-dir", str(tmp / "vision-cache"), *args]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, cwd=cwd)
 
 
 def stop_all(procs: list[subprocess.Popen[str]]) -> None:

@@ -61,13 +61,15 @@ def free_port() -> int:
         return port
 
 
-def start_api(redis_url: str, files_dir: Path, port: int, *args: str,
+def start_api(redis_url: str, files_dir: Path | None, port: int, *args: str,
               keys: Sequence[str] = KEYS) -> subprocess.Popen[str]:
-    """`vlmq api` on `port` serving `keys`; `args` are more of its options."""
+    """`vlmq api` on `port` serving `keys`; `args` are more of its options. No files_dir:
+    its default folder (from this process's environment)."""
     env = {**os.environ, "REDIS_URL": redis_url, "VLMQ_API_KEYS": ",".join(keys),
            "PYTHONUNBUFFERED": "1"}
+    folder = ["--files-dir", str(files_dir)] if files_dir is not None else []
     return subprocess.Popen([str(Path(sys.executable).parent / "vlmq"), "api", "--port",
-                             str(port), "--files-dir", str(files_dir), *args], env=env,
+                             str(port), *folder, *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 

@@ -31,7 +31,7 @@ TOP = {
     "loop": "orchestration", "collect": "orchestration", "upkeep": "orchestration",
     "job_start": "orchestration", "metrics": "orchestration", "redis_server": "orchestration",
     "__init__": "common", "config": "common", "options": "common", "events": "common",
-    "stats": "common", "task": "common", "default_dirs": "common", "job_settings": "common",
+    "stats": "common", "task": "common", "job_settings": "common",
     "item_order": "common",
 }
 

@@ -27,12 +27,12 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import llguidance
-import llguidance.hf
 import llguidance.numpy
 import numpy as np
 
 from vlmq.shared import extract_schema
 from vlmq.worker.engine.match_budget import ema
+from vlmq.worker.model.mlx_adapter import quiet_library_noise
 
 T = TypeVar("T")
 V = TypeVar("V")
@@ -202,6 +202,10 @@ class Structured:
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         """Built on first use: it walks the whole vocabulary (about a second for 150 k)."""
+        # llguidance.hf imports transformers, whose import line about PyTorch is noise here.
+        quiet_library_noise()
+        import llguidance.hf
+
         with self._lock:
             if self._tokenizer is None:
                 self._tokenizer = llguidance.hf.from_tokenizer(

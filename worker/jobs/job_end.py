@@ -25,6 +25,7 @@ from vlmq.shared import job_index, results
 from vlmq.shared.connection import RedisClock
 from vlmq.shared.enqueue import fail_job
 from vlmq.shared.keys import Keys
+from vlmq.shared.logs import job_fields
 from vlmq.worker.jobs.fencing import ORPHANED, Fence, Whys
 from vlmq.worker.jobs.running import BatchWorker, Running
 
@@ -155,7 +156,8 @@ class JobEnd:
             job.retries_left = 0
         requeue = job.should_retry
         if requeue:
-            log.warning("job %s failed, RQ will retry it: %s", job.id, message)
+            log.warning("job %s failed, RQ will retry it: %s", job.id, message,
+                        extra=job_fields(job.id))
         worker = self.worker
 
         def build(pipe: Pipeline) -> None:

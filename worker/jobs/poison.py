@@ -32,6 +32,7 @@ from rq.serializers import JSONSerializer
 from vlmq.shared import constants as C
 from vlmq.shared.enqueue import fail_job
 from vlmq.shared.keys import Keys
+from vlmq.shared.logs import job_fields
 from vlmq.shared.redis_text import as_str
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,8 @@ class RiskLog:
                 pipe.expire(key, RISK_TTL_S)
                 pipe.execute()
         except RedisError as exc:  # Redis down: the work goes on, unattributed if it kills
-            log.debug("job %s item %d: risk record not written (%s)", job_id, index, exc)
+            log.debug("job %s item %d: risk record not written (%s)", job_id, index, exc,
+                      extra=job_fields(job_id, index))
         try:
             yield
         finally:
@@ -97,7 +99,7 @@ class RiskLog:
                 with self._lock:
                     self._uncleared.add((key, field))
                 log.warning("job %s item %d: risk record not cleared yet (%s)", job_id, index,
-                            exc)
+                            exc, extra=job_fields(job_id, index))
 
 
 def reclaim(redis: Redis, keys: Keys, queue: Queue, *, poison_kills: int,
@@ -124,7 +126,7 @@ def reclaim(redis: Redis, keys: Keys, queue: Queue, *, poison_kills: int,
                 _attribute(redis, keys, job_id, poison_kills, culprits)
             except ResponseError as exc:  # a key of this job replaced by hand: its own problem
                 log.warning("job %s: its worker's death not attributed (%s); RQ's cleanup "
-                            "handles it", job_id, exc)
+                            "handles it", job_id, exc, extra=job_fields(job_id))
     finally:
         queue.release_maintenance_lock()  # type: ignore[no-untyped-call]
 
@@ -180,7 +182,7 @@ def _attribute(redis: Redis, keys: Keys, job_id: str, poison_kills: int,
         # cleanup lowers retries_left by one when it requeues; give that one back first.
         redis.hincrby(Keys.rq_job(job_id), "retries_left", 1)
         log.warning("job %s: its worker died while none of its items was in risky work; "
-                    "requeued without spending a retry", job_id)
+                    "requeued without spending a retry", job_id, extra=job_fields(job_id))
         return
     index, record = min(risks.items())
     worker, _, rest = record.partition("|")
@@ -191,14 +193,16 @@ def _attribute(redis: Redis, keys: Keys, job_id: str, poison_kills: int,
                f"failed after --poison-kills {poison_kills}")
     if kills < poison_kills:
         log.warning("job %s: item %s was in %s when worker %s died (%d/%d kills); RQ retries "
-                    "the job", job_id, index, step, worker, kills, poison_kills)
+                    "the job", job_id, index, step, worker, kills, poison_kills,
+                    extra=job_fields(job_id))
         return
     try:
         job = Job.fetch(job_id, connection=redis, serializer=JSONSerializer)
     except Exception as exc:  # noqa: BLE001  # RQ's cleanup deals with an unreadable hash
-        log.warning("job %s: cannot load it to fail it (%s)", job_id, exc)
+        log.warning("job %s: cannot load it to fail it (%s)", job_id, exc,
+                    extra=job_fields(job_id))
         return
-    log.error("job %s failed: %s", job_id, message)
+    log.error("job %s failed: %s", job_id, message, extra=job_fields(job_id))
     # Failed without a worker (the dead one's execution is RQ's cleanup to end); the job is
     # FAILED before that cleanup looks, so it neither retries nor fails it again.
     with redis.pipeline() as pipe:

@@ -26,6 +26,7 @@ from vlmq.shared.connection import RedisClock
 from vlmq.shared.enqueue import payload_of
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import Keys
+from vlmq.shared.logs import job_fields
 from vlmq.shared.redis_text import as_str
 from vlmq.worker.jobs import queue_guard
 from vlmq.worker.jobs.fencing import Fence
@@ -151,7 +152,8 @@ class Intake:
         except PayloadError as exc:
             reason = f"vlmq refused job {job.id}: {exc}"
         except Exception as exc:  # a validator bug must fail this job, not the worker (logged)
-            log.exception("job %s: payload validation crashed", job.id)
+            log.exception("job %s: payload validation crashed", job.id,
+                          extra=job_fields(job.id))
             reason = f"vlmq refused job {job.id}: payload validation crashed ({exc!r})"
         else:
             return Running(job_id=str(job.id), payload=payload, job=job, queue=queue,
@@ -201,7 +203,7 @@ class Intake:
                 return self._retyped(jobs, queue)
         for job, why in stale:
             log.warning("job %s listed in queue %s but %s: stale entry skipped", job.id,
-                        queue.name, why)
+                        queue.name, why, extra=job_fields(job.id))
         for _, execution, _ in started:
             worker.executions[execution.id] = execution
         return started
@@ -214,7 +216,7 @@ class Intake:
             return [s for job in jobs for s in self._mark_started([job], queue)]
         self.connection.lrem(queue.intermediate_queue_key, 1, jobs[0].id)
         log.warning("job %s listed in queue %s but taken by another worker: stale "
-                    "entry skipped", jobs[0].id, queue.name)
+                    "entry skipped", jobs[0].id, queue.name, extra=job_fields(jobs[0].id))
         return []
 
     def _retyped(self, jobs: Sequence[Job], queue: Queue
@@ -233,7 +235,8 @@ class Intake:
         worker = self.worker
         if job.origin != queue.name:
             # A hand-written hash without origin would land in the wrong registries.
-            log.warning("job %s: origin %r repaired to %r", job.id, job.origin, queue.name)
+            log.warning("job %s: origin %r repaired to %r", job.id, job.origin, queue.name,
+                        extra=job_fields(job.id))
             job.origin = queue.name
             pipe.hset(job.key, "origin", queue.name)
         ttl = worker.get_heartbeat_ttl(job)

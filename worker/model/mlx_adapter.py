@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vlmq.worker.model import families
+from vlmq.worker.model import families, names
 from vlmq.worker.model.families import FamilySpec
 
 # Families a worker refuses at start, and why (the missing piece and where it lives).
@@ -171,6 +171,7 @@ class Prepared:
 
 def load_model(model_path: str) -> LoadedModel:
     """Load through `mlx_vlm.load`: a local folder offline, else a hub id via its normal path."""
+    quiet_library_noise()  # before mlx_vlm imports transformers
     from mlx_vlm.utils import load
 
     folder = model_folder(model_path)
@@ -193,7 +194,8 @@ def load_model(model_path: str) -> LoadedModel:
 
 
 def model_folder(model_path: str) -> Path:
-    """The local folder of a model (a hub id downloads here), once its family is accepted."""
+    """The local folder of a model (a hub id downloads here; a built-in name is its own
+    folder, names.py), once its family is accepted."""
     from mlx_vlm.utils import get_model_path
 
     local = check_local(model_path)
@@ -207,10 +209,14 @@ def model_folder(model_path: str) -> Path:
 
 
 def check_local(model_path: str) -> Path:
-    """The model's local path; ModelLoadError when it names a folder that is missing or
-    holds no config.json (a hub id, which has neither / first nor ./ ~, passes). Cheap, so
-    the worker checks it before anything else."""
-    local = Path(model_path).expanduser()
+    """The model's local path (a built-in name's folder: worker/model/names.py);
+    ModelLoadError when it names a folder that is missing or holds no config.json (a hub
+    id, which has neither / first nor ./ ~, passes). Cheap (`tiny` is built once), so the
+    worker checks it before anything else."""
+    try:
+        local = Path(names.resolve(model_path)).expanduser()
+    except OSError as exc:  # `tiny` could not be built into the cache dir
+        raise ModelLoadError(f"cannot prepare model {model_path!r}: {exc}") from exc
     if local.exists() and not (local / "config.json").is_file():
         raise ModelLoadError(f"model folder {local} has no config.json")
     if not local.exists() and (local.is_absolute() or model_path.startswith((".", "~"))):

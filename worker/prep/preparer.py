@@ -37,6 +37,7 @@ from vlmq.shared.errors import VlmqError
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import Item, JobPayload
 from vlmq.shared.urls import redact_text
+from vlmq.stores.api_store import explain
 from vlmq.stores.backends import RefUnreadable, StoreError, Stores
 from vlmq.worker.engine.batcher import Engine, EngineInfo, Request
 from vlmq.worker.engine.constraints import Structured
@@ -74,10 +75,13 @@ class PrepError(VlmqError):
 
 def ref_failed(item: Item, exc: VlmqError) -> PrepError:
     """The item error for a reference that failed: what its producer may know, with the
-    reason a RefUnreadable keeps to itself logged here, on this machine only."""
+    reason a RefUnreadable keeps to itself logged here, on this machine only; an API
+    batch's image that cannot be read says which setting fixes it (api_store.explain)."""
     detail = getattr(exc, "detail", None)
     if detail is not None:
         log.warning("%s: %s", item.source, detail)
+    if item.ref is not None and isinstance(exc, StoreError):
+        return PrepError(explain(item.ref, exc))
     return PrepError(str(exc))
 
 

@@ -17,6 +17,7 @@ from functools import partial
 from redis.exceptions import RedisError
 
 from vlmq.shared.connection import transient
+from vlmq.shared.logs import job_fields
 from vlmq.worker.engine.batcher import Engine, EngineError
 from vlmq.worker.events import EventQueue, LayerAnswered, PrepFailed, PrepRetry, Stage
 from vlmq.worker.item_order import ItemOrder
@@ -81,7 +82,8 @@ class PrepStage:
                                                  replace(req, priority=rank,
                                                          job_left=left)))
         except EngineError:
-            log.debug("engine closed before job %s item %d was submitted", job_id, idx)
+            log.debug("engine closed before job %s item %d was submitted", job_id, idx,
+                      extra=job_fields(job_id, idx))
 
 
 def _failed(job_id: str, idx: int, exc: BaseException) -> PrepFailed | PrepRetry:
@@ -91,5 +93,6 @@ def _failed(job_id: str, idx: int, exc: BaseException) -> PrepFailed | PrepRetry
     if isinstance(exc, PrepError):
         return PrepFailed(job_id, idx, str(exc))
     # A bug, not bad input: keep the traceback, fail only this item.
-    log.error("job %s item %d: preparation failed", job_id, idx, exc_info=exc)
+    log.error("job %s item %d: preparation failed", job_id, idx, exc_info=exc,
+              extra=job_fields(job_id, idx))
     return PrepFailed(job_id, idx, f"{type(exc).__name__}: {exc}")

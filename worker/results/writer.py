@@ -26,6 +26,7 @@ from vlmq.shared import constants as C
 from vlmq.shared import lua
 from vlmq.shared.connection import transient
 from vlmq.shared.keys import Keys
+from vlmq.shared.logs import job_fields
 from vlmq.shared.messages import TEXT_FROM_LAYER, ItemResult, JobSummary
 from vlmq.shared.results import read_items
 from vlmq.worker.engine.batcher import Finished
@@ -148,7 +149,7 @@ class ResultWriter:
     def drop(self, state: Running, why: str) -> None:
         """Stop running a job this worker no longer owns; write nothing more for it."""
         log.warning("job %s dropped (%s): %d result(s) not written", state.job_id, why,
-                    len(self._unwritten.pop(state.job_id, {})))
+                    len(self._unwritten.pop(state.job_id, {})), extra=job_fields(state.job_id))
         if self.order.jobs.get(state.job_id) is state:
             del self.order.jobs[state.job_id]
         self.lifecycle.drop(state, why)
@@ -194,6 +195,9 @@ class ResultWriter:
             for res in results.values():
                 self.stats.count_item(res, state.payload.task)
                 state.written[res.index] = _tally(res)
+                log.debug("job %s item %d written: %s, %d tokens", state.job_id, res.index,
+                          res.error or res.finish_reason, res.completion_tokens,
+                          extra=job_fields(state.job_id, res.index))
             state.finished_here += len(results)
             stored.append((state, list(results.values())))
         if stored and self.on_stored is not None:
@@ -236,7 +240,8 @@ class ResultWriter:
                 self.drop(state, why)
                 return
             log.warning("job %s: %d item result(s) vanished from Redis (%s); computing "
-                        "them again", state.job_id, len(missing), _span(missing))
+                        "them again", state.job_id, len(missing), _span(missing),
+                        extra=job_fields(state.job_id))
             state.finished_here -= min(state.finished_here, len(missing))
             for i in missing:
                 state.written.pop(i, None)
@@ -287,7 +292,8 @@ class ResultWriter:
                      "hits, %d result-cache hits%s", state.job_id, summary.ok, summary.failed,
                      summary.completion_tokens, summary.wall_s, summary.cache_hits,
                      summary.result_cache_hits,
-                     f", {layers} from text layers" if layers else "")
+                     f", {layers} from text layers" if layers else "",
+                     extra=job_fields(state.job_id))
 
     def _whole_job_wall_s(self, state: Running) -> float:
         """From the job's first start on any worker (Redis's clock): a resumed job's
@@ -303,11 +309,11 @@ class ResultWriter:
         why = self.lifecycle.fail(state, message)
         if why is not None:
             log.warning("job %s dropped (%s) instead of failing it: %s", state.job_id, why,
-                        message)
+                        message, extra=job_fields(state.job_id))
             self.lifecycle.drop(state, why)
             return
         self.stats.count_job(state.queue.name, "failed")
-        log.info("job %s failed: %s", state.job_id, message)
+        log.info("job %s failed: %s", state.job_id, message, extra=job_fields(state.job_id))
 
 
 def _tally(res: ItemResult) -> Tally:

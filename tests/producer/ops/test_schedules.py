@@ -73,7 +73,8 @@ def test_two_schedulers_fire_each_due_time_once_and_runs_are_incremental(
     run = json.loads(_vlmq(redis_url, "schedule", "run", "pics", "--json").stdout)
     assert run["items"] == 3 and run["job_id"] is not None, run
     again = json.loads(_vlmq(redis_url, "schedule", "run", "pics", "--json").stdout)
-    assert again == {"job_id": None, "items": 0, "skipped": 5, "missing": [], "bad": []}
+    assert again == {"job_id": None, "items": 0, "skipped": 5, "missing": [], "bad": [],
+                     "not_media": {}}
     # Unchanged files (size and mtime) are not read again: only the 3 new/edited were.
     reads = [r["read"] for r in _runs(redis_url, "pics") if r["manual"]]
     assert reads == [3, 0], reads
@@ -166,4 +167,5 @@ def test_sidecars_written_when_runs_finish_and_failed_items_stay_due(
     assert rc == 0, out
     # Our own sidecars are never taken for inputs; nothing is left to do.
     last = json.loads(_vlmq(redis_url, "schedule", "run", "night", "--json").stdout)
-    assert last == {"job_id": None, "items": 0, "skipped": 3, "missing": [], "bad": []}
+    assert last == {"job_id": None, "items": 0, "skipped": 3, "missing": [], "bad": [],
+                    "not_media": {}}

@@ -1,16 +1,17 @@
 """rq-dashboard as docker-compose.yml runs it: its own command line, with the config module
-mounted the way compose mounts it, against a real Redis holding vlmq jobs in every state
-and a busy worker. Every JSON endpoint its pages call answers 200, with no traceback."""
+the compose file carries placed where compose places it, against a real Redis holding vlmq
+jobs in every state and a busy worker. Every JSON endpoint its pages call answers 200, with
+no traceback. The image it builds pins every package to uv.lock's version."""
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -34,40 +35,77 @@ def compose() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
 
 
+def locked_versions() -> dict[str, str]:
+    lock = tomllib.loads((ROOT / "uv.lock").read_text(encoding="utf-8"))
+    return {p["name"]: p["version"] for p in lock["package"]}
+
+
 def test_compose_file_is_valid_and_safe() -> None:
-    services = compose()["services"]
+    spec = compose()
+    services = spec["services"]
     redis, dash = services["redis"], services["rq-dashboard"]
     for service in (redis, dash):
         assert service["restart"] == "unless-stopped"
         assert all(str(p).startswith("127.0.0.1:") for p in service["ports"]), service["ports"]
-    shell, flag, script = dash["command"]
-    assert (shell, flag) == ("sh", "-c")
-    subprocess.run(["sh", "-n", "-c", script], check=True)  # the old `>` block failed here
-    assert "\n" not in script.strip()
-    for needed in ("six", "--json", "-c vlmq_rq_dashboard", "rq>=3.0,<3.1", "--disable-delete"):
-        assert needed in script
-    source, target = dash["volumes"][0].split(":")[:2]
-    assert (ROOT / source).is_file()
-    assert Path(target).name == "vlmq_rq_dashboard.py"
-    assert Path(target).parent.as_posix() == dash["environment"]["PYTHONPATH"]
+    command = dash["command"]
+    assert command[0] == "rq-dashboard"
+    for needed in ("--json", "--disable-delete"):
+        assert needed in command
+    assert command[command.index("-c") + 1] == "vlmq_rq_dashboard"
+    # Nothing from a checkout: no bind mount, no build context, the module carried whole.
+    assert "volumes" not in dash and set(dash["build"]) == {"dockerfile_inline"}
+    (config,) = dash["configs"]
+    assert Path(config["target"]).name == "vlmq_rq_dashboard.py"
+    assert Path(config["target"]).parent.as_posix() == dash["environment"]["PYTHONPATH"]
+    assert spec["configs"][config["source"]]["content"] == \
+        (ROOT / "server/dashboard/rq_dashboard_config.py").read_text(encoding="utf-8")
+
+
+def test_the_dashboard_image_pins_what_it_installs_to_the_lock() -> None:
+    dockerfile = compose()["services"]["rq-dashboard"]["build"]["dockerfile_inline"]
+    assert "$" not in dockerfile  # compose would interpolate it
+    run = " ".join(dockerfile.replace("\\\n", " ").split("RUN ", 1)[1].split())
+    words = run.split()
+    assert words[:3] == ["pip", "install", "--no-cache-dir"], words
+    pins = dict(w.split("==", 1) for w in words[3:])
+    assert all("==" in w for w in words[3:]), words
+    locked = locked_versions()
+    assert {"rq-dashboard", "rq", "six"} <= set(pins)
+    assert {n: v for n, v in pins.items() if locked.get(n, v) != v} == {}
+    # The whole set, so no dependency floats: what rq-dashboard and six need, here.
+    from importlib.metadata import distribution
+
+    from packaging.requirements import Requirement
+
+    needed, todo = set(), ["rq-dashboard", "six"]
+    while todo:
+        dist = distribution(todo.pop())
+        name = dist.metadata["Name"].lower()
+        if name not in needed:
+            needed.add(name)
+            todo += [r.name for r in map(Requirement, dist.requires or [])
+                     if r.marker is None or r.marker.evaluate({"extra": ""})]
+    assert {n.lower() for n in pins} == needed
 
 
 def start(redis_url: str, tmp: Path, *, with_config: bool) -> tuple[subprocess.Popen[str], str]:
-    """The compose command after its pip install, pointed at this test's Redis."""
-    script = compose()["services"]["rq-dashboard"]["command"][2]
-    run = script.split("&&", 1)[1].strip().removeprefix("exec ")
+    """The compose command, pointed at this test's Redis, with the module compose carries
+    where compose puts it."""
+    spec = compose()
+    dash = spec["services"]["rq-dashboard"]
     port = free_port()
-    run = run.replace("redis://redis:6379/0", redis_url).replace("--bind 0.0.0.0",
-                                                                 "--bind 127.0.0.1")
-    run = re.sub(r"--port \d+", f"--port {port}", run)
+    run = " ".join(dash["command"]).replace("redis://redis:6379/0", redis_url)
+    run = re.sub(r"--port \d+", f"--port {port}", run.replace("--bind 0.0.0.0",
+                                                               "--bind 127.0.0.1"))
     if not with_config:
         run = run.replace("-c vlmq_rq_dashboard", "")
+    (config,) = dash["configs"]
     mount = tmp / "etc-vlmq"
     mount.mkdir(exist_ok=True)
-    shutil.copy(ROOT / "server/dashboard/rq_dashboard_config.py",
-                mount / "vlmq_rq_dashboard.py")
+    (mount / Path(config["target"]).name).write_text(
+        spec["configs"][config["source"]]["content"], encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": str(mount), "PATH": f"{BIN}:{os.environ['PATH']}"}
-    proc = subprocess.Popen(["sh", "-c", run], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(run.split(), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60

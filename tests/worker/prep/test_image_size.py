@@ -151,7 +151,7 @@ def records() -> Iterator[Records]:
     handler = Records()
     logger = logging.getLogger("transformers.processing_utils")
     # mlx_vlm sets TRANSFORMERS_VERBOSITY=error when it is imported before transformers;
-    # in the worker, llguidance imports transformers first, so warnings show.
+    # whichever comes first, the filter must not depend on it, so warnings show here.
     level = logger.level
     logger.setLevel(logging.WARNING)
     logger.addHandler(handler)
