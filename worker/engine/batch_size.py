@@ -3,14 +3,16 @@
 On these CPUs (and on Metal) the batch keeps paying well past 8 rows on some work and not
 on other: OCR pages at 448 px gained x1.28 at 16 rows and x1.37 at 32 over 8. A fixed
 default is wrong for one of them, and a user who does not tune gets it. So the engine
-measures tokens/s at the current limit, over the decoding turns while the work in hand
-could fill it (turns short of full while finished rows' places refill count: they are
-part of what a limit gives). It doubles the limit while that gains more than `gain`;
-a doubling within `gain` either way is kept, and only one that loses more than `gain`
-goes back, to the knee. Readings of single turns miss what a bigger batch saves
-elsewhere: on the bench model 16 and 32 rows read within 1 % of each other while whole
-runs at 32 made 20 % more tokens/s (fewer waves of refills, per-step costs), so in the
-noise the bigger limit is the better bet. It doubles
+measures tokens/s at the current limit over every turn while the work in hand could
+fill it: turns that prefill, and turns short of full while finished rows' places refill,
+are part of what a limit gives, and MLX evaluates a step lazily, so one turn's cost
+lands partly in the next and only the sum over turns is true. It doubles the limit while
+that gains more than `gain`; a doubling within `gain` either way is kept, and only one
+that loses more than `gain` goes back, to the knee. On the bench model, readings of
+decoding turns alone put 8, 16 and 32 rows within 10 % of each other, in either order
+from run to run, while whole runs at 32 rows made 20-45 % more tokens/s than at 16 and 8
+(with 30, 15 and 7.5 rows in a decoding turn on average): in the noise, the bigger limit
+is the better bet. It doubles
 only when the rows in the batch and waiting for it could fill the next limit: a limit
 the work cannot fill can never be measured, and while it stands every waiting row goes
 in at once, past the knee, so a small job arriving then shares the step with all of
@@ -91,10 +93,9 @@ class BatchSizer:
 
     def observe(self, rows: int, tokens: int, seconds: float, shape: Shape,
                 waiting: int = 0) -> bool:
-        """One decoding turn (the engine leaves out turns that prefill: their cost is the
-        prompts', whatever the batch's size): `rows` in the batch, `tokens` it produced in
-        `seconds`, `waiting` rows submitted and not yet in it. True when the limit changed
-        (the engine logs `reason`)."""
+        """One turn of the engine, prefilling or not: `rows` in the batch, `tokens` it
+        produced in `seconds`, `waiting` rows submitted and not yet in it. True when the
+        limit changed (the engine logs `reason`)."""
         self._work = rows + waiting
         if self.limit == self.cap == self.floor:
             return False  # nothing to choose

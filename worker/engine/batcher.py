@@ -523,12 +523,12 @@ class _Loop:
                     c.last_s = 0.0
                 ts = time.perf_counter()
                 tokens = self._step()
+                self._size(rows, tokens, time.perf_counter() - t0)
                 if prefill:
                     st.prefill_turn_s += time.perf_counter() - t0
                 else:
                     st.decode_turns += 1
                     st.decode_turn_rows += rows
-                    self._size(rows, tokens, time.perf_counter() - t0)
                     self.matching.observe(time.perf_counter() - ts,
                                           sum(c.last_s for c in matchers))
                 self._hold_matching()
