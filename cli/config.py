@@ -52,47 +52,95 @@ def default_path() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".config") / "vlmq" / CONFIG_NAME
 
 
-def env_name(ctx: click.Context, param: click.Parameter) -> str | None:
-    """The generated environment variable of an option in this context (None for an
-    argument): what click's auto_envvar_prefix reads."""
-    if not isinstance(param, click.Option) or param.name is None or not ctx.auto_envvar_prefix:
-        return None
-    return f"{ctx.auto_envvar_prefix}_{param.name.upper()}"
+def word(text: str) -> str:
+    """A command or flag name as a variable's part."""
+    return text.upper().replace("-", "_")
 
 
-def hoist(args: Sequence[str]) -> list[str]:
+def name_variables(command: click.Command, prefix: str) -> None:
+    """Give each option of `command` (and of its subcommands, recursively) its variable,
+    `<prefix>_<LONG FLAG>`: the flag a user reads in --help, where click's own rule would
+    use the parameter's name (`--status` whose name is state, `--json` whose is as_json).
+    The name click would use stays an alias after it, and an option's own well-known
+    variable (REDIS_URL) after that. Flags that share one value (`--no-result-cache`,
+    `--result-cache-sampled`) read none: no one word names which of them a variable
+    means; the config file sets their value."""
+    for param in command.params:
+        if not isinstance(param, click.Option) or param.name is None:
+            continue
+        if param.is_flag and not param.is_bool_flag:
+            param.allow_from_autoenv = False
+            continue
+        longs = [o for o in param.opts if o.startswith("--")]
+        names = [f"{prefix}_{word(longs[0][2:])}"] if longs else []
+        names.append(f"{prefix}_{word(param.name)}")
+        own = param.envvar
+        names += [own] if isinstance(own, str) else list(own or [])
+        param.envvar = list(dict.fromkeys(names))
+    if isinstance(command, click.Group):
+        for name, sub in command.commands.items():
+            name_variables(sub, f"{prefix}_{word(name)}")
+
+
+def env_names(param: click.Option) -> list[str]:
+    """The variables an option reads, first the one its help and docs name."""
+    own = param.envvar
+    return [own] if isinstance(own, str) else list(own or [])
+
+
+def hoist(args: Sequence[str], root: click.Group, ctx: click.Context) -> list[str]:
     """The arguments with every root option moved to the front, so `vlmq worker
-    --redis-url URL` is `vlmq --redis-url URL worker`. Nothing after `--` moves."""
+    --redis-url URL` is `vlmq --redis-url URL worker`. The words are read as click will
+    read them, command by command: the value of another option (`--prompt --config`)
+    stays where it is, and nothing after `--` moves."""
     front: list[str] = []
     rest: list[str] = []
-    items = list(args)
+    command: click.Command = root
+    valued = _valued(root)
     i = 0
-    while i < len(items):
-        word = items[i]
-        if word == "--":
-            rest.extend(items[i:])
-            break
+    while i < len(args):
+        word = args[i]
         name = word.split("=", 1)[0]
+        if word == "--":
+            rest.extend(args[i:])
+            break
         if name in ROOT_OPTIONS:
-            takes_next = "=" not in word and i + 1 < len(items)
-            front.extend(items[i:i + 2] if takes_next else [word])
-            i += 2 if takes_next else 1
+            end = i + 1 if "=" in word else min(i + 2, len(args))
+            front.extend(args[i:end])
+            i = end
             continue
+        if word in valued:
+            rest.extend(args[i:i + 2])
+            i += 2
+            continue
+        if not word.startswith("-") and isinstance(command, click.Group):
+            sub = command.get_command(ctx, word)
+            if sub is not None:
+                command, valued = sub, _valued(sub)
         rest.append(word)
         i += 1
     return front + rest
 
 
+def _valued(command: click.Command) -> set[str]:
+    """The option words of `command` that take the next word as their value."""
+    return {opt for p in command.params if isinstance(p, click.Option) and not p.is_flag
+            and p.nargs != 0 for opt in p.opts}
+
+
 def config_path(args: Sequence[str]) -> tuple[Path | None, bool]:
     """(the file to read, whether it was named): --config in the (hoisted) arguments,
     else $VLMQ_CONFIG, else the default location when a file is there."""
+    named: Path | None = None  # the last one given, as click keeps the last value
     for i, word in enumerate(args):
         if word == "--":
             break
         if word == "--config" and i + 1 < len(args):
-            return Path(args[i + 1]), True
-        if word.startswith("--config="):
-            return Path(word.split("=", 1)[1]), True
+            named = Path(args[i + 1])
+        elif word.startswith("--config="):
+            named = Path(word.split("=", 1)[1])
+    if named is not None:
+        return named, True
     if os.environ.get(CONFIG_ENV):
         return Path(os.environ[CONFIG_ENV]), True
     path = default_path()
@@ -110,6 +158,8 @@ def load(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not valid TOML: not UTF-8 text") from None
     return _names(data)
 
 
@@ -124,11 +174,15 @@ def check(ctx: click.Context, command: click.Command, table: dict[str, Any],
     table), naming it and the file. A key may be the option's name or its long flag
     (`json` for --json, whose name is as_json); it is renamed to the name in place."""
     names = _option_keys(command)
+    repeatable = {p.name for p in command.params if isinstance(p, click.Option) and p.multiple}
     for key in list(table):
         value = table[key]
         here = f"{where}.{key}" if where else key
         if key in names and not isinstance(value, dict):
-            table[names[key]] = table.pop(key)
+            name = names[key]
+            value = table.pop(key)
+            # One word for a repeatable option is a list of one, as on the command line.
+            table[name] = [value] if name in repeatable and isinstance(value, str) else value
             continue
         sub = (command.get_command(ctx, key) if isinstance(command, click.Group)
                and isinstance(value, dict) else None)
@@ -152,6 +206,24 @@ def _option_keys(command: click.Command) -> dict[str, str]:
     return keys
 
 
+def misconfigured(exc: click.BadParameter) -> str | None:
+    """What to say when a refused value came from a config file or an environment
+    variable, not the command line (a configuration error, exit 78); None otherwise."""
+    ctx, param = exc.ctx, exc.param
+    if ctx is None or not isinstance(param, click.Option) or param.name is None:
+        return None
+    source = ctx.get_parameter_source(param.name)
+    if source is ParameterSource.DEFAULT_MAP:
+        path = ctx.find_root().meta.get(CONFIG_META)
+        table = ".".join(c.info_name or "" for c in list(reversed(_chain(ctx)))[1:])
+        key = f"{table}.{param.name}" if table else param.name
+        return f"config file {path}: {key!r}: {exc.format_message()}"
+    if source is ParameterSource.ENVIRONMENT:
+        names = [n for n in env_names(param) if os.environ.get(n)]
+        return f"environment variable {names[0] if names else '?'}: {exc.format_message()}"
+    return None
+
+
 def sources(ctx: click.Context, path: Path | None) -> Iterator[tuple[str, str, Any, str]]:
     """(table, option name, value, where it came from) for each option of the command
     being run and of the commands above it; the root's table is ""."""
@@ -172,18 +244,11 @@ def _source(ctx: click.Context, param: click.Option, path: Path | None) -> str:
     if source is ParameterSource.COMMANDLINE:
         return f"flag {param.opts[0]}"
     if source is ParameterSource.ENVIRONMENT:
-        names = [n for n in _env_candidates(ctx, param) if os.environ.get(n)]
+        names = [n for n in env_names(param) if os.environ.get(n)]
         return f"env {names[0]}" if names else "env"
     if source is ParameterSource.DEFAULT_MAP:
         return f"file {path}"
     return "default"
-
-
-def _env_candidates(ctx: click.Context, param: click.Option) -> list[str]:
-    own = param.envvar
-    names = [own] if isinstance(own, str) else list(own or [])
-    auto = env_name(ctx, param)
-    return names + ([auto] if auto else [])
 
 
 def toml_value(value: Any) -> str | None:

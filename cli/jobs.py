@@ -230,8 +230,7 @@ def enqueue(ctx: click.Context, manifest: str | None, openai_batch: str | None,
     --openai-batch."""
     if ctx.invoked_subcommand is not None:
         ctx.meta["vlmq.allow_eviction"] = allow_eviction  # before the task or after it
-        _refuse_file_options(ctx, manifest, openai_batch, queue, skip_bad, labels, as_json,
-                             model_map, strict_model)
+        _refuse_file_options(ctx)
         return
     if (model_map or strict_model) and openai_batch is None:
         raise click.UsageError("--model-map and --strict-model go with --openai-batch")
@@ -257,12 +256,15 @@ def enqueue(ctx: click.Context, manifest: str | None, openai_batch: str | None,
                    allow_eviction, wait_timeout)
 
 
-def _refuse_file_options(ctx: click.Context, *given: object) -> None:
-    """The options of --manifest/--openai-batch given before a task subcommand: refused,
-    since the task would not see them (its own go after it)."""
-    typed = {name: ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
-             for name in ("stores", "job_size", "max_pending_mb", "wait_timeout")}
-    if any(given) or any(typed.values()):
+def _refuse_file_options(ctx: click.Context) -> None:
+    """The options of --manifest/--openai-batch typed before a task subcommand: refused,
+    since the task would not see them (its own go after it). Values from the environment
+    or a config file's [enqueue] table are not typed there: they stand for the file
+    forms only."""
+    typed = [name for name, source in ((p.name, ctx.get_parameter_source(p.name))
+                                       for p in ctx.command.params if p.name)
+             if source == click.core.ParameterSource.COMMANDLINE and name != "allow_eviction"]
+    if typed:
         raise click.UsageError("--manifest/--openai-batch/--queue/--skip-bad/--label/"
                                "--json/--job-size/--max-pending-mb/--wait-timeout/--store "
                                "before the task go with --manifest or --openai-batch only; "

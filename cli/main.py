@@ -125,6 +125,8 @@ class _Main(click.Group):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._loaded: set[str] = set()
+        self._named: set[str] = set()
+        config.name_variables(self, config.ENV_PREFIX)
 
     def load(self, module: str) -> None:
         """Register a module's commands, once."""
@@ -135,7 +137,11 @@ class _Main(click.Group):
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name in COMMANDS:
             self.load(COMMANDS[cmd_name][0])
-        return super().get_command(ctx, cmd_name)
+        command = super().get_command(ctx, cmd_name)
+        if command is not None and cmd_name not in self._named:
+            self._named.add(cmd_name)
+            config.name_variables(command, f"{config.ENV_PREFIX}_{config.word(cmd_name)}")
+        return command
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(COMMANDS) | set(self.commands))
@@ -149,7 +155,7 @@ class _Main(click.Group):
             formatter.write_dl(rows)
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        args = config.hoist(args)
+        args = config.hoist(args, self, ctx)
         ctx.meta[JSON_META] = json_wanted(args)
         ctx.meta[_HELP_META] = "--help" in args or ctx.resilient_parsing
         if no_color():
@@ -157,6 +163,10 @@ class _Main(click.Group):
         self._read_config(ctx, args)
         try:
             return super().parse_args(ctx, args)
+        except click.BadParameter as exc:
+            _misconfigured(exc)
+            _usage_json(ctx, exc)
+            raise
         except click.ClickException as exc:
             _usage_json(ctx, exc)
             raise
@@ -178,6 +188,10 @@ class _Main(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except click.BadParameter as exc:
+            _misconfigured(exc)
+            _usage_json(ctx, exc)
+            raise
         except click.ClickException as exc:
             _usage_json(ctx, exc)
             raise
@@ -197,6 +211,13 @@ def short_help(group: click.Group, ctx: click.Context, name: str, limit: int = 4
         return click.Command(name, help=line).get_short_help_str(limit)
     command = group.get_command(ctx, name)
     return "" if command is None else command.get_short_help_str(limit)
+
+
+def _misconfigured(exc: click.BadParameter) -> None:
+    """A value refused that came from a config file or a variable: exit 78, naming it."""
+    problem = config.misconfigured(exc)
+    if problem is not None:
+        fail(f"error: {problem}", EXIT_CONFIG)
 
 
 def _usage_json(ctx: click.Context, exc: click.ClickException) -> None:

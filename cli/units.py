@@ -468,8 +468,13 @@ def _service_env(ctx: click.Context, env_opts: Sequence[str]) -> tuple[dict[str,
     """(the environment of the worker `vlmq worker` would run here, the relevant-looking
     variables of this shell left out): this root's Redis URL, this shell's carried
     variables, then --env, which has the last word."""
-    root = ctx.find_root().obj or {}
-    env = {"REDIS_URL": str(root.get("redis_url") or C.DEFAULT_REDIS_URL)}
+    root_ctx = ctx.find_root()
+    root = root_ctx.obj or {}
+    # A URL from the config file stays there: the unit reads the same file, and a
+    # variable would outrank later edits of it.
+    from_file = root_ctx.get_parameter_source("redis_url") is ParameterSource.DEFAULT_MAP
+    env = {} if from_file else {"REDIS_URL": str(root.get("redis_url")
+                                                 or C.DEFAULT_REDIS_URL)}
     left_out = []
     for key, value in sorted(os.environ.items()):
         if carried(key):

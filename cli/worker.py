@@ -151,7 +151,11 @@ def _print_config(ctx: click.Context) -> None:
     """--print-config: the values as parsed, before the worker extra or a model is needed."""
     from vlmq.cli import config
 
+    from vlmq.shared.urls import redact_url
+
     def shown(name: str, value: Any) -> Any:
+        if name == "redis_url" and value:
+            return redact_url(str(value))
         if name == "stores":
             return [options.store_spec(store) for store in options.stores(value)]
         return value

@@ -73,7 +73,7 @@ class FileStore:
         self.keys = keys
         self.limits = limits or ApiLimits()
         self.uploads = folder / "uploads"
-        self.uploads.mkdir(parents=True, exist_ok=True)
+        self.uploads.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def path(self, file_id: str) -> Path:
         return self.uploads / file_id

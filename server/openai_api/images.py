@@ -31,7 +31,7 @@ _BATCH_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")
 def batch_spool(root: Path, batch_id: str) -> Path:
     """The folder a batch's validation decodes its images into, made empty-or-existing."""
     folder = root / batch_id
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     return folder
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -96,8 +97,25 @@ def test_root_options_work_after_the_command(toml: Path) -> None:
 def test_a_nested_command_reads_its_own_variable(tmp_path: Path) -> None:
     image = helpers.make_images(tmp_path, 1)[0]
     res = _invoke("enqueue", "ocr", str(image), env={"VLMQ_ENQUEUE_OCR_MAX_TOKENS": "many"})
-    assert res.exit_code == 2
+    assert res.exit_code == 78  # a configuration error, not a usage one
+    assert "environment variable VLMQ_ENQUEUE_OCR_MAX_TOKENS" in res.stderr
     assert "--max-tokens" in res.stderr and "many" in res.stderr
+
+
+def test_variables_follow_the_long_flag(redis_url: str) -> None:
+    """`--status` (whose parameter is named state) reads VLMQ_JOBS_STATUS; flags that
+    share one value read none; values from the file that the flags would refuse are a
+    configuration error naming the file and the key."""
+    res = _invoke("--redis-url", redis_url, "jobs", env={"VLMQ_JOBS_STATUS": "bogus"})
+    assert res.exit_code == 78 and "VLMQ_JOBS_STATUS" in res.stderr, res.output
+    rows = _settings(_invoke("worker", "--print-config",
+                             env={"VLMQ_WORKER_MODEL": "/m",
+                                  "VLMQ_WORKER_STORE": "pics=file:///srv/pics"}).stdout)
+    assert rows["stores"] == ('["pics=file:///srv/pics"]', "env VLMQ_WORKER_STORE")
+    image = helpers.make_images(Path(tempfile.mkdtemp()), 1)[0]
+    res = _invoke("--redis-url", redis_url, "enqueue", "ocr", str(image),
+                  env={"VLMQ_ENQUEUE_OCR_RESULT_CACHE": "off"})
+    assert res.exit_code == 0, res.output  # no flag of a shared value reads it
 
 
 def test_a_file_that_cannot_be_used_exits_78_naming_the_problem(tmp_path: Path) -> None:
@@ -135,12 +153,32 @@ def test_the_unit_reads_the_same_file(toml: Path) -> None:
     exec_start = next(line for line in res.stdout.splitlines() if line.startswith("ExecStart="))
     words = exec_start.split()
     assert words[1:5] == ["--config", str(toml), "worker", "--burst"]
+    assert "REDIS_URL=" not in res.stdout  # the file's URL: a variable would outrank it
 
 
-def test_hoist_leaves_what_follows_a_double_dash() -> None:
-    assert config.hoist(["worker", "--redis-url", "U", "--", "--config", "x"]) == [
-        "--redis-url", "U", "worker", "--", "--config", "x"]
-    assert config.hoist(["jobs", "--config=f.toml"]) == ["--config=f.toml", "jobs"]
+def test_enqueue_options_from_the_file_are_not_typed_before_the_task(
+        tmp_path: Path, redis_url: str) -> None:
+    path = tmp_path / "enqueue.toml"
+    path.write_text("[enqueue]\nskip-bad = true\n[enqueue.ocr]\nmax-tokens = 5\n")
+    image = helpers.make_images(tmp_path, 1)[0]
+    res = _invoke("--config", str(path), "--redis-url", redis_url, "enqueue", "ocr",
+                  str(image))
+    assert res.exit_code == 0, res.output
+    typed = _invoke("--redis-url", redis_url, "enqueue", "--skip-bad", "ocr", str(image))
+    assert typed.exit_code == 2 and "put them after the task" in typed.stderr
+
+
+def test_hoist_moves_root_options_only() -> None:
+    with main.make_context("vlmq", ["--help"], resilient_parsing=True) as ctx:
+        def hoist(*args: str) -> list[str]:
+            return config.hoist(list(args), main, ctx)
+
+        assert hoist("worker", "--redis-url", "U", "--", "--config", "x") == [
+            "--redis-url", "U", "worker", "--", "--config", "x"]
+        assert hoist("jobs", "--config=f.toml") == ["--config=f.toml", "jobs"]
+        # The value of another option stays that option's.
+        assert hoist("enqueue", "generate", "--prompt", "--config", "a.png") == [
+            "enqueue", "generate", "--prompt", "--config", "a.png"]
 
 
 def test_a_worker_takes_its_model_from_the_environment(tiny_model: Path, redis_url: str,
