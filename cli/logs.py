@@ -62,10 +62,18 @@ class LogSettings:
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any]) -> LogSettings:
-        """From the options' values by name (a usage error when -v and -q are both given)."""
+        """From the options' values by name (a usage error when -v and -q are both given).
+        What the command line says outranks what a variable or the config file says, as for
+        every option: `-q` typed beats `verbose` from the file, `--log-level debug` typed
+        beats `quiet` from the environment."""
+        verbose, quiet = values["verbose"], values["quiet"]
+        typed = _typed(("log_level", "verbose", "quiet"))
+        if typed & {"verbose", "quiet"}:
+            verbose, quiet = verbose and "verbose" in typed, quiet and "quiet" in typed
+        elif "log_level" in typed:
+            verbose = quiet = False
         try:
-            level = logs.level_of(values["log_level"], verbose=values["verbose"],
-                                  quiet=values["quiet"])
+            level = logs.level_of(values["log_level"], verbose=verbose, quiet=quiet)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
         return cls(level=level, fmt=values["log_format"])
@@ -87,6 +95,15 @@ class LogSettings:
         root.setLevel(max(level, logging.INFO))
         logging.getLogger("vlmq").setLevel(level)
         logging.captureWarnings(True)
+
+
+def _typed(names: tuple[str, ...]) -> set[str]:
+    """Which of these options the running command's line gave."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return set()
+    return {name for name in names
+            if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE}
 
 
 def click_option(option: logs.LogOption) -> Callable[[F], F]:

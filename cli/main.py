@@ -305,11 +305,14 @@ def main(ctx: click.Context, redis_url: str, config_file: str | None) -> None:
 
 def _start_scheduler(redis_url: str, stores: Stores | None = None
                      ) -> tuple[threading.Thread, threading.Event]:
-    """server.scheduler.start_scheduler_thread, imported only by a worker that runs it."""
-    from vlmq.cli.progress import warn
+    """server.scheduler.start_scheduler_thread, imported only by a worker that runs it. Its
+    warnings are log records, in the worker's log format."""
+    import logging
+
     from vlmq.server.scheduler import start_scheduler_thread
 
-    return start_scheduler_thread(redis_url, stores, on_warning=warn)
+    return start_scheduler_thread(redis_url, stores,
+                                  on_warning=logging.getLogger("vlmq.scheduler").warning)
 
 
 @main.command("demo")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import threading
@@ -237,7 +238,9 @@ def scheduler_cmd(ctx: click.Context, tick: float, stores: Stores,
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    run_scheduler(ctx.obj["redis_url"], stop, tick_s=tick, stores=stores, on_warning=warn)
+    # A long-running command: its warnings are log records, in its log format.
+    run_scheduler(ctx.obj["redis_url"], stop, tick_s=tick, stores=stores,
+                  on_warning=logging.getLogger("vlmq.scheduler").warning)
 
 
 def register(group: click.Group) -> None:

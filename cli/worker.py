@@ -150,7 +150,6 @@ def _starting(redis_url: str, settings: Mapping[str, Any]) -> Starting:
 def _print_config(ctx: click.Context) -> None:
     """--print-config: the values as parsed, before the worker extra or a model is needed."""
     from vlmq.cli import config
-
     from vlmq.shared.urls import redact_url
 
     def shown(name: str, value: Any) -> Any:

@@ -179,3 +179,28 @@ def test_each_server_logs_json_lines(server_env: dict[str, str], args: tuple[str
     lines = [json.loads(raw) for raw in text.splitlines()]  # every line, not only ours
     assert all(set(entry) >= JSON_KEYS for entry in lines), lines
     no_noise(text)
+
+
+def test_the_command_line_outranks_the_environment_and_the_file() -> None:
+    """-q typed beats verbose from a variable; --log-level typed beats quiet from the file;
+    -v and -q typed together still contradict."""
+    from click.testing import CliRunner
+
+    from vlmq.cli.logs import log_options
+
+    @click.command("probe")
+    @log_options
+    def probe(log_setup: LogSettings) -> None:
+        click.echo(log_setup.level)
+
+    def level(args: list[str], env: dict[str, str] | None = None,
+              default_map: dict[str, Any] | None = None) -> str:
+        res = CliRunner().invoke(probe, args, env=env, auto_envvar_prefix="VLMQ_PROBE",
+                                 default_map=default_map)
+        return res.output.strip() if res.exit_code == 0 else f"exit {res.exit_code}"
+
+    assert level([], env={"VLMQ_PROBE_VERBOSE": "1"}) == "debug"
+    assert level(["-q"], env={"VLMQ_PROBE_VERBOSE": "1"}) == "warning"
+    assert level(["--log-level", "debug"], default_map={"quiet": True}) == "debug"
+    assert level([], default_map={"quiet": True}) == "warning"
+    assert level(["-v", "-q"]) == "exit 2"
