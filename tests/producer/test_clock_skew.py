@@ -60,7 +60,7 @@ def test_a_skewed_worker_takes_no_live_job_and_its_own_are_taken_when_it_dies(
         redis_url: str, redis: Redis, tiny_model: Path, tmp_path: Path,
         procs: list[subprocess.Popen[str]]) -> None:
     client = Client(redis_url)
-    live = _long_job(client, tmp_path, "qa", 40)
+    live = _long_job(client, tmp_path, "qa", 80)
     healthy = _spawn(procs, redis_url, tiny_model, tmp_path / "a", "healthy", "qa")
     wait_for(lambda: _owner(redis, live) == "healthy", 300, "the healthy worker's job")
     retries = redis.hget(f"rq:job:{live.id}", "retries_left")
