@@ -1,4 +1,5 @@
-"""`vlmq api`: OpenAI's Files and Batch API for the official SDKs (docs/openai-api.md).
+"""`vlmq api`: OpenAI's Files, Batch and Chat Completions API for the official SDKs
+(docs/openai-api.md).
 
 The dashboard's stack (Flask under waitress): already a vlmq extra, with its Host guard
 and connection limits reused; the API's work is Redis reads and file streams, which
@@ -59,14 +60,31 @@ def _limit_options(command: Callable[..., Any]) -> Callable[..., Any]:
               help="A line's model NAME runs on workers serving CHECKPOINT (as enqueue's).")
 @click.option("--strict-model", is_flag=True,
               help="A line's model must be the one its workers serve (as enqueue's).")
+@click.option("--image-urls", "image_urls", is_flag=True,
+              help="Fetch http(s) image URLs in chat requests (off: only inline data: "
+                   "images). The server then fetches whatever a key holder names, from "
+                   "its own network: turn it on only where that is acceptable.")
+@click.option("--image-url-max-mb", type=click.FloatRange(0, min_open=True), default=20,
+              show_default=True, metavar="MB", help="With --image-urls: the most one "
+                                                    "fetched image may be.")
+@click.option("--image-url-timeout", type=click.FloatRange(0, min_open=True), default=10,
+              show_default=True, metavar="S", help="With --image-urls: the most one fetch "
+                                                   "may take.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="N",
+              help="Serve the API's Prometheus metrics (chat requests, time to first "
+                   "token, tokens per second) on this port (0: a free one); off by default.")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True,
+              help="Interface the metrics listen on.")
 @_limit_options
 @log_options
 @click.pass_context
 def api_cmd(ctx: click.Context, /, host: str, port: int,
             api_keys: str | None, files_dir: str | None, allowed_hosts: tuple[str, ...],
-            model_map: tuple[str, ...], strict_model: bool, log_setup: LogSettings,
-            **limits: float) -> None:
-    """Serve OpenAI's Files and Batch API: the official SDKs submit bulk work to vlmq."""
+            model_map: tuple[str, ...], strict_model: bool, image_urls: bool,
+            image_url_max_mb: float, image_url_timeout: float, metrics_port: int | None,
+            metrics_host: str, log_setup: LogSettings, **limits: float) -> None:
+    """Serve OpenAI's Files, Batch and Chat Completions API: the official SDKs submit
+    bulk work and ask interactive questions of vlmq's workers."""
     from redis.exceptions import RedisError
 
     from vlmq.producer.client import redact_url
@@ -76,6 +94,7 @@ def api_cmd(ctx: click.Context, /, host: str, port: int,
     try:
         from vlmq.server.openai_api.access import load_keys
         from vlmq.server.openai_api.app import ApiSettings, create_app
+        from vlmq.server.openai_api.image_urls import MB, RemoteImages
         from vlmq.server.openai_api.limits import ApiLimits
         from vlmq.server.openai_api.server import make_server
     except ImportError as exc:
@@ -91,12 +110,14 @@ def api_cmd(ctx: click.Context, /, host: str, port: int,
 
     folder = Path(files_dir) if files_dir else default_api_files_dir()
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # tenants' files: owner only
     except OSError as exc:
         fail(f"error: cannot make the files folder {folder}: {exc}", EXIT_BAD_INPUT)
     settings = ApiSettings(redis_url=url, files_dir=folder, keys=tuple(keys), host=host,
                            port=port, allowed_hosts=allowed_hosts, models=models,
-                           limits=ApiLimits.from_options(limits))
+                           limits=ApiLimits.from_options(limits),
+                           image_urls=RemoteImages(int(image_url_max_mb * MB),
+                                                   image_url_timeout) if image_urls else None)
     try:
         app = create_app(settings)
     except ValueError as exc:  # a bad --allowed-host; the message never holds a key
@@ -107,6 +128,12 @@ def api_cmd(ctx: click.Context, /, host: str, port: int,
     except RedisError as exc:
         fail(f"error: cannot reach Redis at {redact_url(url)}: {exc}", EXIT_UNREACHABLE)
     log_setup.configure()
+    if metrics_port is not None:
+        try:
+            served = parts["chat"].metrics.serve(metrics_host, metrics_port)
+        except OSError as exc:
+            fail(f"error: --metrics-port: {exc.strerror or exc}", EXIT_BAD_INPUT)
+        log.info("the API's metrics on http://%s:%d/metrics", metrics_host, served)
     stop = threading.Event()
     threading.Thread(target=_sweep, args=(parts, stop), name="api-sweeper",
                      daemon=True).start()

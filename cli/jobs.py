@@ -11,6 +11,7 @@ import functools
 import json
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -118,11 +119,17 @@ def _not_media_json(what: Job | Batch) -> list[dict[str, str]]:
 
 
 def _warn_unserved(client: Client, queues: Sequence[str]) -> None:
-    for queue in dict.fromkeys(queues):
-        if client.serving(queue) == 0:
-            click.echo(f"vlmq: warning: no live worker serves queue {queue!r}; the job "
-                       f"waits until one starts (vlmq worker --model M --queues {queue})",
-                       err=True)
+    """Warn of a queue no worker serves, after a short grace: a worker started in the
+    background a moment before (as the README does) names itself within it."""
+    unserved = [q for q in dict.fromkeys(queues) if client.serving(q) == 0]
+    deadline = time.monotonic() + C.UNSERVED_GRACE_S
+    while unserved and time.monotonic() < deadline:
+        time.sleep(0.1)
+        unserved = [q for q in unserved if client.serving(q) == 0]
+    for queue in unserved:
+        click.echo(f"vlmq: warning: no live worker serves queue {queue!r}; the job "
+                   f"waits until one starts (vlmq worker --model M --queues {queue})",
+                   err=True)
 
 
 def _set_json(what: Job | Batch) -> dict[str, Any]:

@@ -82,10 +82,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("vlmq.cli.worker", "Model utilities."),
     "dashboard": ("vlmq.cli.dashboard", "A web page over queues, workers and jobs: progress, "
                                         "and each page next to its text."),
-    "api": ("vlmq.cli.api", "Serve OpenAI's Files and Batch API: the official SDKs submit "
-                            "bulk work to vlmq."),
+    "api": ("vlmq.cli.api", "Serve OpenAI's Files, Batch and Chat Completions API: the "
+                            "official SDKs submit bulk work and ask interactive questions "
+                            "of vlmq's workers."),
     "metrics": ("vlmq.cli.metrics", "Serve fleet metrics for Prometheus at "
                                     "http://HOST:PORT/metrics."),
+    "ask": ("vlmq.cli.ask", "Ask one question about one image now, ahead of the bulk "
+                            "work; the answer prints as it is decoded."),
     "help": ("vlmq.cli.help", "Print an installed documentation page (no TOPIC: list them); "
                               "a command's name prints that command's --help."),
     "service": ("vlmq.cli.units", "launchd and systemd units that keep a worker running and "

@@ -70,7 +70,7 @@ def job_options(scope: str | None = None, *, exclude: Iterable[str] = (),
     """Add a click option per setting (those `scope` may carry, less `exclude`) and pass
     them on as one `options` argument, a JobOptions. `overrides`: click keywords by
     setting name (a command's own help or default)."""
-    chosen = [s for s in (S.SETTINGS if scope is None else S.rows(scope))
+    chosen = [s for s in (S.rows("cli") if scope is None else S.rows(scope))
               if s.name not in set(exclude)]
 
     def decorate(func: F) -> F:

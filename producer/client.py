@@ -58,6 +58,7 @@ from vlmq.shared.urls import redact_url
 #.
 if TYPE_CHECKING:
     from vlmq.producer import job_sets
+    from vlmq.producer.chat import ChatStream, MessagesIn
     from vlmq.producer.inputs import Prepared
     from vlmq.producer.page_specs import PageSpec
     from vlmq.stores.backends import Stores
@@ -218,6 +219,25 @@ class Client:
         opts = _options(options, values).with_(schema=extract_schema.as_schema(schema))
         return self.submit("extract", paths, opts, pages=pages, recursive=recursive,
                            skip_bad=skip_bad)
+
+    def chat(self, messages: MessagesIn, *, image: str | os.PathLike[str] | bytes | None = None,
+             system: str | None = None, max_tokens: int | None = None,
+             temperature: float | None = None, stop: Sequence[str] | None = None,
+             schema: Any = None, model: str | None = None, timeout: float | None = None,
+             result_cache: str = "off", job_id: str | None = None) -> ChatStream:
+        """Ask now: one conversation about at most one image, taken by a worker ahead of
+        every bulk job; iterate the returned ChatStream for the text as it is decoded.
+
+        `messages`: a question (str), with `image` a path or its bytes; or OpenAI-style
+        message dicts (producer/chat.py chat_input). `schema` constrains the answer to a
+        JSON Schema (the extract path). Raises NoWorker at once when no live worker
+        serves the chat queue; the stream raises ChatError when the answer cannot come.
+        """
+        from vlmq.producer import chat
+
+        return chat.chat(self, messages, image=image, system=system, max_tokens=max_tokens,
+                         temperature=temperature, stop=stop, schema=schema, model=model,
+                         timeout=timeout, result_cache=result_cache, job_id=job_id)
 
     def submit(self, task: str, inputs: Inputs | Prepared, options: JobOptions | None = None,
                *, pages: PageSpec = None, recursive: bool = False,

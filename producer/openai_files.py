@@ -239,9 +239,9 @@ def parse_request(number: int, text: str, *, folder: Path | None, spool: Path,
     if not isinstance(body, dict):
         raise PayloadError("body", f"must be an object, got {type(body).__name__}")
     _check_body_fields(body)
-    task, schema = _task(body.get("response_format"))
+    task, schema = task_of(body.get("response_format"))
     prompt, image = _messages(body.get("messages"), task)
-    model_name = _model_name(body.get("model"))
+    model_name = model_name_of(body.get("model"))
     if names is not None and model_name is not None:
         names[number] = model_name
     wanted = (models or ModelPolicy()).setting(model_name)
@@ -249,10 +249,10 @@ def parse_request(number: int, text: str, *, folder: Path | None, spool: Path,
         "prompt": S.BY_NAME["prompt"].check(prompt or None, "body.messages"),
         "schema": schema,
         "model": S.BY_NAME["model"].check(wanted, "body.model"),
-        "max_tokens": _max_tokens(body),
+        "max_tokens": max_tokens_of(body),
         "temperature": S.BY_NAME["temperature"].check(body.get("temperature"),
                                                       "body.temperature"),
-        "stop": _stop(body.get("stop")),
+        "stop": stop_of(body.get("stop")),
     }
     file, source, field_name = _item_input(image, number, folder, spool)
     return Request(line=number, custom_id=custom_id, task=task, file=file, pages=None,
@@ -277,7 +277,7 @@ def _check_url(url: Any) -> None:
                               f"{_shown(url)}")
 
 
-def _model_name(value: Any) -> str | None:
+def model_name_of(value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value or len(value) > MAX_MODEL_NAME:
@@ -291,7 +291,7 @@ def _check_body_fields(body: Mapping[str, Any]) -> None:
         if name in BODY_FIELDS or name in IGNORED:
             continue
         if name in NOT_APPLIED:
-            _check_number(f"body.{name}", value, NOT_APPLIED[name])
+            check_number(f"body.{name}", value, NOT_APPLIED[name])
             continue
         if name in DEFAULT_ONLY:
             default = DEFAULT_ONLY[name]
@@ -305,7 +305,7 @@ def _check_body_fields(body: Mapping[str, Any]) -> None:
                                            f"{', '.join(IGNORED)})")
 
 
-def _check_number(where: str, value: Any, bounds: tuple[type, float, float]) -> None:
+def check_number(where: str, value: Any, bounds: tuple[type, float, float]) -> None:
     """A knob that is not applied must still be what OpenAI would take."""
     if value is None:
         return
@@ -318,7 +318,7 @@ def _check_number(where: str, value: Any, bounds: tuple[type, float, float]) -> 
         raise PayloadError(where, f"must be between {shown}, got {value}")
 
 
-def _task(value: Any) -> tuple[str, dict[str, Any] | None]:
+def task_of(value: Any) -> tuple[str, dict[str, Any] | None]:
     """(task, schema) from response_format: generate, or extract with a schema."""
     where = "body.response_format"
     if value is None:
@@ -370,7 +370,7 @@ def _messages(value: Any, task: str) -> tuple[str, tuple[str, str] | None]:
     for i, msg in enumerate(value):
         where = f"body.messages[{i}]"
         role, content = _message(msg, where)
-        for text, ref in _parts(content, where, role):
+        for text, ref in content_parts(content, where, role):
             if text is not None:
                 texts.append(text)
             elif ref is not None:
@@ -401,7 +401,7 @@ def _message(msg: Any, where: str) -> tuple[str, Any]:
     return role, msg.get("content")
 
 
-def _parts(content: Any, where: str, role: str
+def content_parts(content: Any, where: str, role: str
            ) -> Iterator[tuple[str | None, tuple[str, str] | None]]:
     """A message's content as parts, checked one at a time in order (a string is one text
     part), so the first problem in the file is the one reported."""
@@ -441,8 +441,9 @@ def _part(part: Any, where: str, role: str) -> tuple[str | None, tuple[str, str]
     if not isinstance(inner, dict):
         raise PayloadError(f"{where}.file", 'must be {"file_data": "data:..."}')
     if "file_id" in inner:
-        raise PayloadError(f"{where}.file.file_id", "vlmq has no files API: inline the "
-                                                    "file as file_data (a data: URI)")
+        raise PayloadError(f"{where}.file.file_id", "uploaded files are not read as a "
+                                                    "request's input: inline the file as "
+                                                    "file_data (a data: URI)")
     if not isinstance(inner.get("file_data"), str):
         raise PayloadError(f"{where}.file.file_data", "must be a data: URI")
     return None, (f"{where}.file.file_data", inner["file_data"])
@@ -459,7 +460,7 @@ def _check_image(inner: Mapping[str, Any], where: str) -> None:
                                               f"{_shown(detail)}")
 
 
-def _max_tokens(body: Mapping[str, Any]) -> int | None:
+def max_tokens_of(body: Mapping[str, Any]) -> int | None:
     given = [n for n in ("max_tokens", "max_completion_tokens") if body.get(n) is not None]
     if len(given) > 1:
         raise PayloadError("body.max_completion_tokens", "give max_tokens or "
@@ -470,7 +471,7 @@ def _max_tokens(body: Mapping[str, Any]) -> int | None:
     return value
 
 
-def _stop(value: Any) -> tuple[str, ...] | None:
+def stop_of(value: Any) -> tuple[str, ...] | None:
     if value is None:
         return None
     listed = [value] if isinstance(value, str) else value
@@ -505,6 +506,21 @@ def _input(url: str, field: str, number: int, folder: Path | None, spool: Path
 def _spooled(url: str, field: str, number: int, spool: Path) -> tuple[Path, str]:
     """A data: URI's bytes in the spool, named by their hash (the same image on many
     lines is one file, one upload); its source names the line."""
+    data, mime = data_uri_bytes(url, field)
+    path = spool / sha256_hex(data)
+    try:
+        if not path.exists():
+            path.write_bytes(data)
+    except OSError as exc:
+        raise InputError(str(spool), f"cannot spool a data: image: "
+                                     f"{exc.strerror or exc}") from exc
+    suffix = "pdf" if mime == "application/pdf" else mime.partition("/")[2]
+    return path, f"data-line{number}.{suffix}"
+
+
+def data_uri_bytes(url: str, field: str) -> tuple[bytes, str]:
+    """(bytes, media type) of a base64 data: URI of an image or a PDF; PayloadError
+    naming `field` for anything else."""
     head, comma, encoded = url.partition(",")
     if not comma:
         raise PayloadError(field, "is not a data: URI (no comma before the data)")
@@ -522,14 +538,7 @@ def _spooled(url: str, field: str, number: int, spool: Path) -> tuple[Path, str]
         raise PayloadError(field, f"is not valid base64 ({exc})") from None
     if not data:
         raise PayloadError(field, "holds no data")
-    path = spool / sha256_hex(data)
-    try:
-        if not path.exists():
-            path.write_bytes(data)
-    except OSError as exc:
-        raise InputError(str(spool), f"cannot spool a data: image: "
-                                     f"{exc.strerror or exc}") from exc
-    return path, f"data-line{number}.{'pdf' if mime == 'application/pdf' else subtype}"
+    return data, mime
 
 
 # --- the file's record, kept with its batch ---------------------------------------------------

@@ -43,6 +43,9 @@ DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 # producers count it as serving the queue. A worker that dies while starting leaves the
 # set at most this long after its last refresh.
 WORKER_STARTING_TTL_S = 30
+# Enqueue warns of a queue no worker serves only after this long without one: a worker
+# started in the background a moment before names itself within it.
+UNSERVED_GRACE_S = 1.5
 
 BLOB_TTL_S = 7 * 24 * 3600
 BLOB_MAX_BYTES = 64 * 1024 * 1024

@@ -83,12 +83,20 @@ def accepts(s: S.Setting) -> str:
     if s.kind == "str":
         rule = f" matching `{s.pattern.pattern}`" if s.pattern is not None else ""
         return f"a string of at most {_num(s.max_len or 0)} characters{rule}"
-    if s.kind == "strs":
-        return (f"a list of up to {s.max_count} non-empty strings of at most "
-                f"{s.max_len} characters each")
-    if s.kind == "labels":
-        return f"an object of up to {s.max_count} string values"
-    return f"a JSON Schema object of at most {_num(s.max_len or 0)} bytes of compact JSON"
+    return _ACCEPTS[s.kind](s)
+
+
+_ACCEPTS: dict[str, Callable[[S.Setting], str]] = {
+    "strs": lambda s: (f"a list of up to {s.max_count} non-empty strings of at most "
+                       f"{s.max_len} characters each"),
+    "labels": lambda s: f"an object of up to {s.max_count} string values",
+    "bool": lambda s: "`true` or `false`",
+    "messages": lambda s: (f"a list of up to {s.max_count} `{{\"role\", \"content\", "
+                           f"\"image\"?}}` objects (role {', '.join(s.choices)}; content at "
+                           f"most {_num(s.max_len or 0)} characters; the last a user's)"),
+    "schema": lambda s: (f"a JSON Schema object of at most {_num(s.max_len or 0)} bytes of "
+                         "compact JSON"),
+}
 
 
 def default_shown(s: S.Setting) -> str:

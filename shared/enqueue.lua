@@ -129,7 +129,7 @@ local MESSAGES = {
   task = "must be one of ocr, caption, generate, extract",
   items = "must be a non-empty list",
   max_items = "has more than 10000 entries",
-  prompt_required = "is required for task generate",
+  prompt_required = "is required for task generate (unless `messages` is given)",
   not_object = "must be an object",
   unknown_fields = "unknown field(s) %s",
   kind = "must be one of image, pdf, tiff, text",
@@ -390,6 +390,8 @@ local SETTINGS = {
   {name = 'labels', path = {'labels'}, kind = 'labels', max_count = 64},
   {name = 'result_cache', path = {'result_cache'}, kind = 'choice', values = {true, false, 'sampled'}, shown = 'true, false or "sampled"'},
   {name = 'text_layer', path = {'text_layer'}, kind = 'choice', values = {'off', 'fallback', 'prefer'}, shown = '"off", "fallback" or "prefer"'},
+  {name = 'messages', path = {'messages'}, kind = 'messages', max_len = 100000, max_count = 256, choices = {'system', 'user', 'assistant'}, fields = {'role', 'content', 'image'}},
+  {name = 'stream', path = {'stream'}, kind = 'bool'},
   {name = 'blob_ttl', path = {'blob_ttl'}, kind = 'int', lo = 1, hi = 31622400, default = 604800},
   {name = 'keep_inputs', path = {'keep_inputs'}, kind = 'int', lo = 1, hi = 31622400, default = 3600},
   {name = 'batch', path = {'batch'}, kind = 'str', max_len = 128},
@@ -462,6 +464,51 @@ local function check_setting(s, x)
     if s.max_count and n > s.max_count then
       return 'has more than ' .. s.max_count .. ' entries'
     end
+  elseif s.kind == 'bool' then
+    if type(x) ~= 'boolean' then return 'must be true or false' end
+  elseif s.kind == 'messages' then
+    -- A conversation (shared/chat.py check_messages: the same checks, the same places).
+    if not is_array(x) or #x == 0 then return 'must be a non-empty list of messages' end
+    if #x > s.max_count then return 'has more than ' .. s.max_count .. ' messages' end
+    local images = 0
+    for i, m in ipairs(x) do
+      local at = '[' .. (i - 1) .. ']'
+      if type(m) ~= 'table' or (#m > 0) then
+        return 'must be an object with role and content', at
+      end
+      local extra = {}
+      for k in pairs(m) do
+        local known_field = false
+        for _, f in ipairs(s.fields) do
+          if k == f then known_field = true end
+        end
+        if not known_field then extra[#extra + 1] = tostring(k) end
+      end
+      if #extra > 0 then
+        table.sort(extra)
+        return 'has unknown fields: ' .. table.concat(extra, ', '), at
+      end
+      local known = false
+      for _, r in ipairs(s.choices) do
+        if m.role == r then known = true end
+      end
+      if not known then
+        return 'must be one of ' .. table.concat(s.choices, ', '), at .. '.role'
+      end
+      if type(m.content) ~= 'string' then return 'must be a string', at .. '.content' end
+      if utf8_len(m.content) > s.max_len then
+        return 'is longer than ' .. s.max_len .. ' characters', at .. '.content'
+      end
+      if m.image ~= nil and type(m.image) ~= 'boolean' then
+        return 'must be true or false', at .. '.image'
+      end
+      if m.image == true then
+        if m.role ~= 'user' then return "only a user's turn can carry the image", at .. '.image' end
+        images = images + 1
+      end
+    end
+    if images > 1 then return 'at most one turn carries the image' end
+    if x[#x].role ~= 'user' then return "the last message must be the user's" end
   elseif s.kind == 'schema' then
     -- A JSON Schema object (task extract). cjson reads {} and [] as the same empty table,
     -- so an empty one is refused whichever it was; Python refuses {} too (it constrains
@@ -514,7 +561,8 @@ if payload.task ~= LIMITS.schema_task and has_schema then
     ', not ' .. payload.task)
 end
 if payload.task == LIMITS.prompt_task and
-    (type(payload.prompt) ~= 'string' or payload.prompt == '') then
+    (type(payload.prompt) ~= 'string' or payload.prompt == '') and
+    (payload.messages == nil or payload.messages == cjson.null) then
   return redis.error_reply('prompt: ' .. MESSAGES.prompt_required)
 end
 local items = payload.items

@@ -154,6 +154,10 @@ KEY_TABLE: tuple[KeyName, ...] = (
             "progress events and the one terminal event (section 5), while the job runs",
             "refreshed on each write; 60 s once the job ends (its end stays in the job hash: "
             "section 5)"),
+    KeyName("job_tokens", "{prefix}:job:{job_id}:tokens", "stream", "worker",
+            "an interactive job's answer as it is decoded (`stream` set): Delta entries, "
+            "then one End entry (section 3b)",
+            "the job's heartbeat while it runs; 60 s after its End entry"),
     KeyName("job_owner", "{prefix}:job:{job_id}:owner", "string", "worker",
             "the execution running the job, `<execution id> <worker name>` (section 5, "
             "fencing); a producer never writes it",
@@ -365,6 +369,10 @@ class Keys:
     def job_events(self, job_id: str) -> str:
         """Stream of progress events for one job (item done, job finished/failed)."""
         return _name("job_events", self.prefix, job_id=job_id)
+
+    def job_tokens(self, job_id: str) -> str:
+        """Stream of an interactive job's decoded text (shared/chat.py's entries)."""
+        return _name("job_tokens", self.prefix, job_id=job_id)
 
     def job_owner(self, job_id: str) -> str:
         """String: the execution that owns a running job, `<execution id> <worker name>`.

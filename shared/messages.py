@@ -47,7 +47,7 @@ PAYLOAD_MESSAGES: dict[str, str] = {
     "task": "must be one of " + ", ".join(C.TASKS),
     "items": "must be a non-empty list",
     "max_items": f"has more than {C.MAX_ITEMS_PER_JOB} entries",
-    "prompt_required": f"is required for task {C.PROMPT_TASK}",
+    "prompt_required": f"is required for task {C.PROMPT_TASK} (unless `messages` is given)",
     "not_object": "must be an object",
     "unknown_fields": "unknown field(s) %s",  # the sorted names, as a Python list
     "kind": "must be one of " + ", ".join(C.ITEM_KINDS),
@@ -515,7 +515,7 @@ def parse_payload(raw: Any) -> JobPayload:
     items = tuple(_parse_item(it, f"items[{i}]") for i, it in enumerate(items_raw))
     settings = S.values_from_wire(raw)
     extract_schema.check_task(task, settings.get("schema"))  # extract needs one; others none
-    if task == C.PROMPT_TASK and not settings.get("prompt"):
+    if task == C.PROMPT_TASK and not settings.get("prompt") and not settings.get("messages"):
         raise PayloadError("prompt", PAYLOAD_MESSAGES["prompt_required"])
     _check_text_items(task, items)
     created_at = S.check_str(raw.get("created_at") or utc_now_iso(), "created_at", 64)

@@ -10,6 +10,7 @@ shared/lua.py runs over every script); tests keep the copy in step with the rows
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -20,6 +21,7 @@ from typing import Any
 
 from vlmq.shared import constants as C
 from vlmq.shared import extract_schema
+from vlmq.shared.chat import MAX_MESSAGE_CHARS, MAX_MESSAGES, ROLES, Message, check_messages
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import JOB_ID_RE, QUEUE_NAME_RE
 
@@ -32,8 +34,9 @@ KEEP_INPUTS_S = 3600
 MAX_STOP_CHARS = 256
 MAX_MODEL_CHARS = 512
 
-# Setting.kind is one of: int, float, str, strs, labels, choice, schema (a JSON Schema
-# object for task extract, checked by shared/extract_schema.py).
+# Setting.kind is one of: int, float, bool, str, strs, labels, choice, schema (a JSON Schema
+# object for task extract, checked by shared/extract_schema.py), messages (a conversation,
+# checked by shared/chat.py).
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class Setting:
     manifest: bool = True  # a manifest line may set it
     schedule: bool = True  # a schedule may set it
     retry: bool = True  # a retry carries it over
+    cli: bool = True  # the job commands take it as a flag (not a conversation)
     decides_text: bool = False  # a change gives an item other text (schedules re-run it)
     # What the payload field means, for PROTOCOL.md's settings table (shared/docs_tables.py
     # adds what it accepts and its default from the fields above).
@@ -98,6 +102,8 @@ class Setting:
         return ", ".join(forms[:-1]) + " or " + forms[-1] if len(forms) > 1 else "".join(forms)
 
     def to_wire(self, value: Any) -> Any:
+        if self.kind == "messages":
+            return [m.to_dict() for m in value]
         return dict(self.wire_values).get(value, value) if self.wire_values else value
 
     def from_wire(self, raw: Any) -> Any:
@@ -123,6 +129,13 @@ def _check_float(s: Setting, value: Any, where: str) -> float:
     number = float(value)
     _check_range(s, number, where)  # NaN fails it too
     return number
+
+
+def _check_bool(s: Setting, value: Any, where: str) -> bool:
+    del s
+    if not isinstance(value, bool):
+        raise PayloadError(where, "must be true or false")
+    return value
 
 
 def _check_range(s: Setting, value: float, where: str) -> None:
@@ -201,8 +214,19 @@ def _check_schema(s: Setting, value: Any, where: str) -> dict[str, Any]:
     return extract_schema.check_schema(value, where)
 
 
-_CHECKS = {"int": _check_int, "float": _check_float, "str": _check_str, "strs": _check_strs,
-           "labels": _check_labels, "choice": _check_choice, "schema": _check_schema}
+def _check_messages(s: Setting, value: Any, where: str) -> tuple[Message, ...]:
+    del s  # the caps are shared/chat.py's; the row copies them for Lua
+    if isinstance(value, (list, tuple)):  # Message objects too: a retry, a client's own
+        value = [m.to_dict() if isinstance(m, Message) else m for m in value]
+    out = check_messages(value, where)
+    for i, m in enumerate(out):
+        check_text(m.content, f"{where}[{i}].content")
+    return out
+
+
+_CHECKS = {"int": _check_int, "float": _check_float, "bool": _check_bool, "str": _check_str,
+           "strs": _check_strs, "labels": _check_labels, "choice": _check_choice,
+           "schema": _check_schema, "messages": _check_messages}
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -264,6 +288,19 @@ SETTINGS: tuple[Setting, ...] = (
             decides_text=True,
             doc="what a PDF page's own text layer is used for in an `ocr` job (section 4, "
             "\"Text layers\"); other tasks and items ignore it"),
+    # Interactive requests (shared/chat.py): the conversation the prompt is rendered from
+    # with the model's chat template, and whether the answer is streamed as decoded.
+    Setting("messages", "messages", "The conversation to answer (an interactive request).",
+            wire="messages", max_len=MAX_MESSAGE_CHARS, max_count=MAX_MESSAGES,
+            choices=ROLES, decides_text=True, manifest=False, schedule=False, cli=False,
+            doc="a conversation, replacing `prompt`: the worker renders it with the model's "
+            "chat template, the item's image at the start of the turn with `image: true` "
+            "(section 3b)"),
+    Setting("stream", "bool", "Write the answer to the job's token stream as it is decoded.",
+            wire="stream", default=False, manifest=False, schedule=False, retry=False,
+            cli=False,
+            doc="`true`: the worker appends the decoded text to `<prefix>:job:<id>:tokens` "
+            "(section 3b)"),
     Setting("blob_ttl", "int", f"Keep the uploaded inputs S seconds "
             f"(default {C.BLOB_TTL_S // 86400} days).", wire="blob_ttl",
             default=C.BLOB_TTL_S, lo=1, hi=MAX_TTL_S, metavar="S", manifest=False,
@@ -388,6 +425,11 @@ def _lua_row(s: Setting) -> str:
         if value is not None:  # a schema's max_len counts bytes: named so for Lua
             name = "max_bytes" if s.kind == "schema" and attr == "max_len" else attr
             fields.append(f"{name} = {_lua_literal(value)}")
+    if s.choices and not s.wire_values:
+        fields.append("choices = {" + ", ".join(_lua_literal(c) for c in s.choices) + "}")
+    if s.kind == "messages":  # a turn's fields, as shared/chat.py's Message has them
+        fields.append("fields = {" + ", ".join(_lua_literal(f.name) for f in
+                                             dataclasses.fields(Message)) + "}")
     if s.wire_values:
         fields.append("values = {" + ", ".join(_lua_literal(v) for _, v in s.wire_values)
                       + "}")
@@ -411,7 +453,7 @@ def lua_with_block(script: str) -> str:
 
 
 def rows(scope: str) -> Iterator[Setting]:
-    """The settings a `scope` ("manifest", "schedule", "retry") may carry."""
+    """The settings a `scope` ("manifest", "schedule", "retry", "cli") may carry."""
     return (s for s in SETTINGS if getattr(s, scope))
 
 

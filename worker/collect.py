@@ -5,13 +5,18 @@ one: a good answer or a text-layer answer is recorded; a failure goes to the fal
 stage, whose FellBack is recorded with or without the layer's text; a transient prep
 error puts the item back in its job. Then the writer stores what it holds and ends the
 jobs that are complete.
+
+What a streamed row decoded (the engine's Streamed) goes to its job's token stream
+(worker/results/tokens.py): the Deltas are written before the turn's results, and a
+result's End after it.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Protocol, cast
 
-from vlmq.worker.engine.batcher import Finished
+from vlmq.worker.engine.batcher import Finished, Output, Streamed
 from vlmq.worker.events import (
     Answered,
     Event,
@@ -24,13 +29,15 @@ from vlmq.worker.events import (
 from vlmq.worker.item_order import ItemOrder
 from vlmq.worker.jobs.running import Running
 from vlmq.worker.prep.fallback import Fallback, model_failed
+from vlmq.worker.results.tokens import TokenStreams
 from vlmq.worker.results.writer import ResultWriter
+from vlmq.worker.stats import WorkerStats
 
 
 class Answers(Protocol):
     """Where the engine's answers wait (Engine)."""
 
-    def get_finished(self, timeout: float) -> list[Finished]: ...
+    def get_output(self, timeout: float) -> list[Output]: ...
 
 
 class PrepTimes(Protocol):
@@ -41,7 +48,11 @@ class PrepTimes(Protocol):
 
 class Collector:
     def __init__(self, engine: Answers, events: EventQueue, prep: PrepTimes,
-                 fallback: Fallback, writer: ResultWriter, order: ItemOrder[Running]) -> None:
+                 fallback: Fallback, writer: ResultWriter, order: ItemOrder[Running], *,
+                 tokens: TokenStreams | None = None, stats: WorkerStats | None = None
+                 ) -> None:
+        self.tokens = tokens
+        self.stats = stats
         self.engine = engine
         self.events = events
         self.prep = prep
@@ -52,12 +63,28 @@ class Collector:
     def collect(self, timeout: float) -> None:
         """Handle what came back (waiting up to `timeout` for the engine's first answer),
         write it, and finish the jobs it completed."""
-        for f in self.engine.get_finished(timeout=timeout):
-            self.dispatch(self.answered(f))
+        for out in self.engine.get_output(timeout=timeout):
+            if isinstance(out, Streamed):
+                self.streamed(out)
+            else:
+                self.dispatch(self.answered(out))
         for event in self.events.drain():
             self.dispatch(event)
+        if self.tokens is not None:
+            self.tokens.flush()  # the Deltas before the results they lead to
         self.writer.flush()
+        if self.tokens is not None:
+            self.tokens.flush()  # the Ends of the results just stored
         self.writer.finish_complete()
+
+    def streamed(self, s: Streamed) -> None:
+        """Text a streamed row decoded: to its job's token stream, while the job is ours."""
+        job_id, idx = cast(tuple[str, int], s.key)
+        state = self.order.jobs.get(job_id)
+        if state is None or idx not in state.outstanding or self.tokens is None:
+            return
+        if self.tokens.delta(state, s.text) and self.stats is not None:
+            self.stats.first_token(job_id, time.monotonic() - state.started)
 
     def answered(self, f: Finished) -> Answered:
         job_id, idx = cast(tuple[str, int], f.key)

@@ -8,6 +8,9 @@ rather than all together at the end, which frees room for the next job sooner. T
 tie-break carries the intake's fair turns (shared/fair.py) into the batch: a one-item
 batch taken beside a backlog of another batch's one-item jobs gets the next free row, not
 one behind every backlog item already prepared.
+
+Interactive jobs (taken from the chat queue) go before all of that: their items are
+prepared first, whatever the prep window holds.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class JobState:
     # ends without reading its results back.
     written: dict[int, Tally] = field(default_factory=dict)
     verify: bool = False  # read the stored items back before ending (some went missing)
+    # An interactive request (the chat queue): prepared and admitted before bulk work.
+    interactive: bool = False
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -114,14 +119,14 @@ class ItemOrder(Generic[S]):
         return out
 
     def best(self) -> S | None:
-        """The job next_item would take from: the one with the fewest items left among
-        those with a pending item, then the one whose batch has the fewest items out (ties
-        to the earliest job), or None."""
+        """The job next_item would take from, among those with a pending item: an
+        interactive one first, then the one with the fewest items left, then the one whose
+        batch has the fewest items out (ties to the earliest job); or None."""
         out = self._out_by_share()
         best: S | None = None
-        rank = (0, 0)
+        rank = (0, 0, 0)
         for state in self.jobs.values():  # insertion order: ties go to the earliest job
-            mine = (state.left, out.get(state.share, 0))
+            mine = (not state.interactive, state.left, out.get(state.share, 0))
             if state.pending and (best is None or mine < rank):
                 best, rank = state, mine
         return best
@@ -149,6 +154,8 @@ class ItemOrder(Generic[S]):
         the big jobs' already waiting there, as if the window had had room at its arrival.
         """
         best = self.best()
+        if best is not None and best.interactive:
+            return self._take(best)  # never kept waiting by the window
         if best is None or ahead >= window + small:
             return None
         if ahead >= window and best.left > small:

@@ -18,6 +18,7 @@ from typing import Any
 from vlmq.shared import constants as C
 from vlmq.shared import extract_schema
 from vlmq.shared import settings as S
+from vlmq.shared.chat import Message
 from vlmq.shared.messages import Item, JobPayload
 from vlmq.worker.model.defaults import Resolved, resolve
 
@@ -43,6 +44,10 @@ class JobSettings(Resolved):
     # extract: the JSON Schema every item's value obeys, as its canonical text (hashable,
     # and what the result-cache key and the matcher's grammar cache hold)
     schema: str | None = _default("schema")
+    # An interactive request's conversation: its items' prompt is rendered from it with
+    # the model's chat template, in place of `prompt` (shared/chat.py).
+    messages: tuple[Message, ...] | None = _default("messages")
+    stream: bool = _default("stream")  # the answer goes to the job's token stream too
 
     def deciding_text(self, kind: str) -> dict[str, Any]:
         """Every setting that can change an item's text, as the result-cache key holds
@@ -52,6 +57,11 @@ class JobSettings(Resolved):
         if kind != "pdf":  # only a PDF page has a text layer: other items share one key
             del out["text_layer"]
         return out
+
+    @property
+    def prompt_or_messages(self) -> str | tuple[Message, ...]:
+        """What the item's prompt is rendered from: the conversation when the job has one."""
+        return self.messages if self.messages is not None else self.prompt
 
     def for_item(self, item: Item) -> JobSettings:
         """The settings `item` runs with: its own prompt, where it carries one, in place of
@@ -82,7 +92,11 @@ def resolve_job(payload: JobPayload, model_type: str, model_id: str | None) -> J
     prompt = payload.get("prompt")
     if payload.task == "extract" and not prompt and schema is not None:
         prompt = extract_schema.default_prompt(schema)
-    res = resolve(model_type, payload.task, prompt, payload.get("max_tokens"),
+    messages = payload.get("messages")
+    # A conversation needs no prompt of the job's or the model's: its last (user) turn
+    # stands for it where one is shown.
+    given = prompt or (messages[-1].content or " " if messages else None)
+    res = resolve(model_type, payload.task, given, payload.get("max_tokens"),
                   payload.get("temperature"), payload.get("stop"), model_id=model_id)
     return JobSettings(**asdict(res), **{name: payload.get(name) for name in _AS_GIVEN},
                        schema=None if schema is None else extract_schema.schema_text(schema))

@@ -5,6 +5,11 @@ settings resolved on this model, its blobs' lifetimes refreshed, the items alrea
 (a resumed job) and those the result cache answers left out, before its items are
 scheduled. A job that cannot start fails alone: never the worker.
 
+Interactive requests (the chat queue, shared/chat.py) are taken first at every turn,
+before the fair-share take of the bulk queues and whatever the bulk jobs fill: they have
+a window of their own (as many jobs as the bulk window), so a worker full of bulk work
+still takes them at once.
+
 It sits beside loop.py, above the phases, because making a job ready joins three of them:
 the lifecycle (jobs/), the result cache and writer (results/) and the requests (prep/).
 """
@@ -17,7 +22,9 @@ from collections.abc import Callable
 
 from redis import Redis
 from redis.exceptions import RedisError
+from rq import Queue
 
+from vlmq.shared.chat import CHAT_QUEUE
 from vlmq.shared.connection import transient
 from vlmq.shared.keys import Keys
 from vlmq.shared.logs import job_fields
@@ -54,16 +61,34 @@ class JobStarter:
         self.queues_empty = False
 
     def pull(self, *, block_s: float = 0.0) -> int:
-        """Take jobs while there is room, several per round trip; returns how many were
-        taken (queues_empty then says whether every queue was found empty)."""
+        """Take jobs while there is room, several per round trip, interactive ones first;
+        returns how many were taken (queues_empty then says whether every queue was found
+        empty)."""
         if self.starting:  # a Redis error cut their start short: finish it first
             jobs, self.starting = self.starting, []
             self.start(jobs)
-        room = self.job_limit() - len(self.order)
-        if room <= 0:
-            self.queues_empty = False
-            return 0
-        taken, self.queues_empty = self.lifecycle.take_many(room, block_s=block_s)
+        chat = [q for q in self.lifecycle.queues if q.name == CHAT_QUEUE]
+        bulk = [q for q in self.lifecycle.queues if q.name != CHAT_QUEUE]
+        interactive = sum(state.interactive for state in self.order.jobs.values())
+        took, empty = 0, True
+        for queues, room in ((chat, self.job_limit() - interactive),
+                             (bulk, self.job_limit() - (len(self.order) - interactive))):
+            if not queues:
+                continue
+            if room <= 0:
+                empty = False
+                continue
+            # Only a worker of one queue waits in a blocking pop (the loop says so).
+            n, found_empty = self._take(room, queues, block_s)
+            took += n
+            empty = empty and found_empty
+        self.queues_empty = empty
+        return took
+
+    def _take(self, room: int, queues: list[Queue], block_s: float) -> tuple[int, bool]:
+        """Take and start up to `room` jobs of `queues`; how many, and whether all of
+        `queues` were found empty."""
+        taken, empty = self.lifecycle.take_many(room, block_s=block_s, queues=queues)
         started: list[Running] = []
         for running in taken:
             if isinstance(running, Refused):
@@ -75,7 +100,7 @@ class JobStarter:
                 self.stats.count_job(running.queue.name, "taken", waited_s=self._waited(running))
         if started:
             self.start(started)
-        return len(taken)
+        return len(taken), empty
 
     def _waited(self, running: Running) -> float | None:
         """Seconds from the job's (re)enqueue to now, by Redis's clock (RQ's enqueued_at
@@ -116,6 +141,7 @@ class JobStarter:
                 self.writer.fail(running, settings)
                 return False
             running.settings = settings
+            running.interactive = running.queue.name == CHAT_QUEUE
             return True
         except Exception as exc:  # noqa: BLE001  # handled as one job's failure
             self._failed(running, exc)

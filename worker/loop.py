@@ -47,6 +47,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq import Queue
+from rq.job import JobStatus
 from rq.serializers import JSONSerializer
 
 from vlmq.shared import redis_checks
@@ -78,6 +79,7 @@ from vlmq.worker.prep.render_pool import RenderPool
 from vlmq.worker.prep.stage import PrepStage
 from vlmq.worker.prep.vision_cache import VisionCache
 from vlmq.worker.results.cache import ResultCache, store_results_many
+from vlmq.worker.results.tokens import TokenStreams, end_of
 from vlmq.worker.results.writer import ResultWriter
 from vlmq.worker.stats import WorkerStats
 from vlmq.worker.upkeep import Upkeep, check_redis
@@ -134,6 +136,7 @@ class Phases:
     collector: Collector
     upkeep: Upkeep
     writer: ResultWriter
+    tokens: TokenStreams
 
 
 class WorkerLoop:
@@ -272,13 +275,16 @@ class WorkerLoop:
         except ValueError as exc:  # RQ: "There exists an active worker named ..."
             raise StartupError(str(exc)) from exc
         pool = ThreadPoolExecutor(cfg.prep_threads, thread_name_prefix="vlmq-prep")
+        # Interactive items never queue behind the bulk items submitted to `pool`.
+        urgent = ThreadPoolExecutor(1, thread_name_prefix="vlmq-prep-chat")
         renderer = RenderPool(cfg.render_procs or cfg.prep_threads, mem_mb=cfg.render_mem_mb,
                               timeout_s=cfg.render_timeout_s)
         # Store vlmq-api by default: `vlmq api` on this machine needs no flag (api_store).
         stores = with_api_store(cfg.stores)
         log.info("stores: %s", stores.describe())
         preparer = Preparer(engine, info, cache, self.redis, cfg.keys, pool, renderer,
-                            RiskLog(self.redis, cfg.keys, cfg.name), stores=stores)
+                            RiskLog(self.redis, cfg.keys, cfg.name), stores=stores,
+                            urgent=urgent)
         self.stats.model = cfg.model
         self.stats.model_type = info.model_type
         self.stats.cache = cache
@@ -300,6 +306,7 @@ class WorkerLoop:
             self._loop(phases)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            urgent.shutdown(wait=True, cancel_futures=True)
             renderer.close()
             self._shutdown(phases)
         return 0
@@ -324,12 +331,19 @@ class WorkerLoop:
         results = ResultCache(redis, cfg.keys, preparer.model_identity,
                               ttl_s=cfg.result_cache_ttl_s, max_bytes=cfg.result_cache_bytes)
 
+        tokens = TokenStreams(redis, cfg.keys, running_ttl_s=lifecycle.worker.heartbeat_ttl)
+
         def stored(done: list[tuple[Running, list[ItemResult]]]) -> None:
-            """Best effort, once the results count as written (every job's in one go)."""
+            """Once the results count as written (every job's in one go): interactive
+            answers end their token streams, then the result cache (best effort)."""
+            for state, written in done:
+                tokens.ended(state, written)
+                if state.interactive:
+                    _interactive_done(stats, state, written)
             stats.result_cache_stores += store_results_many(results, done)
 
         writer = ResultWriter(redis, cfg.keys, lifecycle, self.order, stats,
-                              on_stored=stored)
+                              on_stored=stored, on_failed=tokens.failed)
         prep = PrepStage(preparer, engine, self.order, events, window=cfg.prep_window)
         fallback = Fallback(preparer, preparer.pool, self.order.jobs, events)
         return Phases(
@@ -337,7 +351,9 @@ class WorkerLoop:
             starter=JobStarter(redis, cfg.keys, lifecycle, preparer, results, writer,
                                self.order, stats,
                                job_limit=lambda: cfg.job_limit(engine.state.batch_limit)),
-            collector=Collector(engine, events, prep, fallback, writer, self.order),
+            collector=Collector(engine, events, prep, fallback, writer, self.order,
+                                tokens=tokens, stats=stats),
+            tokens=tokens,
             upkeep=Upkeep(redis, cfg.keys, cfg.name, lifecycle, self.order, writer, stats,
                           engine.state, cache, events.flight, risk=preparer.risk,
                           stats_s=cfg.stats_s, restarts=self._restarts,
@@ -395,6 +411,7 @@ class WorkerLoop:
         now = time.monotonic()
         self._stop_if(p.upkeep.watch_restart(), now)
         took = 0 if self.stop_requested else self._intake_and_prep(p)
+        self._watch_interactive(p)
         p.collector.collect(timeout=self._engine_wait(p, took))
         p.upkeep.tick(now)
         return self._stopped(p, now) if self.stop_requested else self._burst_done(p)
@@ -407,6 +424,21 @@ class WorkerLoop:
         took = p.starter.pull(block_s=IDLE_BLOCK_S if idle and len(cfg.queues) == 1 else 0.0)
         self.stats.observe_waiting(p.prep.fill())
         return took
+
+    def _watch_interactive(self, p: Phases) -> None:
+        """Every turn, one round trip while interactive jobs run: one cancelled (its
+        client went away) or lost leaves the batch before the engine's next step, and a
+        cancelled one's token stream ends "cancelled"."""
+        states = [s for s in self.order.jobs.values() if s.interactive]
+        for running, why in p.lifecycle.lost(states):
+            p.engine.cancel((running.job_id, idx) for idx in running.outstanding)
+            if why in (JobStatus.CANCELED.value, "deleted"):
+                p.tokens.cancelled(running)
+                self.stats.interactive_done(running.job_id, "cancelled")
+            else:
+                p.tokens.forget(running.job_id)
+            p.writer.drop(running, why)
+        p.tokens.flush()
 
     def _engine_wait(self, p: Phases, took: int) -> float:
         """How long this turn waits on the engine's first answer."""
@@ -441,6 +473,17 @@ class WorkerLoop:
             log.error("%s; stopping", problem)
             self.stop_requested = True
             self.deadline = now + self.cfg.grace_s
+
+
+def _interactive_done(stats: WorkerStats, state: Running, written: list[ItemResult]) -> None:
+    """Count an interactive request's answer: how it ended, its time to first token (when
+    no streamed text counted it) and its decode rate."""
+    for res in written:
+        t = res.timings
+        generate_s = t.get("generate_s", 0.0)
+        first = (time.monotonic() - state.started - generate_s) if "prefill_s" in t else None
+        stats.interactive_done(state.job_id, end_of(res).finish_reason, first_token_s=first,
+                               tokens=res.completion_tokens, generate_s=generate_s)
 
 
 def run_worker(cfg: WorkerConfig) -> int:

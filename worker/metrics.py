@@ -34,7 +34,7 @@ from prometheus_client.registry import Collector
 from vlmq.shared import constants as C
 from vlmq.shared import fair
 from vlmq.shared.messages import ItemResult
-from vlmq.worker.stats import JOB_EVENTS, WorkerStats
+from vlmq.worker.stats import INTERACTIVE_ENDS, JOB_EVENTS, WorkerStats
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards built for it read vlmq's:
 # its request-latency set for whole items, decode and queue waits (an OCR page takes
@@ -45,6 +45,8 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 TOKEN_BUCKETS = tuple(float(m * 10 ** e) for e in range(6) for m in (1, 2, 5))  # 1..500k
+# A decode rate per interactive request: 1-2-5 steps over what one Mac to one GPU does.
+RATE_BUCKETS = tuple(float(m * 10 ** e) for e in range(4) for m in (1, 2, 5))  # 1..5000
 # The parts of an item's timings before its first token, and after it; from admission
 # into the batch to the first token is what vLLM calls prefill.
 BEFORE_FIRST_TOKEN = ("preprocess_s", "queue_s", "vision_s", "embed_s", "prefill_s")
@@ -111,6 +113,19 @@ class WorkerCollector(Collector):
         yield from self._caches()
         yield from self._work()
         yield from self._engine()
+        yield from self._interactive()
+
+    def _interactive(self) -> Iterable[Metric]:
+        s = self.stats
+        e = s.engine
+        yield _labelled("vlmq_interactive_requests", "Interactive requests (the chat queue) "
+                        "answered here, by how they ended (stop, length, cancelled, error).",
+                        ["finish_reason"], {**{(r,): 0 for r in INTERACTIVE_ENDS},
+                                            **{(r,): n for r, n in
+                                               s.interactive_totals().items()}})
+        yield _counter("vlmq_bulk_rows_delayed", "Bulk rows that were waiting when an "
+                       "interactive row took a row of the batch's limit.",
+                       e.bulk_rows_delayed if e is not None else 0)
 
     def _caches(self) -> Iterable[Metric]:
         s = self.stats
@@ -269,9 +284,16 @@ class WorkerMetrics:
                 h.labels(task)
         for q in self.collector.queues:
             self.job_wait.labels(q)
+        self.interactive_ttft = histogram(
+            "vlmq_interactive_ttft_seconds", "Seconds from an interactive request's take "
+            "by this worker to its first token.", TTFT_BUCKETS, ())
+        self.interactive_rate = histogram(
+            "vlmq_interactive_tokens_per_second", "Tokens per second an interactive "
+            "request decoded at, first token to last.", RATE_BUCKETS, ())
         self._server: WSGIServer | None = None
         stats.on_item = self.observe
         stats.on_wait = self.observe_wait
+        stats.on_interactive = self.observe_interactive
 
     def observe(self, result: ItemResult, task: str) -> None:
         """Per stored item: only items the model ran have the timings to observe."""
@@ -287,6 +309,10 @@ class WorkerMetrics:
         self.decode.labels(task).observe(t.get("generate_s", 0.0))
         self.prompt_tokens.labels(task).observe(result.prompt_tokens)
         self.generated_tokens.labels(task).observe(result.completion_tokens)
+
+    def observe_interactive(self, what: str, value: float) -> None:
+        """WorkerStats.on_interactive: "ttft" seconds or "tokens_per_s"."""
+        (self.interactive_ttft if what == "ttft" else self.interactive_rate).observe(value)
 
     def observe_wait(self, queue: str, seconds: float) -> None:
         self.job_wait.labels(queue).observe(seconds)

@@ -26,6 +26,7 @@ from urllib.parse import quote
 
 from vlmq.shared import constants as C
 from vlmq.shared import logs
+from vlmq.shared.chat import CHAT_QUEUE
 from vlmq.shared.keys import QUEUE_NAME_RE
 from vlmq.stores.backends import STORES_ENV, FolderStore, S3Store, Store, StoreError, Stores
 from vlmq.worker.engine.batch_size import DEFAULT_CAP, FLOOR
@@ -48,7 +49,8 @@ DEFAULT_HEARTBEAT_TTL_S = 90
 # ctypes and importlib.metadata, which `vlmq worker --help` need not.
 WORKER_THREADS_RULE = ("the cores this process may use minus --prep-threads, at least 1, "
                        "unless MKL_NUM_THREADS (for MKL) or OPENBLAS_NUM_THREADS is set")
-DEFAULT_QUEUES = tuple(C.DEFAULT_QUEUE[task] for task in C.TASKS)
+# Interactive requests first: a worker serves them ahead of every bulk queue.
+DEFAULT_QUEUES = (CHAT_QUEUE, *(C.DEFAULT_QUEUE[task] for task in C.TASKS))
 _GUARD = RepetitionGuard()  # the guard's own defaults are the options'
 
 # str, int, float (ranges lo..hi), path (a folder), flag (on when given), choice,

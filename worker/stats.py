@@ -54,6 +54,8 @@ LOG_EVERY_S = 10.0
 RENDER_FAILED = "too complex to render"
 RENDER_TIMED_OUT = "render time limit"
 JOB_EVENTS = ("taken", "refused", "finished", "failed", "requeued")
+# How an interactive request ended (shared/chat.py FINISH_REASONS: its End entry's).
+INTERACTIVE_ENDS = ("stop", "length", "cancelled", "error")
 
 
 class _EngineView(Protocol):
@@ -97,6 +99,12 @@ class _EngineView(Protocol):
     def prefill_tokens(self) -> int: ...
     @property
     def prefix_bytes(self) -> int: ...
+    @property
+    def interactive_admitted(self) -> int: ...
+    @property
+    def bulk_rows_delayed(self) -> int: ...
+    @property
+    def cancelled(self) -> int: ...
 
 
 class _CacheView(Protocol):
@@ -147,6 +155,12 @@ class WorkerStats:
         # and with each job taken and how long it waited in its queue.
         self.on_item: Callable[[ItemResult, str], None] | None = None
         self.on_wait: Callable[[str, float], None] | None = None
+        # Interactive requests answered, by how they ended; and the histograms' hook,
+        # called with ("ttft", seconds from the job's take to its first token) and
+        # ("tokens_per_s", its decode rate).
+        self._interactive: dict[str, int] = {}
+        self.on_interactive: Callable[[str, float], None] | None = None
+        self._first_token_seen: set[str] = set()
         # The jobs in hand by batch (shared/fair.py), replaced whole at each publish: the
         # metrics thread reads whichever list is current.
         self.shares: list[fair.Share] = []
@@ -188,6 +202,30 @@ class WorkerStats:
             self._jobs[queue, event] = self._jobs.get((queue, event), 0) + 1
         if waited_s is not None and self.on_wait is not None:
             self.on_wait(queue, waited_s)
+
+    def first_token(self, job_id: str, seconds: float) -> None:
+        """An interactive job's first text went out, `seconds` after it was taken."""
+        if job_id in self._first_token_seen:
+            return
+        self._first_token_seen.add(job_id)
+        if self.on_interactive is not None:
+            self.on_interactive("ttft", seconds)
+
+    def interactive_done(self, job_id: str, end: str, *, first_token_s: float | None = None,
+                         tokens: int = 0, generate_s: float = 0.0) -> None:
+        """An interactive request ended (`end`: INTERACTIVE_ENDS); `first_token_s` counts
+        when no streamed text said it earlier."""
+        with self._lock:
+            self._interactive[end] = self._interactive.get(end, 0) + 1
+        if first_token_s is not None:
+            self.first_token(job_id, first_token_s)
+        self._first_token_seen.discard(job_id)
+        if self.on_interactive is not None and tokens > 0 and generate_s > 0:
+            self.on_interactive("tokens_per_s", tokens / generate_s)
+
+    def interactive_totals(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._interactive)
 
     def totals(self) -> tuple[dict[tuple[str, str, str], int], dict[tuple[str, str], int],
                               dict[str, float], dict[tuple[str, str], int]]:
@@ -257,6 +295,10 @@ class WorkerStats:
             "mlx_prefill_turn_s": round(engine.prefill_turn_s, 3),
             "decode_turn_rows": engine.decode_turn_rows,
             "decode_turns": engine.decode_turns,
+            # Interactive requests (shared/chat.py): answered here, and bulk rows that
+            # waited while one took a row.
+            "interactive_requests": sum(self.interactive_totals().values()),
+            "bulk_rows_delayed": engine.bulk_rows_delayed,
             # PDF render processes running (started before the worker says it is ready).
             "render_procs": len(self.renders.pids) if self.renders is not None else 0,
             # The batches of the jobs in hand, with their jobs and items left.

@@ -1,10 +1,11 @@
-"""The Flask app: OpenAI's Files, Batches and Models routes over Files and Batches.
+"""The Flask app: OpenAI's Files, Batches, Models and Chat Completions routes.
 
 Every request needs `Authorization: Bearer KEY`; every refusal is OpenAI's error shape.
-Bodies are bounded: an upload by --max-upload-mb (OpenAI's 200 MB), anything else by
-MAX_JSON_BYTES. The dashboard's Host allow-list (trust.HostGuard) wraps the app, against
-DNS rebinding. Under `vlmq api` the server asks the same Gate before a body is read
-(server.py); the app asks it again, for any other WSGI server and the tests.
+Bodies are bounded: an upload by --max-upload-mb (OpenAI's 200 MB), a chat request by
+MAX_CHAT_BYTES (its image comes inline), anything else by MAX_JSON_BYTES. The dashboard's
+Host allow-list (trust.HostGuard) wraps the app, against DNS rebinding. Under `vlmq api`
+the server asks the same Gate before a body is read (server.py); the app asks it again,
+for any other WSGI server and the tests.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from vlmq.server.dashboard.trust import HostGuard, allow_list
 from vlmq.server.openai_api import outputs
 from vlmq.server.openai_api.access import Gate
 from vlmq.server.openai_api.batches import Batches
+from vlmq.server.openai_api.chat import ChatCompletions, live_models
 from vlmq.server.openai_api.errors import ApiError, error_body
 from vlmq.server.openai_api.files import (
     ERRORS_PREFIX,
@@ -35,9 +37,10 @@ from vlmq.server.openai_api.files import (
     FileStore,
     file_object,
 )
+from vlmq.server.openai_api.image_urls import RemoteImages
 from vlmq.server.openai_api.images import BatchImages
-from vlmq.server.openai_api.limits import FORM_SLACK, MAX_JSON_BYTES, ApiLimits
-from vlmq.shared.redis_text import as_str
+from vlmq.server.openai_api.limits import FORM_SLACK, MAX_CHAT_BYTES, MAX_JSON_BYTES, ApiLimits
+from vlmq.server.openai_api.metrics import ChatMetrics
 from vlmq.stores.api_store import API_STORE, images_dir, store_spec
 from vlmq.stores.backends import Stores
 
@@ -63,6 +66,7 @@ class ApiSettings:
     models: ModelPolicy = field(default_factory=ModelPolicy)
     prefix: str | None = None
     limits: ApiLimits = field(default_factory=ApiLimits)
+    image_urls: RemoteImages | None = None  # None: remote image URLs are refused
 
 
 def _limit() -> int:
@@ -72,14 +76,14 @@ def _limit() -> int:
     return int(raw)
 
 
-def _json_body() -> dict[str, Any]:
+def _json_body(limit: int = MAX_JSON_BYTES) -> dict[str, Any]:
     if request.mimetype != "application/json":
         raise ApiError(415, "Content-Type must be application/json")
-    if (request.content_length or 0) > MAX_JSON_BYTES:
-        raise ApiError(413, f"the body is larger than {MAX_JSON_BYTES} bytes")
-    raw = request.stream.read(MAX_JSON_BYTES + 1)
-    if len(raw) > MAX_JSON_BYTES:
-        raise ApiError(413, f"the body is larger than {MAX_JSON_BYTES} bytes")
+    if (request.content_length or 0) > limit:
+        raise ApiError(413, f"the body is larger than {limit} bytes")
+    raw = request.stream.read(limit + 1)
+    if len(raw) > limit:
+        raise ApiError(413, f"the body is larger than {limit} bytes")
     try:
         body = json.loads(raw or b"{}")
     except ValueError as exc:
@@ -110,13 +114,16 @@ def create_app(settings: ApiSettings, *, client: Client | None = None) -> Flask:
     batches = Batches(client, files, spool=images.root, stores=stores,
                       run=ThreadPoolExecutor(VALIDATORS, thread_name_prefix="validate"),
                       models=settings.models)
+    chat = ChatCompletions(client, settings.models, remote=settings.image_urls,
+                           metrics=ChatMetrics())
     allowed = allow_list(settings.host, settings.port, settings.allowed_hosts)
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.limits.upload_bytes + FORM_SLACK
     app.extensions["vlmq_api"] = {"client": client, "files": files, "batches": batches,
                                   "images": images, "gate": gate, "allowed": allowed,
-                                  "limits": settings.limits}
+                                  "limits": settings.limits, "chat": chat}
     _routes(app, client, files, batches, images, settings.models)
+    _chat_route(app, chat)
     _guards(app, gate)
     app.wsgi_app = HostGuard(app.wsgi_app, allowed)  # type: ignore[method-assign]
     return app
@@ -240,6 +247,15 @@ def _routes(app: Flask, client: Client, files: FileStore, batches: Batches,
         return _page(served_models(client, models), False)
 
 
+def _chat_route(app: Flask, chat: ChatCompletions) -> None:
+    @app.post("/v1/chat/completions")
+    def chat_completions() -> Response:
+        # waitress's: whether the client went away (the server reads ahead to know it).
+        gone = request.environ.get("waitress.client_disconnected")
+        return chat.create(g.owner, _json_body(MAX_CHAT_BYTES),
+                           gone if callable(gone) else None)
+
+
 def _chunks(path: Path) -> Iterator[bytes]:
     with path.open("rb") as f:
         yield from _chunks_of(f)
@@ -268,12 +284,7 @@ def model_names(served: str, policy: ModelPolicy) -> list[str]:
 def served_models(client: Client, policy: ModelPolicy | None = None) -> list[dict[str, Any]]:
     """The models live workers serve, from their stats (which expire with the worker),
     by name (model_names)."""
-    redis, keys = client.redis, client.keys
-    names = sorted(as_str(n) for n in redis.smembers(keys.workers))
-    pipe = redis.pipeline(transaction=False)
-    for name in names:
-        pipe.hget(keys.worker_stats(name), "model")
-    served = {as_str(m) for m in pipe.execute() if m is not None}
+    served = live_models(client)
     shown = sorted({n for m in served for n in model_names(m, policy or ModelPolicy())})
     # `created` is when the model was made, which vlmq does not know: 0.
     return [{"id": m, "object": "model", "created": 0, "owned_by": "vlmq"} for m in shown]

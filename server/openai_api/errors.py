@@ -16,16 +16,20 @@ TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
 
 class ApiError(Exception):
     """A request vlmq refuses: its status, and what the error body says; `retry_after`
-    (seconds) goes out as the Retry-After header, which the SDKs wait for."""
+    (seconds) goes out as the Retry-After header, which the SDKs wait for; `retry=False`
+    as `x-should-retry: false`, which tells the SDKs not to retry (an error that must
+    reach the caller at once)."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, retry_after: int | None = None) -> None:
+                 code: str | None = None, retry_after: int | None = None,
+                 retry: bool | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.retry_after = retry_after
+        self.retry = retry
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code)
@@ -35,6 +39,8 @@ class ApiError(Exception):
         out = [("Cache-Control", "no-store"), ("X-Content-Type-Options", "nosniff")]
         if self.retry_after is not None:
             out.append(("Retry-After", str(self.retry_after)))
+        if self.retry is not None:
+            out.append(("x-should-retry", "true" if self.retry else "false"))
         return out
 
 

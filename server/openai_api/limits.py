@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 MB = 1000 * 1000  # as OpenAI states its file limits
 GB = 1000 * MB
 MAX_JSON_BYTES = 1 << 20  # a create request is a few hundred bytes; metadata is bounded
+# A chat request carries its image inline (base64): OpenAI's limit on a request's payload.
+MAX_CHAT_BYTES = 50 * MB
 FORM_SLACK = 1 << 20  # multipart's headers and the purpose field, beyond the file
 
 

@@ -5,11 +5,17 @@ the app, so a key check in the app comes after the bytes are held: anyone who ca
 the port could hold a 200 MB temporary file per connection without a key. So the
 server's parser asks the Gate as soon as a request's headers end: the Host (421, as the
 app's Host guard answers), the key (401, or 429 per client address), the body's announced
-size (413: an upload's limit, or MAX_JSON_BYTES for every other route) and the key's
-uploads on the wire (429). A refused body is never stored: up to DRAIN_BYTES of it are
-read and dropped, so a client that sends its whole body before reading gets the answer
-rather than a reset, and the connection is then closed. A client that asked
+size (413: an upload's limit, MAX_CHAT_BYTES for a chat request, MAX_JSON_BYTES for every
+other route) and the key's uploads on the wire (429). A refused body is never stored: up
+to DRAIN_BYTES of it are read and dropped, so a client that sends its whole body before
+reading gets the answer rather than a reset, and the connection is then closed. A client that asked
 `Expect: 100-continue` is answered at once and sends nothing.
+
+A chat request waits for its answer, and a client that leaves must cancel it: waitress
+notices a closed connection only while it reads from it, so the server reads one request
+ahead (channel_request_lookahead 1), which makes `waitress.client_disconnected` true as
+soon as the client is gone. Streamed answers go out event by event: waitress sends each
+write at once (its send_bytes, 1 since waitress 3, is checked at start).
 
 Every answer given here, and waitress' own (a malformed request, headers too large, a
 chunked body past the limit), is in OpenAI's error shape, so the SDKs raise their typed
@@ -35,9 +41,10 @@ from waitress.utilities import Error
 from vlmq.server.dashboard.trust import REFUSED, AllowList
 from vlmq.server.openai_api.access import Gate
 from vlmq.server.openai_api.errors import ApiError
-from vlmq.server.openai_api.limits import FORM_SLACK, MAX_JSON_BYTES, ApiLimits
+from vlmq.server.openai_api.limits import FORM_SLACK, MAX_CHAT_BYTES, MAX_JSON_BYTES, ApiLimits
 
 UPLOAD_PATH = "/v1/files"
+CHAT_PATH = "/v1/chat/completions"
 DRAIN_BYTES = 1 << 20  # a refused body read and dropped, at most, before the answer
 
 
@@ -55,14 +62,21 @@ class Head:
     def upload(self) -> bool:
         return self.method == "POST" and self.path == UPLOAD_PATH
 
+    @property
+    def chat(self) -> bool:
+        return self.method == "POST" and self.path == CHAT_PATH
+
 
 class Misdirected(Exception):
     """A Host the allow-list does not name (DNS rebinding): 421, as the Host guard says."""
 
 
-def body_cap(upload: bool, limits: ApiLimits) -> int:
-    """The most body bytes a request may send: a file and its form, or a JSON body."""
-    return limits.upload_bytes + FORM_SLACK if upload else MAX_JSON_BYTES
+def body_cap(upload: bool, limits: ApiLimits, *, chat: bool = False) -> int:
+    """The most body bytes a request may send: a file and its form, a chat request with
+    its image inline, or a JSON body."""
+    if upload:
+        return limits.upload_bytes + FORM_SLACK
+    return MAX_CHAT_BYTES if chat else MAX_JSON_BYTES
 
 
 def check_head(head: Head, gate: Gate, allowed: AllowList, limits: ApiLimits
@@ -72,7 +86,7 @@ def check_head(head: Head, gate: Gate, allowed: AllowList, limits: ApiLimits
     if head.headers.get("HOST", "").strip().lower() not in allowed.hosts:
         raise Misdirected
     owner = gate.admit(head.headers.get("AUTHORIZATION"), head.client)
-    cap = body_cap(head.upload, limits)
+    cap = body_cap(head.upload, limits, chat=head.chat)
     if head.length > cap:
         what = "upload" if head.upload else "body"
         raise ApiError(413, f"the {what} is larger than {cap:,} bytes, this server's limit "
@@ -133,7 +147,7 @@ class GatedParser(HTTPRequestParser):  # type: ignore[misc]  # waitress is untyp
     error: Any
 
     def __init__(self, adj: Any, *, check: Callable[[Head], Callable[[], None] | None],
-                 cap: Callable[[bool], int], client: str) -> None:
+                 cap: Callable[..., int], client: str) -> None:
         super().__init__(adj)
         self._check = check
         self._cap = cap
@@ -149,7 +163,7 @@ class GatedParser(HTTPRequestParser):  # type: ignore[misc]  # waitress is untyp
             return  # waitress' stand-in request for headers too large: it answers 431
         head = Head(self.command, self.path, self.headers, self._client,
                     0 if self.chunked else self.content_length)
-        self._limit = self._cap(head.upload)
+        self._limit = self._cap(head.upload, chat=head.chat)
         try:
             end = self._check(head)
         except Misdirected:
@@ -219,8 +233,14 @@ def _channel(server: Any, sock: Any, addr: Any, adj: Any, map: Any = None, *,
 def make_server(app: Flask, gate: Gate, allowed: AllowList, limits: ApiLimits, *,
                 host: str, port: int, **adjustments: Any) -> Any:
     """A waitress server for `app`, listening, whose requests pass check_head first."""
-    server = create_server(app, host=host, port=port,
-                           max_request_body_size=body_cap(True, limits) + 1, **adjustments)
+    largest = max(body_cap(True, limits), body_cap(False, limits, chat=True))
+    adjustments.setdefault("channel_request_lookahead", 1)
+    server = create_server(app, host=host, port=port, max_request_body_size=largest + 1,
+                           **adjustments)
+    if server.adj.send_bytes != 1:  # a streamed event would wait for more to send
+        server.close()
+        raise RuntimeError(f"waitress buffers {server.adj.send_bytes} bytes before it "
+                           "sends; `vlmq api` streams chat answers and needs 1")
     parser = functools.partial(
         GatedParser, check=functools.partial(check_head, gate=gate, allowed=allowed,
                                              limits=limits),

@@ -47,13 +47,18 @@ def test_soak_300_jobs_two_workers_one_kill(redis_url: str, redis: Redis, tiny_m
 
     t0 = time.monotonic()
     args = ("--queues", "caption", "--max-batch", "8", "--heartbeat-ttl", "3")
-    doomed = helpers.start_worker(redis_url, tiny_model, tmp_path, *args, name="soak-a")
+    # Three hundred jobs log more than a pipe holds: the workers write to files.
+    def start(name: str) -> subprocess.Popen[str]:
+        return helpers.start_worker(redis_url, tiny_model, tmp_path, *args, name=name,
+                                    log=tmp_path / f"{name}.log")
+
+    doomed = start("soak-a")
     procs.append(doomed)
-    procs.append(helpers.start_worker(redis_url, tiny_model, tmp_path, *args, name="soak-b"))
+    procs.append(start("soak-b"))
     wait_for(lambda: _finished(redis, ids) >= JOBS // 3, 180, "a third of the jobs")
     os.killpg(doomed.pid, signal.SIGKILL)
     doomed.communicate()
-    procs.append(helpers.start_worker(redis_url, tiny_model, tmp_path, *args, name="soak-c"))
+    procs.append(start("soak-c"))
     wait_for(lambda: _finished(redis, ids) == JOBS, 300, "every job")
     elapsed = time.monotonic() - t0
 
@@ -82,4 +87,5 @@ def test_soak_300_jobs_two_workers_one_kill(redis_url: str, redis: Redis, tiny_m
     assert redis.llen(KEYS.rq_queue("caption")) == 0
     # Recorded for the report; never asserted (timings belong to benchmarks).
     (tmp_path / "soak_seconds.txt").write_text(f"{elapsed:.1f}\n")
-    print(f"soak: {JOBS} jobs, 2 workers, 1 kill -9: {elapsed:.1f} s")
+    logged = sum((tmp_path / f"soak-{n}.log").stat().st_size for n in "abc")
+    print(f"soak: {JOBS} jobs, 2 workers, 1 kill -9: {elapsed:.1f} s, {logged} bytes logged")

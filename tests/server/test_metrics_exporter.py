@@ -424,6 +424,9 @@ class _Engine:
     prefill_tokens: int = 0
     prefix_bytes: int = 0
     deferrals: int = 0
+    interactive_admitted: int = 0
+    bulk_rows_delayed: int = 0
+    cancelled: int = 0
 
 
 def _worker_scrape(metrics: WorkerMetrics) -> dict[str, tuple[str, list[Sample]]]:
@@ -519,6 +522,31 @@ def test_worker_kv_budget_beside_the_tokens_in_flight() -> None:
     s = {name: samples for name, (_, samples) in _worker_scrape(metrics).items()}
     assert _value(s["vlmq_kv_tokens_in_flight"], "vlmq_kv_tokens_in_flight") == 3000
     assert _value(s["vlmq_kv_tokens_budget"], "vlmq_kv_tokens_budget") == 12000
+
+
+def test_worker_counts_interactive_requests_and_the_bulk_rows_they_delayed() -> None:
+    """The chat queue's answers by how they ended (every end at 0 from the first scrape),
+    time to first token and decode rate as histograms, promtool-clean."""
+    stats = WorkerStats("w", 4, 8)
+    metrics = WorkerMetrics(stats, lambda: (0, 0))
+    stats.engine = _Engine(bulk_rows_delayed=3)
+    stats.first_token("a", 0.05)
+    stats.interactive_done("a", "stop", first_token_s=9.0, tokens=40, generate_s=0.5)
+    stats.interactive_done("b", "cancelled")
+    s = {name: samples for name, (_, samples) in _worker_scrape(metrics).items()}
+    total = "vlmq_interactive_requests_total"
+    assert _value(s["vlmq_interactive_requests"], total, finish_reason="stop") == 1
+    assert _value(s["vlmq_interactive_requests"], total, finish_reason="cancelled") == 1
+    assert _value(s["vlmq_interactive_requests"], total, finish_reason="error") == 0
+    assert _value(s["vlmq_bulk_rows_delayed"], "vlmq_bulk_rows_delayed_total") == 3
+    ttft = s["vlmq_interactive_ttft_seconds"]
+    # The streamed first token counted, not the later estimate.
+    assert _value(ttft, "vlmq_interactive_ttft_seconds_count") == 1
+    assert _value(ttft, "vlmq_interactive_ttft_seconds_sum") == pytest.approx(0.05)
+    rate = s["vlmq_interactive_tokens_per_second"]
+    assert _value(rate, "vlmq_interactive_tokens_per_second_sum") == pytest.approx(80.0)
+    rc, out = prom.check_metrics(generate_latest(metrics.registry).decode())
+    assert rc == 0, out
 
 
 def test_worker_shows_its_share_between_batches() -> None:

@@ -22,6 +22,7 @@ from vlmq.producer.ops.schedules import Schedule
 from vlmq.producer.options import JOB_FIELDS, JobOptions
 from vlmq.shared import constants as C
 from vlmq.shared import settings as S
+from vlmq.shared.chat import check_messages
 from vlmq.shared.enqueue import enqueue_lua, lua_script
 from vlmq.shared.errors import PayloadError
 from vlmq.shared.keys import Keys
@@ -57,6 +58,18 @@ def _bad_values(s: S.Setting) -> list[Any]:
     if s.kind == "labels":
         assert s.max_count is not None
         return [{"team": 7}, ["a"], {f"k{i}": "v" for i in range(s.max_count + 1)}]
+    if s.kind == "bool":
+        return [1, "true", 0]
+    if s.kind == "messages":
+        assert s.max_len is not None and s.max_count is not None
+        user = {"role": "user", "content": "hi"}
+        return [[], "hi", {"role": "user"}, [5], [["a"]], [{**user, "name": "x"}],
+                [{"role": "bot", "content": "x"}], [{"role": "user", "content": 5}],
+                [{"role": "user", "content": "x" * (s.max_len + 1)}],
+                [{**user, "image": "yes"}], [{"role": "system", "content": "x", "image": True}],
+                [{**user, "image": True}, {"role": "assistant", "content": "a"},
+                 {**user, "image": True}],
+                [user, {"role": "assistant", "content": "a"}], [user] * (s.max_count + 1)]
     assert s.kind == "choice"
     return ["yes", 5, None if s.default is None else "ON"]
 
@@ -72,6 +85,14 @@ def _good_values(s: S.Setting) -> list[Any]:
         return [{}, {f"k{i}": "v" for i in range(s.max_count or 1)}]
     if s.kind == "schema":
         return [{"type": "object"}, _schema_of_bytes(s.max_len or 1)]
+    if s.kind == "bool":
+        return [True, False]
+    if s.kind == "messages":
+        return [[{"role": "user", "content": ""}],
+                [{"role": "system", "content": "Be brief."},
+                 {"role": "user", "content": "x" * (s.max_len or 1), "image": True},
+                 {"role": "assistant", "content": "A cat."}, {"role": "user", "content": "é"}],
+                [{"role": "user", "content": "x"}] * (s.max_count or 1)]
     return [v for _, v in s.wire_values]
 
 
@@ -163,7 +184,9 @@ def _non_default(s: S.Setting) -> Any:
         assert s.lo is not None and s.hi is not None
         value: Any = (s.lo + s.hi) / 4 if s.kind == "float" else int(s.lo) + 7
     else:
-        value = {"str": "retry-7", "strs": ("</page>",), "labels": {"team": "a"},
+        value = {"str": "retry-7", "strs": ("</page>",), "labels": {"team": "a"}, "bool": True,
+                 "messages": check_messages([{"role": "user", "content": "Why?",
+                                              "image": True}]),
                  "choice": next((c for c in s.choices if c != s.default), None),
                  "schema": {"type": "object", "properties": {"a": {"type": "string"}}}
                  }[s.kind]
@@ -205,7 +228,7 @@ def test_every_command_and_file_format_follows_the_table() -> None:
         del options
 
     flags = {opt for p in every.params for opt in p.opts}
-    for s in S.SETTINGS:
+    for s in S.rows("cli"):
         wanted = [sw.flag for sw in s.switches] or [s.cli_flag]
         assert set(wanted) <= flags, s.name
     assert {s.name for s in S.rows("manifest")} <= set(MANIFEST_FIELDS)

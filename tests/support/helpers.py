@@ -79,14 +79,22 @@ def make_images(folder: Path, n: int, sizes: list[tuple[int, int]] | None = None
 
 
 def start_worker(redis_url: str, model: Path | str, tmp: Path, *args: str,
-                 name: str = "w1", cwd: str | None = None) -> subprocess.Popen[str]:
-    """`vlmq worker` on `model` (a folder, or a name such as "reader"), run in `cwd`."""
+                 name: str = "w1", cwd: str | None = None,
+                 log: Path | None = None) -> subprocess.Popen[str]:
+    """`vlmq worker` on `model` (a folder, or a name such as "reader"), run in `cwd`. Its
+    output is a pipe the test reads at the end, or with `log` that file: a worker that
+    logs more than a pipe holds (64 KiB) before the test reads would block on a write."""
     env = {**os.environ, "REDIS_URL": redis_url, "VLMQ_CACHE": str(tmp / "cache"),
            "PYTHONUNBUFFERED": "1"}
     cmd = [VLMQ, "worker", "--model", str(model), "--name", name,
            "--cache-dir", str(tmp / "vision-cache"), *args]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, cwd=cwd)
+    if log is None:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                cwd=cwd)
+    with log.open("a") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True, cwd=cwd)
 
 
 def stop_all(procs: list[subprocess.Popen[str]]) -> None:

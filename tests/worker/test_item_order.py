@@ -91,3 +91,17 @@ def test_among_equal_jobs_the_batch_with_fewest_items_out_goes_first() -> None:
     assert s.priority(s.jobs["small-2"]) < s.priority(s.jobs["big-3"])
     s.add(_in_batch("two", 2, "b-other"))
     assert s.priority(s.jobs["big-3"]) < s.priority(s.jobs["two"])  # fewer items left first
+
+
+def test_an_interactive_job_is_prepared_first_whatever_the_window_holds() -> None:
+    s: ItemOrder[JobState] = ItemOrder()
+    s.add(_state("small", 1))
+    s.add(_state("big", 40))
+    chat = _state("chat", 1)
+    chat.interactive = True
+    s.add(chat)  # arrives last, with as few items left as the small job
+    window, small = 8, 4
+    assert s.best() is chat
+    taken = s.next_item_within(window + small, window, small)  # the window is full
+    assert taken is not None and taken[0] is chat
+    assert s.next_item_within(window + small, window, small) is None  # bulk items wait

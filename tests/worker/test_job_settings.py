@@ -8,6 +8,7 @@ from dataclasses import fields, replace
 from redis import Redis
 
 from tests.support.lua_calls import write_items
+from vlmq.shared.chat import Message
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import Item, ItemResult, JobPayload
 from vlmq.worker.item_order import JobState
@@ -84,7 +85,8 @@ def test_every_setting_that_decides_text_is_in_the_result_cache_key(redis: Redis
     base = _state("k", max_side=500).resolved
     other = {"prompt": "Other.", "max_tokens": 9, "temperature": 0.5, "stop": ("</y>",),
              "max_side": 600, "result_cache": "sampled", "blob_ttl": 60, "text_layer": "off",
-             "schema": '{"type":"object","properties":{"a":{"type":"integer"}}}'}
+             "schema": '{"type":"object","properties":{"a":{"type":"integer"}}}',
+             "messages": (Message("user", "Other?"),), "stream": True}
     assert set(other) == {f.name for f in fields(JobSettings)}, "a new field needs a value"
     image = Item(kind="image", blob="b" * 64, source="a.png", page=None)
     for item in (ITEM, image):

@@ -23,7 +23,7 @@ from vlmq.shared.enqueue import enqueue, fetch_job
 from vlmq.shared.keys import Keys
 from vlmq.shared.messages import TEXT_FROM_LAYER, TEXT_FROM_MODEL, Item, JobPayload
 from vlmq.worker.collect import Collector
-from vlmq.worker.engine.batcher import EngineState, Finished
+from vlmq.worker.engine.batcher import EngineState, Finished, Output
 from vlmq.worker.events import (
     Answered,
     EventQueue,
@@ -127,8 +127,9 @@ class Outbox:
     def __init__(self) -> None:
         self.answers: list[Finished] = []
 
-    def get_finished(self, timeout: float) -> list[Finished]:
-        out, self.answers = self.answers, []
+    def get_output(self, timeout: float) -> list[Output]:
+        out: list[Output] = list(self.answers)
+        self.answers = []
         return out
 
 

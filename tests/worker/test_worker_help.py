@@ -12,6 +12,7 @@ from redis import Redis
 
 from vlmq.cli.worker import worker_cmd
 from vlmq.shared import constants as C
+from vlmq.shared.chat import CHAT_QUEUE
 from vlmq.worker import options
 from vlmq.worker.engine.batch_size import DEFAULT_CAP, FLOOR
 from vlmq.worker.jobs.running import BatchWorker
@@ -27,8 +28,8 @@ def worker_help() -> str:
 
 def test_help_lists_every_default_queue() -> None:
     text = worker_help()
-    assert f"default: {','.join(C.DEFAULT_QUEUE[t] for t in C.TASKS)})" in text
-    assert "extract" in options.DEFAULT_QUEUES
+    assert f"default: {CHAT_QUEUE},{','.join(C.DEFAULT_QUEUE[t] for t in C.TASKS)})" in text
+    assert options.DEFAULT_QUEUES[0] == CHAT_QUEUE  # interactive requests first
 
 
 def test_help_figures_come_from_the_code() -> None:

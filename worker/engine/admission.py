@@ -17,6 +17,11 @@ over its knee, and only while small jobs are in it, which costs the big jobs a f
 cent of their rate for that time (the knee is where more rows stop paying, not where
 they start to cost). Which row waits first is the worker's priority (its job's items
 left, then its batch's items out), so the express rows go to the smallest jobs.
+
+Interactive rows (a person or an app waits on each token) go before every waiting bulk
+row, and past both the limit and the express rows, into INTERACTIVE_ROWS more: a full
+batch never makes them wait for a bulk row to end. Only the KV budget holds them back
+(a bulk batch that has the budget makes them wait; the budget is what memory allows).
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 EXPRESS_SHARE = 4  # the express rows are the limit over this, at least one
+# Rows kept for interactive requests past the limit and the express rows: a handful of
+# people asking at once; more wait for one of them to end (or for a bulk row's).
+INTERACTIVE_ROWS = 8
 
 
 def express_rows(limit: int) -> int:
@@ -38,6 +46,7 @@ class Waiting:
     job_left: int  # its job's items left when it was submitted; 0 when not known
     kv_cost: int   # prompt + max new tokens
     biggest_live: int = 0  # the most items left of any job with a row in the batch
+    interactive: bool = False  # an interactive request's row
 
 
 def admits(row: Waiting, *, live: int, limit: int, capacity: int, kv_in_flight: int,
@@ -48,5 +57,7 @@ def admits(row: Waiting, *, live: int, limit: int, capacity: int, kv_in_flight: 
     if live < limit:
         return True
     reserve = express_rows(limit)
+    if row.interactive:
+        return live < min(limit + reserve + INTERACTIVE_ROWS, capacity)
     return (0 < row.job_left <= reserve and row.job_left < row.biggest_live
             and live < min(limit + reserve, capacity))

@@ -11,6 +11,13 @@ Requests from different jobs share batches: whatever was submitted is inserted
 at the next step, up to the row limit (`max_batch`, or what the sizer measured under
 it), the smallest job first; a small job may also take the express rows past the
 limit, so that it starts at the next step whatever fills the batch (admission.py).
+
+Interactive requests (`Request.interactive`) are admitted before every waiting bulk row,
+into rows of their own past the limit. A streamed row (`Request.stream`) reports its
+newly decoded text after each step through the same outbox as the finished rows
+(`Streamed`, whole characters only, never the start of a stop string that may yet cut
+it), so the caller can pass it on while the row runs. `cancel()` drops rows at the next
+turn, before the next step.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from vlmq.worker.model.mlx_adapter import LoadedModel, Prepared
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # how long the MLX thread blocks on the inbox when it has nothing to run
+_MAX_CANCEL_EARLY = 4096  # cancelled keys kept for requests not submitted yet
 _CLEAR_CACHE_DELAY = 8  # steps between a removal and mx.clear_cache (Metal pitfall)
 IGNORE_LIMITS_ENV = "VLMQ_IGNORE_FAMILY_LIMITS"  # debug switch, see _apply_family_limits
 PREFILL_ROWS = 8  # prompts prefilled together by default (the old max_batch default)
@@ -71,13 +79,27 @@ class Request:
     # The content key of the row's image (the vision cache's, worker/prep/preparer.py):
     # rows with the same key and prompt prefix share its prefilled K/V (prefix_cache.py).
     prefix_key: str | None = None
+    # An interactive request: admitted before any bulk row, past the batch limit.
+    interactive: bool = False
+    # Report the text decoded so far after each step (Streamed). Such a row is never cut
+    # or retried by the repetition guard: what it has sent cannot be taken back.
+    stream: bool = False
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """Text a streamed row decoded since its previous Streamed: whole characters. The
+    row's Finished text starts with all of its Streamed texts, in order."""
+
+    key: Hashable
+    text: str
 
 
 @dataclass
 class Finished:
     key: Hashable
     text: str
-    finish_reason: str  # "stop" | "length" | "repetition" | "error"
+    finish_reason: str  # "stop" | "length" | "repetition" | "error" | "cancelled"
     prompt_tokens: int
     completion_tokens: int
     vision_cache_hit: bool
@@ -91,6 +113,11 @@ class Finished:
     # when the engine first saw it: how many steps it waited for a row.
     admitted_step: int = 0
     seen_step: int = 0
+    # Characters of `text` a streamed row has already reported (Streamed).
+    streamed: int = 0
+
+
+Output = Finished | Streamed
 
 
 @dataclass(frozen=True)
@@ -140,6 +167,7 @@ class _Live:
     prefix_tokens: int = 0  # of its prompt, those a cached prefix spared (prefix_cache.py)
     admitted_step: int = 0  # EngineState.steps when it was inserted
     seen_step: int = 0  # EngineState.steps when the loop took it from the inbox
+    detok: Any = None  # a streamed row's incremental detokenizer (mlx_adapter)
 
 
 @dataclass(eq=False)
@@ -157,7 +185,8 @@ class EngineState:
     # A Queue, not a SimpleQueue: the main thread waits on it with a timeout, and on
     # CPython 3.11 a signal (SIGTERM) landing in SimpleQueue.get(timeout=...) can leave
     # that call blocked for good, so the worker never stops (tests/worker/engine/test_batcher.py).
-    outbox: queue.Queue[Finished] = field(default_factory=queue.Queue)
+    outbox: queue.Queue[Output] = field(default_factory=queue.Queue)
+    cancels: queue.SimpleQueue[Hashable] = field(default_factory=queue.SimpleQueue)
     closing: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     waiting: int = 0  # submitted, not yet inserted or failed
@@ -192,6 +221,11 @@ class EngineState:
     prefix_bytes: int = 0
     peak_prefix_bytes: int = 0
     prefix_off: str = ""  # why reuse is off for this worker, if it is
+    # Interactive rows admitted; bulk rows that waited while one took a row within the
+    # limit; rows dropped by cancel().
+    interactive_admitted: int = 0
+    bulk_rows_delayed: int = 0
+    cancelled: int = 0
 
     def submit(self, req: Request) -> None:
         with self.lock:
@@ -321,10 +355,22 @@ class Engine:
             raise EngineError("engine is closed")
         self.state.submit(req)
 
+    def cancel(self, keys: Iterable[Hashable]) -> None:
+        """Drop these requests, waiting or in the batch, before the next step; each ends
+        as a Finished with finish_reason "cancelled" (a key not seen yet, when it comes)."""
+        for key in keys:
+            self.state.cancels.put(key)
+
     def get_finished(self, timeout: float) -> list[Finished]:
-        """Everything finished since the last call; waits up to `timeout` for the first."""
+        """Everything finished since the last call; waits up to `timeout` for the first
+        (what streamed rows reported meanwhile is left out: get_output has it)."""
+        return [o for o in self.get_output(timeout) if isinstance(o, Finished)]
+
+    def get_output(self, timeout: float) -> list[Output]:
+        """Everything finished or streamed since the last call, in the order it happened;
+        waits up to `timeout` for the first."""
         outbox = self.state.outbox
-        out: list[Finished] = []
+        out: list[Output] = []
         try:
             out.append(outbox.get(timeout=timeout) if timeout > 0 else outbox.get_nowait())
         except queue.Empty:
@@ -416,6 +462,10 @@ class Engine:
             self.prefill_batch = 1
 
 
+def _cancelled(fin: Finished) -> Finished:
+    return replace(fin, finish_reason="cancelled")
+
+
 def _error(
     req: Request,
     message: str,
@@ -450,8 +500,10 @@ class _Loop:
         self.state = state
         self.m = loaded
         self.max_batch = max_batch
-        # The most rows ever live: the limit's cap and the express rows past it.
-        self.capacity = max_batch + admission.express_rows(max_batch)
+        # The most rows ever live: the limit's cap, the express rows and the interactive
+        # rows past it.
+        self.capacity = (max_batch + admission.express_rows(max_batch)
+                         + admission.INTERACTIVE_ROWS)
         self.prefill_batch = prefill_batch
         self.repetition = repetition
         self.eos = mlx_adapter.eos_token_ids(loaded.processor)
@@ -479,6 +531,11 @@ class _Loop:
         self.warned_over_budget: set[Hashable] = set()
         # Schema matching over all rows of a step, held to a share of the model's time.
         self.matching = MatchBudget()
+        # Characters each streamed row has reported, by key: a row rerun from its prompt
+        # (a failed step's isolation, a deferral) reports only what is new.
+        self.streamed: dict[Hashable, int] = {}
+        # Cancelled keys not seen yet (still being prepared): dropped when they come.
+        self.cancel_early: set[Hashable] = set()
 
     def _prefix_cache(self, budget: int, per_token: int,
                       given: bool) -> prefix_cache.PrefixCache | None:
@@ -510,6 +567,7 @@ class _Loop:
         st = self.state
         while not st.closing.is_set():
             self._intake(block=not (self.live or self.pending or self.suspects))
+            self._cancel()
             t0 = time.perf_counter()
             admitted = self._admit()
             if self.live:
@@ -584,6 +642,48 @@ class _Loop:
             log.info("engine: batch limit %d rows: %s", self.sizer.limit, self.sizer.reason)
         self.state.batch_limit, self.state.batch_reason = self.sizer.limit, self.sizer.reason
 
+    def _cancel(self) -> None:
+        """Drop the rows cancel() named, waiting or live, before the next step."""
+        import mlx.core as mx
+
+        keys: set[Hashable] = set()
+        while True:
+            try:
+                keys.add(self.state.cancels.get_nowait())
+            except queue.Empty:
+                break
+        wanted = keys | self.cancel_early
+        if not wanted:
+            return
+        found: set[Hashable] = set()
+        kept: deque[tuple[Request, float]] = deque()
+        for req, submitted_at in self.pending:
+            if req.key not in wanted:
+                kept.append((req, submitted_at))
+                continue
+            found.add(req.key)
+            self.seen.pop(req.key, None)
+            self.state.emit(_cancelled(_error(req, "cancelled", 0)), waiting=-1)
+        self.pending = kept
+        rows = [lv for lv in self.live.values() if lv.req.key in keys]
+        if rows:
+            mx.synchronize()  # Metal: settle in-flight work before the batch is filtered
+        for lv in rows:
+            self.gen.remove(lv.uid)
+            found.add(lv.req.key)
+            timings, _, _ = self._leave(lv, "cancelled", None, None)
+            fin = _cancelled(_error(lv.req, "cancelled", lv.prompt_tokens, lv.hit, timings))
+            fin.tokens = list(lv.tokens)
+            self.state.emit(fin, active=-1)
+        if rows:
+            self.clear_cache_at = self.state.steps + _CLEAR_CACHE_DELAY
+        self.state.cancelled += len(found)
+        for key in found:
+            self.streamed.pop(key, None)
+        # Keys not seen yet are still being prepared (or never come: bounded anyway).
+        early = (self.cancel_early | keys) - found
+        self.cancel_early = early if len(early) <= _MAX_CANCEL_EARLY else keys - found
+
     def _intake(self, block: bool) -> None:
         """Move submitted requests to `pending`; block briefly only when idle."""
         inbox = self.state.inbox
@@ -600,9 +700,10 @@ class _Loop:
     def _admit(self) -> int:
         """Embed and insert pending requests while admission.admits them.
 
-        The next request is the one with the best priority (its job's items left, then
-        its batch's items out; FIFO among equals). Up to the batch limit any request
-        joins; past it only a small job's, into the express rows (admission.py). If the
+        The next request is an interactive one if any waits, else the one with the best
+        priority (its job's items left, then its batch's items out; FIFO among equals).
+        Up to the batch limit any request joins; past it only a small job's, into the
+        express rows, or an interactive one, into rows of its own (admission.py). If the
         next one does not fit, it waits (later ones wait behind it, so a long one is
         never starved); one over the whole KV budget runs alone, once nothing else is in
         flight.
@@ -619,7 +720,8 @@ class _Loop:
             cost = self._kv_cost(req)
             biggest = (max(lv.req.job_left for lv in self.live.values())
                        if len(self.live) >= self.sizer.limit else 0)  # read past it only
-            if not admission.admits(admission.Waiting(req.job_left, cost, biggest),
+            if not admission.admits(admission.Waiting(req.job_left, cost, biggest,
+                                                      req.interactive),
                                     live=len(self.live),
                                     limit=self.sizer.limit, capacity=self.capacity,
                                     kv_in_flight=self.state.kv_in_flight,
@@ -632,15 +734,29 @@ class _Loop:
                             cost, self.kv_budget)
             del pending[first]
             self.warned_over_budget.discard(req.key)
+            if req.interactive:
+                self._count_interactive()
             self._insert_risky(req, submitted_at)
             admitted += 1
         return admitted
 
+    def _count_interactive(self) -> None:
+        """An interactive row goes in: the bulk rows waiting count as delayed when it
+        took a row within the limit (past it, they would have waited anyway)."""
+        st = self.state
+        st.interactive_admitted += 1
+        if len(self.live) < self.sizer.limit:
+            st.bulk_rows_delayed += sum(not req.interactive for req, _ in self.pending)
+
     def _next_pending(self) -> int | None:
-        """The pending request to admit next: the best priority, unless it is constrained
-        and does not fit the matching budget; then the best unconstrained one (the
-        constrained behind it wait too, so it is never starved), or None."""
+        """The pending request to admit next: an interactive one if any waits (the best
+        priority of them); else the best priority, unless it is constrained and does not
+        fit the matching budget; then the best unconstrained one (the constrained behind
+        it wait too, so it is never starved), or None."""
         pending = self.pending
+        interactive = [k for k in range(len(pending)) if pending[k][0].interactive]
+        if interactive:
+            return min(interactive, key=lambda k: pending[k][0].priority)
         first = min(range(len(pending)), key=lambda k: pending[k][0].priority)
         constraint = pending[first][0].constraint
         held = self._constrained()
@@ -745,6 +861,7 @@ class _Loop:
             prefix_tokens=spared,
             admitted_step=self.state.steps,
             seen_step=self.seen.pop(req.key, self.state.steps),
+            detok=mlx_adapter.streaming_detokenizer(m.processor) if req.stream else None,
         )
         st.move(waiting=-1, active=1)
 
@@ -800,10 +917,23 @@ class _Loop:
                            and lv.req.constraint.failure is not None)
         if cuts:
             self._cut(cuts)
+        self._stream()
         if self.clear_cache_at is not None and self.state.steps >= self.clear_cache_at:
             mx.clear_cache()
             self.clear_cache_at = None
         return len(responses)
+
+    def _stream(self) -> None:
+        """Report what each streamed row still in the batch decoded this step: whole
+        characters, up to where a stop string could yet begin (mlx_adapter.streamable)."""
+        for lv in self.live.values():
+            if lv.detok is None:
+                continue
+            sent = self.streamed.get(lv.req.key, 0)
+            text, end = mlx_adapter.streamable(lv.detok, lv.req.stop, sent)
+            if end > sent:
+                self.streamed[lv.req.key] = end
+                self.state.outbox.put(Streamed(lv.req.key, text[sent:end]))
 
     def _step_failed(self, exc: Exception) -> None:
         """A step raised and nothing says which row caused it (an MLX error): start afresh
@@ -850,6 +980,8 @@ class _Loop:
             if lv is None:
                 continue  # removed by us after this token was computed
             lv.tokens.append(int(r.token))
+            if lv.detok is not None and r.finish_reason is None:
+                lv.detok.add_token(int(r.token))
             self.state.tokens_generated += 1
             if lv.first_token_at is None:
                 lv.first_token_at = now
@@ -865,8 +997,8 @@ class _Loop:
         return cuts
 
     def _check_row(self, lv: _Live, cuts: _Cuts) -> None:
-        """A running row's stop strings and repetition guard."""
-        guard = self.repetition
+        """A running row's stop strings and repetition guard (not a streamed row's)."""
+        guard = self.repetition if not lv.req.stream else None
         cut = self._stop_cut(lv) if lv.stop_window else None
         loop = guard.find(lv.tokens) if guard is not None and cut is None else None
         if cut is not None:
@@ -938,6 +1070,7 @@ class _Loop:
             fin = _error(lv.req, error or "failed", lv.prompt_tokens, lv.hit, timings)
             fin.tokens = list(lv.tokens)
         fin.repetition = note
+        fin.streamed = self.streamed.pop(lv.req.key, 0)
         self.state.emit(fin, active=-1)
 
     def _leave(self, lv: _Live, reason: str, error: str | None,

@@ -81,8 +81,9 @@ class JobLifecycle:
         taken, _ = self.intake.take_many(1)
         return taken[0] if taken else None
 
-    def take_many(self, limit: int, *, block_s: float = 0.0) -> tuple[list[Taken], bool]:
-        return self.intake.take_many(limit, block_s=block_s)
+    def take_many(self, limit: int, *, block_s: float = 0.0,
+                  queues: Sequence[Queue] | None = None) -> tuple[list[Taken], bool]:
+        return self.intake.take_many(limit, block_s=block_s, queues=queues)
 
     # --- presence, heartbeats, registry upkeep -------------------------------------------
 

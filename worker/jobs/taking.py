@@ -52,10 +52,11 @@ class Intake:
         self.ends = ends  # a payload refused after its start fails like any started job
         self.connection = worker.connection
 
-    def take_many(self, limit: int, *, block_s: float = 0.0) -> tuple[list[Taken], bool]:
+    def take_many(self, limit: int, *, block_s: float = 0.0,
+                  queues: Sequence[Queue] | None = None) -> tuple[list[Taken], bool]:
         """Start up to `limit` jobs, the first queue drained before the next, each queue's
         batches in fair turns (shared/fair.py); returns them and whether every queue was
-        found empty.
+        found empty. `queues`: those of this worker's queues to look at (default: all).
 
         Each entry is LMOVEd into the queue's intermediate list, as RQ does for one queue:
         a crash between the pop and the start leaves the job where maintenance finds it
@@ -70,7 +71,8 @@ class Intake:
         (BLMPOP would lose the intermediate list): the caller polls them instead.
         """
         out: list[Taken] = []
-        for queue in self.queues:
+        looked = list(self.queues if queues is None else queues)
+        for queue in looked:
             while len(out) < limit:
                 raws = self._pop(queue, limit - len(out))
                 if not raws:
@@ -78,8 +80,8 @@ class Intake:
                 out += self._take_entries(queue, raws)
             if len(out) >= limit:
                 return out, False
-        if not out and block_s > 0 and len(self.queues) == 1:
-            queue = self.queues[0]
+        if not out and block_s > 0 and len(looked) == 1:
+            queue = looked[0]
             raw = self.connection.blmove(queue.key, queue.intermediate_queue_key,
                                          block_s)  # type: ignore[arg-type]  # Redis takes a float
             if raw is not None:

@@ -20,7 +20,7 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from vlmq.shared.chat import Message
 from vlmq.worker.model import families, names
 from vlmq.worker.model.families import FamilySpec
 
@@ -272,15 +273,34 @@ def _context_length(config: Any) -> int:
 # ---------------------------------------------------------------- CPU side
 
 
-def format_prompt(processor: Any, config: Any, prompt: str, num_images: int) -> str:
-    """The chat-templated prompt, exactly as `mlx_vlm.generate` callers build it."""
+# A prompt: one user turn's text, or a whole conversation (an interactive request).
+Prompt = str | Sequence[Message]
+
+
+def format_prompt(processor: Any, config: Any, prompt: Prompt, num_images: int) -> str:
+    """The chat-templated prompt, exactly as `mlx_vlm.generate` callers build it: a text is
+    one user turn; a conversation renders each turn with the model's template, the image
+    at the start of the turn marked `image` (else, as mlx-vlm does, the last user turn)."""
     from mlx_vlm.prompt_utils import apply_chat_template
 
+    given: Any = prompt if isinstance(prompt, str) else conversation(prompt, num_images)
     with _TOKENIZER_LOCK, _TEMPLATE_KWARGS.scope():
-        return str(apply_chat_template(processor, config, prompt, num_images=num_images))
+        return str(apply_chat_template(processor, config, given, num_images=num_images))
 
 
-def prepare(processor: Any, config: Any, image: Image.Image | None, prompt: str) -> Prepared:
+def conversation(messages: Sequence[Message], num_images: int) -> list[dict[str, Any]]:
+    """The turns as mlx-vlm's apply_chat_template takes them: an image part (which it
+    counts as an explicit image marker) leads the content of the turn that carries it."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        content: Any = m.content
+        if m.image and num_images:
+            content = [{"type": "image"}, {"type": "text", "text": m.content}]
+        out.append({"role": m.role, "content": content})
+    return out
+
+
+def prepare(processor: Any, config: Any, image: Image.Image | None, prompt: Prompt) -> Prepared:
     """CPU-only preparation of one item; creates no MLX arrays.
 
     grid_prep families: numpy pixels via the processor's own image processor, then
@@ -305,7 +325,7 @@ def prepare(processor: Any, config: Any, image: Image.Image | None, prompt: str)
 
 
 def prepare_from_grid(
-    processor: Any, config: Any, image_grid_thw: np.ndarray, prompt: str
+    processor: Any, config: Any, image_grid_thw: np.ndarray, prompt: Prompt
 ) -> Prepared:
     """Cache-hit preparation: the same ids as `prepare`, from the cached grid alone."""
     grid = np.asarray(image_grid_thw, dtype=np.int64).reshape(-1, 3)
@@ -460,6 +480,40 @@ def decode(processor: Any, ids: list[int]) -> str:
     """Token ids to text, special tokens kept so stop strings such as <|im_start|> are seen."""
     with _TOKENIZER_LOCK:
         return str(processor.tokenizer.decode(ids, skip_special_tokens=False))
+
+
+def streaming_detokenizer(processor: Any) -> Any:
+    """A fresh incremental detokenizer for one row (mlx-vlm's, as its server streams
+    with): add_token(id) per token, `.text` the text so far. Its text equals `decode`'s
+    for the same tokens (tests/worker/model/test_streaming_text.py pins it)."""
+    from mlx_vlm.tokenizer_utils import make_streaming_detokenizer
+
+    return make_streaming_detokenizer(processor)  # type: ignore[no-untyped-call]
+
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def streamable(detok: Any, stops: Sequence[str], sent: int) -> tuple[str, int]:
+    """The row's text so far, and how much of it may be sent: whole characters only (a
+    trailing U+FFFD is a character whose bytes have not all come), and nothing from where
+    a stop string starts or could start once more tokens come. `sent`: characters already
+    sent (only the text from there, less the longest stop, is searched)."""
+    text = str(detok.text)
+    end = len(text.rstrip(REPLACEMENT_CHAR))
+    longest = max((len(s) for s in stops if s), default=0)
+    start = max(0, sent - longest)
+    for stop in stops:
+        if not stop:
+            continue
+        at = text.find(stop, start)
+        if at >= 0:
+            end = min(end, at)
+        for k in range(min(len(stop) - 1, end), 0, -1):
+            if text.endswith(stop[:k], 0, end):
+                end -= k
+                break
+    return text, max(end, 0)
 
 
 def release_thread_streams() -> None:

@@ -140,9 +140,12 @@ def model_matches(requested: str, served: str) -> bool:
 class Preparer:
     def __init__(self, engine: Engine, info: EngineInfo, cache: VisionCache, redis: Redis,
                  keys: Keys, pool: ThreadPoolExecutor, renderer: RenderPool | None = None,
-                 risk: RiskLog | None = None, stores: Stores | None = None) -> None:
+                 risk: RiskLog | None = None, stores: Stores | None = None,
+                 urgent: ThreadPoolExecutor | None = None) -> None:
         """`renderer`: the worker's render processes; None renders in this process (tests
         and benchmarks that construct a Preparer directly; a crafted PDF can then hurt).
+        `urgent`: the pool interactive jobs' items are prepared in, so that they never
+        queue behind the bulk items already submitted to `pool` (default: `pool`).
         `stores`: the only places referenced items are read from (none: every reference
         fails its item, naming the store it needs)."""
         self.stores = stores if stores is not None else Stores()
@@ -155,6 +158,7 @@ class Preparer:
         self.keys = keys
         self.blobs = BlobStore(redis, keys)
         self.pool = pool
+        self.urgent = urgent if urgent is not None else pool
         self.model_identity = f"{info.model_id}@{info.fingerprint}"
         self._proc_params = self._processor_params(engine.processor)
         self.structured = Structured(engine.processor.tokenizer,
@@ -283,8 +287,10 @@ class Preparer:
         return copy
 
     def submit(self, state: JobState, idx: int) -> Future[tuple[Prepared, float]]:
-        return self.pool.submit(self.prepare, state.job_id, state.payload,
-                                state.resolved.for_item(state.payload.items[idx]), idx)
+        pool = self.urgent if state.interactive else self.pool
+        return pool.submit(self.prepare, state.job_id, state.payload,
+                           state.resolved.for_item(state.payload.items[idx]), idx,
+                           interactive=state.interactive)
 
     def key_for(self, settings: JobSettings, item: Item) -> str:
         params = {"max_side": settings.side_for(item.kind), "kind": item.kind,
@@ -292,12 +298,13 @@ class Preparer:
         return cache_key(self.model_identity, item.sha256, item.page, params)
 
     def prepare(self, job_id: str, payload: JobPayload, settings: JobSettings,
-                idx: int) -> tuple[Prepared, float]:
+                idx: int, *, interactive: bool = False) -> tuple[Prepared, float]:
         """The item as an engine Request (or its page's text-layer answer), and the
-        seconds that took."""
+        seconds that took. `interactive`: its row goes ahead of every bulk row."""
         t0 = time.perf_counter()
         item = payload.items[idx]
         common = self._common(job_id, idx, settings)
+        common.update(interactive=interactive, stream=settings.stream)
         # Before any cache: a reference that is missing, unreadable or changed fails,
         # whatever a cache knows of the content it claims. Its verified copy, if it had
         # to be read, serves the decode.
@@ -320,7 +327,7 @@ class Preparer:
         if item.kind == C.TEXT_KIND:
             # No image: nothing to fetch, no tower, and no vision or prefix cache key.
             prepared = mlx_adapter.prepare(self.engine.processor, self.engine.model_config, None,
-                                           settings.prompt)
+                                           settings.prompt_or_messages)
             return Request(prepared=prepared, cached_features=None, **common)
         if item.kind == "pdf" and payload.task == "ocr" and settings.text_layer == "prefer":
             answered = self._prefer_layer(job_id, idx, item, held)
@@ -333,7 +340,7 @@ class Preparer:
         if entry is not None:
             prepared = mlx_adapter.prepare_from_grid(self.engine.processor,
                                                      self.engine.model_config,
-                                                     entry.grid_thw, settings.prompt)
+                                                     entry.grid_thw, settings.prompt_or_messages)
             return Request(prepared=prepared,
                            cached_features=(entry.features, entry.dtype_name), **common)
         return self._from_pixels(job_id, idx, settings, item, key, common, held)
@@ -372,7 +379,7 @@ class Preparer:
                 image = self._load_image(settings, item, held)
                 try:
                     prepared = mlx_adapter.prepare(self.engine.processor, self.engine.model_config,
-                                                   image, settings.prompt)
+                                                   image, settings.prompt_or_messages)
                 except (ValueError, TypeError) as exc:
                     raise PrepError(f"processor rejected the image: {exc}") from exc
         except BaseException:

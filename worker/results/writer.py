@@ -98,7 +98,7 @@ class ResultWriter:
     def __init__(self, redis: Redis, keys: Keys, lifecycle: JobLifecycle,
                  order: ItemOrder[Running], stats: WorkerStats, *,
                  on_stored: Callable[[list[tuple[Running, list[ItemResult]]]], None] | None
-                 = None) -> None:
+                 = None, on_failed: Callable[[Running, str], None] | None = None) -> None:
         self.redis = redis
         self.keys = keys
         self.lifecycle = lifecycle
@@ -106,6 +106,8 @@ class ResultWriter:
         self.stats = stats
         # Runs once per flush with the jobs whose results were stored (the result cache).
         self.on_stored = on_stored
+        # Runs with each job failed here and why (an interactive job's token stream ends).
+        self.on_failed = on_failed
         self._unwritten: dict[str, dict[int, ItemResult]] = {}
         self._write_items = lua.script(redis, lua.WRITE_ITEMS)
 
@@ -314,6 +316,8 @@ class ResultWriter:
             return
         self.stats.count_job(state.queue.name, "failed")
         log.info("job %s failed: %s", state.job_id, message, extra=job_fields(state.job_id))
+        if self.on_failed is not None:
+            self.on_failed(state, message)
 
 
 def _tally(res: ItemResult) -> Tally:
