@@ -173,7 +173,13 @@ def test_a_cancelled_chat_job_ends_its_stream_at_once_and_the_worker_goes_on(
     url, _ = served
     client, redis = Client(url), Redis.from_url(url)
     image = make_images(tmp_path / "img", 1)[0]
-    long = _chat(client, image, stream=True, max_tokens=2000)
+    # The tiny model ends a free answer within a second: a schema with a long string
+    # keeps this one decoding for seconds, so the cancel never races its end.
+    long = client.submit("extract", [image], JobOptions(
+        messages=CONVERSATION, stream=True, temperature=0.0, max_tokens=4000,
+        schema={"type": "object", "properties": {"t": {"type": "string", "minLength": 3000}},
+                "required": ["t"]},
+        result_cache="off", queue=chat.CHAT_QUEUE))
     key = Keys.from_env().job_tokens(long.id)
     wait_for(lambda: redis.xlen(key) > 0, 120, "its first delta")
     t0 = time.monotonic()
