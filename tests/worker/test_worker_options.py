@@ -18,6 +18,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from vlmq.cli import config
 from vlmq.cli.worker import worker_cmd, worker_options
 from vlmq.stores.backends import STORES_ENV, Stores
 from vlmq.worker import options
@@ -114,13 +115,24 @@ def test_fields_made_by_several_rows_have_a_builder() -> None:
 
 
 def test_every_row_is_a_click_option_in_table_order() -> None:
+    # The root names each option's variables when it loads the command (cli/config.py);
+    # naming them again changes nothing, so the test does not depend on which ran first.
+    config.name_variables(worker_cmd, "VLMQ_WORKER")
     params = {p.name: p for p in worker_cmd.params}
     assert [p.name for p in worker_cmd.params] == [row.name for row in options.OPTIONS]
     for row in options.OPTIONS:
         param = params[row.name]
         assert isinstance(param, click.Option)
+        if param.is_flag and not param.is_bool_flag:
+            variables: list[str] | None = param.envvar  # flags sharing a value read none
+        else:
+            longs = [o[2:] for o in param.opts if o.startswith("--")]
+            variables = list(dict.fromkeys(
+                [*(f"VLMQ_WORKER_{config.word(o)}" for o in longs[:1]),
+                 f"VLMQ_WORKER_{config.word(row.name)}",
+                 *([row.envvar] if row.envvar else [])]))
         assert (param.opts, param.envvar, param.metavar) == (
-            [row.cli_flag], row.envvar, row.metavar), row.name
+            [row.cli_flag], variables, row.metavar), row.name
         assert (param.required, param.multiple, param.is_flag) == (
             row.required, row.kind in ("strs", "stores"), row.kind == "flag"), row.name
         if row.kind != "stores":  # its help is cli.common.store_option's, shared

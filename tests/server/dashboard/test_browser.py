@@ -82,6 +82,7 @@ def test_running_jobs_progress_advances_on_the_page(redis_url: str,
     job = client.caption(images, options=JobOptions(max_side=112, max_tokens=128))
     with running_dashboard(redis_url) as (base, _proc):
         shown: list[int] = []
+        misses: list[str] = []
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if len(shown) == 1:  # the page has shown the queued job: now work on it
@@ -90,7 +91,10 @@ def test_running_jobs_progress_advances_on_the_page(redis_url: str,
             seen = browser.dump_dom(f"{base}/jobs/{job.id}")
             assert seen.console == []
             m = re.search(r'<span id="job-done">(\d+)/16</span>', seen.stdout)
-            assert m is not None
+            if m is None:  # a dump cut short on a busy machine: look again
+                misses.append(seen.stdout[-300:])
+                assert len(misses) <= 5, misses
+                continue
             shown.append(int(m.group(1)))
             if shown[-1] == 16:
                 break
