@@ -15,24 +15,13 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from vlmq.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_TIMEOUT, fail
+from vlmq.cli.options import schema_option
 from vlmq.shared import constants as C
 from vlmq.shared import settings as S
 from vlmq.shared.errors import InputError, PayloadError
 
 if TYPE_CHECKING:
     from vlmq.producer.chat import ChatStream
-
-
-def _schema(_ctx: click.Context, _param: click.Parameter, value: str | None) -> Any:
-    """`--schema FILE` read and checked before Redis is touched (exit 2 when bad)."""
-    from vlmq.producer.options import read_schema_file
-
-    if value is None:
-        return None
-    try:
-        return read_schema_file(value)
-    except PayloadError as exc:
-        raise click.BadParameter(str(exc)) from None
 
 
 @click.command("ask")
@@ -44,7 +33,7 @@ def _schema(_ctx: click.Context, _param: click.Parameter, value: str | None) -> 
 @click.option("--temperature", type=click.FloatRange(0.0, C.MAX_TEMPERATURE), metavar="T",
               help=S.BY_NAME["temperature"].help)
 @click.option("--stop", multiple=True, metavar="TEXT", help=S.BY_NAME["stop"].help)
-@click.option("--schema", callback=_schema, metavar="FILE",
+@click.option("--schema", callback=schema_option, metavar="FILE",
               type=click.Path(dir_okay=False),
               help="Answer with a JSON object following this JSON Schema file.")
 @click.option("--model", metavar="ID", help=S.BY_NAME["model"].help)

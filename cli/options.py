@@ -18,7 +18,7 @@ from vlmq.shared.errors import PayloadError
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _schema_option(_ctx: click.Context, _param: click.Parameter,
+def schema_option(_ctx: click.Context, _param: click.Parameter,
                    value: str | None) -> dict[str, Any] | None:
     """Click callback of `--schema FILE`: the file read and checked before anything else
     runs, so a bad schema exits 2 with Redis untouched."""
@@ -51,7 +51,7 @@ def _click_options(s: S.Setting, override: Mapping[str, Any]) -> list[Callable[[
     if s.kind == "labels":
         kw["callback"] = parse_labels
     if s.kind == "schema":
-        kw["callback"] = _schema_option
+        kw["callback"] = schema_option
     kind = _click_type(s)
     if kind is not None:
         kw["type"] = kind

@@ -165,19 +165,16 @@ def _messages(value: Any) -> tuple[tuple[chat.Message, ...], tuple[str, str] | N
     turns: list[dict[str, Any]] = []
     image: tuple[str, str] | None = None
     for i, msg in enumerate(value):
-        turn, found = _turn(msg, f"messages[{i}]")
-        if found is not None:
-            if image is not None:
-                raise PayloadError(found[0], f"is a second image: {ONE_IMAGE} (the first is "
-                                             f"{image[0]})")
-            image = found
+        turn, image = _turn(msg, f"messages[{i}]", image)
         turns.append(turn)
     return chat.check_messages(turns), image
 
 
-def _turn(msg: Any, where: str) -> tuple[dict[str, Any], tuple[str, str] | None]:
-    """One message as the wire's turn, and its image (param, URL) if it has one; a
-    second image in the same turn is refused here, one in another turn by the caller."""
+def _turn(msg: Any, where: str, image: tuple[str, str] | None
+          ) -> tuple[dict[str, Any], tuple[str, str] | None]:
+    """One message as the wire's turn, and the conversation's image (param, URL) so far:
+    `image` from the turns before, or this turn's; a second one, in this turn or after
+    another turn's, is refused."""
     if not isinstance(msg, dict):
         raise PayloadError(where, f"must be an object, got {type(msg).__name__}")
     role = msg.get("role")
@@ -195,7 +192,7 @@ def _turn(msg: Any, where: str) -> tuple[dict[str, Any], tuple[str, str] | None]
     if content is None and role == "assistant":
         content = ""  # an assistant turn that only refused
     texts: list[str] = []
-    image: tuple[str, str] | None = None
+    before = image
     for text, ref in openai_files.content_parts(content, where, role):
         if text is not None:
             texts.append(text)
@@ -205,7 +202,7 @@ def _turn(msg: Any, where: str) -> tuple[dict[str, Any], tuple[str, str] | None]
                                            f"{image[0]})")
             image = ref
     turn = {"role": ROLES[role], "content": "\n".join(texts),
-            **({"image": True} if image is not None else {})}
+            **({"image": True} if image is not before else {})}
     return turn, image
 
 

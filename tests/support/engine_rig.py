@@ -10,6 +10,7 @@ from typing import Any
 from tests.support.factories import random_image
 from vlmq.worker.engine.batcher import Engine, Finished, Request
 from vlmq.worker.engine.constraints import Structured
+from vlmq.worker.item_order import SHARE_RANKS
 from vlmq.worker.model import mlx_adapter
 
 PROMPT = "Extract the fields of this document as JSON."
@@ -48,6 +49,16 @@ class Rig:
         return Request(key=key, prepared=prep, cached_features=None, max_tokens=max_tokens,
                        temperature=0.0, stop=(),
                        constraint=None if schema is None else self.structured.row(schema))
+
+    def big_job(self, items: int, max_tokens: int) -> list[Request]:
+        """The rows of one job of `items` items, ranked as the worker ranks such a job
+        (worker/item_order.py): what small and interactive rows must pass."""
+        rows = []
+        for i in range(items):
+            r = self.request(("big", i), 100 + i, None, max_tokens=max_tokens)
+            r.priority, r.job_left = items * SHARE_RANKS, items
+            rows.append(r)
+        return rows
 
     def run(self, reqs: list[Request], timeout: float = 120) -> dict[object, Finished]:
         return run(self.engine, reqs, timeout)

@@ -85,15 +85,6 @@ def rig(tiny_model: Path) -> Iterator[Rig]:
     r.close()
 
 
-def _big(rig: Rig) -> list[Request]:
-    rows = []
-    for i in range(BIG):
-        r = rig.request(("big", i), 100 + i, None, max_tokens=BIG_TOKENS)
-        r.priority, r.job_left = BIG * SHARE_RANKS, BIG
-        rows.append(r)
-    return rows
-
-
 def _small(rig: Rig) -> Request:
     r = rig.request(("small", 0), 7, None, max_tokens=SMALL_TOKENS)
     r.priority, r.job_left = SHARE_RANKS, 1
@@ -113,8 +104,8 @@ def _collect(rig: Rig, n: int) -> dict[object, Finished]:
 
 def test_a_one_item_job_starts_at_the_next_step_beside_a_full_batch(rig: Rig) -> None:
     alone = rig.run([_small(rig)])[("small", 0)]
-    without = rig.run(_big(rig), timeout=300)
-    big = _big(rig)
+    without = rig.run(rig.big_job(BIG, BIG_TOKENS), timeout=300)
+    big = rig.big_job(BIG, BIG_TOKENS)
     for r in big:
         rig.engine.submit(r)
     early: dict[object, Finished] = {}

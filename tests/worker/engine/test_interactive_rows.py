@@ -49,15 +49,6 @@ def rig(tiny_model: Path) -> Iterator[Rig]:
     r.close()
 
 
-def _big(rig: Rig) -> list[Request]:
-    rows = []
-    for i in range(BIG):
-        r = rig.request(("big", i), 100 + i, None, max_tokens=BIG_TOKENS)
-        r.priority, r.job_left = BIG * SHARE_RANKS, BIG
-        rows.append(r)
-    return rows
-
-
 def _chat(rig: Rig, *, stream: bool, max_tokens: int = CHAT_TOKENS) -> Request:
     # An image the tiny model answers at length (no end token in its first 300).
     r = rig.request(("chat", 0), 6, None, max_tokens=max_tokens)
@@ -97,7 +88,7 @@ def _collect(rig: Rig, n: int) -> tuple[dict[object, Finished], list[Streamed]]:
 
 
 def _fill(rig: Rig) -> None:
-    for r in _big(rig):
+    for r in rig.big_job(BIG, BIG_TOKENS):
         rig.engine.submit(r)
     for _ in range(3000):  # until the bulk job fills the batch
         if rig.engine.state.active >= ROWS:
@@ -110,7 +101,7 @@ def test_an_interactive_row_starts_at_the_next_step_beside_a_full_batch_and_stre
         rig: Rig) -> None:
     alone, alone_streamed = _collect_one(rig, _chat(rig, stream=False))
     assert not alone_streamed  # a row that did not ask streams nothing
-    without, _ = _run(rig, _big(rig))
+    without, _ = _run(rig, rig.big_job(BIG, BIG_TOKENS))
     _fill(rig)
     rig.engine.submit(_chat(rig, stream=True))
     got, streamed = _collect(rig, BIG + 1)
@@ -141,7 +132,7 @@ def _collect_one(rig: Rig, req: Request) -> tuple[Finished, list[Streamed]]:
 
 def test_a_cancelled_interactive_row_leaves_within_one_step_and_the_bulk_goes_on(
         rig: Rig) -> None:
-    without, _ = _run(rig, _big(rig))
+    without, _ = _run(rig, rig.big_job(BIG, BIG_TOKENS))
     _fill(rig)
     rig.engine.submit(_chat(rig, stream=True, max_tokens=400))
     seen = _Outputs(rig)
