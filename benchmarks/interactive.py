@@ -1,10 +1,10 @@
 """Interactive requests beside a bulk job, on one loaded model: vlmq against mlx-vlm's server.
 
-For each system, in this one run, on the same pages, requests and model:
+For each system, in this one run, on the same pages, requests and model, in this order:
 
+  bulk   a saturating OCR-shaped job of a few hundred pages, alone;
   idle   the interactive requests alone, one after another (one image each, 64 new
          tokens, streamed through the official `openai` SDK);
-  bulk   a saturating OCR-shaped job of a few hundred pages, alone;
   load   the same bulk work (other pages of the same shape) with the interactive
          requests sent at seeded random moments while it runs.
 
@@ -270,16 +270,18 @@ def run_vlmq(args: argparse.Namespace, model_path: str, workdir: Path,
     try:
         models = _wait_http(f"{base}/models", api, 600, lambda b: bool(b.get("data")))
         model = models["data"][0]["id"]
-        ask(base, model, inputs["warm"], args.chat_tokens)  # warm-up, untimed
         job_id, started = _bulk_vlmq(args.redis_url, inputs["warm_pdf"], args)
         _pages_per_s(args.redis_url, job_id, started, 1800)
         print("  vlmq: ready", flush=True)
-        idle = idle_phase(base, model, inputs["idle"], args.chat_tokens)
-        print(f"  vlmq idle: {summarize(idle)}", flush=True)
+        # The bulk alone comes before any interactive request: for a minute after one
+        # the worker fills its batch a row a turn (worker/engine/admission.py).
         job_id, started = _bulk_vlmq(args.redis_url, inputs["bulk_pdf"], args)
         bulk = _pages_per_s(args.redis_url, job_id, started, 3600)
         span = args.pages / bulk
         print(f"  vlmq bulk alone: {bulk:.2f} pages/s", flush=True)
+        ask(base, model, inputs["warm"], args.chat_tokens)  # warm-up, untimed
+        idle = idle_phase(base, model, inputs["idle"], args.chat_tokens)
+        print(f"  vlmq idle: {summarize(idle)}", flush=True)
         at = moments(args.requests, span, args.seed)
         job_id, started = _bulk_vlmq(args.redis_url, inputs["load_pdf"], args)
         wait = send_at(base, model, inputs["load"], at,
@@ -336,13 +338,13 @@ def run_mlx_vlm(args: argparse.Namespace, model_path: str, workdir: Path,
                          log_path=workdir / "mlx-vlm-server.log") as server:
         server.wait_ready()
         base = f"http://{server_e.HOST}:{server.port}/v1"
-        ask(base, model_path, inputs["warm"], args.chat_tokens)  # warm-up, untimed
         _pages_http(*_bulk_http(server.port, bodies(inputs["warm_images"])))
         print("  mlx-vlm: ready", flush=True)
+        bulk = _pages_http(*_bulk_http(server.port, bulk_bodies))  # in vlmq's order
+        print(f"  mlx-vlm bulk alone: {bulk:.2f} pages/s", flush=True)
+        ask(base, model_path, inputs["warm"], args.chat_tokens)  # warm-up, untimed
         idle = idle_phase(base, model_path, inputs["idle"], args.chat_tokens)
         print(f"  mlx-vlm idle: {summarize(idle)}", flush=True)
-        bulk = _pages_http(*_bulk_http(server.port, bulk_bodies))
-        print(f"  mlx-vlm bulk alone: {bulk:.2f} pages/s", flush=True)
         at = moments(args.requests, args.pages / bulk, args.seed)
         pool, futures, t0 = _bulk_http(server.port, load_bodies)
         wait = send_at(base, model_path, inputs["load"], at, t0, args.chat_tokens)

@@ -52,6 +52,26 @@ def test_client_chat_streams_the_answer_the_job_keeps(redis_url: str, tiny_model
     client.close()
 
 
+def test_a_second_question_about_an_image_skips_its_tower_and_its_prefill(
+        redis_url: str, tiny_model: Path, tmp_path: Path, start_worker: Spawn) -> None:
+    """The vision cache answers the image's features, and a conversation puts the image
+    first in its turn, so its prefix (template and image) is prefilled once too (qwen2_vl
+    keeps prefixes only when --prefix-cache-mb is given)."""
+    client = _serving(redis_url, tiny_model, tmp_path, start_worker, "--prefix-cache-mb", "64")
+    image = make_images(tmp_path / "in", 1)[0]
+    first = client.chat("Describe the picture.", image=image, max_tokens=4, timeout=180)
+    first.result()
+    second = client.chat("What colour is it?", image=image, max_tokens=4, timeout=180)
+    second.result()
+    [one] = list(first.job.results())
+    [two] = list(second.job.results())
+    assert not one.vision_cache_hit and one.prefix_tokens == 0
+    assert two.vision_cache_hit, "the second question ran the tower again"
+    assert two.prefix_tokens > 0, "the second question prefilled the image again"
+    assert not two.result_cache_hit
+    client.close()
+
+
 def test_a_client_that_leaves_cancels_and_the_worker_goes_on(redis_url: str,
                                                              tiny_model: Path,
                                                              tmp_path: Path,

@@ -167,7 +167,7 @@ class _Live:
     prefix_tokens: int = 0  # of its prompt, those a cached prefix spared (prefix_cache.py)
     admitted_step: int = 0  # EngineState.steps when it was inserted
     seen_step: int = 0  # EngineState.steps when the loop took it from the inbox
-    detok: Any = None  # a streamed row's incremental detokenizer (mlx_adapter)
+    detok: mlx_adapter.TokenText | None = None  # a streamed row's text as it comes
 
 
 @dataclass(eq=False)
@@ -462,6 +462,16 @@ class Engine:
             self.prefill_batch = 1
 
 
+def bulk_shape(reqs: list[Request], prompts: list[int]) -> Shape:
+    """The shape of the batch's work as the sizer sees it: its bulk rows'. Interactive
+    rows come and go in rows of their own past the limit, and their short answers would
+    move the shape (so the sizer would start again from its floor) at every question."""
+    rows = [(r, p) for r, p in zip(reqs, prompts, strict=True) if not r.interactive]
+    rows = rows or list(zip(reqs, prompts, strict=True))
+    return Shape.of([p for _, p in rows], [r.max_tokens for r, _ in rows],
+                    sum(r.constraint is not None for r, _ in rows))
+
+
 def _cancelled(fin: Finished) -> Finished:
     return replace(fin, finish_reason="cancelled")
 
@@ -536,6 +546,8 @@ class _Loop:
         self.streamed: dict[Hashable, int] = {}
         # Cancelled keys not seen yet (still being prepared): dropped when they come.
         self.cancel_early: set[Hashable] = set()
+        # When an interactive row was last waiting or live (admission.bulk_prefill_rows).
+        self.last_interactive: float | None = None
 
     def _prefix_cache(self, budget: int, per_token: int,
                       given: bool) -> prefix_cache.PrefixCache | None:
@@ -635,9 +647,8 @@ class _Loop:
 
     def _size(self, rows: int, tokens: int, seconds: float) -> None:
         """Tell the sizer what this turn produced; say so when the row limit moves."""
-        live = list(self.live.values())
-        shape = Shape.of([lv.prompt_tokens for lv in live], [lv.req.max_tokens for lv in live],
-                         sum(lv.req.constraint is not None for lv in live))
+        shape = bulk_shape([lv.req for lv in self.live.values()],
+                           [lv.prompt_tokens for lv in self.live.values()])
         if self.sizer.observe(rows, tokens, seconds, shape, waiting=len(self.pending)):
             log.info("engine: batch limit %d rows: %s", self.sizer.limit, self.sizer.reason)
         self.state.batch_limit, self.state.batch_reason = self.sizer.limit, self.sizer.reason
@@ -710,13 +721,22 @@ class _Loop:
         """
         if self._admit_suspects():
             return 1
-        admitted = 0
+        now = time.monotonic()
+        chats = [lv for lv in self.live.values() if lv.req.interactive]
+        if chats or any(req.interactive for req, _ in self.pending):
+            self.last_interactive = now
+        bulk_room = admission.bulk_prefill_rows(
+            self.prefill_batch, last_interactive=self.last_interactive, now=now,
+            first_token_due=any(lv.first_token_at is None for lv in chats))
+        admitted = interactive = 0
         while self.pending and admitted < self.prefill_batch:
             pending = self.pending
             first = self._next_pending()
             if first is None:
                 return admitted
             req, submitted_at = pending[first]
+            if not req.interactive and (interactive or admitted >= bulk_room):
+                return admitted  # an interactive row's prefill waits for no bulk prompt
             cost = self._kv_cost(req)
             biggest = (max(lv.req.job_left for lv in self.live.values())
                        if len(self.live) >= self.sizer.limit else 0)  # read past it only
@@ -736,6 +756,7 @@ class _Loop:
             self.warned_over_budget.discard(req.key)
             if req.interactive:
                 self._count_interactive()
+                interactive += 1
             self._insert_risky(req, submitted_at)
             admitted += 1
         return admitted

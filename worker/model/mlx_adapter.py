@@ -482,16 +482,51 @@ def decode(processor: Any, ids: list[int]) -> str:
         return str(processor.tokenizer.decode(ids, skip_special_tokens=False))
 
 
-def streaming_detokenizer(processor: Any) -> Any:
-    """A fresh incremental detokenizer for one row (mlx-vlm's, as its server streams
-    with): add_token(id) per token, `.text` the text so far. Its text equals `decode`'s
-    for the same tokens (tests/worker/model/test_streaming_text.py pins it)."""
-    from mlx_vlm.tokenizer_utils import make_streaming_detokenizer
-
-    return make_streaming_detokenizer(processor)  # type: ignore[no-untyped-call]
-
-
 REPLACEMENT_CHAR = "\ufffd"
+
+
+class TokenText:
+    """A row's text as its tokens come, released a token at a time.
+
+    mlx-vlm's streaming detokenizers (what its server uses) hold a token back until the
+    next one starts a word, so a person waits a whole word, or a whole answer in a
+    language without spaces, for text that is already decoded. This decodes a short window
+    instead: the tokens since the text last grew, after the ones before them (whose text
+    is known), and releases the difference once it ends in a whole character. The window
+    gives a tokenizer the context it needs for a leading space or a merge, so the text
+    stays the start of the whole decode (tests/worker/model/test_chat_prompts.py).
+    """
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+        self.tokens: list[int] = []
+        self.text = ""
+        self._prefix = 0  # the window's first token: context whose text is released
+        self._read = 0  # the first token whose text is not released yet
+
+    def add_token(self, token: int) -> None:
+        self.tokens.append(token)
+        self._release(final=False)
+
+    def finalize(self) -> None:
+        """The row has ended: release what is held, whole or not."""
+        self._release(final=True)
+
+    def _release(self, *, final: bool) -> None:
+        if self._read >= len(self.tokens):
+            return
+        known = decode(self.processor, self.tokens[self._prefix:self._read])
+        window = decode(self.processor, self.tokens[self._prefix:])
+        if not final and (len(window) <= len(known) or window.endswith(REPLACEMENT_CHAR)):
+            return  # nothing new yet, or a character whose bytes have not all come
+        self.text += window[len(known):]
+        self._prefix, self._read = self._read, len(self.tokens)
+
+
+def streaming_detokenizer(processor: Any) -> TokenText:
+    """A fresh incremental detokenizer for one row: add_token(id) per token, `.text` the
+    text so far, `finalize()` at the end."""
+    return TokenText(processor)
 
 
 def streamable(detok: Any, stops: Sequence[str], sent: int) -> tuple[str, int]:

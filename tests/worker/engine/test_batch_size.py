@@ -11,7 +11,7 @@ from pathlib import Path
 from tests.support.engine_rig import Rig
 from tests.support.helpers import Clock
 from vlmq.worker.engine.batch_size import SHORT_HOLD_S, BatchSizer, Shape
-from vlmq.worker.engine.batcher import Engine
+from vlmq.worker.engine.batcher import Engine, Request, bulk_shape
 
 OCR = Shape(prompt=9, new_tokens=8, constrained=False)
 CAPTION = Shape(prompt=8, new_tokens=5, constrained=False)
@@ -170,3 +170,22 @@ def test_a_doubling_the_work_in_hand_cannot_fill_waits_for_more_work() -> None:
     _run(sizer, clock, lambda n: 40.0 * n, SHORT_HOLD_S / 2, waiting=24)
     assert sizer.limit == 32  # still held: looked at again only after the short hold
     assert _run(sizer, clock, lambda n: 40.0 * n, SHORT_HOLD_S * 3)[-1] == 64
+
+
+def _row(max_tokens: int, *, interactive: bool = False) -> Request:
+    return Request(key=object(), prepared=None, cached_features=None,  # type: ignore[arg-type]
+                   max_tokens=max_tokens, temperature=0.0, stop=(), interactive=interactive)
+
+
+def test_interactive_rows_do_not_move_the_shape_the_sizer_sees() -> None:
+    """A question's short answer among OCR rows would change the shape (256 -> ~240 new
+    tokens a row on average), and the sizer would start again from its floor at every
+    question; the shape is its bulk rows' alone."""
+    bulk = [_row(256) for _ in range(15)]
+    alone = bulk_shape(bulk, [300] * 15)
+    with_chat = bulk_shape([*bulk, _row(64, interactive=True)], [300] * 15 + [40])
+    assert with_chat == alone
+    # Counted as bulk, the same row would have moved it: the test can tell.
+    assert bulk_shape([*bulk, _row(64)], [300] * 15 + [40]) != alone
+    # Only interactive rows: theirs is the shape.
+    assert bulk_shape([_row(64, interactive=True)], [40]).new_tokens == 6

@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 
 from tests.support.engine_rig import Rig
-from vlmq.worker.engine.admission import INTERACTIVE_ROWS, Waiting, admits, express_rows
+from vlmq.worker.engine.admission import (
+    INTERACTIVE_RECENT_S,
+    INTERACTIVE_ROWS,
+    Waiting,
+    admits,
+    bulk_prefill_rows,
+    express_rows,
+)
 from vlmq.worker.engine.batcher import Finished, Request, Streamed
 from vlmq.worker.item_order import SHARE_RANKS
 
@@ -40,6 +47,18 @@ def test_an_interactive_row_passes_the_limit_and_the_express_rows_within_the_kv_
                       kv_budget=10**6)  # the generator's capacity binds
     assert not admits(chat, live=limit, limit=limit, capacity=100, kv_in_flight=99_800,
                       kv_budget=100_000)  # and so does the KV budget
+
+
+def test_bulk_rows_prefill_one_a_turn_while_a_person_is_on_the_machine() -> None:
+    assert bulk_prefill_rows(8, last_interactive=None, now=1_000.0) == 8
+    assert bulk_prefill_rows(8, last_interactive=1_000.0, now=1_000.0) == 1
+    assert bulk_prefill_rows(8, last_interactive=1_000.0,
+                             now=1_000.0 + INTERACTIVE_RECENT_S - 0.1) == 1
+    assert bulk_prefill_rows(8, last_interactive=1_000.0,
+                             now=1_000.0 + INTERACTIVE_RECENT_S) == 8
+    # An interactive row in the batch still waiting for its first token: none.
+    assert bulk_prefill_rows(8, last_interactive=1_000.0, now=1_000.0,
+                             first_token_due=True) == 0
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +136,19 @@ def test_an_interactive_row_starts_at_the_next_step_beside_a_full_batch_and_stre
     assert len(pieces) <= len(chat.tokens)
     sent = "".join(pieces)
     assert chat.text.startswith(sent) and chat.streamed == len(sent)
+
+
+def test_an_interactive_rows_prefill_waits_for_no_bulk_prompt(rig: Rig) -> None:
+    """Submitted together with a chunk of bulk rows: the interactive row's turn admits it
+    alone, and the bulk rows follow one a turn (a person is on the machine)."""
+    bulk = rig.big_job(ROWS, BIG_TOKENS)
+    chat = _chat(rig, stream=True)
+    got, _ = _run(rig, [chat, *bulk])
+    steps = [got[r.key].admitted_step for r in bulk]
+    # No bulk row goes in until the interactive row has its first token (its step is
+    # the one its first token came in, at the earliest the step after its admission).
+    assert min(steps) > got[chat.key].admitted_step
+    assert len(set(steps)) == len(steps), f"bulk rows admitted together: steps {steps}"
 
 
 def _run(rig: Rig, reqs: list[Request]) -> tuple[dict[object, Finished], list[Streamed]]:
