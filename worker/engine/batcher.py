@@ -113,6 +113,7 @@ class Finished:
     # when the engine first saw it: how many steps it waited for a row.
     admitted_step: int = 0
     seen_step: int = 0
+    first_step: int = 0  # the step its first token came in (0: none came)
     # Characters of `text` a streamed row has already reported (Streamed).
     streamed: int = 0
 
@@ -167,6 +168,7 @@ class _Live:
     prefix_tokens: int = 0  # of its prompt, those a cached prefix spared (prefix_cache.py)
     admitted_step: int = 0  # EngineState.steps when it was inserted
     seen_step: int = 0  # EngineState.steps when the loop took it from the inbox
+    first_step: int = 0  # EngineState.steps when its first token came
     detok: mlx_adapter.TokenText | None = None  # a streamed row's text as it comes
 
 
@@ -727,7 +729,8 @@ class _Loop:
             self.last_interactive = now
         bulk_room = admission.bulk_prefill_rows(
             self.prefill_batch, last_interactive=self.last_interactive, now=now,
-            first_token_due=any(lv.first_token_at is None for lv in chats))
+            first_token_due=any(lv.first_token_at is None for lv in chats),
+            prompts_in_flight=sum(lv.first_token_at is None for lv in self.live.values()))
         admitted = interactive = 0
         while self.pending and admitted < self.prefill_batch:
             pending = self.pending
@@ -1006,6 +1009,7 @@ class _Loop:
             self.state.tokens_generated += 1
             if lv.first_token_at is None:
                 lv.first_token_at = now
+                lv.first_step = self.state.steps
             try:
                 if r.finish_reason is not None:
                     self._finish(lv, r.finish_reason)
@@ -1132,7 +1136,8 @@ class _Loop:
                         prompt_tokens=lv.prompt_tokens, completion_tokens=len(lv.tokens),
                         vision_cache_hit=lv.hit, error=problem, timings=timings,
                         tokens=list(lv.tokens), json=value, prefix_tokens=lv.prefix_tokens,
-                        admitted_step=lv.admitted_step, seen_step=lv.seen_step)
+                        admitted_step=lv.admitted_step, seen_step=lv.seen_step,
+                        first_step=lv.first_step)
 
 
 @dataclass

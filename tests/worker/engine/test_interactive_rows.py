@@ -49,13 +49,17 @@ def test_an_interactive_row_passes_the_limit_and_the_express_rows_within_the_kv_
                       kv_budget=100_000)  # and so does the KV budget
 
 
-def test_bulk_rows_prefill_one_a_turn_while_a_person_is_on_the_machine() -> None:
-    assert bulk_prefill_rows(8, last_interactive=None, now=1_000.0) == 8
+def test_bulk_rows_go_in_one_at_a_time_while_a_person_is_on_the_machine() -> None:
+    apart = bulk_prefill_rows(8, last_interactive=None, now=1_000.0)
+    assert apart > 1
     assert bulk_prefill_rows(8, last_interactive=1_000.0, now=1_000.0) == 1
     assert bulk_prefill_rows(8, last_interactive=1_000.0,
                              now=1_000.0 + INTERACTIVE_RECENT_S - 0.1) == 1
     assert bulk_prefill_rows(8, last_interactive=1_000.0,
-                             now=1_000.0 + INTERACTIVE_RECENT_S) == 8
+                             now=1_000.0 + INTERACTIVE_RECENT_S) == apart
+    # The one before still waits for its first token: none yet.
+    assert bulk_prefill_rows(8, last_interactive=1_000.0, now=1_000.0,
+                             prompts_in_flight=1) == 0
     # An interactive row in the batch still waiting for its first token: none.
     assert bulk_prefill_rows(8, last_interactive=1_000.0, now=1_000.0,
                              first_token_due=True) == 0
@@ -140,7 +144,7 @@ def test_an_interactive_row_starts_at_the_next_step_beside_a_full_batch_and_stre
 
 def test_an_interactive_rows_prefill_waits_for_no_bulk_prompt(rig: Rig) -> None:
     """Submitted together with a chunk of bulk rows: the interactive row's turn admits it
-    alone, and the bulk rows follow one a turn (a person is on the machine)."""
+    alone, and the bulk rows follow one at a time (a person is on the machine)."""
     bulk = rig.big_job(ROWS, BIG_TOKENS)
     chat = _chat(rig, stream=True)
     got, _ = _run(rig, [chat, *bulk])
@@ -149,6 +153,9 @@ def test_an_interactive_rows_prefill_waits_for_no_bulk_prompt(rig: Rig) -> None:
     # the one its first token came in, at the earliest the step after its admission).
     assert min(steps) > got[chat.key].admitted_step
     assert len(set(steps)) == len(steps), f"bulk rows admitted together: steps {steps}"
+    # Each once the one before it has its first token.
+    firsts = sorted(got[r.key].first_step for r in bulk)
+    assert all(a >= f for a, f in zip(sorted(steps)[1:], firsts, strict=False)), (steps, firsts)
 
 
 def _run(rig: Rig, reqs: list[Request]) -> tuple[dict[object, Finished], list[Streamed]]:
