@@ -3,23 +3,30 @@
 On these CPUs (and on Metal) the batch keeps paying well past 8 rows on some work and not
 on other: OCR pages at 448 px gained x1.28 at 16 rows and x1.37 at 32 over 8. A fixed
 default is wrong for one of them, and a user who does not tune gets it. So the engine
-measures tokens/s at the current limit over every turn while the work in hand could
-fill it: turns that prefill, and turns short of full while finished rows' places refill,
-are part of what a limit gives, and MLX evaluates a step lazily, so one turn's cost
-lands partly in the next and only the sum over turns is true. It doubles the limit while
-that gains more than `gain`; a doubling within `gain` either way is kept, and only one
-that loses more than `gain` goes back, to the knee. On the bench model, readings of
-decoding turns alone put 8, 16 and 32 rows within 10 % of each other, in either order
-from run to run, while whole runs at 32 rows made 20-45 % more tokens/s than at 16 and 8
-(with 30, 15 and 7.5 rows in a decoding turn on average): in the noise, the bigger limit
-is the better bet. It doubles
-only when the rows in the batch and waiting for it could fill the next limit: a limit
-the work cannot fill can never be measured, and while it stands every waiting row goes
-in at once, past the knee, so a small job arriving then shares the step with all of
-them; it is held instead, and looked at again after SHORT_HOLD_S. It measures
-again after `hold_s`, and from the start whenever the shape of the work changes (prompt
-length, new tokens, constrained rows), since the knee moves with it. `--max-batch` is the
-cap; the KV admission budget still bounds memory on its own.
+measures tokens/s at the current limit and doubles the limit until a doubling reads
+more than `loss` below the best limit before it, the knee: it goes back there. A
+doubling that reads about the same is kept and doubled again. Readings in a worker whose
+prep threads share the cores swing by 10 % between windows, in either order (16 rows
+read 6 % under 8 in one run and 25 % over in the next), while whole runs on the bench
+model made 20-45 % more tokens/s at 32 rows than at 16 and 8: in the noise, the bigger
+limit is the better bet, and only a clear loss is believed.
+
+What it reads is the turns that only decode, once the batch has filled to the limit. A
+row's prefill costs the same at any limit, so over a row's life a limit's tokens/s is
+1 / (step time / rows + prefill per row / new tokens per row), and only the first term
+moves with the limit: decoding tokens/s decides. Readings over every turn (prefills
+included) were charged the new limit's own fill in their first second, and with rows of
+equal length, a whole wave of refills at once: they read 16 and 32 rows at a fifth of 8
+and held the batch at 8 (D/E 0.80 on the defaults benchmark). The turn after a prefill is
+left out too: MLX evaluates lazily, and part of a prefill's cost lands there.
+
+It doubles only when the rows in the batch and waiting for it could fill the next
+limit: a limit the work cannot fill can never be measured, and while it stands every
+waiting row goes in at once, past the knee, so a small job arriving then shares the step
+with all of them; it is held instead, and looked at again after SHORT_HOLD_S. It
+measures again after `hold_s`, and from the start whenever the shape of the work changes
+(prompt length, new tokens, constrained rows), since the knee moves with it.
+`--max-batch` is the cap; the KV admission budget still bounds memory on its own.
 
 It never goes below `floor` (8, or the cap when lower): measurements at
 a limit the work cannot fill say nothing, and a noisy reading must not shrink a batch
@@ -39,13 +46,18 @@ DEFAULT_CAP = 64  # --max-batch's default: the most rows the batch may grow to
 # work here (D/E 1.17-1.20 against 1.12-1.23) and served small jobs later (p95 27-28 s
 # against 13-25 s): a small batch early lets the smallest jobs through first.
 FLOOR = 8
-GAIN = 0.05  # a doubling must gain this much tokens/s to be kept
-WINDOW_S = 1.0  # seconds of full-batch steps one reading takes at least
+LOSS = 0.15  # a doubling that reads this much below the limit before it is undone
+# Seconds of decoding one reading takes at least: a doubling also doubles the prep
+# window, and a shorter reading caught its burst on the shared cores (32 rows read 20 %
+# under 16 in a worker, 18 % over in-process).
+WINDOW_S = 3.0
 MIN_STEPS = 8  # ... and at least this many steps
 HOLD_S = 120.0  # at the knee this long, then measured again
 SHAPE_SETTLE = 3  # windows a new shape of work must last before the knee is sought again
 # Held below a doubling that the work in hand could not fill, then looked at again.
 SHORT_HOLD_S = 10.0
+# A reading starts once the rows a new limit let in have their first tokens, or after this.
+SETTLE_MAX_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -70,14 +82,14 @@ def _log2(x: float) -> int:
 class BatchSizer:
     """See the module docstring. Only the engine's MLX thread calls it."""
 
-    def __init__(self, cap: int, *, floor: int = FLOOR, gain: float = GAIN,
+    def __init__(self, cap: int, *, floor: int = FLOOR, loss: float = LOSS,
                  window_s: float = WINDOW_S, min_steps: int = MIN_STEPS,
                  hold_s: float = HOLD_S, clock: Callable[[], float] = time.monotonic) -> None:
         if cap < 1:
             raise ValueError(f"the batch cap must be at least 1, got {cap}")
         self.cap = cap
         self.floor = max(1, min(floor, cap))
-        self.gain, self.window_s, self.min_steps, self.hold_s = gain, window_s, min_steps, hold_s
+        self.loss, self.window_s, self.min_steps, self.hold_s = loss, window_s, min_steps, hold_s
         self.clock = clock
         self.limit = self.floor
         self.readings: dict[int, float] = {}  # limit -> tokens/s measured there (this shape)
@@ -90,12 +102,17 @@ class BatchSizer:
         self._steps = 0
         self._candidate: tuple[Shape, float] | None = None  # a new shape, since when
         self._work = 0  # rows in the batch and waiting, at the last turn
+        # A limit just set, not read until the batch has filled to it (since when).
+        self._settling = True
+        self._settle_start: float | None = None
+        self._after_prefill = False  # the last turn prefilled: the next is not read
 
     def observe(self, rows: int, tokens: int, seconds: float, shape: Shape,
-                waiting: int = 0) -> bool:
-        """One turn of the engine, prefilling or not: `rows` in the batch, `tokens` it
-        produced in `seconds`, `waiting` rows submitted and not yet in it. True when the
-        limit changed (the engine logs `reason`)."""
+                waiting: int = 0, filling: int = 0, prefill: bool = False) -> bool:
+        """One turn of the engine: `rows` in the batch, `tokens` it produced in
+        `seconds`, `waiting` rows submitted and not yet in it, `filling` rows in it with
+        no first token yet, `prefill` whether it admitted or prefilled rows. True when
+        the limit changed (the engine logs `reason`)."""
         self._work = rows + waiting
         if self.limit == self.cap == self.floor:
             return False  # nothing to choose
@@ -108,12 +125,33 @@ class BatchSizer:
             self.readings.pop(self.limit, None)
         if rows + waiting < self.limit:
             return False  # the work in hand cannot fill it: says nothing about this limit
+        if not self._settled(rows, filling):
+            return False
+        if prefill or self._after_prefill:
+            self._after_prefill = prefill  # the turn after a prefill carries part of it
+            return False
         self._tokens += tokens
         self._seconds += seconds
         self._steps += 1
         if self._seconds < self.window_s or self._steps < self.min_steps:
             return False
         return self._judge(self._tokens / self._seconds if self._seconds > 0 else 0.0)
+
+    def _settled(self, rows: int, filling: int) -> bool:
+        """Whether the batch has filled to a limit just set: the rows it let in prefill
+        in the first turns after the change (eight 448 px pages: 1.2 s here), and a
+        reading that began then would charge that whole fill to the new limit, one that
+        its rows then pay back over their lives at any limit alike. Readings of 16 and 32
+        rows that did so came out at a fifth of 8 rows' and held the batch at 8."""
+        if not self._settling:
+            return True
+        now = self.clock()
+        if self._settle_start is None:
+            self._settle_start = now
+        if (rows >= self.limit and not filling) or now - self._settle_start >= SETTLE_MAX_S:
+            self._settling, self._settle_start = False, None
+            return True
+        return False
 
     def _shape_changed(self, shape: Shape) -> bool:
         """True once a new shape has lasted SHAPE_SETTLE windows: rows of mixed jobs come
@@ -139,14 +177,10 @@ class BatchSizer:
         self.readings[limit] = tok_s
         below = [k for k in self.readings if k < limit]
         if below:
-            prev = max(below)
-            if tok_s < self.readings[prev] * (1 - self.gain):
-                return self._hold(prev, f"{limit} rows gave {tok_s:.0f} tok/s against "
-                                        f"{self.readings[prev]:.0f} at {prev}: the knee")
-            if tok_s < self.readings[prev] * (1 + self.gain):
-                return self._hold(limit, f"{limit} rows gave {tok_s:.0f} tok/s against "
-                                         f"{self.readings[prev]:.0f} at {prev}: no clear "
-                                         "gain, so the bigger limit")
+            best = max(below, key=self.readings.__getitem__)  # a slow drift adds up too
+            if tok_s < self.readings[best] * (1 - self.loss):
+                return self._hold(best, f"{limit} rows gave {tok_s:.0f} tok/s against "
+                                        f"{self.readings[best]:.0f} at {best}: the knee")
         if limit >= self.cap:
             return self._hold(limit, f"{tok_s:.0f} tok/s at the cap of {self.cap} rows")
         nxt = min(self.cap, 2 * limit)
@@ -157,11 +191,14 @@ class BatchSizer:
                            f"in hand cannot fill {nxt}")
             return False
         self.limit = nxt
+        self._settle()
         self.reason = f"{tok_s:.0f} tok/s at {limit} rows: trying {nxt}"
         return True
 
     def _hold(self, limit: int, why: str) -> bool:
         changed = limit != self.limit
+        if changed:
+            self._settle()
         self.limit = limit
         self.held_until = self.clock() + self.hold_s
         self.reason = f"holding at {limit} rows: {why}"
@@ -172,9 +209,14 @@ class BatchSizer:
         self.readings.clear()
         self.held_until = None
         self._reset_window()
+        if changed:
+            self._settle()
         self.limit = self.floor
         self.reason = f"measuring again from {self.floor} rows: {why}"
         return changed
+
+    def _settle(self) -> None:
+        self._settling, self._settle_start = True, None
 
     def _reset_window(self) -> None:
         self._tokens, self._seconds, self._steps = 0, 0.0, 0

@@ -595,7 +595,7 @@ class _Loop:
                     c.last_s = 0.0
                 ts = time.perf_counter()
                 tokens = self._step()
-                self._size(rows, tokens, time.perf_counter() - t0)
+                self._size(rows, tokens, time.perf_counter() - t0, prefill)
                 if prefill:
                     st.prefill_turn_s += time.perf_counter() - t0
                 else:
@@ -647,11 +647,13 @@ class _Loop:
         self.state.move(active=-len(rows), waiting=len(rows))
         self.clear_cache_at = self.state.steps + _CLEAR_CACHE_DELAY
 
-    def _size(self, rows: int, tokens: int, seconds: float) -> None:
+    def _size(self, rows: int, tokens: int, seconds: float, prefill: bool) -> None:
         """Tell the sizer what this turn produced; say so when the row limit moves."""
         shape = bulk_shape([lv.req for lv in self.live.values()],
                            [lv.prompt_tokens for lv in self.live.values()])
-        if self.sizer.observe(rows, tokens, seconds, shape, waiting=len(self.pending)):
+        filling = sum(lv.first_token_at is None for lv in self.live.values())
+        if self.sizer.observe(rows, tokens, seconds, shape, waiting=len(self.pending),
+                              filling=filling, prefill=prefill):
             log.info("engine: batch limit %d rows: %s", self.sizer.limit, self.sizer.reason)
         self.state.batch_limit, self.state.batch_reason = self.sizer.limit, self.sizer.reason
 
