@@ -725,14 +725,7 @@ class _Loop:
         """
         if self._admit_suspects():
             return 1
-        now = time.monotonic()
-        chats = [lv for lv in self.live.values() if lv.req.interactive]
-        if chats or any(req.interactive for req, _ in self.pending):
-            self.last_interactive = now
-        bulk_room = admission.bulk_prefill_rows(
-            self.prefill_batch, last_interactive=self.last_interactive, now=now,
-            first_token_due=any(lv.first_token_at is None for lv in chats),
-            prompts_in_flight=sum(lv.first_token_at is None for lv in self.live.values()))
+        bulk_room = self._bulk_room()
         admitted = interactive = 0
         while self.pending and admitted < self.prefill_batch:
             pending = self.pending
@@ -742,21 +735,8 @@ class _Loop:
             req, submitted_at = pending[first]
             if not req.interactive and (interactive or admitted >= bulk_room):
                 return admitted  # an interactive row's prefill waits for no bulk prompt
-            cost = self._kv_cost(req)
-            biggest = (max(lv.req.job_left for lv in self.live.values())
-                       if len(self.live) >= self.sizer.limit else 0)  # read past it only
-            if not admission.admits(admission.Waiting(req.job_left, cost, biggest,
-                                                      req.interactive),
-                                    live=len(self.live),
-                                    limit=self.sizer.limit, capacity=self.capacity,
-                                    kv_in_flight=self.state.kv_in_flight,
-                                    kv_budget=self.kv_budget):
+            if not self._fits(req):
                 return admitted
-            if cost > self.kv_budget and req.key not in self.warned_over_budget:
-                self.warned_over_budget.add(req.key)
-                log.warning("engine: request %r needs %d KV tokens (prompt + max_tokens), over "
-                            "the --max-kv-tokens budget of %d: running it alone", req.key,
-                            cost, self.kv_budget)
             del pending[first]
             self.warned_over_budget.discard(req.key)
             if req.interactive:
@@ -765,6 +745,36 @@ class _Loop:
             self._insert_risky(req, submitted_at)
             admitted += 1
         return admitted
+
+    def _bulk_room(self) -> int:
+        """Bulk rows this turn may admit (admission.bulk_prefill_rows), noting whether a
+        person is on the machine."""
+        now = time.monotonic()
+        chats = [lv for lv in self.live.values() if lv.req.interactive]
+        if chats or any(req.interactive for req, _ in self.pending):
+            self.last_interactive = now
+        return admission.bulk_prefill_rows(
+            self.prefill_batch, last_interactive=self.last_interactive, now=now,
+            first_token_due=any(lv.first_token_at is None for lv in chats),
+            prompts_in_flight=sum(lv.first_token_at is None for lv in self.live.values()))
+
+    def _fits(self, req: Request) -> bool:
+        """Whether admission.admits `req` now; one over the whole KV budget is warned of
+        once (it runs alone)."""
+        cost = self._kv_cost(req)
+        biggest = (max(lv.req.job_left for lv in self.live.values())
+                   if len(self.live) >= self.sizer.limit else 0)  # read past it only
+        if not admission.admits(admission.Waiting(req.job_left, cost, biggest, req.interactive),
+                                live=len(self.live), limit=self.sizer.limit,
+                                capacity=self.capacity, kv_in_flight=self.state.kv_in_flight,
+                                kv_budget=self.kv_budget):
+            return False
+        if cost > self.kv_budget and req.key not in self.warned_over_budget:
+            self.warned_over_budget.add(req.key)
+            log.warning("engine: request %r needs %d KV tokens (prompt + max_tokens), over "
+                        "the --max-kv-tokens budget of %d: running it alone", req.key,
+                        cost, self.kv_budget)
+        return True
 
     def _count_interactive(self) -> None:
         """An interactive row goes in: the bulk rows waiting count as delayed when it

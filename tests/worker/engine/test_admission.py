@@ -26,7 +26,7 @@ def _at_knee() -> BatchSizer:
     """A sizer whose batch stopped paying past 16 rows, holding there (fake time)."""
     clock = Clock()
     sizer = BatchSizer(64, floor=8, clock=clock)
-    rate = {8: 200.0, 16: 320.0, 32: 280.0}
+    rate = {8: 200.0, 16: 320.0, 32: 240.0}
     for _ in range(10_000):
         n = sizer.limit
         clock.t += n / rate[n]
