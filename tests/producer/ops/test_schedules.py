@@ -62,7 +62,7 @@ def test_two_schedulers_fire_each_due_time_once_and_runs_are_incremental(
     dues = [r["due_ms"] for r in runs]
     assert len(runs) >= 2 and len(set(dues)) == len(dues), runs  # each due time once
     assert all((b - a) % 2000 in (0, 1, 1999) for a, b in itertools.pairwise(dues))
-    assert runs[0]["items"] == 3 and runs[0]["job_id"] is not None
+    assert runs[0]["items"] == 3 and runs[0]["job_id"] is not None, runs
     assert all(r["job_id"] is None and r["items"] == 0 for r in runs[1:]), runs
     assert redis.llen("rq:queue:caption") == 1  # no job for "nothing new"
     # Both processes were running the loop; a due time went to whichever claimed it.
