@@ -38,7 +38,7 @@ on the machine (an interactive row waiting or in the batch, or one admitted in t
 INTERACTIVE_RECENT_S), bulk rows go in one at a time, each once the one before has its
 first token; and from the turn that admits an interactive row until its first token, no
 bulk row goes in. In-process at 16 rows, an interactive row's time to first token under
-a bulk load had p95 0.96 s with chunks of eight, 0.56 s with one bulk row a turn and
+a bulk load had p95 2.06 s with chunks of eight, 0.56 s with one bulk row a turn and
 0.47 s one at a time (0.20 s idle), with the bulk at 322, 332 and 338 tokens/s: in a
 full batch rows end one at a time and refill one at a time anyway, so this costs the
 bulk only while a batch fills.
