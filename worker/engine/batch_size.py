@@ -108,11 +108,11 @@ class BatchSizer:
         self._after_prefill = False  # the last turn prefilled: the next is not read
 
     def observe(self, rows: int, tokens: int, seconds: float, shape: Shape,
-                waiting: int = 0, filling: int = 0, prefill: bool = False) -> bool:
+                waiting: int = 0, prefill: bool = False) -> bool:
         """One turn of the engine: `rows` in the batch, `tokens` it produced in
-        `seconds`, `waiting` rows submitted and not yet in it, `filling` rows in it with
-        no first token yet, `prefill` whether it admitted or prefilled rows. True when
-        the limit changed (the engine logs `reason`)."""
+        `seconds`, `waiting` rows submitted and not yet in it, `prefill` whether it
+        admitted rows or had rows with no first token yet. True when the limit changed
+        (the engine logs `reason`)."""
         self._work = rows + waiting
         if self.limit == self.cap == self.floor:
             return False  # nothing to choose
@@ -125,7 +125,7 @@ class BatchSizer:
             self.readings.pop(self.limit, None)
         if rows + waiting < self.limit:
             return False  # the work in hand cannot fill it: says nothing about this limit
-        if not self._settled(rows, filling):
+        if not self._settled(rows):
             return False
         if prefill or self._after_prefill:
             self._after_prefill = prefill  # the turn after a prefill carries part of it
@@ -137,18 +137,19 @@ class BatchSizer:
             return False
         return self._judge(self._tokens / self._seconds if self._seconds > 0 else 0.0)
 
-    def _settled(self, rows: int, filling: int) -> bool:
+    def _settled(self, rows: int) -> bool:
         """Whether the batch has filled to a limit just set: the rows it let in prefill
         in the first turns after the change (eight 448 px pages: 1.2 s here), and a
         reading that began then would charge that whole fill to the new limit, one that
         its rows then pay back over their lives at any limit alike. Readings of 16 and 32
-        rows that did so came out at a fifth of 8 rows' and held the batch at 8."""
+        rows that did so came out at a fifth of 8 rows' and held the batch at 8. Turns
+        with rows still prefilling are prefill turns, left out below."""
         if not self._settling:
             return True
         now = self.clock()
         if self._settle_start is None:
             self._settle_start = now
-        if (rows >= self.limit and not filling) or now - self._settle_start >= SETTLE_MAX_S:
+        if rows >= self.limit or now - self._settle_start >= SETTLE_MAX_S:
             self._settling, self._settle_start = False, None
             return True
         return False

@@ -651,9 +651,8 @@ class _Loop:
         """Tell the sizer what this turn produced; say so when the row limit moves."""
         shape = bulk_shape([lv.req for lv in self.live.values()],
                            [lv.prompt_tokens for lv in self.live.values()])
-        filling = sum(lv.first_token_at is None for lv in self.live.values())
         if self.sizer.observe(rows, tokens, seconds, shape, waiting=len(self.pending),
-                              filling=filling, prefill=prefill):
+                              prefill=prefill):
             log.info("engine: batch limit %d rows: %s", self.sizer.limit, self.sizer.reason)
         self.state.batch_limit, self.state.batch_reason = self.sizer.limit, self.sizer.reason
 
